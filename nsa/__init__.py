@@ -1,0 +1,32 @@
+"""Native Sparse Attention: library (ops, model, trainer, checks, reports).
+
+Attributes are imported lazily so that ``import nsa`` (and ``nsa --help``) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "RunConfig": "nsa.config",
+    "ModelConfig": "nsa.config",
+    "NSAConfig": "nsa.config",
+    "RuntimeConfig": "nsa.config",
+    "load_run_config": "nsa.config",
+    "load_named": "nsa.config",
+    "NSAError": "nsa.errors",
+    "ConfigError": "nsa.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nsa' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = sorted(_EXPORTS)

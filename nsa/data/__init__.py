@@ -1,0 +1,1 @@
+"""Data: tokenizers, sources, packing and the prefetch loader."""

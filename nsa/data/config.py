@@ -1,0 +1,34 @@
+"""The ``data`` section of the run config."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class DataConfig(BaseModel):
+    """Where tokens come from and how they are loaded."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    source: Literal["embedded", "local", "synthetic", "fineweb_edu"] = "embedded"
+    path: str | None = Field(None, description="file or folder for source=local")
+    text_field: str = "text"
+    tokenizer: Literal["byte", "gpt2"] = "byte"
+    tokenizer_path: str | None = Field(None, description="folder of a local HF tokenizer (gpt2)")
+    synthetic_task: Literal["random", "assoc_recall"] = "assoc_recall"
+    hf_dataset: str = "HuggingFaceFW/fineweb-edu"
+    hf_config: str = "sample-10BT"
+    hf_split: str = "train"
+    timeout_s: float = Field(60.0, gt=0, description="connect/first-batch timeout for streaming")
+    synthetic_on_fail: bool = False
+    prefetch_depth: int = Field(4, ge=0, description="batches prepared ahead; 0 loads inline")
+    val_fraction: float = Field(0.02, ge=0, lt=1, description="share of documents held out")
+    max_doc_chars: int = Field(1_000_000, ge=1, description="longer documents are skipped and counted")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.source == "local" and not self.path:
+            raise ValueError("data.path is required when data.source=local")
+        return self

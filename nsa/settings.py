@@ -1,0 +1,148 @@
+"""``NSA_*`` environment settings: the only place the process environment is read for them.
+
+Each field of :class:`NSASettings` is one variable (``NSA_<FIELD>``) and maps to one run-config key
+(:data:`ENV_TO_CONFIG`). Unknown ``NSA_*`` names are reported so that typos never pass silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from nsa.errors import ConfigError
+
+PREFIX = "NSA_"
+
+# field name -> dotted run-config key ("_profile" is the profile name, not a config key)
+ENV_TO_CONFIG: dict[str, str] = {
+    "profile": "_profile",
+    "device": "runtime.device",
+    "precision": "runtime.precision",
+    "attn_backend": "runtime.attn_backend",
+    "window_backend": "runtime.window_backend",
+    "compile": "runtime.compile",
+    "grad_ckpt": "runtime.gradient_checkpointing",
+    "deterministic": "runtime.deterministic",
+    "tf32": "runtime.tf32",
+    "alloc_conf": "runtime.alloc_conf",
+    "steps": "train.steps",
+    "seq_len": "train.seq_len",
+    "batch_size": "train.batch_size",
+    "accum": "train.accum",
+    "lr": "train.lr",
+    "seed": "train.seed",
+    "out_dir": "train.out_dir",
+    "save_every": "train.save_every",
+    "dataset": "data.source",
+    "data_path": "data.path",
+    "tokenizer": "data.tokenizer",
+    "prefetch_depth": "data.prefetch_depth",
+    "loader_timeout": "data.timeout_s",
+}
+
+
+class NSASettings(BaseSettings):
+    """Every ``NSA_*`` variable the toolkit understands. Unset fields are ``None``."""
+
+    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", case_sensitive=False)
+
+    profile: str | None = Field(None, description="hardware profile name (like --profile)")
+    device: Literal["auto", "cpu", "cuda"] | None = None
+    precision: Literal["auto", "fp32", "bf16", "fp16"] | None = None
+    attn_backend: Literal["auto", "reference", "torch", "triton"] | None = Field(
+        None, description="nsa.ops backend"
+    )
+    window_backend: Literal["auto", "triton", "flex", "flash", "torch"] | None = Field(
+        None, description="sliding-window branch backend on GPU"
+    )
+    compile: bool | None = None
+    grad_ckpt: bool | None = Field(None, description="gradient checkpointing")
+    deterministic: bool | None = None
+    tf32: bool | None = None
+    alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the run")
+    steps: int | None = None
+    seq_len: int | None = None
+    batch_size: int | None = None
+    accum: int | None = None
+    lr: float | None = None
+    seed: int | None = None
+    out_dir: str | None = None
+    save_every: int | None = None
+    dataset: str | None = Field(None, description="data source: embedded, local, synthetic, fineweb_edu")
+    data_path: str | None = None
+    tokenizer: str | None = None
+    prefetch_depth: int | None = None
+    loader_timeout: float | None = Field(None, description="dataset connect/first-batch timeout, seconds")
+
+
+KNOWN = {PREFIX + name.upper() for name in NSASettings.model_fields}
+
+
+def _environ(environ: dict[str, str] | None) -> dict[str, str]:
+    return dict(os.environ) if environ is None else dict(environ)
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """``NSA_*`` names in the environment that no setting reads (likely typos)."""
+    env = _environ(environ)
+    return sorted(k for k in env if k.upper().startswith(PREFIX) and k.upper() not in KNOWN)
+
+
+def read_settings(environ: dict[str, str] | None = None) -> NSASettings:
+    env = {k: v for k, v in _environ(environ).items() if k.upper() in KNOWN}
+    try:
+        # values come from the mapping we pass, so tests can give an explicit environment
+        return NSASettings.model_validate(
+            {k.upper()[len(PREFIX):].lower(): v for k, v in env.items()}
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = PREFIX + str(err["loc"][0]).upper()
+        raise ConfigError(
+            f"{name}={err.get('input')!r}: {err['msg']}", hint=f"fix or unset {name}"
+        ) from None
+
+
+def env_overlay(environ: dict[str, str] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Set variables as ``{section: {key: (value, VAR)}}`` (plus ``_profile``), and unknown names."""
+    settings = read_settings(environ)
+    layer: dict[str, Any] = {}
+    for name, value in settings.model_dump(exclude_none=True).items():
+        dotted = ENV_TO_CONFIG[name]
+        if dotted == "_profile":
+            layer["_profile"] = value
+            continue
+        section, key = dotted.split(".")
+        layer.setdefault(section, {})[key] = (value, PREFIX + name.upper())
+    return layer, unknown_variables(environ)
+
+
+def settings_table(environ: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Rows ``{variable, config_key, value, description}`` for every known setting."""
+    settings = read_settings(environ)
+    rows = []
+    for name, info in NSASettings.model_fields.items():
+        rows.append(
+            {
+                "variable": PREFIX + name.upper(),
+                "config_key": ENV_TO_CONFIG[name],
+                "value": getattr(settings, name),
+                "description": info.description or "",
+            }
+        )
+    return rows
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> NSASettings:
+    """Settings of this process, read once (``reload_settings`` to read again)."""
+    return read_settings()
+
+
+def reload_settings() -> NSASettings:
+    get_settings.cache_clear()
+    return get_settings()

@@ -1,0 +1,1 @@
+"""Training: the trainer, checkpoints, telemetry, signals and distributed set-up."""

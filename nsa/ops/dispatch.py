@@ -1,0 +1,101 @@
+"""One dispatch point for the NSA ops: picks a backend per call and counts fallbacks.
+
+Order of choice: the call's ``backend=`` argument, then an active ``use_backend(...)`` block, then the
+``NSA_ATTN_BACKEND`` setting (``auto`` by default). ``auto`` means Triton for CUDA tensors when it can
+serve the call, else the vectorised torch path. A backend that cannot serve a call falls back to the
+torch path and increments ``fallback_counts()[reason]`` (host-side counters, no device sync).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+from collections import Counter
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("reference", "torch", "triton")
+_MODULES = {"reference": "nsa.ops.reference", "torch": "nsa.ops.torch_path", "triton": "nsa.ops.triton_path"}
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("nsa_ops_backend", default=None)
+_fallbacks: Counter[str] = Counter()
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the ops in this block on ``name`` (unless a call passes ``backend=`` itself)."""
+    if name not in (*BACKENDS, "auto"):
+        raise ValueError(f"unknown NSA backend '{name}': choose one of auto, {', '.join(BACKENDS)}")
+    token = _override.set(name)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def fallback_counts() -> dict[str, int]:
+    """How often a requested backend could not serve a call, by reason."""
+    return dict(_fallbacks)
+
+
+def reset_fallback_counts() -> None:
+    _fallbacks.clear()
+
+
+def _module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(_MODULES[name])
+    except ImportError:
+        return None
+
+
+def _triton_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
+    mod = _module("triton")
+    if mod is None:
+        return "triton unavailable"
+    reason: str | None = mod.supports(*tensors)
+    return reason
+
+
+def requested_backend(backend: str | None = None) -> str:
+    if backend is not None:
+        name = backend
+    elif _override.get() is not None:
+        name = _override.get() or "auto"
+    else:
+        from nsa.settings import get_settings
+
+        name = get_settings().attn_backend or "auto"
+    if name not in (*BACKENDS, "auto"):
+        raise ValueError(f"unknown NSA backend '{name}': choose one of auto, {', '.join(BACKENDS)}")
+    return name
+
+
+def resolve(backend: str | None, tensors: tuple[torch.Tensor, ...], op: str) -> ModuleType:
+    """The backend module that runs ``op`` on ``tensors``."""
+    name = requested_backend(backend)
+    if name == "auto":
+        on_cuda = any(t.is_cuda for t in tensors)
+        name = "triton" if on_cuda and _triton_reason(tensors) is None else "torch"
+    if name == "triton":
+        reason = _triton_reason(tensors)
+        if reason is not None:
+            _fallbacks[f"{op}:triton->torch:{reason}"] += 1
+            name = "torch"
+    mod = _module(name)
+    assert mod is not None, name
+    return mod
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """Backends that can serve a call on ``device`` (bf16 on CUDA, float32 elsewhere)."""
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    probe = torch.empty(1, 64, 2, 64, device=dev, dtype=dtype)
+    out = ["reference", "torch"]
+    if _triton_reason((probe,)) is None:
+        out.append("triton")
+    return out

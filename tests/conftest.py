@@ -1,0 +1,92 @@
+"""Shared fixtures: the NSA backends under test and random NSA inputs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+# Tests must never reach the network (HF datasets/hub, tiktoken downloads).
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _triton_serves_cpu() -> bool:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        from nsa.ops import triton_path
+    except ImportError:
+        return False
+    probe = torch.empty(1, 8, 1, 8, dtype=torch.float32)
+    return triton_path.supports(probe) is None
+
+
+def backends_under_test() -> list[str]:
+    """Reference and torch always; Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``."""
+    names = ["reference", "torch"]
+    if HAS_CUDA or _triton_serves_cpu():
+        try:
+            import nsa.ops.triton_path  # noqa: F401
+
+            names.append("triton")
+        except ImportError:
+            pass
+    return names
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k_raw: torch.Tensor
+    v_raw: torch.Tensor
+    k_sel: torch.Tensor
+    v_sel: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+    gates: torch.Tensor
+    l: int  # noqa: E741
+    d: int
+
+    @property
+    def k_cmp(self) -> torch.Tensor:
+        from nsa.ops.reference import compress_avg
+
+        return compress_avg(self.k_raw, self.l, self.d)
+
+    @property
+    def v_cmp(self) -> torch.Tensor:
+        from nsa.ops.reference import compress_avg
+
+        return compress_avg(self.v_raw, self.l, self.d)
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.k_cmp, self.v_cmp, self.k_sel, self.v_sel, self.k_win, self.v_win, self.gates)
+
+
+def make_inputs(
+    B: int, S: int, HQ: int, H: int, Dk: int, Dv: int, *, l: int, d: int,  # noqa: E741
+    dtype: torch.dtype = torch.float64, device: str = "cpu", seed: int | None = None,
+) -> Inputs:
+    """Fresh random inputs (never zeros); gates are positive like sigmoid outputs."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))) if seed is None else seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    gates = torch.rand(B, S, HQ, 3, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype) + 0.05
+    return Inputs(
+        r(B, S, HQ, Dk), r(B, S, H, Dk), r(B, S, H, Dv), r(B, S, H, Dk), r(B, S, H, Dv),
+        r(B, S, H, Dk), r(B, S, H, Dv), gates, l, d,
+    )
+
+
+@pytest.fixture(params=backends_under_test())
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

@@ -1,0 +1,333 @@
+"""The spec's checks for every NSA backend (docs/nsa-semantics.md, last section), plus edge cases.
+
+Every backend runs through the same parametrised tests (``backend`` fixture: reference, torch, and
+triton where it can run). The reference is the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nsa.ops as ops
+from nsa.ops import reference as ref
+from nsa.ops.indexing import forced_blocks, num_cmp, num_visible_cmp
+from tests.conftest import make_inputs
+
+
+def _tol(backend: str) -> dict[str, float]:
+    return {"atol": 1e-10, "rtol": 1e-9} if backend != "triton" else {"atol": 2e-2, "rtol": 2e-2}
+
+
+def _dtype(backend: str) -> torch.dtype:
+    return torch.float64 if backend != "triton" else torch.float32
+
+
+def _device(backend: str) -> str:
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Naive float64 causal attention with GQA (head i reads group i // h)."""
+    _B, S, HQ, Dk = q.shape
+    H = k.shape[2]
+    h = HQ // H
+    scale = Dk**-0.5 if scale is None else scale
+    kk = k.repeat_interleave(h, dim=2).transpose(1, 2)
+    vv = v.repeat_interleave(h, dim=2).transpose(1, 2)
+    s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) * scale
+    mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return (p @ vv).transpose(1, 2)
+
+
+def run(backend: str, x, *, l, d, l_sel, n_sel, w, gates=None, block_idx=None, **kw):  # noqa: E741
+    args = list(x.args())
+    if gates is not None:
+        args[-1] = gates
+    return ops.nsa_attention(
+        *args, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, block_idx=block_idx, backend=backend, **kw
+    )
+
+
+def one_hot_gates(x, branch: int) -> torch.Tensor:
+    g = torch.zeros_like(x.gates)
+    g[..., branch] = 1.0
+    return g
+
+
+# ---------------------------------------------------------------------------------------------------
+# Equivalence with dense attention in the two degenerate configurations
+
+@pytest.mark.parametrize("h", [1, 2, 6])
+def test_window_covering_everything_is_dense(backend: str, h: int) -> None:
+    x = make_inputs(2, 37, 2 * h, 2, 8, 6, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
+    out = run(backend, x, l=8, d=4, l_sel=8, n_sel=2, w=37, gates=one_hot_gates(x, 2))
+    torch.testing.assert_close(out, dense_causal(x.q, x.k_win, x.v_win), **_tol(backend))
+
+
+@pytest.mark.parametrize("h", [1, 2, 6])
+def test_selection_covering_everything_is_dense(backend: str, h: int) -> None:
+    x = make_inputs(2, 37, 2 * h, 2, 8, 6, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
+    out = run(backend, x, l=8, d=4, l_sel=8, n_sel=5, w=3, gates=one_hot_gates(x, 1))  # 5*8 >= 37
+    torch.testing.assert_close(out, dense_causal(x.q, x.k_sel, x.v_sel), **_tol(backend))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Causality: the future never changes the present (all branches, selection computed or given)
+
+@pytest.mark.parametrize("given_blocks", [False, True])
+def test_causality_probe(backend: str, given_blocks: bool) -> None:
+    hp = dict(l=8, d=4, l_sel=8, n_sel=3, w=6)
+    S = 41
+    for t in (5, 12, 23, 33):
+        x = make_inputs(1, S, 4, 2, 8, 8, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
+        y = make_inputs(1, S, 4, 2, 8, 8, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
+        for name in ("q", "k_raw", "v_raw", "k_sel", "v_sel", "k_win", "v_win", "gates"):
+            getattr(y, name)[:, : t + 1] = getattr(x, name)[:, : t + 1]  # same past, different future
+        bx = by = None
+        if given_blocks:
+            bx = ref.select_blocks(x.q, x.k_cmp, l=8, d=4, l_sel=8, n_sel=3)
+            by = ref.select_blocks(y.q, y.k_cmp, l=8, d=4, l_sel=8, n_sel=3)
+            assert torch.equal(bx[:, : t + 1], by[:, : t + 1]), "selection depends on the future"
+        ox, ix = run(backend, x, block_idx=bx, return_block_idx=True, **hp)
+        oy, iy = run(backend, y, block_idx=by, return_block_idx=True, **hp)
+        assert torch.equal(ix[:, : t + 1], iy[:, : t + 1])
+        torch.testing.assert_close(ox[:, : t + 1], oy[:, : t + 1], **_tol(backend))
+        assert not torch.allclose(ox[:, t + 1 :], oy[:, t + 1 :]), "probe changed nothing"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Selection: group consistency, forced blocks, determinism and ties, padding
+
+def test_selection_matches_reference_and_is_group_shared(backend: str) -> None:
+    x = make_inputs(2, 70, 12, 2, 8, 8, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
+    idx = ops.select_blocks(x.q, x.k_cmp, l=8, d=4, l_sel=8, n_sel=4, backend=backend)
+    assert idx.dtype == torch.int32 and idx.shape == (2, 70, 2, 4)
+    expect = ref.select_blocks(x.q.double().cpu(), x.k_cmp.double().cpu(), l=8, d=4, l_sel=8, n_sel=4)
+    if backend == "triton":  # bf16/fp32 rounding may flip near-ties; almost all rows agree
+        assert (idx.cpu() == expect).all(-1).float().mean() > 0.97
+    else:
+        assert torch.equal(idx.cpu(), expect)
+    # permuting the query heads inside a group changes neither the group's blocks nor their union
+    perm = torch.tensor([5, 3, 1, 0, 2, 4, 11, 6, 10, 7, 9, 8], device=x.q.device)
+    idx_p = ops.select_blocks(x.q[:, :, perm], x.k_cmp, l=8, d=4, l_sel=8, n_sel=4, backend=backend)
+    assert torch.equal(idx, idx_p)
+
+
+def test_forced_blocks_and_padding(backend: str) -> None:
+    l_sel, n_sel = 8, 4
+    x = make_inputs(1, 60, 4, 2, 8, 8, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
+    idx = ops.select_blocks(x.q, x.k_cmp, l=8, d=4, l_sel=l_sel, n_sel=n_sel, backend=backend).cpu()
+    for t in range(60):
+        bt = t // l_sel
+        want = min(n_sel, bt + 1)
+        for g in range(2):
+            row = idx[0, t, g].tolist()
+            valid = [b for b in row if b >= 0]
+            assert len(valid) == want and valid == sorted(valid) and len(set(valid)) == want
+            assert row[want:] == [-1] * (n_sel - want)
+            assert all(0 <= b <= bt for b in valid)
+            for f in forced_blocks(t, l_sel)[:want]:
+                assert f in valid
+
+
+def test_ties_go_to_the_lower_block_and_are_deterministic(backend: str) -> None:
+    # identical compressed keys -> every visible token gets the same probability -> fully covered
+    # blocks tie exactly; the free slots must go to the lowest indices among them
+    l, d, l_sel, n_sel, S = 8, 8, 8, 4, 64  # noqa: E741
+    # small random integers keep every dot product exact, so the ties are exact in any summation order
+    dev, dt = _device(backend), _dtype(backend)
+    q = torch.randint(-3, 4, (1, S, 2, 8)).to(dev, dt)
+    one = torch.randint(1, 4, (8,)).to(dev, dt)
+    k_cmp = one.expand(1, num_cmp(S, l, d), 1, 8).contiguous()
+    a = ops.select_blocks(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, backend=backend).cpu()
+    b = ops.select_blocks(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, backend=backend).cpu()
+    assert torch.equal(a, b)
+    for t in range(S):
+        bt = t // l_sel
+        forced = forced_blocks(t, l_sel)[: min(n_sel, bt + 1)]
+        n_vis = num_visible_cmp(t, l, d)
+        # blocks b < n_vis are fully covered by visible tokens (equal P); later ones have P = 0
+        free = [blk for blk in range(bt + 1) if blk not in forced]
+        ranked = sorted(free, key=lambda blk: (0 if blk < n_vis else 1, blk))
+        expect = sorted(forced + ranked[: min(n_sel, bt + 1) - len(forced)])
+        assert [v for v in a[0, t, 0].tolist() if v >= 0] == expect, t
+
+
+def test_given_block_idx_is_used_as_is(backend: str) -> None:
+    x = make_inputs(1, 40, 4, 2, 8, 8, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
+    hp = dict(l=8, d=4, l_sel=8, n_sel=2, w=4)
+    # only the current block (plus padding): selection reads [b_t * l_sel, t]
+    t = torch.arange(40)
+    blocks = torch.full((1, 40, 2, 2), -1, dtype=torch.int32)
+    blocks[..., 0] = (t // 8).to(torch.int32)[None, :, None]
+    blocks = blocks.to(x.q.device)
+    out = run(backend, x, block_idx=blocks, gates=one_hot_gates(x, 1), **hp)
+    expect = ref.nsa_attention(*[a.double().cpu() for a in x.args()[:-1]], one_hot_gates(x, 1).double().cpu(),
+                               block_idx=blocks.cpu(), **hp)
+    torch.testing.assert_close(out.double().cpu(), expect, **_tol(backend))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compressed branch: visible tokens only, zero rows without NaN
+
+def test_compressed_branch_rows_without_tokens_are_zero(backend: str) -> None:
+    l, d = 8, 4  # noqa: E741
+    x = make_inputs(2, 30, 4, 2, 8, 6, l=l, d=d, dtype=_dtype(backend), device=_device(backend))
+    for name in ("q", "k_raw", "v_raw"):
+        getattr(x, name).requires_grad_(True)
+    out = run(backend, x, l=l, d=d, l_sel=8, n_sel=2, w=4, gates=one_hot_gates(x, 0))
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:, : l - 1], torch.zeros_like(out[:, : l - 1]))
+    assert out[:, l - 1 :].abs().amax(-1).min() > 0
+    out.sum().backward()
+    for name in ("q", "k_raw", "v_raw"):
+        assert torch.isfinite(getattr(x, name).grad).all()
+
+
+def test_compressed_branch_normalises_over_visible_tokens_only(backend: str) -> None:
+    l, d, S = 8, 4, 33  # noqa: E741
+    x = make_inputs(1, S, 2, 1, 8, 8, l=l, d=d, dtype=_dtype(backend), device=_device(backend))
+    out = run(backend, x, l=l, d=d, l_sel=8, n_sel=2, w=4, gates=one_hot_gates(x, 0))
+    kc, vc = x.k_cmp, x.v_cmp
+    for t in (7, 12, 20, 32):
+        n = num_visible_cmp(t, l, d)
+        p = torch.softmax(x.q[0, t] @ kc[0, :n, 0].T * 8**-0.5, dim=-1)
+        torch.testing.assert_close(out[0, t], p @ vc[0, :n, 0], **_tol(backend))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Edge cases and agreement with the reference
+
+EDGE_CASES = [
+    # B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w
+    (1, 5, 2, 1, 8, 8, 8, 4, 8, 2, 4),  # S < l
+    (1, 6, 4, 2, 8, 8, 4, 2, 8, 2, 3),  # S < l_sel
+    (2, 1, 2, 2, 8, 8, 4, 2, 4, 2, 2),  # S = 1
+    (1, 29, 6, 3, 8, 8, 4, 4, 4, 16, 5),  # n_sel > candidates
+    (1, 30, 16, 1, 8, 8, 8, 4, 8, 3, 7),  # h = 16
+    (2, 34, 6, 1, 12, 4, 8, 4, 16, 2, 9),  # h = 6, Dk != Dv, batch 2, l_sel > l
+    (1, 31, 2, 2, 8, 8, 6, 3, 3, 3, 8),  # l_sel = d < l
+]
+
+
+@pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: "B{}S{}HQ{}H{}Dk{}Dv{}-l{}d{}ls{}n{}w{}".format(*c))
+def test_agrees_with_reference(backend: str, case: tuple[int, ...]) -> None:
+    B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w = case  # noqa: E741
+    x = make_inputs(B, S, HQ, H, Dk, Dv, l=l, d=d, dtype=_dtype(backend), device=_device(backend))
+    out, idx = run(backend, x, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, return_block_idx=True)
+    assert out.shape == (B, S, HQ, Dv) and torch.isfinite(out).all()
+    cpu64 = [a.double().cpu() for a in x.args()]
+    expect = ref.nsa_attention(*cpu64, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, block_idx=idx.cpu())
+    torch.testing.assert_close(out.double().cpu(), expect, **_tol(backend))
+    ref_idx = ref.select_blocks(cpu64[0], cpu64[1], l=l, d=d, l_sel=l_sel, n_sel=n_sel)
+    if backend != "triton":
+        assert torch.equal(idx.cpu(), ref_idx)
+
+
+def test_compress_avg_matches_definition(backend: str) -> None:
+    x = torch.randn(2, 45, 3, 5, dtype=_dtype(backend), device=_device(backend))
+    out = ops.compress_avg(x, 8, 4, backend=backend)
+    assert out.shape == (2, num_cmp(45, 8, 4), 3, 5)
+    for j in range(out.shape[1]):
+        torch.testing.assert_close(out[:, j], x[:, 4 * j : 4 * j + 8].mean(1))
+    assert ops.compress_avg(x[:, :7], 8, 4, backend=backend).shape == (2, 0, 3, 5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gradients
+
+GRAD_NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "torch"])
+def test_gradcheck_float64(backend_name: str) -> None:
+    hp = dict(l=4, d=2, l_sel=4, n_sel=2, w=3)
+    x = make_inputs(1, 11, 2, 1, 4, 3, l=4, d=2)
+    args = [a.detach().clone().requires_grad_(True) for a in x.args()]
+    blocks = ref.select_blocks(args[0].detach(), args[1].detach(), l=4, d=2, l_sel=4, n_sel=2)
+
+    def f(*a: torch.Tensor) -> torch.Tensor:
+        return ops.nsa_attention(*a, block_idx=blocks, backend=backend_name, **hp)
+
+    assert torch.autograd.gradcheck(f, tuple(args), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_gradients_match_reference(backend: str) -> None:
+    hp = dict(l=8, d=4, l_sel=8, n_sel=3, w=6)
+    x = make_inputs(2, 37, 6, 2, 8, 6, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
+    grads = {}
+    for name in ("reference", backend):
+        args = [a.detach().clone().double().cpu() if name == "reference" else a.detach().clone() for a in x.args()]
+        for a in args:
+            a.requires_grad_(True)
+        out = ops.nsa_attention(*args, backend=name, **hp)
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        (out * upstream.to(out.device, out.dtype)).sum().backward()
+        grads[name] = [a.grad.double().cpu() for a in args]
+    for nm, g_ref, g in zip(GRAD_NAMES, grads["reference"], grads[backend], strict=True):
+        assert torch.isfinite(g).all(), nm
+        assert g.abs().max() > 0, nm
+        torch.testing.assert_close(g, g_ref, **_tol(backend), msg=lambda m, nm=nm: f"grad {nm}: {m}")
+
+
+def test_no_gradient_through_block_choice() -> None:
+    x = make_inputs(1, 24, 2, 1, 4, 4, l=4, d=2)
+    args = [a.detach().clone().requires_grad_(True) for a in x.args()]
+    out = ops.nsa_attention(*args, l=4, d=2, l_sel=4, n_sel=2, w=3, backend="torch")
+    g_cmp = torch.zeros_like(x.gates)  # selection alone must not route gradient into k_cmp
+    g_cmp[..., 1] = 1
+    out2 = ops.nsa_attention(*args[:-1], g_cmp, l=4, d=2, l_sel=4, n_sel=2, w=3, backend="torch")
+    out2.sum().backward()
+    assert args[1].grad is None or torch.count_nonzero(args[1].grad) == 0
+    assert out.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation and dispatch
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(l=32, d=24), "nsa.d=24 must divide nsa.l=32"),
+        (dict(l=32, d=16, l_sel=40), "nsa.d=16 must divide nsa.l_sel=40"),
+        (dict(n_sel=0), "nsa.n_sel=0 must be positive"),
+        (dict(w=0), "nsa.w=0 must be positive"),
+    ],
+)
+def test_invalid_hyperparameters_name_the_field(bad: dict, message: str) -> None:
+    hp = dict(l=8, d=4, l_sel=8, n_sel=2, w=4) | bad
+    x = make_inputs(1, 40, 2, 1, 8, 8, l=8, d=4)
+    for name in ("reference", "torch"):
+        with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+            ops.nsa_attention(*x.args(), backend=name, **hp)
+
+
+def test_dispatch_setting_context_and_fallback_counter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nsa import settings
+
+    x = make_inputs(1, 20, 2, 1, 8, 8, l=4, d=2, dtype=torch.float32)
+    hp = dict(l=4, d=2, l_sel=4, n_sel=2, w=3)
+    monkeypatch.setenv("NSA_ATTN_BACKEND", "reference")
+    settings.reload_settings()
+    try:
+        assert ops.requested_backend() == "reference"
+        with ops.use_backend("torch"):
+            assert ops.requested_backend() == "torch"
+        assert ops.requested_backend("triton") == "triton"
+    finally:
+        monkeypatch.delenv("NSA_ATTN_BACKEND")
+        settings.reload_settings()
+    ops.reset_fallback_counts()
+    if not torch.cuda.is_available():
+        out = ops.nsa_attention(*x.args(), backend="triton", **hp)  # cannot serve CPU tensors here
+        torch.testing.assert_close(out, ops.nsa_attention(*x.args(), backend="torch", **hp))
+        counts = ops.fallback_counts()
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            assert sum(counts.values()) == 1 and next(iter(counts)).startswith("nsa_attention:triton->torch")
+    with pytest.raises(ValueError, match="unknown NSA backend"):
+        ops.nsa_attention(*x.args(), backend="magic", **hp)
+    assert "reference" in ops.available_backends("cpu") and "torch" in ops.available_backends("cpu")

@@ -19,6 +19,16 @@ _EXPORTS = {
     "load_named": "nsa.config",
     "NSAError": "nsa.errors",
     "ConfigError": "nsa.errors",
+    "NSAAttention": "nsa.model",
+    "NSALM": "nsa.model",
+    "build_model": "nsa.model",
+    "Trainer": "nsa.train",
+    "TrainResult": "nsa.train",
+    "run_preflight": "nsa.checks.preflight",
+    "run_smoke": "nsa.checks.smoke",
+    "build_report": "nsa.runs.report",
+    "halt_run": "nsa.runs.halt",
+    "load_profile": "nsa.profiles",
 }
 
 

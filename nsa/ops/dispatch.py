@@ -45,6 +45,11 @@ def reset_fallback_counts() -> None:
     _fallbacks.clear()
 
 
+def record_fallback(reason: str) -> None:
+    """Count one call that a requested backend could not serve (``op:from->to:why``)."""
+    _fallbacks[reason] += 1
+
+
 def _module(name: str) -> ModuleType | None:
     try:
         return importlib.import_module(_MODULES[name])
@@ -83,7 +88,7 @@ def resolve(backend: str | None, tensors: tuple[torch.Tensor, ...], op: str) -> 
     if name == "triton":
         reason = _triton_reason(tensors)
         if reason is not None:
-            _fallbacks[f"{op}:triton->torch:{reason}"] += 1
+            record_fallback(f"{op}:triton->torch:{reason}")
             name = "torch"
     mod = _module(name)
     assert mod is not None, name

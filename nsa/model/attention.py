@@ -1,0 +1,241 @@
+"""``NSAAttention``: the NSA layer of the paper (Sec. 3) around the ``nsa.ops`` functional op."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from nsa.model.compress import Compressor
+from nsa.model.rope import RotaryEmbedding
+from nsa.model.stats import gate_sums, selection_sums, summarise
+from nsa.ops import nsa_attention
+from nsa.ops.indexing import check_hparams
+
+if TYPE_CHECKING:
+    from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
+
+class Projected:
+    """Everything a layer computes from its input before attention (one forward or one decode step)."""
+
+    __slots__ = ("gates", "k_cmp_raw", "k_sel", "k_win", "q", "v_cmp_raw", "v_sel", "v_win")
+
+    def __init__(self, **kw: torch.Tensor) -> None:
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+    q: torch.Tensor
+    k_cmp_raw: torch.Tensor
+    v_cmp_raw: torch.Tensor
+    k_sel: torch.Tensor
+    v_sel: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+    gates: torch.Tensor
+
+
+class NSAAttention(nn.Module):
+    """Native Sparse Attention layer: ``forward(x [B, S, dim]) -> [B, S, dim]``.
+
+    - ``q_proj``; key/value projections per branch (cmp, sel, win), or one shared (``shared_kv``).
+    - RoPE on ``q``, ``k_sel``, ``k_win`` and on the raw compression keys before ``phi`` (values: none).
+    - ``phi``: ``avg`` (``nsa.ops.compress_avg``) or ``mlp`` (learnable block MLP with intra-block
+      position embedding, separate for keys and values).
+    - Gates: ``Linear(dim, gate_hidden) -> SiLU -> Linear(gate_hidden, n_heads * 3)``, then ``sigmoid``
+      per branch or ``softmax`` over the three branches; order (cmp, sel, win).
+    - ``o_proj``: ``Linear(n_heads * d_v, dim)``.
+
+    On every training forward the gate and selection statistics are added to a device-side vector
+    (no host sync); ``consume_stats()`` reads and resets it with one transfer.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_groups: int,
+        d_k: int,
+        d_v: int,
+        l: int,  # noqa: E741
+        d: int,
+        l_sel: int,
+        n_sel: int,
+        w: int,
+        phi: str = "avg",
+        gate: str = "sigmoid",
+        shared_kv: bool = False,
+        rope_theta: float = 10000.0,
+        gate_hidden: int | None = None,
+        collapse_threshold: float = 0.9,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        if n_heads % n_kv_groups:
+            raise ValueError(f"model.n_kv_groups={n_kv_groups} must divide model.n_heads={n_heads}")
+        if gate not in ("sigmoid", "softmax"):
+            raise ValueError(f"nsa.gate='{gate}' must be 'sigmoid' or 'softmax'")
+        check_hparams(l, d, l_sel, n_sel, w)
+        self.dim, self.n_heads, self.n_kv_groups = dim, n_heads, n_kv_groups
+        self.d_k, self.d_v = d_k, d_v
+        self.l, self.d, self.l_sel, self.n_sel, self.w = l, d, l_sel, n_sel, w
+        self.phi, self.gate, self.shared_kv = phi, gate, shared_kv
+        self.collapse_threshold = collapse_threshold
+        self.backend = backend
+        self.scale = d_k**-0.5
+
+        self.q_proj = nn.Linear(dim, n_heads * d_k, bias=False)
+        self.n_kv_branches = 1 if shared_kv else 3
+        self.kv_proj = nn.Linear(dim, self.n_kv_branches * n_kv_groups * (d_k + d_v), bias=False)
+        self.compress = Compressor(phi, l, d, d_k, d_v, backend=backend)
+        gh = gate_hidden or max(1, dim // 4)
+        self.gate_mlp = nn.Sequential(nn.Linear(dim, gh), nn.SiLU(), nn.Linear(gh, n_heads * 3))
+        self.o_proj = nn.Linear(n_heads * d_v, dim, bias=False)
+        self.rope = RotaryEmbedding(d_k, rope_theta)
+
+        self._stat_acc: torch.Tensor | None = None
+        self._suppress_stats = False
+
+    # ------------------------------------------------------------------------------------------
+    # shared pieces
+
+    def op_kwargs(self) -> dict[str, int]:
+        return {"l": self.l, "d": self.d, "l_sel": self.l_sel, "n_sel": self.n_sel, "w": self.w}
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> Projected:
+        """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``."""
+        B, S, _ = x.shape
+        H, Dk, Dv = self.n_kv_groups, self.d_k, self.d_v
+        q = self.rope(self.q_proj(x).view(B, S, self.n_heads, Dk), positions)
+        kv = self.kv_proj(x).view(B, S, self.n_kv_branches, H * (Dk + Dv))
+        ks, vs = [], []
+        for i in range(self.n_kv_branches):
+            k = kv[:, :, i, : H * Dk].reshape(B, S, H, Dk)
+            ks.append(self.rope(k, positions))
+            vs.append(kv[:, :, i, H * Dk :].reshape(B, S, H, Dv))
+        if self.shared_kv:
+            ks, vs = ks * 3, vs * 3
+        g = self.gate_mlp(x).view(B, S, self.n_heads, 3)
+        gates = torch.sigmoid(g) if self.gate == "sigmoid" else torch.softmax(g, dim=-1)
+        return Projected(
+            q=q, k_cmp_raw=ks[0], v_cmp_raw=vs[0], k_sel=ks[1], v_sel=vs[1], k_win=ks[2], v_win=vs[2],
+            gates=gates,
+        )
+
+    def attend(self, p: Projected, collect: bool) -> torch.Tensor:
+        """Compress, run the NSA op, and (if ``collect``) add the statistics: ``[B, S, HQ, Dv]``."""
+        k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw)
+        res = nsa_attention(
+            p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, p.gates, l=self.l, d=self.d, l_sel=self.l_sel,
+            n_sel=self.n_sel, w=self.w, scale=self.scale, return_block_idx=collect, backend=self.backend,
+        )
+        if not collect:
+            assert isinstance(res, torch.Tensor)
+            return res
+        o, idx = res
+        self._accumulate(p.gates, idx)
+        return o
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        p = self.project(x, torch.arange(S, device=x.device))
+        collect = self.training and not self._suppress_stats
+        o = self.attend(p, collect)
+        return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
+
+    # ------------------------------------------------------------------------------------------
+    # decode with caches (nsa.model.cache)
+
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> NSALayerCache:
+        from nsa.model.cache import NSALayerCache
+
+        return NSALayerCache.empty(batch_size, self.n_kv_groups, self.d_k, self.d_v, max_len, l=self.l,
+                                   d=self.d, l_sel=self.l_sel, w=self.w, device=device, dtype=dtype)
+
+    def prefill(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
+        """Full forward over ``x [B, P, dim]`` (positions ``0 .. P-1``) that also fills ``layer``."""
+        from nsa.model.cache import NSALayerCache
+
+        assert isinstance(layer, NSALayerCache)
+        B, S, _ = x.shape
+        p = self.project(x, torch.arange(S, device=x.device))
+        k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw)
+        o = nsa_attention(
+            p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, p.gates, l=self.l, d=self.d, l_sel=self.l_sel,
+            n_sel=self.n_sel, w=self.w, scale=self.scale, backend=self.backend,
+        )
+        assert isinstance(o, torch.Tensor)
+        layer.fill(p.k_sel, p.v_sel, p.k_win, p.v_win, p.k_cmp_raw, p.v_cmp_raw, k_cmp, v_cmp, cache.lengths)
+        return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
+
+    def decode(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
+        """One new token per sequence, ``x [B, 1, dim]`` at positions ``cache.lengths``: ``[B, 1, dim]``.
+
+        Stores the token's K/V, emits a compressed token where its block completes, then attends
+        with ``nsa.ops.decode.nsa_decode`` (reads only visible compressed tokens, chosen blocks, window;
+        its Triton kernel when this layer's backend is ``triton``, else the torch path).
+        """
+        from nsa.model.cache import NSALayerCache
+        from nsa.ops.decode import nsa_decode
+
+        assert isinstance(layer, NSALayerCache)
+        cache.check_room()
+        B = x.shape[0]
+        t = cache.lengths
+        p = self.project(x, t[:, None])
+        layer.append(t, p.k_sel[:, 0], p.v_sel[:, 0], p.k_win[:, 0], p.v_win[:, 0], p.k_cmp_raw[:, 0],
+                     p.v_cmp_raw[:, 0])
+        k_blk, v_blk = layer.block_in_order(t)
+        k_new, v_new = self.compress.one_block(k_blk, v_blk)
+        layer.emit(t, k_new, v_new, self.l, self.d)
+        res = nsa_decode(
+            p.q[:, 0], t, layer.k_cmp, layer.v_cmp, layer.k_sel, layer.v_sel, layer.k_win, layer.v_win,
+            p.gates[:, 0], **self.op_kwargs(), scale=self.scale, table=layer.table,
+            backend="triton" if self.backend == "triton" else None,
+        )
+        layer.last_block_idx, layer.last_reads = res.block_idx, res.reads
+        cache.reads_total += res.reads.sum(dim=-1)
+        return self.o_proj(res.o.reshape(B, 1, self.n_heads * self.d_v))
+
+    # ------------------------------------------------------------------------------------------
+    # statistics
+
+    @torch.no_grad()
+    def _accumulate(self, gates: torch.Tensor, block_idx: torch.Tensor) -> None:
+        add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.l_sel)])
+        if self._stat_acc is None or self._stat_acc.device != add.device:
+            self._stat_acc = torch.zeros_like(add)
+        # in place, and the attribute is never reset to None: torch.compile keeps one graph
+        self._stat_acc.add_(add)
+
+    def take_stat_sums(self) -> torch.Tensor | None:
+        """A copy of the device-side running sums (``nsa.model.stats.FIELDS``), then zero them in place;
+        ``None`` if no training forward ever ran. No host sync."""
+        if self._stat_acc is None:
+            return None
+        out = self._stat_acc.clone()
+        self._stat_acc.zero_()
+        return out
+
+    def consume_stats(self) -> dict[str, float | list[float]]:
+        """Gate entropy, branch shares, collapse fraction, mean gates, ``sel_keys_mean``; one transfer."""
+        acc = self.take_stat_sums()
+        return {} if acc is None else summarise(acc.tolist())
+
+    @contextlib.contextmanager
+    def suppress_stats(self) -> Iterator[None]:
+        """No statistics inside (used for the recompute pass of gradient checkpointing)."""
+        old, self._suppress_stats = self._suppress_stats, True
+        try:
+            yield
+        finally:
+            self._suppress_stats = old
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.n_heads}, kv_groups={self.n_kv_groups}, d_k={self.d_k}, d_v={self.d_v}, "
+            f"l={self.l}, d={self.d}, l_sel={self.l_sel}, n_sel={self.n_sel}, w={self.w}, "
+            f"phi={self.phi}, gate={self.gate}, shared_kv={self.shared_kv}"
+        )

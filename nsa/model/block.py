@@ -1,0 +1,41 @@
+"""The LLaMA-style pre-norm block: ``x + attn(norm(x))``, then ``x + swiglu(norm(x))``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nsa.config import ModelConfig, NSAConfig
+from nsa.model.attention import NSAAttention
+from nsa.model.dense import DenseAttention
+from nsa.model.norm import RMSNorm, SwiGLU
+
+
+def make_attention(
+    model_cfg: ModelConfig, nsa_cfg: NSAConfig, backend: str | None = None
+) -> NSAAttention | DenseAttention:
+    """``NSAAttention`` (``model.attention = nsa``) or ``DenseAttention`` (``dense``) from the config."""
+    m = model_cfg
+    if m.attention == "dense":
+        return DenseAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, rope_theta=m.rope_theta)
+    n = nsa_cfg
+    return NSAAttention(
+        m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, **n.op_kwargs(), phi=n.phi, gate=n.gate,
+        shared_kv=n.shared_kv, rope_theta=m.rope_theta, gate_hidden=n.gate_hidden,
+        collapse_threshold=n.collapse_threshold, backend=backend,
+    )
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block with NSA or dense attention and a SwiGLU MLP."""
+
+    def __init__(self, model_cfg: ModelConfig, nsa_cfg: NSAConfig, backend: str | None = None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(model_cfg.dim, model_cfg.norm_eps)
+        self.attn: NSAAttention | DenseAttention = make_attention(model_cfg, nsa_cfg, backend)
+        self.mlp_norm = RMSNorm(model_cfg.dim, model_cfg.norm_eps)
+        self.mlp = SwiGLU(model_cfg.dim, model_cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))

@@ -1,0 +1,116 @@
+"""``DenseAttention``: the full-attention baseline (GQA + RoPE + SDPA), same interface as NSA."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nsa.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
+
+_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def sdpa_gqa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False, attn_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SDPA on ``[B, heads, S, D]`` with ``k/v`` having fewer heads (GQA); repeats k/v when needed.
+
+    ``is_causal`` is only for square ``q``/``k`` (SDPA aligns the causal mask top-left).
+    """
+    h = q.shape[1] // k.shape[1]
+    if is_causal and q.shape[2] != k.shape[2]:
+        raise ValueError("is_causal needs as many queries as keys; pass an explicit mask instead")
+    if h == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+    if _HAS_GQA:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True)
+    k, v = k.repeat_interleave(h, dim=1), v.repeat_interleave(h, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+
+
+class DenseAttention(nn.Module):
+    """Causal softmax attention over all past positions: ``forward(x [B, S, dim]) -> [B, S, dim]``."""
+
+    def __init__(
+        self, dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, rope_theta: float = 10000.0
+    ) -> None:
+        super().__init__()
+        if n_heads % n_kv_groups:
+            raise ValueError(f"model.n_kv_groups={n_kv_groups} must divide model.n_heads={n_heads}")
+        self.dim, self.n_heads, self.n_kv_groups, self.d_k, self.d_v = dim, n_heads, n_kv_groups, d_k, d_v
+        self.q_proj = nn.Linear(dim, n_heads * d_k, bias=False)
+        self.kv_proj = nn.Linear(dim, n_kv_groups * (d_k + d_v), bias=False)
+        self.o_proj = nn.Linear(n_heads * d_v, dim, bias=False)
+        self.rope = RotaryEmbedding(d_k, rope_theta)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [B, S, HQ, Dk]``, ``k [B, S, H, Dk]`` (RoPE'd at ``positions``), ``v [B, S, H, Dv]``."""
+        B, S, _ = x.shape
+        H = self.n_kv_groups
+        q = self.rope(self.q_proj(x).view(B, S, self.n_heads, self.d_k), positions)
+        kv = self.kv_proj(x)
+        k = self.rope(kv[..., : H * self.d_k].reshape(B, S, H, self.d_k), positions)
+        v = kv[..., H * self.d_k :].reshape(B, S, H, self.d_v)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q, k, v = self.project(x, torch.arange(S, device=x.device))
+        o = sdpa_gqa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, self.n_heads * self.d_v))
+
+    # decode with a plain KV cache (nsa.model.cache.DenseLayerCache)
+
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> DenseLayerCache:
+        from nsa.model.cache import DenseLayerCache
+
+        return DenseLayerCache.empty(batch_size, self.n_kv_groups, self.d_k, self.d_v, max_len, device=device,
+                                     dtype=dtype)
+
+    def prefill(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
+        """Causal forward over ``x [B, P, dim]`` that also stores K/V at positions ``0 .. P-1``."""
+        from nsa.model.cache import DenseLayerCache
+
+        assert isinstance(layer, DenseLayerCache)
+        B, S, _ = x.shape
+        q, k, v = self.project(x, torch.arange(S, device=x.device))
+        layer.k[:, :, :S] = k.transpose(1, 2)
+        layer.v[:, :, :S] = v.transpose(1, 2)
+        o = sdpa_gqa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, self.n_heads * self.d_v))
+
+    def decode(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
+        """One query per sequence at ``cache.lengths`` over cached positions ``<= t`` (explicit mask)."""
+        from nsa.model.cache import DenseLayerCache
+
+        assert isinstance(layer, DenseLayerCache)
+        cache.check_room()
+        B = x.shape[0]
+        t = cache.lengths
+        q, k, v = self.project(x, t[:, None])
+        ar = torch.arange(B, device=x.device)
+        layer.k[ar, :, t] = k[:, 0]
+        layer.v[ar, :, t] = v[:, 0]
+        # keys beyond the longest sequence are never needed; a static cache keeps one shape for graphs
+        n = cache.max_len if cache.static else cache.host_len + 1
+        mask = torch.arange(n, device=x.device)[None, :] <= t[:, None]  # [B, n]
+        o = sdpa_gqa(q.transpose(1, 2), layer.k[:, :, :n], layer.v[:, :, :n], attn_mask=mask[:, None, None, :])
+        reads = (t + 1)[:, None].expand(B, self.n_kv_groups)
+        layer.last_reads = reads
+        cache.reads_total += reads.sum(dim=-1)
+        return self.o_proj(o.transpose(1, 2).reshape(B, 1, self.n_heads * self.d_v))
+
+    def consume_stats(self) -> dict[str, float | list[float]]:
+        return {}
+
+    def take_stat_sums(self) -> torch.Tensor | None:
+        return None
+
+    def extra_repr(self) -> str:
+        return f"heads={self.n_heads}, kv_groups={self.n_kv_groups}, d_k={self.d_k}, d_v={self.d_v}"

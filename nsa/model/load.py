@@ -1,0 +1,106 @@
+"""Loading a trained model for inference: from a run directory's ``export/`` or its newest checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from nsa.config import RunConfig, validate_run_config
+from nsa.errors import CheckpointError, RunDirError
+from nsa.model.lm import NSALM, build_model
+
+_PREFIXES = ("_orig_mod.", "module.")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for ``generate``, its run config and the file it came from."""
+
+    model: NSALM
+    config: RunConfig
+    source: Path
+
+
+def _read_config(path: Path) -> RunConfig:
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise RunDirError(f"cannot read {path}: {exc}") from None
+    if not isinstance(tree, dict):
+        raise RunDirError(f"{path} is not a run config (a mapping of sections)")
+    return validate_run_config(tree)
+
+
+def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        for p in _PREFIXES:
+            if k.startswith(p):
+                k = k[len(p) :]
+        out[k] = v
+    return out
+
+
+def find_weights(path: str | Path) -> tuple[Path, Path | None]:
+    """``(weights, config.yaml or None)`` for a run directory, an ``export/`` folder, a checkpoint
+    folder, a ``model.safetensors`` or a ``state.pt``. Exports win over checkpoints."""
+    p = Path(path)
+    if not p.exists():
+        raise RunDirError(f"{p} does not exist", hint="give a run directory (e.g. artifacts/tiny) or a checkpoint")
+    if p.is_file():
+        if p.suffix == ".safetensors":
+            cfg = p.parent / "config.yaml"
+            if not cfg.is_file():
+                raise RunDirError(f"{p} has no config.yaml next to it")
+            return p, cfg
+        if p.suffix == ".pt":
+            return p, None
+        raise RunDirError(f"{p} is neither a model.safetensors nor a state.pt")
+    for folder in (p / "export", p):
+        if (folder / "model.safetensors").is_file() and (folder / "config.yaml").is_file():
+            return folder / "model.safetensors", folder / "config.yaml"
+    if (p / "state.pt").is_file():
+        return p / "state.pt", None
+    ckpts = sorted(
+        (c for c in (p / "checkpoints").glob("step_*") if (c / "state.pt").is_file()),
+        key=lambda c: int(c.name.split("_")[1]) if c.name.split("_")[1].isdigit() else -1,
+    )
+    if ckpts:
+        return ckpts[-1] / "state.pt", None
+    raise RunDirError(
+        f"{p} has no export/model.safetensors and no checkpoints/step_*/state.pt",
+        hint="train first (nsa train ...) or give the path of a checkpoint",
+    )
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Build the run's model and load its weights (eval mode, on ``device`` in ``dtype``)."""
+    weights, cfg_path = find_weights(path)
+    if weights.suffix == ".safetensors":
+        assert cfg_path is not None
+        cfg = _read_config(cfg_path)
+        model = build_model(cfg)
+        from safetensors.torch import load_model as st_load
+
+        try:
+            st_load(model, str(weights))
+        except Exception as exc:
+            raise CheckpointError(f"cannot load {weights} into the model of {cfg_path}: {exc}") from None
+    else:
+        try:
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"cannot load checkpoint {weights}: {exc}") from None
+        if not isinstance(state, dict) or "model" not in state or "config" not in state:
+            raise CheckpointError(f"{weights} has no 'model' and 'config' entries")
+        cfg = validate_run_config(state["config"])
+        model = build_model(cfg)
+        try:
+            model.load_state_dict(_strip(state["model"]))
+        except RuntimeError as exc:
+            raise CheckpointError(f"{weights} does not match its config: {exc}") from None
+    model.to(device=device, dtype=dtype).eval()
+    return LoadedModel(model, cfg, weights)

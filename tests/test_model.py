@@ -1,0 +1,273 @@
+"""NSAAttention, the dense baseline and NSALM on tiny CPU shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nsa.config import ModelConfig, NSAConfig, load_named
+from nsa.model import NSALM, DenseAttention, LMOutput, NSAAttention, RMSNorm, build_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops are much faster on one intra-op thread on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+HP = {"l": 4, "d": 2, "l_sel": 4, "n_sel": 2, "w": 6}
+
+
+def _attn(h: int, phi: str = "avg", gate: str = "sigmoid", shared_kv: bool = False, H: int = 2, **kw) -> NSAAttention:
+    torch.manual_seed(0)
+    return NSAAttention(24, h * H, H, 8, 6, **HP, phi=phi, gate=gate, shared_kv=shared_kv, **kw)
+
+
+def _tiny_lm(attention: str = "nsa", **nsa_kw) -> NSALM:
+    mc = ModelConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, mlp_hidden=64,
+                     attention=attention)
+    return NSALM(mc, NSAConfig(**HP, **nsa_kw))
+
+
+@pytest.mark.parametrize("phi", ["avg", "mlp"])
+@pytest.mark.parametrize("gate", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("shared_kv", [False, True])
+@pytest.mark.parametrize("h", [1, 2, 6])
+def test_forward_backward_finite(phi: str, gate: str, shared_kv: bool, h: int) -> None:
+    m = _attn(h, phi, gate, shared_kv)
+    x = torch.randn(2, 19, 24, requires_grad=True)
+    y = m(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    (y * torch.randn_like(y)).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    # every projection (all branches, phi MLP, gates) receives gradient
+    assert m.kv_proj.weight.grad.abs().sum() > 0 and m.gate_mlp[0].weight.grad.abs().sum() > 0
+    if phi == "mlp":
+        assert m.compress.mlp_k.pos.grad.abs().sum() > 0
+
+
+def test_shared_kv_has_one_projection() -> None:
+    assert _attn(2, shared_kv=True).kv_proj.out_features * 3 == _attn(2).kv_proj.out_features
+
+
+@pytest.mark.parametrize("phi", ["avg", "mlp"])
+def test_module_is_causal(phi: str) -> None:
+    m = _attn(3, phi).double()
+    x = torch.randn(1, 23, 24, dtype=torch.float64)
+    y = m(x)
+    for t in (0, 5, 12, 21):
+        x2 = x.clone()
+        x2[:, t + 1 :] = torch.randn_like(x2[:, t + 1 :]) * 3
+        y2 = m(x2)
+        torch.testing.assert_close(y2[:, : t + 1], y[:, : t + 1], rtol=0, atol=1e-12)
+        assert not torch.allclose(y2[:, t + 1 :], y[:, t + 1 :])
+
+
+def test_rope_positions_matter_and_phi_sees_rope() -> None:
+    m = _attn(2).double()
+    x = torch.randn(1, 12, 24, dtype=torch.float64)
+    p = m.project(x, torch.arange(12))
+    p_shift = m.project(x, torch.arange(12) + 5)
+    torch.testing.assert_close(p.v_sel, p_shift.v_sel)  # values carry no RoPE
+    assert not torch.allclose(p.k_cmp_raw, p_shift.k_cmp_raw)  # compression keys are rotated before phi
+    assert not torch.allclose(p.q, p_shift.q)
+    # rotation preserves norms and relative positions: q_t . k_s depends on t - s only
+    torch.testing.assert_close(p.q.norm(dim=-1), p_shift.q.norm(dim=-1))
+    s0 = torch.einsum("bshd,bshd->bsh", p.q[:, 1:, :2], p.k_sel[:, :-1, :1].expand(-1, -1, 2, -1))
+    s1 = torch.einsum("bshd,bshd->bsh", p_shift.q[:, 1:, :2], p_shift.k_sel[:, :-1, :1].expand(-1, -1, 2, -1))
+    torch.testing.assert_close(s0, s1)
+
+
+@pytest.mark.parametrize("gate", ["sigmoid", "softmax"])
+def test_gate_stats_sane_and_no_sync_in_forward(gate: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _attn(2, gate=gate, collapse_threshold=0.5)
+    m.train()
+
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("host sync in forward")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.Tensor, "item", boom)
+        mp.setattr(torch.Tensor, "tolist", boom)
+        for _ in range(3):
+            m(torch.randn(2, 17, 24))
+    s = m.consume_stats()
+    assert math.isclose(sum(s["gate_branch_shares"]), 1.0, rel_tol=1e-9)
+    assert 0.0 <= s["gate_entropy_mean"] <= math.log(3) + 1e-9
+    assert 0.0 <= s["gate_collapse_fraction"] <= 1.0
+    assert all(0 < g < 1 for g in s["gate_mean"])
+    assert 1.0 <= s["sel_keys_mean"] <= HP["n_sel"] * HP["l_sel"]
+    assert m.consume_stats() == {}  # reset
+    m.eval()
+    m(torch.randn(2, 17, 24))
+    assert m.consume_stats() == {}  # eval forwards add nothing
+
+
+def test_gate_stats_values_match_direct_computation() -> None:
+    m = _attn(2, gate="softmax", collapse_threshold=0.4).double()
+    m.train()
+    x = torch.randn(1, 13, 24, dtype=torch.float64)
+    m(x)
+    s = m.consume_stats()
+    g = m.project(x, torch.arange(13)).gates
+    ent = -(g * g.log()).sum(-1)
+    assert math.isclose(s["gate_entropy_mean"], ent.mean().item(), rel_tol=1e-9)
+    assert math.isclose(s["gate_collapse_fraction"], (g.amax(-1) > 0.4).double().mean().item(), rel_tol=1e-9)
+    # selection: first rows attend all their past (block 0 and 1 forced), later n_sel full blocks at most
+    from nsa.ops import select_blocks
+
+    p = m.project(x, torch.arange(13))
+    idx = select_blocks(p.q, m.compress(p.k_cmp_raw, p.v_cmp_raw)[0], l=4, d=2, l_sel=4, n_sel=2).long()
+    t = torch.arange(13)[None, :, None, None]
+    cnt = ((torch.minimum(idx * 4 + 4, t + 1) - idx * 4).clamp(min=0) * (idx >= 0)).sum(-1)
+    assert math.isclose(s["sel_keys_mean"], cnt.double().mean().item(), rel_tol=1e-9)
+
+
+def _naive_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float64 loops: q [B,S,HQ,D], k/v [B,S,H,D]."""
+    B, S, HQ, D = q.shape
+    h = HQ // k.shape[2]
+    out = torch.zeros(B, S, HQ, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for t in range(S):
+            for i in range(HQ):
+                s = (k[b, : t + 1, i // h] @ q[b, t, i]) / math.sqrt(D)
+                out[b, t, i] = torch.softmax(s, 0) @ v[b, : t + 1, i // h]
+    return out
+
+
+@pytest.mark.parametrize("h", [1, 3])
+def test_dense_equals_naive_float64(h: int) -> None:
+    torch.manual_seed(1)
+    m = DenseAttention(16, 2 * h, 2, 8, 6).double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    q, k, v = m.project(x, torch.arange(9))
+    ref = m.o_proj(_naive_causal(q, k, v).reshape(2, 9, -1))
+    torch.testing.assert_close(m(x), ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_overfit_one_batch(attention: str) -> None:
+    torch.manual_seed(0)
+    model = _tiny_lm(attention)
+    ids = torch.randint(0, 32, (2, 25))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        out = model(ids[:, :-1], labels=ids[:, 1:])
+        assert isinstance(out, LMOutput) and out.loss is not None and out.loss.dtype == torch.float32
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_loss_ignores_minus_100() -> None:
+    model = _tiny_lm()
+    ids = torch.randint(0, 32, (1, 12))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    out = model(ids, labels=labels)
+    ref = torch.nn.functional.cross_entropy(out.logits[0, 5:].float(), ids[0, 5:])
+    torch.testing.assert_close(out.loss, ref)
+
+
+def test_gradient_checkpointing_same_gradients_and_stats() -> None:
+    model = _tiny_lm(phi="mlp")
+    ids = torch.randint(0, 32, (2, 21))
+
+    def grads(ckpt: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        model.zero_grad()
+        model.set_gradient_checkpointing(ckpt)
+        model(ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+        sums = model.blocks[0].attn.take_stat_sums()
+        assert sums is not None
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, sums
+
+    g0, s0 = grads(False)
+    g1, s1 = grads(True)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
+    torch.testing.assert_close(s1, s0)  # the recompute adds no statistics (same counts)
+
+
+def test_model_stats_aggregate_layers() -> None:
+    model = _tiny_lm()
+    model.train()
+    model(torch.randint(0, 32, (2, 16)))
+    s = model.consume_stats()
+    assert len(s["gate_entropy_per_layer"]) == 2
+    assert s["gate_entropy_mean"] == pytest.approx(sum(s["gate_entropy_per_layer"]) / 2)
+    assert model.consume_stats() == {}
+    dense = _tiny_lm("dense")
+    dense(torch.randint(0, 32, (1, 8)))
+    assert dense.consume_stats() == {}
+
+
+def test_build_model_tiny_and_dense() -> None:
+    cfg = load_named("tiny")
+    model = build_model(cfg)
+    assert isinstance(model, NSALM) and isinstance(model.blocks[0].attn, NSAAttention)
+    assert isinstance(model.norm, RMSNorm)
+    ids = torch.randint(0, cfg.model.vocab_size, (1, 40))
+    assert model(ids).logits.shape == (1, 40, cfg.model.vocab_size)
+    dense_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attention": "dense"})})
+    dense = build_model(dense_cfg)
+    assert isinstance(dense.blocks[0].attn, DenseAttention)
+    assert dense.num_params() < model.num_params()  # NSA has three K/V branches and the gate MLP
+
+
+def test_tied_embeddings_and_init_std() -> None:
+    mc = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_groups=1, d_k=16, d_v=16,
+                     tie_embeddings=True, init_std=0.05)
+    model = NSALM(mc, NSAConfig(**HP))
+    assert model.head.weight is model.tok_emb.weight
+    assert model.tok_emb.weight.std().item() == pytest.approx(0.05, rel=0.15)
+    untied = NSALM(mc.model_copy(update={"tie_embeddings": False}), NSAConfig(**HP))
+    assert untied.num_params() - model.num_params() == 64 * 32
+
+
+def test_flops_per_token() -> None:
+    dense = _tiny_lm("dense")
+    n = dense.num_params(exclude_embedding=True)
+    S = 64
+    assert dense.flops_per_token(S) == pytest.approx(6 * n + 6 * 2 * 4 * 16 * (S + 1) / 2)
+    nsa = _tiny_lm()
+    # NSA keys per query: N_c(t) + selected positions + window, averaged over t (checked by brute force)
+    keys = []
+    for t in range(S):
+        n_c = max(0, (t + 1 - 4) // 2 + 1)
+        bt = t // 4
+        sel = t + 1 if bt < 2 else 4 + t % 4 + 1
+        keys.append(n_c + sel + min(6, t + 1))
+    assert nsa.attended_keys_mean(S) == pytest.approx(sum(keys) / S)
+    assert nsa.flops_per_token(S) > 6 * nsa.num_params(exclude_embedding=True)
+
+
+def test_lazy_top_level_exports() -> None:
+    import nsa
+
+    assert nsa.NSALM is NSALM and nsa.NSAAttention is NSAAttention and nsa.build_model is build_model
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stats_accumulation_does_not_sync_on_cuda() -> None:
+    from nsa.model.stats import gate_sums, selection_sums
+
+    gates = torch.rand(2, 64, 4, 3, device="cuda")
+    idx = torch.randint(-1, 8, (2, 64, 2, 4), device="cuda", dtype=torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        acc = torch.cat([gate_sums(gates, 0.9), selection_sums(idx, 8)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert acc.shape == (11,)

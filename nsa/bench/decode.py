@@ -1,0 +1,290 @@
+"""Decode benchmark: one cached decode step of NSA against dense attention over a KV cache.
+
+Two modes, one row each per (shape, context, batch):
+- ``attention``: the single-query attention math alone (``nsa.ops.decode.nsa_decode`` against SDPA over
+  the whole cache) for the paper shape (HQ=64, H=4, D=128) and the m7c shape (HQ=12, H=2, D=64);
+- ``model``: a whole-model decode step (``NSALM.decode_step``) of a config (default ``m7c-125m``) and of
+  the same model with dense attention.
+Caches are filled with random values at the given context (no prefill: the step's cost does not
+depend on how the cache was filled). On CUDA each step is also timed as a CUDA-graph replay, which
+removes the Python and launch overhead that dominates small batches. ``reads`` are key positions
+read per step per sequence and KV group (per layer), measured from the index sets the step used.
+No printing here: the CLI renders the rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from nsa.bench.attention import NSAParams
+
+SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
+TINY_SHAPES: dict[str, tuple[int, int, int]] = {"tiny": (4, 2, 16)}
+DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+DEFAULT_BATCHES = (1, 32)
+MODEL_CONTEXTS = (2048, 65536)
+TINY_CONTEXTS = (64, 128)
+TINY_BATCHES = (1, 2)
+
+
+@dataclass
+class DecodeRow:
+    """One measured configuration; times are medians in milliseconds per decode step."""
+
+    mode: str
+    shape: str
+    context: int
+    batch: int
+    device: str
+    dtype: str
+    backend: str = "torch"
+    nsa_ms: float | None = None
+    dense_ms: float | None = None
+    nsa_graph_ms: float | None = None
+    dense_graph_ms: float | None = None
+    nsa_reads: float | None = None
+    dense_reads: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float | None:
+        """dense / NSA time of a step (CUDA-graph times where both were captured)."""
+        if self.nsa_graph_ms and self.dense_graph_ms:
+            return self.dense_graph_ms / self.nsa_graph_ms
+        if self.nsa_ms and self.dense_ms:
+            return self.dense_ms / self.nsa_ms
+        return None
+
+    @property
+    def reads_ratio(self) -> float | None:
+        if self.nsa_reads and self.dense_reads:
+            return self.dense_reads / self.nsa_reads
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(speedup=self.speedup, reads_ratio=self.reads_ratio)
+        return out
+
+
+Timer = Callable[[Callable[[], Any]], float]
+
+
+def make_timer(device: torch.device, warmup_ms: int = 25, rep_ms: int = 100, cpu_reps: int = 5) -> Timer:
+    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on CUDA, ``perf_counter`` on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        def cuda_time(fn: Callable[[], Any]) -> float:
+            return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+        return cuda_time
+
+    def cpu_time(fn: Callable[[], Any]) -> float:
+        fn()
+        times = []
+        for _ in range(cpu_reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return cpu_time
+
+
+def _graph(fn: Callable[[], Any], device: torch.device) -> Callable[[], None] | None:
+    """``fn`` captured as a CUDA graph (replay callable), or ``None`` off CUDA or if capture fails."""
+    if device.type != "cuda":
+        return None
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize(device)
+    except Exception:
+        torch.cuda.synchronize(device)
+        return None
+    return graph.replay
+
+
+def _oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
+
+
+def bench_attention_step(
+    shape: str, HQ: int, H: int, D: int, context: int, batch: int, *, params: NSAParams,
+    device: torch.device, dtype: torch.dtype, timer: Timer, graphs: bool = True, seed: int = 0,
+    backend: str = "torch",
+) -> DecodeRow:
+    """One query per sequence at position ``context`` (so ``context + 1`` keys in the dense cache);
+    ``backend`` is ``nsa_decode``'s (``torch`` or ``triton``)."""
+    from nsa.model.dense import sdpa_gqa
+    from nsa.ops.decode import cmp_block_table, nsa_decode
+    from nsa.ops.indexing import num_cmp
+
+    row = DecodeRow("attention", shape, context, batch, str(device), str(dtype).removeprefix("torch."), backend)
+    p = params
+    T = context + 1
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=gen, device=device, dtype=dtype)
+
+    try:
+        q = rnd(batch, HQ, D)
+        gates = torch.rand(batch, HQ, 3, generator=gen, device=device, dtype=dtype)
+        t = torch.full((batch,), context, dtype=torch.int64, device=device)
+        C, R = num_cmp(T, p.l, p.d), min(p.w, T)
+        k_sel, v_sel = rnd(batch, H, T, D), rnd(batch, H, T, D)
+        k_cmp, v_cmp = rnd(batch, H, C + 1, D), rnd(batch, H, C + 1, D)
+        k_win, v_win = rnd(batch, H, R, D), rnd(batch, H, R, D)
+        table = cmp_block_table(C + 1, -(-T // p.l_sel), p.l, p.d, p.l_sel, device=device)
+
+        def run() -> Any:
+            return nsa_decode(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, l=p.l, d=p.d,
+                              l_sel=p.l_sel, n_sel=p.n_sel, w=p.w, table=table, backend=backend)
+
+        def nsa() -> torch.Tensor:
+            return run().o
+
+        row.nsa_reads = float(run().reads.float().mean())
+        row.nsa_ms = timer(nsa)
+        g = _graph(nsa, device) if graphs else None
+        if g is not None:
+            row.nsa_graph_ms = timer(g)
+    except Exception as exc:
+        if not _oom(exc):
+            raise
+        row.notes.append("nsa: out of memory")
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    try:
+        qd = rnd(batch, HQ, 1, D)
+
+        def dense() -> torch.Tensor:
+            return sdpa_gqa(qd, k_sel, v_sel)  # every cached position <= t: no mask needed
+
+        row.dense_reads = float(T)
+        row.dense_ms = timer(dense)
+        g = _graph(dense, device) if graphs else None
+        if g is not None:
+            row.dense_graph_ms = timer(g)
+    except Exception as exc:
+        if not _oom(exc):
+            raise
+        row.notes.append("dense: out of memory")
+    return row
+
+
+def bench_model_step(
+    run_cfg: Any, context: int, batch: int, *, name: str, device: torch.device, dtype: torch.dtype,
+    timer: Timer, graphs: bool = True, seed: int = 0, backend: str = "torch",
+) -> DecodeRow:
+    """``NSALM.decode_step`` at position ``context`` for the NSA model and its dense twin
+    (``backend``: the NSA layers' ops backend, which picks ``nsa_decode``'s path)."""
+    from nsa.model import build_model
+
+    row = DecodeRow("model", name, context, batch, str(device), str(dtype).removeprefix("torch."), backend)
+    for attention in ("nsa", "dense"):
+        cfg = run_cfg.model_copy(deep=True)
+        cfg.model.attention = attention
+        cfg.runtime.attn_backend = backend
+        cfg.model.max_seq_len = max(cfg.model.max_seq_len, context + 1)
+        torch.manual_seed(seed)
+        model = None
+        try:
+            model = build_model(cfg).to(device=device, dtype=dtype).eval()
+            cache = model.new_cache(batch, context + 1)
+            base = torch.full((batch,), context, dtype=torch.int64, device=device)
+            cache.start(base)
+            gen = torch.Generator(device=device).manual_seed(seed)
+            for layer in cache.layers:
+                for v in vars(layer).values():
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 4:
+                        v.normal_(generator=gen)
+            tok = torch.randint(0, cfg.model.vocab_size, (batch,), device=device, generator=gen)
+
+            def step(model: Any = model, cache: Any = cache, base: torch.Tensor = base,
+                     tok: torch.Tensor = tok) -> torch.Tensor:
+                cache.lengths.copy_(base)  # the same position each call: steady-state cost
+                cache.host_len = context
+                return model.decode_step(tok, cache)
+
+            with torch.no_grad():
+                cache.reads_total.zero_()
+                step()
+                H, L = cfg.model.n_kv_groups, cfg.model.n_layers
+                reads = float(cache.reads_total.float().mean()) / (H * L)
+                ms = timer(step)
+                g = _graph(step, device) if graphs else None
+                gms = timer(g) if g is not None else None
+            if attention == "nsa":
+                row.nsa_ms, row.nsa_graph_ms, row.nsa_reads = ms, gms, reads
+            else:
+                row.dense_ms, row.dense_graph_ms, row.dense_reads = ms, gms, reads
+        except Exception as exc:
+            if not _oom(exc):
+                raise
+            row.notes.append(f"{attention}: out of memory")
+        finally:
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return row
+
+
+def bench_decode(
+    *, tiny: bool = False, contexts: list[int] | None = None, batches: list[int] | None = None,
+    shapes: list[str] | None = None, model_config: str | None = None, model_contexts: list[int] | None = None,
+    modes: tuple[str, ...] = ("attention", "model"), graphs: bool = True, warmup_ms: int = 25, rep_ms: int = 100,
+    device: str | torch.device | None = None, backend: str = "torch",
+) -> list[DecodeRow]:
+    """All rows: attention-only steps over shapes x contexts x batches, then whole-model steps.
+
+    ``tiny``: CPU-sized (shape HQ=4,H=2,D=16, small NSA blocks, contexts 64/128, batches 1/2, the
+    ``tiny`` config for the model rows). ``backend``: ``torch`` or ``triton`` single-query NSA path.
+    """
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"decode backend '{backend}' must be torch or triton")
+    from nsa.config import load_named
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() and not tiny else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    timer = make_timer(dev, warmup_ms, rep_ms)
+    table = TINY_SHAPES if tiny else SHAPES
+    shapes = shapes or list(table)
+    unknown = [s for s in shapes if s not in table]
+    if unknown:
+        raise ValueError(f"unknown shape(s) {unknown}: choose from {', '.join(table)}")
+    params = NSAParams.tiny() if tiny else NSAParams()
+    ctxs = contexts or list(TINY_CONTEXTS if tiny else DEFAULT_CONTEXTS)
+    bs = batches or list(TINY_BATCHES if tiny else DEFAULT_BATCHES)
+    rows: list[DecodeRow] = []
+    if "attention" in modes:
+        for s in shapes:
+            HQ, H, D = table[s]
+            for b in bs:
+                for c in ctxs:
+                    rows.append(bench_attention_step(s, HQ, H, D, c, b, params=params, device=dev, dtype=dtype,
+                                                     timer=timer, graphs=graphs, backend=backend))
+    if "model" in modes:
+        name = model_config or ("tiny" if tiny else "m7c-125m")
+        cfg = load_named(name)
+        for b in bs:
+            for c in model_contexts or ([64] if tiny else list(MODEL_CONTEXTS)):
+                rows.append(bench_model_step(cfg, c, b, name=name, device=dev, dtype=dtype, timer=timer,
+                                             graphs=graphs, backend=backend))
+    return rows

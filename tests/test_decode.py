@@ -1,0 +1,356 @@
+"""Decode with caches equals one full forward; reads counters; batched generation with left padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa.config import ModelConfig, NSAConfig
+from nsa.errors import NSAError
+from nsa.model import NSALM, NSAAttention
+from nsa.model.cache import ModelCache
+from nsa.model.generate import sample_next
+from nsa.ops import select_blocks
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops are much faster on one intra-op thread on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# Tiny hyper-parameters so that a 40-token sequence crosses many compression/selection boundaries and
+# leaves free (non-forced) block choices: (l, d, l_sel, n_sel, w)
+CONFIGS = [
+    {"l": 4, "d": 2, "l_sel": 2, "n_sel": 5, "w": 5},
+    {"l": 4, "d": 2, "l_sel": 4, "n_sel": 4, "w": 6},
+    {"l": 2, "d": 2, "l_sel": 2, "n_sel": 4, "w": 3},
+]
+
+
+def _lm(h: int, phi: str = "avg", gate: str = "sigmoid", attention: str = "nsa", hp: dict | None = None,
+        seed: int = 0) -> NSALM:
+    torch.manual_seed(seed)
+    mc = ModelConfig(vocab_size=48, dim=32, n_layers=2, n_heads=2 * h, n_kv_groups=2, d_k=8, d_v=6,
+                     mlp_hidden=48, attention=attention)
+    model = NSALM(mc, NSAConfig(**(hp or CONFIGS[0]), phi=phi, gate=gate)).eval()
+    # larger weights than the LM init make attention peaky, so wrong key sets show up in the logits
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else None
+    return model
+
+
+def _check_reads(model: NSALM, cache: ModelCache, t: torch.Tensor) -> None:
+    hp = model.nsa_cfg
+    for layer in cache.layers:
+        idx = layer.last_block_idx.long()
+        tt = t[:, None, None]
+        sel = torch.where(idx >= 0, torch.minimum(torch.full_like(idx, hp.l_sel), tt + 1 - idx * hp.l_sel),
+                          torch.zeros_like(idx)).sum(-1)
+        n_c = torch.clamp((t + 1 - hp.l) // hp.d + 1, min=0)[:, None]
+        expected = n_c + sel + torch.clamp(t + 1, max=hp.w)[:, None]
+        assert torch.equal(layer.last_reads, expected)
+
+
+@pytest.mark.parametrize("phi", ["avg", "mlp"])
+@pytest.mark.parametrize("gate", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("h", [1, 2, 6])
+def test_prefill_then_decode_equals_full_forward(phi: str, gate: str, h: int) -> None:
+    model = _lm(h, phi, gate, hp=CONFIGS[(h + len(phi)) % len(CONFIGS)])
+    S = 40
+    ids = torch.randint(0, 48, (2, S))
+    full = model(ids).logits
+    for prefix in (1, 11):
+        cache = model.new_cache(2, S)
+        logits = model.prefill(ids[:, :prefix], torch.full((2,), prefix), cache)
+        torch.testing.assert_close(logits, full[:, :prefix], rtol=1e-5, atol=1e-5)
+        reads = torch.zeros(2, dtype=torch.int64)
+        for t in range(prefix, S):
+            out = model.decode_step(ids[:, t], cache)
+            torch.testing.assert_close(out, full[:, t], rtol=1e-5, atol=1e-5, msg=f"position {t}")
+            _check_reads(model, cache, torch.full((2,), t))
+            reads += sum(layer.last_reads.sum(-1) for layer in cache.layers)
+        assert torch.equal(cache.reads_total, reads)
+
+
+@pytest.mark.parametrize("hp", CONFIGS)
+def test_layer_decode_uses_spec_blocks(hp: dict) -> None:
+    """Layer level: decode output, chosen blocks and reads equal the functional op's at every position."""
+    torch.manual_seed(3)
+    attn = NSAAttention(16, 6, 2, 8, 8, **hp, phi="mlp").double()
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(3)
+    S = 37
+    x = torch.randn(1, S, 16, dtype=torch.float64)
+    y = attn(x)
+    p = attn.project(x, torch.arange(S))
+    k_cmp, _ = attn.compress(p.k_cmp_raw, p.v_cmp_raw)
+    idx_full = select_blocks(p.q, k_cmp, l=hp["l"], d=hp["d"], l_sel=hp["l_sel"], n_sel=hp["n_sel"])
+    cache = ModelCache([attn.new_cache(1, S, torch.device("cpu"), torch.float64)], S,
+                       torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    cache.start(torch.tensor([3]))
+    attn.prefill(x[:, :3], cache.layers[0], cache)
+    free_choices = 0
+    for t in range(3, S):
+        out = attn.decode(x[:, t : t + 1], cache.layers[0], cache)
+        cache.advance()
+        torch.testing.assert_close(out[:, 0], y[:, t], rtol=1e-10, atol=1e-12)
+        layer = cache.layers[0]
+        assert torch.equal(layer.last_block_idx, idx_full[:, t]), t
+        bt = t // hp["l_sel"]
+        free_choices += sum(1 for b in idx_full[0, t, 0].tolist() if b not in (-1, 0, bt, bt - 1))
+        n_c = max(0, (t + 1 - hp["l"]) // hp["d"] + 1)
+        for g in range(2):
+            blocks = [b for b in idx_full[0, t, g].tolist() if b >= 0]
+            sel = sum(min(hp["l_sel"], t + 1 - b * hp["l_sel"]) for b in blocks)
+            assert layer.last_reads[0, g].item() == n_c + sel + min(hp["w"], t + 1)
+    assert free_choices > 0  # the test exercised score-based choices, not only forced blocks
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_batched_left_padded_equals_one_by_one(attention: str) -> None:
+    model = _lm(2, "mlp", "softmax", attention=attention, hp=CONFIGS[1], seed=5)
+    lens = [3, 14, 9]
+    P = max(lens)
+    prompts = [torch.randint(0, 48, (n,)) for n in lens]
+    ids = torch.zeros(len(lens), P, dtype=torch.int64)
+    mask = torch.zeros(len(lens), P, dtype=torch.int64)
+    for i, pr in enumerate(prompts):
+        ids[i, P - len(pr) :] = pr
+        ids[i, : P - len(pr)] = 7  # padding value that would matter if it were attended
+        mask[i, P - len(pr) :] = 1
+    out = model.generate(ids, 15, attention_mask=mask)
+    assert out.shape == (3, P + 15)
+    assert torch.equal(out[:, :P], ids)
+    for i, pr in enumerate(prompts):
+        single = model.generate(pr[None], 15)
+        assert torch.equal(out[i, P:], single[0, len(pr) :]), i
+        # and each generated continuation is what the full forward predicts greedily
+        seq = single[0]
+        full = model(seq[None]).logits[0]
+        assert torch.equal(full[len(pr) - 1 : -1].argmax(-1), seq[len(pr) :])
+
+
+def test_decode_of_different_lengths_matches_full_forward_logits() -> None:
+    model = _lm(3, "avg", "sigmoid", hp=CONFIGS[0], seed=2)
+    lens = torch.tensor([2, 9])
+    S = 30
+    seqs = torch.randint(0, 48, (2, S))
+    cache = model.new_cache(2, S)
+    model.prefill(seqs[:, :9], lens, cache)  # row 0: positions 2.. are padding, never stored as real
+    fulls = [model(seqs[i : i + 1]).logits[0] for i in range(2)]
+    for step in range(S - 9):
+        t = lens + step
+        logits = model.decode_step(seqs[torch.arange(2), t], cache)
+        _check_reads(model, cache, t)
+        for i in range(2):
+            torch.testing.assert_close(logits[i], fulls[i][t[i]], rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_rules() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample_next(logits), greedy)
+    assert torch.equal(sample_next(logits, 1.0, top_k=1), greedy)
+    assert torch.equal(sample_next(logits, 1.0, top_p=1e-6), greedy)
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    a, b = sample_next(logits, 0.8, top_k=5, generator=g1), sample_next(logits, 0.8, top_k=5, generator=g2)
+    assert torch.equal(a, b)
+    top5 = torch.topk(logits, 5).indices
+    assert all(a[i] in top5[i] for i in range(4))
+    model = _lm(1)
+    prompt = torch.randint(0, 48, (2, 5))
+    s1 = model.generate(prompt, 6, temperature=1.0, seed=11)
+    s2 = model.generate(prompt, 6, temperature=1.0, seed=11)
+    assert torch.equal(s1, s2)
+
+
+def test_errors() -> None:
+    model = _lm(1)
+    cache = model.new_cache(1, 4)
+    model.prefill(torch.randint(0, 48, (1, 4)), torch.tensor([4]), cache)
+    with pytest.raises(NSAError, match="cache"):
+        model.decode_step(torch.tensor([1]), cache)
+    with pytest.raises(NSAError, match="exceeds the cache"):
+        model.prefill(torch.randint(0, 48, (1, 5)), torch.tensor([5]), model.new_cache(1, 4))
+    ids = torch.randint(0, 48, (2, 5))
+    with pytest.raises(NSAError, match="left padding"):
+        model.generate(ids, 2, attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]))
+
+
+def test_bench_decode_tiny_cli(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from nsa_cli.app import app
+
+    out = tmp_path / "decode.json"
+    res = CliRunner().invoke(app, ["bench", "decode", "--tiny", "--contexts", "64", "--batches", "2", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"attention", "model"}
+    att = next(r for r in rows if r["mode"] == "attention")
+    # tiny NSA params l=8, d=4, l_sel=16, n_sel=4, w=32 at t=64: N_c=15, 3 full blocks + 1 position, window 32
+    assert att["nsa_reads"] == 15 + 3 * 16 + 1 + 32 and att["dense_reads"] == 65
+    assert att["nsa_ms"] > 0 and att["dense_ms"] > 0
+    model = next(r for r in rows if r["mode"] == "model")
+    assert model["nsa_reads"] == 15 + 3 * 8 + 1 + 32  # the tiny config: l_sel=8
+
+
+@pytest.mark.parametrize(
+    "hp",
+    [
+        {"l": 16, "d": 8, "l_sel": 16, "n_sel": 3, "w": 64},  # window > cache, n_sel > blocks, few cmp tokens
+        {"l": 32, "d": 16, "l_sel": 32, "n_sel": 1, "w": 4},  # no compressed token ever (l > S), one block
+    ],
+)
+def test_edge_configs_and_shared_kv(hp: dict) -> None:
+    torch.manual_seed(4)
+    mc = ModelConfig(vocab_size=48, dim=32, n_layers=1, n_heads=4, n_kv_groups=1, d_k=8, d_v=8, mlp_hidden=48)
+    model = NSALM(mc, NSAConfig(**hp, phi="mlp", shared_kv=True)).eval()
+    S = 30
+    ids = torch.randint(0, 48, (2, S))
+    full = model(ids).logits
+    cache = model.new_cache(2, S)
+    model.prefill(ids[:, :4], torch.full((2,), 4), cache)
+    for t in range(4, S):
+        out = model.decode_step(ids[:, t], cache)
+        torch.testing.assert_close(out, full[:, t], rtol=1e-5, atol=1e-5)
+        _check_reads(model, cache, torch.full((2,), t))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_cuda_graph_generation_equals_eager(attention: str) -> None:
+    model = _lm(2, "mlp", "sigmoid", attention=attention, hp=CONFIGS[1], seed=6).cuda()
+    ids = torch.randint(0, 48, (3, 12), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :9] = 0
+    eager = model.generate(ids, 20, attention_mask=mask)
+    graphed = model.generate(ids, 20, attention_mask=mask, cuda_graph=True)
+    assert torch.equal(graphed, eager)
+
+
+@pytest.mark.parametrize("hp", CONFIGS)
+def test_nsa_decode_op_equals_reference_rows(hp: dict) -> None:
+    """The single-query op, fed caches laid out as documented, equals the reference op's row ``t``
+    (float64), with a different ``t`` for every sequence of the batch."""
+    from nsa.ops import nsa_attention
+    from nsa.ops.decode import nsa_decode
+    from nsa.ops.reference import compress_avg
+
+    torch.manual_seed(7)
+    B, S, H, h, D = 3, 29, 2, 3, 8
+    l, d, w = hp["l"], hp["d"], hp["w"]  # noqa: E741
+    q = torch.randn(B, S, H * h, D, dtype=torch.float64) * 2
+    ks, vs, kw, vw, kr, vr = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(6))
+    gates = torch.rand(B, S, H * h, 3, dtype=torch.float64)
+    kc, vc = compress_avg(kr, l, d), compress_avg(vr, l, d)
+    o_ref, idx_ref = nsa_attention(q, kc, vc, ks, vs, kw, vw, gates, **hp, return_block_idx=True, backend="reference")
+    R = min(w, S)
+    for step in range(S):
+        t = torch.tensor([step, (step + 7) % S, S - 1 - step])
+        ar = torch.arange(B)
+        # caches: raw rows in slot p (rows > t hold other data, which must be ignored), ring p % R
+        future = torch.arange(S)[None, None, :, None] > t[:, None, None, None]
+        k_sel = ks.transpose(1, 2).masked_fill(future, 99.0)  # must never be read
+        v_sel = vs.transpose(1, 2).masked_fill(future, 99.0)
+        ring_pos = t[:, None] - torch.remainder(t[:, None] - torch.arange(R)[None, :], R)
+        k_win = torch.stack([kw[b, ring_pos[b].clamp(min=0)] for b in range(B)]).transpose(1, 2)
+        v_win = torch.stack([vw[b, ring_pos[b].clamp(min=0)] for b in range(B)]).transpose(1, 2)
+        k_cmp = torch.cat([kc, torch.full((B, 1, H, D), 50.0, dtype=torch.float64)], 1).transpose(1, 2)
+        v_cmp = torch.cat([vc, torch.full((B, 1, H, D), 50.0, dtype=torch.float64)], 1).transpose(1, 2)
+        res = nsa_decode(q[ar, t], t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates[ar, t], **hp)
+        torch.testing.assert_close(res.o, o_ref[ar, t], rtol=1e-10, atol=1e-12)
+        assert torch.equal(res.block_idx, idx_ref[ar, t])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_decode_step_does_not_sync_on_cuda(attention: str) -> None:
+    model = _lm(2, "mlp", "sigmoid", attention=attention, hp=CONFIGS[0]).cuda()
+    cache = model.new_cache(2, 40)
+    logits = model.prefill(torch.randint(0, 48, (2, 9), device="cuda"), torch.tensor([4, 9], device="cuda"), cache)
+    tok = logits[:, -1].argmax(-1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):
+            tok = model.decode_step(tok, cache).argmax(-1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cache.host_len == 9 + 12
+
+
+def _triton_vs_torch_decode(device: str, dtype: torch.dtype, tol: float) -> None:
+    """The Triton selected/window kernel equals the torch path (same blocks, same reads)."""
+    from nsa.ops.decode import nsa_decode
+    from nsa.ops.indexing import num_cmp
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [((4, 2, 2, 5, 5), 1, 8, 6, 40), ((4, 2, 4, 4, 6), 2, 16, 16, 37), ((8, 4, 16, 3, 20), 6, 8, 12, 70)]
+    if device == "cuda":
+        cases += [((32, 16, 64, 16, 512), 16, 128, 128, 3000), ((32, 16, 64, 16, 512), 6, 64, 64, 1500)]
+    for (l, d, l_sel, n_sel, w), h, Dk, Dv, T in cases:  # noqa: E741
+        B, H = 3, 2
+        C, R = num_cmp(T, l, d), min(w, T)
+
+        def r(*s: int) -> torch.Tensor:
+            return torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
+
+        t = torch.tensor([T - 1, 5, T // 2], device=device)
+        args = (r(B, H * h, Dk) * 2, t, r(B, H, C + 1, Dk), r(B, H, C + 1, Dv), r(B, H, T, Dk), r(B, H, T, Dv),
+                r(B, H, R, Dk), r(B, H, R, Dv), torch.rand(B, H * h, 3, generator=gen).to(device=device, dtype=dtype))
+        kw = {"l": l, "d": d, "l_sel": l_sel, "n_sel": n_sel, "w": w}
+        a = nsa_decode(*args, **kw)
+        b = nsa_decode(*args, **kw, backend="triton")
+        assert torch.equal(a.block_idx, b.block_idx) and torch.equal(a.reads, b.reads)
+        err = ((a.o.float() - b.o.float()).norm() / a.o.float().norm()).item()
+        assert err < tol, (h, T, err)
+
+
+def test_triton_decode_kernel_in_interpreter() -> None:
+    """CPU: the kernel under ``TRITON_INTERPRET=1`` (a fresh process: Triton reads it at import)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from tests.test_decode import _triton_vs_torch_decode\n"
+            "_triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
+            "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_decode_kernel_on_gpu() -> None:
+    _triton_vs_torch_decode("cuda", torch.bfloat16, 2e-2)
+
+
+def test_triton_decode_falls_back_off_gpu() -> None:
+    from nsa.ops import fallback_counts, reset_fallback_counts
+    from nsa.ops.decode import nsa_decode, triton_decode_supported
+
+    x = torch.randn(1, 2, 1, 8, dtype=torch.float64)
+    if triton_decode_supported(x) is None:
+        pytest.skip("the kernel serves CPU tensors here (TRITON_INTERPRET=1)")
+    reset_fallback_counts()
+    q = torch.randn(1, 2, 8, dtype=torch.float64)
+    kv = [torch.randn(1, 1, n, 8, dtype=torch.float64) for n in (6, 6, 16, 16, 5, 5)]
+    gates = torch.rand(1, 2, 3, dtype=torch.float64)
+    out = nsa_decode(q, torch.tensor([15]), *kv, gates, l=4, d=2, l_sel=4, n_sel=2, w=5, backend="triton")
+    ref = nsa_decode(q, torch.tensor([15]), *kv, gates, l=4, d=2, l_sel=4, n_sel=2, w=5)
+    assert torch.equal(out.o, ref.o)  # served by the torch path
+    assert sum(fallback_counts().values()) == 1
+    reset_fallback_counts()

@@ -1,0 +1,101 @@
+"""GPU facts through NVML (nvidia-ml-py). Every failure is reported, never raised."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    name: str
+    memory_total_mib: float
+    memory_free_mib: float
+    compute_capability: str | None = None
+    temperature_c: float | None = None
+    utilization_pct: float | None = None
+    power_w: float | None = None
+    ecc_uncorrected: int | None = None
+    retired_pages: int | None = None
+    other_processes: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class GpuProbe:
+    """What NVML says; ``error`` says why it could not (no library, no driver, no GPU)."""
+
+    available: bool
+    error: str | None = None
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    gpus: list[GpuInfo] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _try(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception:
+        return None
+
+
+def query_gpus(own_pids: set[int] | None = None) -> GpuProbe:
+    """Count, names, memory, versions, capability, ECC, temperature, utilisation and foreign processes."""
+    try:
+        import pynvml
+    except ImportError:
+        return GpuProbe(False, "nvidia-ml-py is not installed")
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return GpuProbe(False, f"NVML unavailable ({_text(exc) or type(exc).__name__})")
+    try:
+        probe = GpuProbe(True)
+        probe.driver_version = _try(lambda: _text(pynvml.nvmlSystemGetDriverVersion()))
+        cuda = _try(pynvml.nvmlSystemGetCudaDriverVersion)
+        if cuda:
+            probe.cuda_driver_version = f"{cuda // 1000}.{(cuda % 1000) // 10}"
+        count = pynvml.nvmlDeviceGetCount()
+        for i in range(count):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            info = GpuInfo(i, _text(pynvml.nvmlDeviceGetName(h)), mem.total / MIB, mem.free / MIB)
+            cc = _try(pynvml.nvmlDeviceGetCudaComputeCapability, h)
+            if cc:
+                info.compute_capability = f"{cc[0]}.{cc[1]}"
+            info.temperature_c = _try(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
+            util = _try(pynvml.nvmlDeviceGetUtilizationRates, h)
+            info.utilization_pct = float(util.gpu) if util is not None else None
+            power = _try(pynvml.nvmlDeviceGetPowerUsage, h)
+            info.power_w = power / 1000.0 if power is not None else None
+            info.ecc_uncorrected = _try(
+                pynvml.nvmlDeviceGetTotalEccErrors,
+                h,
+                pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                pynvml.NVML_VOLATILE_ECC,
+            )
+            pages = _try(
+                pynvml.nvmlDeviceGetRetiredPages, h, pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+            )
+            info.retired_pages = len(pages) if pages is not None else None
+            procs = _try(pynvml.nvmlDeviceGetComputeRunningProcesses, h) or []
+            for p in procs:
+                if own_pids and p.pid in own_pids:
+                    continue
+                used = getattr(p, "usedGpuMemory", None)
+                info.other_processes.append({"pid": p.pid, "used_mib": (used or 0) / MIB})
+            probe.gpus.append(info)
+        return probe
+    except Exception as exc:
+        return GpuProbe(False, f"NVML query failed ({_text(exc) or type(exc).__name__})")
+    finally:
+        _try(pynvml.nvmlShutdown)

@@ -1,0 +1,128 @@
+"""Asking a run to stop: write ``.HALT`` atomically, then optionally follow the heartbeat until the
+trainer acknowledges (``halt`` event, final checkpoint) or a timeout."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from nsa.runs.reader import RunReader, check_run_dir
+
+HALT_FILE = ".HALT"
+
+
+def who_am_i(tool: str = "nsa halt") -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "unknown"
+    return f"{user}@{socket.gethostname()} ({tool}, pid {os.getpid()})"
+
+
+def write_halt(
+    run_dir: str | Path,
+    reason: str,
+    *,
+    who: str | None = None,
+    rule: str | None = None,
+    evidence: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``RUN_DIR/.HALT`` (JSON) atomically: a temporary file renamed over the target."""
+    run = Path(run_dir)
+    record: dict[str, Any] = {"reason": reason, "time": time.time(), "who": who or who_am_i()}
+    if rule is not None:
+        record["rule"] = rule
+    if evidence is not None:
+        record["evidence"] = evidence
+    tmp = run / f".HALT.tmp-{os.getpid()}-{time.time_ns()}"
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    os.replace(tmp, run / HALT_FILE)
+    return record
+
+
+@dataclass
+class HaltOutcome:
+    """What happened after asking: ``acknowledged``, ``ended`` (finished another way), ``crashed``,
+    ``timeout``, ``written`` (no wait) or ``already-ended`` (nothing written)."""
+
+    outcome: str
+    message: str
+    run_dir: str
+    halt: dict[str, Any] | None = None
+    checkpoint: str | None = None
+    end_status: str | None = None
+    step: int | None = None
+    waited_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in ("acknowledged", "written", "already-ended", "ended")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def wait_for_ack(
+    reader: RunReader, since: float, timeout_s: float, poll_s: float = 0.5, stale_s: float = 300.0
+) -> HaltOutcome:
+    """Follow the heartbeat until a ``halt`` (and then ``end``) event after ``since``, or a timeout."""
+    t0 = time.monotonic()
+    run = str(reader.run_dir)
+    halt_ev: dict[str, Any] | None = None
+    while True:
+        st = reader.poll()
+        if halt_ev is None:
+            halt_ev = next((h for h in st.halts if float(h.get("ts", 0)) >= since - 1.0), None)
+        end = st.end
+        if end is not None and float(end.get("ts", 0)) >= since - 1.0:
+            ck = (halt_ev or {}).get("checkpoint")
+            if ck is None:
+                ck = next((c.get("path") for c in reversed(st.checkpoints) if c.get("reason") == "halt"), None)
+            status = str(end.get("status"))
+            waited = time.monotonic() - t0
+            if halt_ev is not None or status == "halted":
+                where = f"checkpoint {ck}" if ck else "no checkpoint recorded"
+                return HaltOutcome("acknowledged", f"run halted at step {end.get('step')} ({where})", run,
+                                   checkpoint=ck, end_status=status, step=end.get("step"), waited_s=waited)
+            return HaltOutcome("ended", f"run ended with status {status} before acting on the halt", run,
+                               end_status=status, step=end.get("step"), waited_s=waited)
+        if st.status(time.time(), stale_s) == "crashed":
+            return HaltOutcome("crashed", f"trainer process is gone without an end event (last step {st.steps_done})",
+                               run, step=st.steps_done, waited_s=time.monotonic() - t0)
+        if time.monotonic() - t0 >= timeout_s:
+            seen = "saw its halt event but no end yet" if halt_ev else "no halt event yet"
+            return HaltOutcome("timeout", f"no acknowledgement within {timeout_s:g} s ({seen}; last step "
+                               f"{st.steps_done})", run, step=st.steps_done, waited_s=timeout_s)
+        time.sleep(poll_s)
+
+
+def halt_run(
+    run_dir: str | Path,
+    reason: str = "operator request",
+    *,
+    wait: bool = False,
+    timeout_s: float = 600.0,
+    who: str | None = None,
+    poll_s: float = 0.5,
+    force: bool = False,
+) -> HaltOutcome:
+    """Ask the trainer of ``run_dir`` to checkpoint and stop; with ``wait`` follow it until it does."""
+    path = check_run_dir(run_dir)
+    reader = RunReader(path)
+    st = reader.poll()
+    if st.end is not None and not force:
+        return HaltOutcome("already-ended", f"run already ended (status {st.end.get('status')}); nothing written",
+                           str(path), end_status=str(st.end.get("status")), step=st.end.get("step"))
+    record = write_halt(path, reason, who=who)
+    if not wait:
+        return HaltOutcome("written", f"wrote {path / HALT_FILE}; the trainer stops at its next step",
+                           str(path), halt=record, step=st.steps_done)
+    out = wait_for_ack(reader, record["time"], timeout_s, poll_s)
+    out.halt = record
+    return out

@@ -1,0 +1,440 @@
+"""Incremental, fault-tolerant reading of a run directory (see ``docs/run-directory.md``).
+
+``RunReader(run_dir).poll()`` reads only what was appended since the last poll, keeps a truncated last
+line until it is completed, counts corrupt lines instead of failing, and tolerates missing files. It
+works for multi-rank runs (one ``heartbeat_rank{r}.jsonl`` per rank).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nsa.errors import RunDirError
+
+HEARTBEAT_RE = re.compile(r"^heartbeat_rank(\d+)\.jsonl$")
+RUN_MARKERS = ("config.yaml", "env.json", "training.csv", "metrics.json")
+MAX_HISTORY = 20000  # progress points kept in memory (older ones are thinned)
+
+
+def is_run_dir(path: str | Path) -> bool:
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    if any(HEARTBEAT_RE.match(f.name) for f in p.iterdir()):
+        return True
+    return any((p / m).is_file() for m in RUN_MARKERS)
+
+
+def check_run_dir(path: str | Path) -> Path:
+    """The path, or ``RunDirError`` saying why it is not a run directory."""
+    p = Path(path)
+    if not p.exists():
+        raise RunDirError(f"run directory {p} does not exist", hint="give the train.out_dir of a run, e.g. artifacts/tiny")
+    if not p.is_dir():
+        raise RunDirError(f"{p} is a file, not a run directory", hint="give the folder that holds heartbeat_rank0.jsonl")
+    if not is_run_dir(p):
+        raise RunDirError(
+            f"{p} is not a run directory (no heartbeat_rank*.jsonl, config.yaml, env.json or training.csv)",
+            hint="give the train.out_dir of a run started by `nsa train`",
+        )
+    return p
+
+
+class JsonlTail:
+    """Reads the JSON objects appended to a file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+        self.corrupt = 0
+        self.truncated = False
+
+    def read_new(self, final: bool = False) -> list[dict[str, Any]]:
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return []
+        if size < self.offset:  # rewritten from scratch
+            self.offset, self.partial = 0, b""
+        out: list[dict[str, Any]] = []
+        if size > self.offset:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(size - self.offset)
+            self.offset += len(data)
+            lines = (self.partial + data).split(b"\n")
+            self.partial = lines.pop()
+            for line in lines:
+                self._parse(line, out)
+        self.truncated = bool(self.partial.strip())
+        if final and self.truncated:
+            # a last line without newline: accept it if it is whole, else count it as truncated
+            try:
+                obj = json.loads(self.partial)
+            except ValueError:
+                return out
+            if isinstance(obj, dict):
+                out.append(obj)
+                self.partial, self.truncated = b"", False
+        return out
+
+    def _parse(self, line: bytes, out: list[dict[str, Any]]) -> None:
+        if not line.strip():
+            return
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            self.corrupt += 1
+            return
+        if isinstance(obj, dict):
+            out.append(obj)
+        else:
+            self.corrupt += 1
+
+
+class CsvTail:
+    """Rows appended to a CSV with a header line, as dicts of floats (non-numbers kept as text)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+        self.header: list[str] | None = None
+        self.corrupt = 0
+
+    def read_new(self, final: bool = False) -> list[dict[str, Any]]:
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return []
+        if size < self.offset:
+            self.offset, self.partial, self.header = 0, b"", None
+        if size == self.offset and not (final and self.partial):
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        if final and self.partial.strip():
+            lines.append(self.partial)
+            self.partial = b""
+        out = []
+        for raw in lines:
+            text = raw.decode("utf-8", "replace").strip()
+            if not text:
+                continue
+            cells = next(csv.reader(io.StringIO(text)))
+            if self.header is None:
+                self.header = [c.strip() for c in cells]
+                continue
+            if len(cells) != len(self.header):
+                self.corrupt += 1
+                continue
+            row: dict[str, Any] = {}
+            for key, cell in zip(self.header, cells, strict=True):
+                row[key] = _number(cell)
+            if not isinstance(row.get("step"), int | float):
+                self.corrupt += 1
+                continue
+            out.append(row)
+        return out
+
+
+def _number(text: str) -> Any:
+    t = text.strip()
+    if t == "":
+        return None
+    try:
+        v = float(t)
+    except ValueError:
+        return t
+    return int(v) if v.is_integer() and "." not in t and "e" not in t.lower() and math.isfinite(v) else v
+
+
+@dataclass
+class RankState:
+    rank: int
+    boot: dict[str, Any] | None = None
+    last: dict[str, Any] | None = None
+    last_progress: dict[str, Any] | None = None
+    end: dict[str, Any] | None = None
+    events: int = 0
+
+    @property
+    def last_ts(self) -> float | None:
+        return float(self.last["ts"]) if self.last and isinstance(self.last.get("ts"), int | float) else None
+
+
+@dataclass
+class RunState:
+    """Everything read so far from one run directory."""
+
+    run_dir: Path
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    progress: list[dict[str, Any]] = field(default_factory=list)  # rank-0 progress events
+    csv_rows: list[dict[str, Any]] = field(default_factory=list)  # training.csv
+    val_rows: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    anomalies: list[dict[str, Any]] = field(default_factory=list)
+    halts: list[dict[str, Any]] = field(default_factory=list)
+    loader_ready: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
+    config_sources: dict[str, str] = field(default_factory=dict)  # dotted key -> origin (config.yaml comments)
+    env: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+    halt_file: dict[str, Any] | None = None
+    corrupt_lines: int = 0
+    truncated_lines: int = 0
+    files_missing: list[str] = field(default_factory=list)
+
+    # ---- derived views
+    @property
+    def rank0(self) -> RankState | None:
+        return self.ranks.get(0) or (self.ranks[min(self.ranks)] if self.ranks else None)
+
+    @property
+    def boot(self) -> dict[str, Any] | None:
+        r = self.rank0
+        return r.boot if r else None
+
+    @property
+    def end(self) -> dict[str, Any] | None:
+        r = self.rank0
+        return r.end if r else None
+
+    @property
+    def run_name(self) -> str:
+        if self.boot and self.boot.get("run_name"):
+            return str(self.boot["run_name"])
+        train = (self.config or {}).get("train") or {}
+        return str(train.get("run_name") or self.run_dir.resolve().name)
+
+    @property
+    def world_size(self) -> int:
+        if self.boot and isinstance(self.boot.get("world_size"), int):
+            return int(self.boot["world_size"])
+        return max(1, len(self.ranks))
+
+    def series(self) -> list[dict[str, Any]]:
+        """Per-step points: training.csv rows if there are any, else rank-0 progress events."""
+        return self.csv_rows if self.csv_rows else self.progress
+
+    @property
+    def last_progress(self) -> dict[str, Any] | None:
+        return self.progress[-1] if self.progress else None
+
+    @property
+    def steps_done(self) -> int:
+        best = 0
+        for src in (self.progress[-1:], self.csv_rows[-1:]):
+            for p in src:
+                if isinstance(p.get("step"), int | float):
+                    best = max(best, int(p["step"]))
+        r = self.rank0
+        if r and r.last and isinstance(r.last.get("step"), int | float):
+            best = max(best, int(r.last["step"]))
+        return best
+
+    @property
+    def steps_total(self) -> int | None:
+        for src in (self.last_progress, self.boot):
+            if src and isinstance(src.get("steps_total"), int):
+                return int(src["steps_total"])
+        train = (self.config or {}).get("train") or {}
+        return train.get("steps") if isinstance(train.get("steps"), int) else None
+
+    def heartbeat_age(self, now: float) -> dict[int, float]:
+        """Seconds since each rank's last heartbeat line."""
+        return {r: now - s.last_ts for r, s in self.ranks.items() if s.last_ts is not None}
+
+    def process_alive(self) -> bool | None:
+        """Whether rank 0's trainer process is alive (None when it runs on another host or is unknown)."""
+        boot = self.boot
+        if not boot or not isinstance(boot.get("pid"), int):
+            return None
+        if boot.get("host") not in (None, socket.gethostname()):
+            return None
+        try:
+            import psutil
+
+            return bool(psutil.pid_exists(int(boot["pid"])))
+        except Exception:
+            return None
+
+    def status(self, now: float, stale_s: float = 300.0) -> str:
+        """``completed``/``halted``/``failed`` (from the end event), else ``running``, ``stale`` or ``crashed``."""
+        ends = [s.end for s in self.ranks.values() if s.end]
+        if self.end is not None or ends:
+            statuses = [str(e.get("status", "failed")) for e in ([self.end] if self.end else ends)]
+            for s in ("failed", "halted", "completed"):
+                if s in statuses:
+                    return s
+            return statuses[0]
+        if not self.ranks:
+            if self.metrics and self.metrics.get("status"):
+                return str(self.metrics["status"])
+            return "not-started" if not self.csv_rows else "unknown"
+        if self.process_alive() is False:
+            return "crashed"
+        ages = self.heartbeat_age(now)
+        if ages and max(ages.values()) > stale_s:
+            return "stale"
+        return "running"
+
+
+class RunReader:
+    """Polls one run directory; each ``poll()`` reads only new data and returns the updated state."""
+
+    def __init__(self, run_dir: str | Path, check: bool = True) -> None:
+        self.run_dir = check_run_dir(run_dir) if check else Path(run_dir)
+        self.state = RunState(self.run_dir)
+        self._hb: dict[int, JsonlTail] = {}
+        self._csv = CsvTail(self.run_dir / "training.csv")
+        self._val = CsvTail(self.run_dir / "val.csv")
+        self._mtimes: dict[str, float] = {}
+        self._bad_events = 0
+
+    def _changed(self, name: str) -> bool:
+        try:
+            m = (self.run_dir / name).stat().st_mtime_ns
+        except OSError:
+            if name in self._mtimes:
+                self._mtimes.pop(name)
+                return True
+            return False
+        if self._mtimes.get(name) == m:
+            return False
+        self._mtimes[name] = m
+        return True
+
+    def _read_small(self) -> None:
+        st = self.state
+        if self._changed("config.yaml"):
+            try:
+                text = (self.run_dir / "config.yaml").read_text()
+                data = yaml.safe_load(text)
+                st.config = data if isinstance(data, dict) else None
+                st.config_sources = parse_sources(text)
+            except (OSError, yaml.YAMLError):
+                st.config = None
+        for name, attr in (("env.json", "env"), ("metrics.json", "metrics")):
+            if self._changed(name):
+                try:
+                    data = json.loads((self.run_dir / name).read_text())
+                    setattr(st, attr, data if isinstance(data, dict) else None)
+                except (OSError, ValueError):
+                    setattr(st, attr, None)
+        if self._changed(".HALT"):
+            st.halt_file = read_halt_file(self.run_dir)
+        st.files_missing = [n for n in ("config.yaml", "env.json", "training.csv") if not (self.run_dir / n).exists()]
+        if not self._hb:
+            st.files_missing.append("heartbeat_rank0.jsonl")
+
+    def poll(self, final: bool = False) -> RunState:
+        st = self.state
+        try:
+            names = os.listdir(self.run_dir)
+        except OSError:
+            names = []
+        for name in names:
+            m = HEARTBEAT_RE.match(name)
+            if m and int(m.group(1)) not in self._hb:
+                self._hb[int(m.group(1))] = JsonlTail(self.run_dir / name)
+        for rank, tail in sorted(self._hb.items()):
+            for ev in tail.read_new(final=final):
+                self._apply(rank, ev)
+        st.csv_rows.extend(self._csv.read_new(final=final))
+        st.val_rows.extend(self._val.read_new(final=final))
+        st.corrupt_lines = (sum(t.corrupt for t in self._hb.values()) + self._csv.corrupt + self._val.corrupt
+                            + self._bad_events)
+        st.truncated_lines = sum(1 for t in self._hb.values() if t.truncated)
+        if len(st.csv_rows) > MAX_HISTORY:
+            st.csv_rows[:] = st.csv_rows[::2]
+        self._read_small()
+        return st
+
+    def _apply(self, file_rank: int, ev: dict[str, Any]) -> None:
+        st = self.state
+        raw_rank = ev.get("rank")
+        rank = raw_rank if isinstance(raw_rank, int) else file_rank
+        rs = st.ranks.setdefault(rank, RankState(rank))
+        if not isinstance(ev.get("ts"), int | float):
+            self._bad_events += 1
+            return
+        rs.last = ev
+        rs.events += 1
+        kind = ev.get("event")
+        if kind == "boot":
+            rs.boot, rs.end = ev, None
+        elif kind == "progress":
+            rs.last_progress = ev
+            if rank == 0:
+                st.progress.append(ev)
+                if len(st.progress) > MAX_HISTORY:
+                    st.progress[:] = st.progress[::2]
+        elif kind == "end":
+            rs.end = ev
+        elif rank == 0 and kind == "loader-ready":
+            st.loader_ready = ev
+        elif rank == 0 and kind == "eval":
+            st.evals.append(ev)
+        elif rank == 0 and kind == "checkpoint":
+            st.checkpoints.append(ev)
+        elif kind == "anomaly":
+            st.anomalies.append(ev)
+        elif kind == "halt":
+            st.halts.append(ev)
+
+
+SOURCE_LINE = re.compile(r"^#\s+([A-Za-z_]+\.[A-Za-z_]+):\s*(.+?)\s*$")
+
+
+def parse_sources(config_text: str) -> dict[str, str]:
+    """The ``# _sources`` comment block of a run's ``config.yaml``: dotted key -> where it came from."""
+    out: dict[str, str] = {}
+    in_block = False
+    for line in config_text.splitlines():
+        if line.startswith("# _sources"):
+            in_block = True
+            continue
+        if in_block:
+            m = SOURCE_LINE.match(line)
+            if m:
+                out[m.group(1)] = m.group(2)
+    return out
+
+
+def read_halt_file(run_dir: str | Path) -> dict[str, Any] | None:
+    """The pending ``.HALT`` as a dict (plain-text files become ``{"reason": text}``), or None."""
+    p = Path(run_dir) / ".HALT"
+    try:
+        text = p.read_text(errors="replace")
+    except OSError:
+        return None
+    try:
+        data = json.loads(text)
+        if isinstance(data, dict):
+            return data
+    except ValueError:
+        pass
+    return {"reason": text.strip() or "(empty .HALT)", "time": p.stat().st_mtime}
+
+
+def read_run(run_dir: str | Path) -> RunState:
+    """One complete read of a run directory (for reports and one-shot views)."""
+    return RunReader(run_dir).poll(final=True)

@@ -1,0 +1,179 @@
+"""Numbers derived from a run's state: progress, throughput, fetch latency, memory, gates, counters."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from nsa.runs.reader import RunState
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def finite(v: Any) -> bool:
+    x = _num(v)
+    return x is not None and math.isfinite(x)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    vals = sorted(v for v in values if math.isfinite(v))
+    if not vals:
+        return None
+    k = (len(vals) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+
+
+def step_ranges(points: list[dict[str, Any]], n: int = 5, key: str = "tokens_per_s") -> list[dict[str, Any]]:
+    """Split the points into up to ``n`` step ranges with the mean and count of ``key`` (a trend table)."""
+    pts = [(int(p["step"]), float(p[key])) for p in points if finite(p.get("step")) and finite(p.get(key))]
+    if not pts:
+        return []
+    n = max(1, min(n, len(pts)))
+    size = math.ceil(len(pts) / n)
+    out = []
+    for i in range(0, len(pts), size):
+        chunk = pts[i:i + size]
+        vals = [v for _, v in chunk]
+        out.append({"from_step": chunk[0][0], "to_step": chunk[-1][0], "mean": statistics.fmean(vals),
+                    "min": min(vals), "max": max(vals), "points": len(vals)})
+    return out
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    run_name: str
+    status: str
+    steps_done: int
+    steps_total: int | None
+    world_size: int
+    first_loss: float | None = None
+    last_loss: float | None = None
+    min_loss: float | None = None
+    nonfinite_losses: int = 0
+    tokens_per_s_last: float | None = None
+    tokens_per_s_median: float | None = None
+    step_time_s_median: float | None = None
+    tokens_seen: float | None = None
+    elapsed_s: float | None = None
+    eta_s: float | None = None
+    fetch_p50_ms: float | None = None
+    fetch_p95_ms: float | None = None
+    mem_peak_mib: float | None = None
+    mem_reserved_mib: float | None = None
+    rss_mib: float | None = None
+    gate_entropy_mean: float | None = None
+    gate_branch_shares: list[float] | None = None
+    gate_collapse_fraction: float | None = None
+    sel_keys_mean: float | None = None
+    mfu: float | None = None
+    fallback: dict[str, int] = field(default_factory=dict)
+    fallback_total: int = 0
+    heartbeat_age_s: dict[int, float] = field(default_factory=dict)
+    anomalies: list[dict[str, Any]] = field(default_factory=list)
+    halts: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] | None = None
+    val_loss: float | None = None
+    pending_halt: dict[str, Any] | None = None
+    corrupt_lines: int = 0
+    truncated_lines: int = 0
+    device: str | None = None
+    profile: str | None = None
+    config_path: str | None = None
+    commit: str | None = None
+
+    @property
+    def loss_decreased(self) -> bool:
+        return self.first_loss is not None and self.last_loss is not None and self.last_loss < self.first_loss
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["heartbeat_age_s"] = {str(k): v for k, v in self.heartbeat_age_s.items()}
+        out["loss_decreased"] = self.loss_decreased
+        return out
+
+
+def summarize(state: RunState, now: float, stale_s: float = 300.0) -> RunSummary:
+    series = state.series()
+    # the heartbeat writes a non-finite loss as null, the CSV as nan/inf: both count as non-finite
+    losses = [_num(p.get("loss")) for p in series if "loss" in p]
+    finite_losses = [v for v in losses if v is not None and math.isfinite(v)]
+    nonfinite = sum(1 for v in losses if v is None or not math.isfinite(v))
+    s = RunSummary(
+        run_dir=str(state.run_dir),
+        run_name=state.run_name,
+        status=state.status(now, stale_s),
+        steps_done=state.steps_done,
+        steps_total=state.steps_total,
+        world_size=state.world_size,
+        first_loss=finite_losses[0] if finite_losses else None,
+        last_loss=losses[-1] if losses else None,
+        min_loss=min(finite_losses) if finite_losses else None,
+        nonfinite_losses=nonfinite + sum(1 for a in state.anomalies if a.get("kind") == "nonfinite_loss"),
+        heartbeat_age_s=state.heartbeat_age(now),
+        anomalies=list(state.anomalies),
+        halts=list(state.halts),
+        checkpoints=list(state.checkpoints),
+        end=state.end,
+        pending_halt=state.halt_file,
+        corrupt_lines=state.corrupt_lines,
+        truncated_lines=state.truncated_lines,
+    )
+    tps = [float(p["tokens_per_s"]) for p in series if finite(p.get("tokens_per_s"))]
+    if tps:
+        s.tokens_per_s_last = tps[-1]
+        s.tokens_per_s_median = statistics.median(tps[len(tps) // 5:] or tps)  # skip warm-up fifth
+    st = [float(p["step_time_s"]) for p in series if finite(p.get("step_time_s"))]
+    if st:
+        s.step_time_s_median = statistics.median(st[len(st) // 5:] or st)
+    last = state.last_progress or {}
+    last_row = series[-1] if series else {}
+    s.tokens_seen = _num(last.get("tokens_seen")) or _num(last_row.get("tokens_seen"))
+    s.elapsed_s = _num(last.get("elapsed_s")) or _num(last_row.get("elapsed_s"))
+    s.eta_s = _num(last.get("eta_s"))
+    s.fetch_p50_ms = _num(last.get("fetch_p50_ms"))
+    s.fetch_p95_ms = _num(last.get("fetch_p95_ms"))
+    if s.fetch_p95_ms is None:
+        fetch = [float(r["fetch_ms"]) for r in state.csv_rows if finite(r.get("fetch_ms"))]
+        s.fetch_p50_ms, s.fetch_p95_ms = percentile(fetch, 0.5), percentile(fetch, 0.95)
+    peaks = [float(p["mem_peak_mib"]) for p in state.progress if finite(p.get("mem_peak_mib"))]
+    for rs in state.ranks.values():  # every rank's latest
+        if rs.last_progress and finite(rs.last_progress.get("mem_peak_mib")):
+            peaks.append(float(rs.last_progress["mem_peak_mib"]))
+    s.mem_peak_mib = max(peaks) if peaks else None
+    s.mem_reserved_mib = _num(last.get("mem_reserved_mib"))
+    rss = [float(p["rss_mib"]) for p in state.progress if finite(p.get("rss_mib"))]
+    s.rss_mib = max(rss) if rss else None
+    s.gate_entropy_mean = _num(last.get("gate_entropy_mean"))
+    shares = last.get("gate_branch_shares")
+    s.gate_branch_shares = [float(x) for x in shares] if isinstance(shares, list) and all(finite(x) for x in shares) else None
+    s.gate_collapse_fraction = _num(last.get("gate_collapse_fraction"))
+    s.sel_keys_mean = _num(last.get("sel_keys_mean"))
+    s.mfu = _num(last.get("mfu"))
+    fb: dict[str, int] = {}
+    for rs in state.ranks.values():
+        d = (rs.last_progress or {}).get("fallback")
+        if isinstance(d, dict):
+            for k, v in d.items():
+                if finite(v):
+                    fb[str(k)] = fb.get(str(k), 0) + int(v)
+    s.fallback = fb
+    s.fallback_total = sum(fb.values())
+    if state.val_rows:
+        s.val_loss = _num(state.val_rows[-1].get("val_loss"))
+    elif state.evals:
+        s.val_loss = _num(state.evals[-1].get("val_loss"))
+    boot = state.boot or {}
+    env = state.env or {}
+    s.device = str(env.get("device_name") or boot.get("device") or env.get("device") or "") or None
+    s.profile = env.get("profile") if isinstance(env.get("profile"), str) else None
+    s.config_path = env.get("config_path") if isinstance(env.get("config_path"), str) else None
+    git: dict[str, Any] = env["git"] if isinstance(env.get("git"), dict) else {}
+    s.commit = git.get("commit") or env.get("commit")
+    return s

@@ -1,0 +1,54 @@
+"""``nsa halt``: ask a run to checkpoint and stop."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from nsa_cli.errors import EXIT_FAILED, user_errors
+
+EPILOG = """\
+Examples:
+
+  nsa halt artifacts/tiny                                   # write .HALT and return
+
+  nsa halt artifacts/m7c-125m --reason "node maintenance" --wait
+
+  nsa halt artifacts/m7c-125m --wait --timeout 900 --json
+
+The trainer checks .HALT every step: it saves a checkpoint, logs a halt event and exits 0.
+Exit code 0 when written (or acknowledged with --wait), 1 on timeout or a crashed trainer, 2 when
+RUN_DIR is not a run directory.
+"""
+
+
+def halt(
+    run_dir: Annotated[str, typer.Argument(help="Run directory (train.out_dir).")],
+    reason: Annotated[str, typer.Option("--reason", "-r", help="Why (recorded in .HALT and the heartbeat).")] = "operator request",
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the heartbeat until the trainer acknowledges.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait with --wait.", min=0.1)] = 600.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON.")] = False,
+) -> None:
+    """Write RUN_DIR/.HALT atomically (reason, time, who); with --wait, report the final checkpoint."""
+    from nsa_cli import render
+
+    with user_errors():
+        from nsa.runs.halt import halt_run
+
+        con = render.console()
+        if wait and not as_json:
+            con.print(f"wrote .HALT in {run_dir}; waiting up to {timeout:g} s for the trainer to acknowledge...")
+        out = halt_run(run_dir, reason, wait=wait, timeout_s=timeout)
+    if as_json:
+        render.print_json(render.jsonable(out.to_dict()))
+    else:
+        text = render.styled(out.outcome)
+        text.append(f": {out.message}")
+        con.print(text)
+    if not out.ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("halt", epilog=EPILOG)(halt)

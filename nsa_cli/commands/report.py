@@ -1,0 +1,54 @@
+"""``nsa report``: the daily test report (markdown + PNG charts) from run directories."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from nsa_cli.errors import user_errors
+
+EPILOG = """\
+Examples:
+
+  nsa report                                      # newest run under artifacts/
+
+  nsa report artifacts/tiny
+
+  nsa report artifacts/s512 artifacts/s1024 artifacts/s2048 --title "Selection perf matrix"
+
+  nsa report artifacts/tiny --out /tmp/reports --json
+
+Default output: Documentation/Reports/<yyyy-mm-dd> Test Engineer Report - <run name> v<N>.md
+"""
+
+
+def report(
+    run_dirs: Annotated[list[str] | None, typer.Argument(help="Run directories (default: newest under artifacts/).")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Report folder (default Documentation/Reports).")] = None,
+    title: Annotated[str | None, typer.Option("--title", help="Name used in the title and file name.")] = None,
+    artifacts: Annotated[str, typer.Option("--artifacts", help="Where to look for the newest run.")] = "artifacts",
+    no_charts: Annotated[bool, typer.Option("--no-charts", help="Skip the PNG charts.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report path and verdicts as JSON.")] = False,
+) -> None:
+    """Verdict, git state, versions, profile and NSA_* settings, config, tokens/s trend and charts,
+    fetch p50/p95, peak memory, gate health, counters, anomalies/halts and links to artifacts."""
+    from nsa_cli import render
+
+    with user_errors():
+        from nsa.runs.report import build_report
+
+        res = build_report(run_dirs or None, out, artifacts_root=artifacts, title=title, charts=not no_charts)
+    if as_json:
+        render.print_json(res.to_dict())
+        return
+    con = render.console()
+    for s, (v, why) in zip(res.runs, res.verdicts, strict=True):
+        text = render.styled(v)
+        text.append(f"  {s.run_name}: {why}")
+        con.print(text)
+    con.print(f"report: {res.path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("report", epilog=EPILOG)(report)

@@ -1,0 +1,60 @@
+"""``nsa smoke``: preflight + parity + a short training run + a verdict."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from nsa_cli.errors import EXIT_FAILED, user_errors
+
+EPILOG = """\
+Examples:
+
+  nsa smoke                                       # CPU: offline, embedded corpus, tiny config, < 2 min
+
+  nsa smoke --profile h100-80g                    # m7c-125m, 200 steps, the profile's floors
+
+  nsa smoke --profile cpu --steps 30 --out-dir artifacts/smoke-cpu --json
+
+Criteria: run completed, loss decreased, no non-finite values, tokens/s >= the profile's floor, fetch
+p95 under its limit, gate health, fallback counters at zero, heartbeat fresh. Exit 1 on any FAIL.
+"""
+
+
+def smoke(
+    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile (default: detected; cpu without CUDA).")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="Training steps (default: the profile's smoke.steps).", min=2)] = None,
+    config: Annotated[str | None, typer.Option("--config", "-c", help="Run config (default: the profile's smoke.config).")] = None,
+    out_dir: Annotated[str | None, typer.Option("--out-dir", "-o", help="Run directory (default artifacts/smoke-<profile>-<time>).")] = None,
+    skip_preflight: Annotated[bool, typer.Option("--skip-preflight", help="Go straight to parity and training.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Preflight, parity of every fast path on this device against the reference, a short training run,
+    then a verdict against explicit criteria."""
+    from nsa_cli import render
+
+    con = render.console(stderr=as_json)
+
+    def stage(name: str, report: object) -> None:
+        if not as_json:
+            con.print(f"[dim]smoke: {name} done[/]")
+
+    with user_errors():
+        from nsa.checks.smoke import run_smoke
+
+        report = run_smoke(profile, steps, config=config, out_dir=out_dir, skip_preflight=skip_preflight,
+                           console=con, on_stage=stage)
+    if as_json:
+        render.print_json(render.jsonable(report.to_dict()))
+    else:
+        f = report.facts
+        title = f"nsa smoke (profile {f.get('profile')}, config {f.get('config')}, {f.get('steps')} steps, run {f.get('run_dir')})"
+        con.print(render.checks_table(report, title))
+        con.print(render.counts_line(report))
+    if not report.ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("smoke", epilog=EPILOG)(smoke)

@@ -1,0 +1,103 @@
+"""Shared Rich helpers: consoles that respect NO_COLOR and non-terminals, tables, sparklines, JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+STATUS_STYLE = {"PASS": "bold green", "WARN": "bold yellow", "FAIL": "bold red", "RUNNING": "bold cyan",
+                "INCOMPLETE": "bold yellow", "acknowledged": "green", "written": "green", "timeout": "red",
+                "crashed": "red", "ended": "yellow", "already-ended": "yellow"}
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def console(stderr: bool = False) -> Console:
+    """A console: colours off under NO_COLOR or when not a terminal (Rich's own rules), wide when piped."""
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 120
+    return Console(file=stream, width=width, highlight=False, soft_wrap=False)
+
+
+def styled(status: str) -> Text:
+    return Text(status, style=STATUS_STYLE.get(status, ""))
+
+
+def print_json(data: Any) -> None:
+    """Machine-readable output on stdout (no colour, no wrapping)."""
+    sys.stdout.write(json.dumps(data, indent=2, default=_default, allow_nan=False) + "\n")
+
+
+def _default(obj: Any) -> Any:
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if isinstance(obj, set):
+        return sorted(obj)
+    return str(obj)
+
+
+def jsonable(obj: Any) -> Any:
+    """Replace non-finite floats by None (JSON has no NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+def checks_table(report: Any, title: str) -> Table:
+    """A CheckReport as a table: status, check, reason, hint."""
+    t = Table(title=title, title_justify="left", show_lines=False, expand=False)
+    t.add_column("status", no_wrap=True)
+    t.add_column("check", no_wrap=True)
+    t.add_column("reason")
+    t.add_column("hint", style="dim")
+    for c in report.checks:
+        t.add_row(styled(c.status.value), c.name, c.reason, c.hint)
+    return t
+
+
+def counts_line(report: Any) -> Text:
+    n = report.counts()
+    verdict = "FAIL" if n["FAIL"] else "PASS"
+    text = Text()
+    text.append(verdict, style=STATUS_STYLE[verdict])
+    text.append(f": {n['PASS']} passed, {n['WARN']} warning(s), {n['FAIL']} failed")
+    return text
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """Unicode blocks for the last ``width`` finite values."""
+    vals = [v for v in values if isinstance(v, int | float) and math.isfinite(v)][-width:]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    span = hi - lo
+    return "".join(SPARK[int((v - lo) / span * (len(SPARK) - 1)) if span > 0 else 3] for v in vals)
+
+
+def fmt_num(v: Any, spec: str = ",.4g", unit: str = "") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a" if v is None else str(v)
+    try:
+        return f"{v:{spec}}{unit}"
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    s = int(max(0, seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"

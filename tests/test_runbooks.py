@@ -1,0 +1,180 @@
+"""The runbooks cannot rot: every ``nsa ...`` command in runbooks/*.md must parse against the real CLI,
+and the ones a CPU can run (profiles, preflight, watch, halt, report, tiny training and benches) run.
+
+Commands come from fenced code blocks (``VAR=value nsa ...`` prefixes and ``\\`` continuations
+handled) and from inline code spans in the prose (parsed only). Run-directory arguments of watch, halt
+and report that do not exist yet are created as finished hand-written runs in a scratch folder.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from nsa_cli.app import app
+from tests.test_runs import write_run
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNBOOKS = sorted((ROOT / "runbooks").glob("*.md"))
+ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+RUN_FOR_REAL = {"profiles", "preflight", "watch", "halt", "report"}
+TINY_STEPS = "3"
+
+
+SHELL_OPS = {"|", "||", "&", "&&", ";", ">", ">>", "<", "2>", "2>&1"}
+
+
+def split_command(text: str) -> tuple[dict[str, str], list[str]]:
+    """``VAR=x nsa a b > f | tee`` -> ``({"VAR": "x"}, ["nsa", "a", "b"])``: env prefix and first command."""
+    lex = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    lex.commenters = "#"
+    tokens = []
+    for tok in lex:
+        if tok in SHELL_OPS or set(tok) <= set("|&;<>"):
+            break
+        tokens.append(tok)
+    env = {}
+    while tokens and ASSIGN.match(tokens[0]):
+        k, v = tokens.pop(0).split("=", 1)
+        env[k] = v
+    return env, tokens
+
+
+def extract(path: Path) -> list[tuple[int, dict[str, str], list[str], bool]]:
+    """``(line, env, argv, fenced)`` for every nsa command of a runbook."""
+    out: list[tuple[int, dict[str, str], list[str], bool]] = []
+    lines = path.read_text().splitlines()
+    fenced = False
+    pending = ""
+    start = 0
+    for i, line in enumerate(lines, 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            if not pending:
+                start = i
+            if line.rstrip().endswith("\\"):
+                pending += line.rstrip()[:-1] + " "
+                continue
+            text, pending = pending + line, ""
+            env, tokens = split_command(text)
+            if tokens and tokens[0] == "nsa":
+                out.append((start, env, tokens[1:], True))
+        else:
+            for span in re.findall(r"`(nsa [^`]*)`", line):
+                out.append((i, {}, split_command(span)[1][1:], False))
+    return out
+
+
+def parse(argv: list[str]) -> list[str]:
+    """Parse ``argv`` with the real click command tree without running anything; the command path."""
+    group = typer.main.get_command(app)
+    ctx = group.make_context("nsa", list(argv), resilient_parsing=False)
+    path = []
+    cmd: Any = group
+    args = _rest(ctx)
+    while hasattr(cmd, "resolve_command"):  # a group (typer vendors its own click)
+        name, sub, rest = cmd.resolve_command(ctx, args)
+        assert sub is not None, f"unknown command {name}"
+        path.append(name)
+        ctx = sub.make_context(name, rest, parent=ctx, resilient_parsing=False)
+        cmd = sub
+        args = _rest(ctx)
+    return path
+
+
+def _rest(ctx: Any) -> list[str]:
+    """Arguments a group left for its subcommand (click keeps the command name apart)."""
+    protected = getattr(ctx, "_protected_args", None)
+    if protected is None:
+        protected = getattr(ctx, "protected_args", [])
+    return [*protected, *ctx.args]
+
+
+ALL = [(p.name, n, env, argv, fenced) for p in RUNBOOKS for n, env, argv, fenced in extract(p)]
+
+
+def test_runbooks_exist_and_have_commands() -> None:
+    names = {p.name for p in RUNBOOKS}
+    assert {"single-gpu-production-50k.md", "selection-performance-matrix.md", "two-gpu-torchrun-probe.md",
+            "monitoring-and-troubleshooting.md"} <= names
+    for p in RUNBOOKS:
+        if p.name != "README.md":
+            assert any(f for _, _, _, f in extract(p)), f"{p.name} has no nsa command"
+
+
+@pytest.mark.parametrize(("book", "line", "env", "argv", "fenced"), ALL,
+                         ids=[f"{b}:{n}" for b, n, _, _, _ in ALL])
+def test_command_parses(book: str, line: int, env: dict[str, str], argv: list[str], fenced: bool) -> None:
+    try:
+        path = parse(argv)
+    except Exception as exc:  # typer's vendored click UsageError and subclasses
+        if not hasattr(exc, "format_message"):
+            raise
+        pytest.fail(f"{book}:{line}: `nsa {' '.join(argv)}` does not parse: {exc.format_message()}")
+    assert path, argv
+    for k in env:
+        if k.startswith("NSA_"):
+            from nsa.settings import KNOWN
+
+            assert k in KNOWN, f"{book}:{line}: unknown setting {k}"
+
+
+def _cpu_feasible(argv: list[str]) -> bool:
+    sub = argv[0]
+    if sub in RUN_FOR_REAL:
+        return True
+    if sub == "train":
+        return "tiny" in argv and "--nproc-per-node" not in argv
+    if sub == "bench":
+        return "--tiny" in argv
+    return False
+
+
+def _prepare(argv: list[str], scratch: Path) -> list[str]:
+    """Finished fixture runs for run-directory arguments that do not exist; tiny step counts."""
+    if argv[0] in ("watch", "halt", "report"):
+        for tok in argv[1:]:
+            if tok.startswith("artifacts/") and not (scratch / tok).exists():
+                write_run(scratch / tok, steps=20, steps_total=20)
+        if argv[0] == "report" and not any(t.startswith("artifacts/") for t in argv[1:]) \
+                and not (scratch / "artifacts").exists():
+            write_run(scratch / "artifacts" / "newest", steps=20, steps_total=20)
+    if argv[0] == "train":
+        argv = [*argv, "--steps", TINY_STEPS, "--set", "train.eval_every=0", "--set", "train.save_every=0"]
+    return argv
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("book", [p.name for p in RUNBOOKS if p.name != "README.md"])
+def test_cpu_feasible_commands_run(book: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run them in order (a tiny train creates what the following watch/report read)."""
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    for line, env, argv, fenced in extract(ROOT / "runbooks" / book):
+        if not fenced or not _cpu_feasible(argv):
+            continue
+        real = _prepare(argv, tmp_path)
+        res = runner.invoke(app, real, env={**env, "NSA_DEVICE": None, "NSA_PROFILE": None})
+        # 0 ok, 1 a check failed (e.g. a GPU profile on this CPU); 2 would be a usage error
+        assert res.exit_code in (0, 1), f"{book}:{line}: nsa {' '.join(real)} -> {res.exit_code}\n{res.output[-2000:]}"
+        assert "Traceback" not in res.output
+
+
+def test_checker_catches_rotten_commands() -> None:
+    assert split_command('NSA_PREFETCH_DEPTH=16 nsa watch artifacts/x --once > snap.txt  # log it') == (
+        {"NSA_PREFETCH_DEPTH": "16"}, ["nsa", "watch", "artifacts/x", "--once"])
+    assert parse(["profiles", "show", "cpu"]) == ["profiles", "show"]
+    for bad in (["preflight", "--gpu-profile", "x"], ["watch"], ["trian"], ["profiles", "shw", "cpu"],
+                ["halt", "run", "--wait", "--timeout", "soon"]):
+        with pytest.raises(Exception) as info:
+            parse(bad)
+        assert hasattr(info.value, "format_message"), bad

@@ -1,0 +1,347 @@
+"""Run-directory reading, watch rules, halt writing and report building on run directories written by
+hand per docs/run-directory.md (fixtures include truncated and corrupt lines, several ranks, crashes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from nsa.errors import ConfigError, RunDirError
+from nsa.runs.halt import halt_run, wait_for_ack, write_halt
+from nsa.runs.reader import JsonlTail, RunReader, check_run_dir, read_run
+from nsa.runs.report import build_report, newest_run, verdict
+from nsa.runs.rules import evaluate, parse_rules
+from nsa.runs.summary import summarize
+
+CSV_HEADER = "step,loss,lr,grad_norm,tokens_per_s,step_time_s,fetch_ms,tokens_seen,elapsed_s"
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (so a run 'owned' by it looks crashed)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def write_run(
+    run_dir: Path,
+    *,
+    steps: int = 40,
+    steps_total: int = 100,
+    log_every: int = 5,
+    ranks: int = 1,
+    end: str | None = "completed",
+    pid: int | None = None,
+    ts0: float | None = None,
+    dt_s: float = 1.0,
+    seed: int | None = None,
+    nonfinite_at: int | None = None,
+    collapse: float = 0.0,
+    tokens_per_s: float = 1000.0,
+    tps_drop_after: int | None = None,
+    fetch_p95_ms: float = 12.0,
+    corrupt: bool = False,
+    truncated: bool = False,
+    fallback: dict[str, int] | None = None,
+    halt_reason: str | None = None,
+    run_name: str | None = None,
+    seq_len: int = 128,
+    backend: str = "torch",
+) -> Path:
+    """A run directory as ``nsa train`` writes it; numbers come from a seeded random walk."""
+    rng = random.Random(seed if seed is not None else random.randrange(1 << 30))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pid = os.getpid() if pid is None else pid
+    ts0 = time.time() - steps * dt_s - 5 if ts0 is None else ts0
+    name = run_name or run_dir.name
+    cfg = {"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_groups": 2},
+           "nsa": {"l": 8, "d": 4, "l_sel": 8, "n_sel": 4, "w": 32},
+           "runtime": {"device": "cpu", "attn_backend": backend},
+           "train": {"steps": steps_total, "seq_len": seq_len, "batch_size": 8, "accum": 1, "run_name": name}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg) + "# _sources\n#   train.steps: flag --steps\n")
+    (run_dir / "env.json").write_text(json.dumps({
+        "schema": 1, "device": "cpu", "device_name": "cpu", "precision": "fp32", "world_size": ranks,
+        "versions": {"python": "3.11.7", "torch": "2.x", "cuda": None, "triton": None, "flash_attn": None},
+        "driver": None, "gpus": [], "git": {"commit": "ab" * 20, "branch": "main", "dirty": True},
+        "profile": "cpu", "config_path": "nsa/configs/tiny.yaml", "nsa_settings": {"NSA_ATTN_BACKEND": backend},
+        "nsa_unknown_variables": [],
+    }))
+    csv_lines = [CSV_HEADER]
+    loss = 5.5 + rng.random() * 0.2
+    for r in range(ranks):
+        lines: list[str] = []
+
+        def ev(event: str, step: int, ts: float, _lines: list[str] = lines, _r: int = r, **f: Any) -> None:
+            _lines.append(json.dumps({"schema": 1, "event": event, "ts": ts, "rank": _r, "pid": pid, "step": step, **f}))
+
+        ev("boot", 0, ts0, run_name=name, world_size=ranks, local_rank=r, host=socket.gethostname(),
+           device="cpu", resumed_from=None, steps_total=steps_total)
+        ev("loader-ready", 0, ts0 + 0.5, source="embedded", tokenizer="byte", first_batch_s=0.05, warnings=[])
+        l_r = loss
+        for step in range(log_every, steps + 1, log_every):
+            l_r = l_r * (0.97 + 0.01 * rng.random())
+            value: float | None = l_r
+            if nonfinite_at is not None and step >= nonfinite_at:
+                value = None  # the heartbeat writes non-finite values as null
+            tps = tokens_per_s * (0.9 + 0.2 * rng.random())
+            if tps_drop_after is not None and step > tps_drop_after:
+                tps *= 0.2
+            ts = ts0 + 1 + step * dt_s
+            ev("progress", step, ts, steps_total=steps_total, loss=value, lr=1e-3, grad_norm=1.0 + rng.random(),
+               tokens_per_s=tps, step_time_s=1024 / tps, fetch_p50_ms=fetch_p95_ms / 4, fetch_p95_ms=fetch_p95_ms,
+               tokens_seen=step * 1024, elapsed_s=step * dt_s, eta_s=(steps_total - step) * dt_s,
+               mem_allocated_mib=None, mem_reserved_mib=None, mem_peak_mib=None, rss_mib=700 + rng.random() * 50,
+               gate_entropy_mean=1.09 - collapse, gate_branch_shares=[0.33, 0.33, 0.34],
+               gate_collapse_fraction=collapse, sel_keys_mean=25.5, fallback=dict(fallback or {}), mfu=None,
+               data_skipped={"total": 0}, data_warnings=[])
+            if r == 0:
+                csv_lines.append(",".join(str(x) for x in (step, "" if value is None else repr(value), 1e-3, 1.0,
+                                                           tps, 1024 / tps, 3.0, step * 1024, step * dt_s)))
+            if r == 0 and corrupt and step == log_every * 2:
+                lines.append('{"schema": 1, "event": "progress", "ts": garbage')
+                lines.append("[1, 2, 3]")
+                csv_lines.append("1,2")
+        t_end = ts0 + 2 + steps * dt_s
+        if nonfinite_at is not None and r == 0:
+            ev("anomaly", nonfinite_at, t_end - 0.5, kind="nonfinite_loss", value="nan", record=f"anomalies/step_{nonfinite_at}.json")
+        if halt_reason is not None:
+            ev("checkpoint", steps, t_end - 0.2, path=str(run_dir / "checkpoints" / f"step_{steps:08d}"), seconds=0.1, reason="halt")
+            ev("halt", steps, t_end - 0.1, reason=halt_reason, source="file", checkpoint=str(run_dir / "checkpoints" / f"step_{steps:08d}"))
+        if end is not None:
+            if end == "completed":
+                ev("checkpoint", steps, t_end - 0.1, path=str(run_dir / "checkpoints" / f"step_{steps:08d}"), seconds=0.1, reason="final")
+            ev("end", steps, t_end, status=end, error="RuntimeError: boom" if end == "failed" else None)
+        text = "\n".join(lines) + "\n"
+        if truncated and r == 0:
+            text += '{"schema": 1, "event": "progress", "ts": 1'  # a line still being written
+        (run_dir / f"heartbeat_rank{r}.jsonl").write_text(text)
+    (run_dir / "training.csv").write_text("\n".join(csv_lines) + "\n")
+    if end is not None:
+        (run_dir / "metrics.json").write_text(json.dumps({"status": end, "steps_done": steps}))
+        (run_dir / "checkpoints" / f"step_{steps:08d}").mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+# ------------------------------------------------------------------------------------------------ reader
+
+
+def test_jsonl_tail_reads_incrementally_and_keeps_partial_lines(tmp_path: Path) -> None:
+    p = tmp_path / "heartbeat_rank0.jsonl"
+    tail = JsonlTail(p)
+    assert tail.read_new() == []  # missing file
+    vals = [random.random() for _ in range(3)]
+    p.write_text(json.dumps({"a": vals[0]}) + "\n" + '{"a": ')
+    assert [o["a"] for o in tail.read_new()] == [vals[0]]
+    assert tail.truncated
+    with open(p, "a") as f:
+        f.write(f"{vals[1]}}}\nnot json\n" + json.dumps({"a": vals[2]}) + "\n")
+    got = tail.read_new()
+    assert [o["a"] for o in got] == vals[1:]
+    assert tail.corrupt == 1 and not tail.truncated
+    assert tail.read_new() == []
+
+
+def test_reader_tolerates_corrupt_truncated_and_missing(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "r", corrupt=True, truncated=True, end=None)
+    (run / "env.json").unlink()
+    st = read_run(run)
+    assert st.corrupt_lines >= 3  # bad JSON, a non-object line, a short CSV row
+    assert st.truncated_lines == 1
+    assert "env.json" in st.files_missing
+    assert st.steps_done == 40 and st.steps_total == 100
+    assert st.status(time.time()) == "running"  # pid is this test process
+
+
+def test_reader_polls_only_new_data(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "r", steps=10, end=None)
+    reader = RunReader(run)
+    n = len(reader.poll().progress)
+    with open(run / "heartbeat_rank0.jsonl", "a") as f:
+        f.write(json.dumps({"schema": 1, "event": "progress", "ts": time.time(), "rank": 0, "pid": os.getpid(),
+                            "step": 15, "loss": 1.5, "tokens_per_s": 900.0}) + "\n")
+    st = reader.poll()
+    assert len(st.progress) == n + 1 and st.steps_done == 15
+
+
+def test_multi_rank_and_statuses(tmp_path: Path) -> None:
+    now = time.time()
+    st = read_run(write_run(tmp_path / "multi", ranks=2, fallback={"nsa_attention:triton->torch:x": 2}))
+    assert sorted(st.ranks) == [0, 1] and st.world_size == 2
+    s = summarize(st, now)
+    assert s.status == "completed" and s.fallback_total == 4  # summed over ranks
+    assert read_run(write_run(tmp_path / "crash", end=None, pid=dead_pid())).status(now) == "crashed"
+    stale = write_run(tmp_path / "stale", end=None, ts0=now - 10_000, pid=10**9 + 7)
+    assert read_run(stale).status(now, stale_s=60) in ("stale", "crashed")
+    assert read_run(write_run(tmp_path / "halted", end="halted", halt_reason="ops")).status(now) == "halted"
+
+
+def test_check_run_dir_errors(tmp_path: Path) -> None:
+    with pytest.raises(RunDirError, match="does not exist"):
+        check_run_dir(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunDirError, match="not a run directory"):
+        check_run_dir(tmp_path / "empty")
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(RunDirError, match="is a file"):
+        check_run_dir(tmp_path / "f.txt")
+
+
+def test_summary_numbers(tmp_path: Path) -> None:
+    st = read_run(write_run(tmp_path / "r", fetch_p95_ms=33.0, tokens_per_s=2000.0))
+    s = summarize(st, time.time())
+    assert s.first_loss is not None and s.last_loss is not None and s.last_loss < s.first_loss
+    assert s.fetch_p95_ms == 33.0
+    assert 1500 < (s.tokens_per_s_median or 0) < 2500
+    assert s.rss_mib is not None and s.rss_mib > 700
+    assert s.nonfinite_losses == 0 and s.loss_decreased
+
+
+# ------------------------------------------------------------------------------------------------ rules
+
+
+def test_parse_rules() -> None:
+    rules = {r.name: r.threshold for r in parse_rules("stale=120, nonfinite,fetch-stall=5000ms")}
+    assert rules == {"stale": 120.0, "nonfinite": None, "fetch-stall": 5000.0}
+    assert len(parse_rules("all")) == 5
+    assert parse_rules(None) == []
+    for bad in ("bogus", "stale=abc", "nonfinite=3", "stale=-1"):
+        with pytest.raises(ConfigError):
+            parse_rules(bad)
+
+
+@pytest.mark.parametrize(
+    ("rule", "kwargs"),
+    [
+        ("nonfinite", {"nonfinite_at": 20}),
+        ("gate-collapse", {"collapse": 0.8}),
+        ("throughput-drop", {"steps": 80, "tps_drop_after": 55}),
+        ("fetch-stall", {"fetch_p95_ms": 9000.0}),
+        ("stale", {"dt_s": 1.0, "ts0": time.time() - 5000}),
+    ],
+)
+def test_rules_fire_only_on_their_condition(tmp_path: Path, rule: str, kwargs: dict[str, Any]) -> None:
+    rules = parse_rules("all")
+    now = time.time()
+    healthy = evaluate(rules, read_run(write_run(tmp_path / "ok", end=None)), now)
+    assert healthy == []
+    hits = evaluate(rules, read_run(write_run(tmp_path / "bad", end=None, **kwargs)), now)
+    assert rule in {h.rule for h in hits}
+    hit = next(h for h in hits if h.rule == rule)
+    assert hit.message and hit.evidence
+
+
+# ------------------------------------------------------------------------------------------------ halt
+
+
+def test_write_halt_is_json_and_atomic(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "r", end=None)
+    reason = f"maintenance {random.randrange(10**6)}"
+    rec = write_halt(run, reason, rule="stale", evidence={"age_s": 400})
+    data = json.loads((run / ".HALT").read_text())
+    assert data["reason"] == reason and data["rule"] == "stale" and data["evidence"] == {"age_s": 400}
+    assert abs(data["time"] - rec["time"]) < 1e-6 and "@" in data["who"]
+    assert not list(run.glob(".HALT.tmp-*"))
+    assert read_run(run).halt_file["reason"] == reason
+
+
+def test_halt_run_outcomes(tmp_path: Path) -> None:
+    done = write_run(tmp_path / "done")
+    out = halt_run(done, "x")
+    assert out.outcome == "already-ended" and not (done / ".HALT").exists()
+    crashed = write_run(tmp_path / "crashed", end=None, pid=dead_pid())
+    out = halt_run(crashed, "x", wait=True, timeout_s=5, poll_s=0.05)
+    assert out.outcome == "crashed" and not out.ok
+    with pytest.raises(RunDirError):
+        halt_run(tmp_path / "missing")
+
+
+def test_wait_for_ack_sees_the_trainers_halt(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "live", end=None, steps=10)
+    reader = RunReader(run)
+    reader.poll()
+    since = time.time()
+
+    def trainer() -> None:  # what the trainer appends when it obeys .HALT
+        time.sleep(0.2)
+        ck = str(run / "checkpoints" / "step_00000012")
+        with open(run / "heartbeat_rank0.jsonl", "a") as f:
+            for ev in ({"event": "checkpoint", "path": ck, "seconds": 0.1, "reason": "halt"},
+                       {"event": "halt", "reason": "ops", "source": "file", "checkpoint": ck},
+                       {"event": "end", "status": "halted", "error": None}):
+                f.write(json.dumps({"schema": 1, "ts": time.time(), "rank": 0, "pid": os.getpid(), "step": 12, **ev}) + "\n")
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    out = wait_for_ack(reader, since, timeout_s=10, poll_s=0.05)
+    t.join()
+    assert out.outcome == "acknowledged" and out.checkpoint.endswith("step_00000012") and out.step == 12
+    reader2 = RunReader(write_run(tmp_path / "slow", end=None))
+    assert wait_for_ack(reader2, time.time(), timeout_s=0.2, poll_s=0.05).outcome == "timeout"
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def test_report_finished_run(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "artifacts" / "tiny-ok")
+    out = tmp_path / "reports"
+    res = build_report([run], out, date="2030-01-02")
+    assert res.path.name == "2030-01-02 Test Engineer Report - tiny-ok v1.md"
+    text = res.path.read_text()
+    assert "**Overall verdict: PASS**" in text
+    for needle in ("main", "ab" * 20, "dirty", "NSA_ATTN_BACKEND=torch", "seq_len 128", "Tokens/s trend",
+                   "fetch p50 / p95", "MiB", "gate entropy", "loss.png", "training.csv",
+                   "`train.steps=100` (flag --steps)"):
+        assert needle in text, needle
+    assert all(p.is_file() and p.stat().st_size > 1000 for p in res.images)
+    # relative links resolve from the report folder
+    assert "](<../artifacts/tiny-ok/training.csv>)" in text
+    assert build_report([run], out, date="2030-01-02").path.name.endswith("tiny-ok v2.md")
+
+
+def test_report_crashed_and_failed_runs(tmp_path: Path) -> None:
+    crashed = write_run(tmp_path / "crashed", end=None, pid=dead_pid(), truncated=True)
+    res = build_report([crashed], tmp_path / "rep", charts=False)
+    assert res.verdicts[0][0] == "FAIL" and "crashed" in res.verdicts[0][1]
+    failed = write_run(tmp_path / "nan", end="failed", nonfinite_at=20)
+    res = build_report([failed], tmp_path / "rep", charts=False)
+    text = res.path.read_text()
+    assert res.verdicts[0][0] == "FAIL" and "anomaly `nonfinite_loss`" in text
+
+
+def test_report_running_and_comparison(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "s512", seq_len=512, backend="torch", tokens_per_s=3000.0)
+    b = write_run(tmp_path / "s1024", seq_len=1024, backend="triton", end=None, tokens_per_s=1500.0)
+    res = build_report([a, b], tmp_path / "rep")
+    text = res.path.read_text()
+    assert "## Comparison" in text and "| s512 | 512 |" in text and "| s1024 | 1024 |" in text
+    assert [v for v, _ in res.verdicts] == ["PASS", "RUNNING"]
+    assert "**Overall verdict: RUNNING**" in text
+    assert len(res.images) == 6
+
+
+def test_newest_run_and_verdict_rules(tmp_path: Path) -> None:
+    root = tmp_path / "artifacts"
+    old = write_run(root / "old")
+    new = write_run(root / "new")
+    past = time.time() - 1000
+    for f in old.iterdir():
+        os.utime(f, (past, past))
+    assert newest_run(root) == new
+    with pytest.raises(RunDirError):
+        newest_run(tmp_path / "none")
+    s = summarize(read_run(write_run(tmp_path / "fb", fallback={"x": 1})), time.time())
+    assert verdict(s)[0] == "FAIL" and "fallback" in verdict(s)[1]
+    assert math.isfinite(s.first_loss or float("nan"))

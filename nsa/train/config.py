@@ -29,4 +29,12 @@ class TrainConfig(BaseModel):
     log_every: int = Field(10, ge=1)
     out_dir: str = "artifacts/run"
     resume: str | None = Field(None, description="'auto', a checkpoint path, or null")
-    run_name: str | None = None
+    run_name: str | None = Field(None, description="name in reports; default: the out_dir folder name")
+    mfu_peak_tflops: float | None = Field(
+        None, gt=0, description="per-device peak for the MFU estimate; default: a table of known GPUs"
+    )
+    fault_nan_at_step: int | None = Field(
+        None,
+        ge=1,
+        description="FAULT INJECTION for tests: make the loss NaN at this optimizer step (1-based)",
+    )

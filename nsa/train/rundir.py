@@ -1,0 +1,117 @@
+"""Run-directory files the trainer manages besides telemetry: halt files, config, anomalies, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from nsa.config import ResolvedConfig
+from nsa.errors import ConfigError
+from nsa.train.checkpoint import list_checkpoints
+from nsa.train.telemetry import write_json_atomic
+
+HALT_FILE = ".HALT"
+HALTS_DIR = "halts"
+
+
+def check_fresh(run_dir: Path) -> None:
+    """A run without ``--resume`` must not write into a directory that already holds a run."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise ConfigError(f"train.out_dir={run_dir} exists and is not a directory")
+    if list_checkpoints(run_dir) or (run_dir / "training.csv").exists():
+        raise ConfigError(
+            f"train.out_dir={run_dir} already holds a run",
+            hint="pass --resume auto to continue it, or choose a new --out-dir",
+        )
+
+
+def read_halt(run_dir: Path) -> str | None:
+    """The reason in ``.HALT`` (JSON ``{"reason": ...}`` or plain text), or ``None`` when absent."""
+    path = run_dir / HALT_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "halt file (unreadable)"
+    try:
+        data = json.loads(text)
+        if isinstance(data, dict) and data.get("reason"):
+            return str(data["reason"])
+    except ValueError:
+        pass
+    return text.strip()[:500] or "halt file"
+
+
+def archive_stale_halt(run_dir: Path) -> Path | None:
+    """Move a ``.HALT`` present at start-up (written before this session) into ``halts/``."""
+    path = run_dir / HALT_FILE
+    if not path.exists():
+        return None
+    dest_dir = run_dir / HALTS_DIR
+    dest_dir.mkdir(exist_ok=True)
+    dest = dest_dir / f"HALT-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 1_000_000:06d}"
+    os.replace(path, dest)
+    return dest
+
+
+def write_config(run_dir: Path, resolved: ResolvedConfig) -> Path:
+    """``config.yaml``: the resolved config, then a comment block saying where each value came from."""
+    lines = [resolved.config.to_yaml().rstrip(), "", "# _sources (key: origin; unlisted keys are defaults)"]
+    lines += [f"#   {k}: {v}" for k, v in sorted(resolved.sources.items())]
+    path = run_dir / "config.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_anomaly(run_dir: Path, step: int, record: dict[str, Any]) -> Path:
+    folder = run_dir / "anomalies"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"step_{step}.json"
+    write_json_atomic(path, record)
+    return path
+
+
+def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer: Any) -> Path:
+    """``export/``: ``model.safetensors`` (shared tensors stored once), ``config.yaml``, ``tokenizer.json``."""
+    from safetensors.torch import save_model
+
+    out = run_dir / "export"
+    tmp = run_dir / f".export-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    (tmp / "config.yaml").write_text(resolved.config.to_yaml())
+    tok = {
+        "name": getattr(tokenizer, "name", None),
+        "vocab_size": getattr(tokenizer, "vocab_size", None),
+        "eot_id": getattr(tokenizer, "eot_id", None),
+        "path": resolved.config.data.tokenizer_path,
+    }
+    (tmp / "tokenizer.json").write_text(json.dumps(tok, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def config_summary(resolved: ResolvedConfig) -> list[str]:
+    """Lines for the start-up print: each section's values, then values not from defaults or the YAML."""
+    data = resolved.config.model_dump(mode="json")
+    lines = []
+    for section, values in data.items():
+        body = " ".join(f"{k}={v}" for k, v in values.items() if v is not None)
+        lines.append(f"  {section:<8} {body}")
+    overrides = {k: v for k, v in resolved.sources.items() if not v.startswith("config ")}
+    config_name = Path(resolved.config_path).name if resolved.config_path else "none"
+    lines.append(
+        f"  sources  config {config_name}; "
+        + ("; ".join(f"{k} <- {v}" for k, v in overrides.items()) or "no overrides")
+    )
+    return lines

@@ -1,0 +1,154 @@
+"""Device and precision resolution, determinism, seeds and RNG state capture.
+
+``auto`` device is CUDA when available, else CPU. ``auto`` precision is bf16 autocast (fp32 master
+weights) on a GPU that supports it, else fp32. Impossible requests raise ``ConfigError`` before any work.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from nsa.config import RunConfig
+from nsa.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Resolved device and precision of this process."""
+
+    device: torch.device
+    precision: str  # "fp32" or "bf16"
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.precision == "bf16" else None
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """bf16 autocast on GPU; nothing (plain fp32) otherwise."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+
+def resolve_runtime(cfg: RunConfig, local_rank: int = 0) -> Runtime:
+    """Pick the device and precision, or raise ``ConfigError`` naming the key."""
+    rt = cfg.runtime
+    has_cuda = torch.cuda.is_available()
+    if rt.device == "cuda" and not has_cuda:
+        raise ConfigError(
+            "runtime.device=cuda but no CUDA device is available",
+            hint="use runtime.device=cpu or auto (NSA_DEVICE / --set runtime.device=auto)",
+        )
+    device_type = "cuda" if (rt.device == "cuda" or (rt.device == "auto" and has_cuda)) else "cpu"
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    bf16_ok = device_type == "cuda" and torch.cuda.is_bf16_supported()
+    precision = rt.precision
+    if precision == "auto":
+        precision = "bf16" if bf16_ok else "fp32"
+    elif precision == "bf16" and not bf16_ok:
+        where = "the CPU" if device_type == "cpu" else torch.cuda.get_device_name(device)
+        raise ConfigError(
+            f"runtime.precision=bf16 is not supported on {where}",
+            hint="use runtime.precision=fp32 (or auto)",
+        )
+    elif precision == "fp16":
+        raise ConfigError(
+            "runtime.precision=fp16 is not supported by nsa train",
+            hint="use bf16 on a GPU that has it, else fp32 (or auto)",
+        )
+    return Runtime(device=device, precision=precision)
+
+
+def check_training_config(cfg: RunConfig) -> None:
+    """Combinations the schema alone cannot reject; raises ``ConfigError`` naming the key."""
+    tr = cfg.train
+    if tr.eval_every > 0 and cfg.data.val_fraction <= 0:
+        raise ConfigError(
+            f"train.eval_every={tr.eval_every} needs data.val_fraction > 0 (it is {cfg.data.val_fraction})",
+            hint="set data.val_fraction (e.g. 0.02) or train.eval_every=0",
+        )
+    if cfg.model.max_seq_len < tr.seq_len:
+        raise ConfigError(f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    if cfg.model.attention == "nsa" and tr.seq_len < 2:
+        raise ConfigError(f"train.seq_len={tr.seq_len} is too short")
+    if tr.fault_nan_at_step is not None and tr.fault_nan_at_step > tr.steps:
+        raise ConfigError(
+            f"train.fault_nan_at_step={tr.fault_nan_at_step} is beyond train.steps={tr.steps}",
+            hint="fault injection must target a step of the run",
+        )
+
+
+def apply_runtime_settings(cfg: RunConfig, rt: Runtime) -> dict[str, Any]:
+    """Global torch switches: TF32, determinism, allocator config (before CUDA is first used).
+
+    Returns the previous values for :func:`restore_runtime_settings`.
+    """
+    previous = {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+    }
+    if cfg.runtime.alloc_conf and rt.device_type == "cuda":
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", cfg.runtime.alloc_conf)
+    if rt.device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.runtime.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.runtime.tf32
+    if cfg.runtime.deterministic:
+        if rt.device_type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    return previous
+
+
+def restore_runtime_settings(previous: dict[str, Any]) -> None:
+    """Undo :func:`apply_runtime_settings` (a trainer used in-process leaves torch as it found it)."""
+    torch.use_deterministic_algorithms(previous["deterministic"])
+    torch.backends.cudnn.benchmark = previous["cudnn_benchmark"]
+    torch.backends.cuda.matmul.allow_tf32 = previous["matmul_tf32"]
+    torch.backends.cudnn.allow_tf32 = previous["cudnn_tf32"]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU and (when present) CUDA generator states of this process."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": _numpy_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _numpy_state() -> dict[str, Any]:
+    """NumPy's legacy generator state as plain values (loadable with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    return {"name": name, "keys": np.asarray(keys).tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

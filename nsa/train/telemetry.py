@@ -1,0 +1,304 @@
+"""What a run writes about itself: heartbeats, CSV logs, TensorBoard, env.json and metrics.json.
+
+The heartbeat schema lives here (:data:`EVENT_FIELDS`) and in ``docs/run-directory.md``; a test keeps
+the two equal.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HEARTBEAT_SCHEMA = 1
+COMMON_FIELDS = ("schema", "event", "ts", "rank", "pid", "step")
+
+# event -> extra fields (every line also has COMMON_FIELDS)
+EVENT_FIELDS: dict[str, tuple[str, ...]] = {
+    "boot": ("run_name", "world_size", "local_rank", "host", "device", "resumed_from", "steps_total"),
+    "loader-ready": ("source", "tokenizer", "first_batch_s", "warnings"),
+    "progress": (
+        "steps_total", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "fetch_p50_ms",
+        "fetch_p95_ms", "tokens_seen", "elapsed_s", "eta_s", "mem_allocated_mib", "mem_reserved_mib",
+        "mem_peak_mib", "rss_mib", "gate_entropy_mean", "gate_branch_shares", "gate_collapse_fraction",
+        "sel_keys_mean", "fallback", "mfu", "data_skipped", "data_warnings",
+    ),
+    "eval": ("val_loss", "val_ppl", "seconds"),
+    "checkpoint": ("path", "seconds", "reason"),
+    "anomaly": ("kind", "value", "record"),
+    "halt": ("reason", "source", "checkpoint"),
+    "end": ("status", "error"),
+}
+
+TRAIN_CSV_HEADER = (
+    "step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "fetch_ms", "tokens_seen", "elapsed_s",
+)
+VAL_CSV_HEADER = ("step", "val_loss", "val_ppl")
+
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+REDACTED = "<redacted>"
+# non-NSA variables worth recording (exact names or prefixes ending in "_")
+ENV_RECORDED = (
+    "CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "HF_", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "MASTER_ADDR",
+    "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_JOB_ID", "CUBLAS_WORKSPACE_CONFIG",
+)
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(_clean(data), indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class Heartbeat:
+    """``heartbeat_rank{r}.jsonl``: one JSON object per line, appended and flushed per event."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = Path(run_dir) / f"heartbeat_rank{rank}.jsonl"
+        self.rank = rank
+        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - open for the whole run
+
+    def emit(self, event: str, step: int, **fields: Any) -> dict[str, Any]:
+        expected = EVENT_FIELDS[event]
+        if set(fields) != set(expected):
+            raise ValueError(f"heartbeat '{event}' fields {sorted(fields)} != schema {sorted(expected)}")
+        record = {
+            "schema": HEARTBEAT_SCHEMA, "event": event, "ts": time.time(), "rank": self.rank,
+            "pid": os.getpid(), "step": step, **fields,
+        }
+        self._f.write(json.dumps(_clean(record)) + "\n")
+        self._f.flush()
+        return record
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+
+class CsvLog:
+    """A CSV file with a header. On resume, rows after the resumed step are dropped first."""
+
+    def __init__(self, path: Path, header: tuple[str, ...], keep_until_step: int | None = None) -> None:
+        self.path = Path(path)
+        self.header = header
+        if self.path.exists() and keep_until_step is not None:
+            self._truncate(keep_until_step)
+        elif self.path.exists():
+            self.path.unlink()
+        new = not self.path.exists()
+        self._f = open(self.path, "a", newline="")  # noqa: SIM115 - open for the whole run
+        self._w = csv.writer(self._f)
+        if new:
+            self._w.writerow(header)
+            self._f.flush()
+
+    def _truncate(self, step: int) -> None:
+        with open(self.path, newline="") as f:
+            rows = list(csv.reader(f))
+        kept = [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
+        with open(self.path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(self.header)
+            w.writerows(kept)
+
+    def row(self, values: dict[str, Any]) -> None:
+        self._w.writerow([_fmt(values.get(k)) for k in self.header])
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ""
+    return str(v)
+
+
+class TensorBoard:
+    """Scalars under ``tb/`` (rank 0). Rows after a resumed step are purged by TensorBoard itself."""
+
+    def __init__(self, run_dir: Path, purge_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=purge_step)
+
+    def scalars(self, values: dict[str, Any], step: int) -> None:
+        for name, v in values.items():
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                self._w.add_scalar(name, v, step)
+
+    def close(self) -> None:
+        self._w.flush()
+        self._w.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# env.json
+
+
+def is_secret(name: str) -> bool:
+    upper = name.upper()
+    return any(m in upper for m in SECRET_MARKERS)
+
+
+def redact_env(env: dict[str, str]) -> dict[str, str]:
+    """Values of names containing TOKEN, KEY, SECRET, PASSWORD, ... replaced by ``<redacted>``."""
+    return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
+
+
+def recorded_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The non-``NSA_*`` variables that shape a run (CUDA_*, NCCL_*, HF_*, ...), secrets redacted."""
+    env = dict(os.environ) if environ is None else environ
+    picked = {
+        k: v for k, v in env.items()
+        if any(k.startswith(p) if p.endswith("_") else k == p for p in ENV_RECORDED)
+    }
+    return redact_env(dict(sorted(picked.items())))
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_info(start: Path | None = None) -> dict[str, Any]:
+    """Commit, branch and dirty flag of the checkout that holds the code (nulls outside a checkout)."""
+    try:
+        import git
+
+        repo = git.Repo(start or Path(__file__).resolve().parent, search_parent_directories=True)
+        try:
+            branch = repo.active_branch.name
+        except TypeError:
+            branch = "DETACHED"
+        return {
+            "commit": repo.head.commit.hexsha,
+            "branch": branch,
+            "dirty": repo.is_dirty(untracked_files=False),
+        }
+    except Exception as exc:  # not a checkout, no git binary, empty repo
+        return {"commit": None, "branch": None, "dirty": None, "error": type(exc).__name__}
+
+
+def gpu_info() -> dict[str, Any]:
+    """Driver version and GPU names via NVML (nulls where there is no NVIDIA driver)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            names = [
+                pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                for i in range(pynvml.nvmlDeviceGetCount())
+            ]
+        finally:
+            pynvml.nvmlShutdown()
+        as_str = [n.decode() if isinstance(n, bytes) else n for n in names]
+        return {"driver": driver.decode() if isinstance(driver, bytes) else driver, "gpus": as_str}
+    except Exception:
+        return {"driver": None, "gpus": []}
+
+
+def environment_record(
+    *, device: str, device_name: str, precision: str, world_size: int, backend: str | None,
+    profile: str | None, config_path: str | None, nsa_settings: dict[str, Any], unknown_nsa: list[str],
+) -> dict[str, Any]:
+    """The content of ``env.json`` (versions, device, driver, git, settings)."""
+    import torch
+
+    cuda = torch.version.cuda if torch.cuda.is_available() else None
+    return {
+        "schema": 1,
+        "time": time.time(),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
+        "versions": {
+            "python": platform.python_version(),
+            "nsa": _version("nsa"),
+            "torch": torch.__version__,
+            "cuda": cuda,
+            "cudnn": torch.backends.cudnn.version() if cuda else None,
+            "triton": _version("triton"),
+            "flash_attn": _version("flash-attn") or _version("flash_attn"),
+            "numpy": _version("numpy"),
+            "datasets": _version("datasets"),
+        },
+        "device": device,
+        "device_name": device_name,
+        "precision": precision,
+        "world_size": world_size,
+        "backend": backend,
+        **gpu_info(),
+        "git": git_info(),
+        "profile": profile,
+        "config_path": config_path,
+        "nsa_settings": redact_env({k: str(v) for k, v in nsa_settings.items()}),
+        "nsa_unknown_variables": unknown_nsa,
+        "environment": recorded_environment(),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# MFU
+
+# Dense bf16 tensor-core peak per device, FLOP/s (vendor datasheets, no sparsity).
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 80GB HBM3": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+}
+
+MFU_FORMULA = "mfu = tokens_per_s * flops_per_token(seq_len) / (world_size * peak_flops_per_device)"
+
+
+def peak_flops(device_name: str, override_tflops: float | None) -> tuple[float | None, str]:
+    """Per-device peak FLOP/s assumed for MFU, and where it came from (``None`` when unknown)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12, "train.mfu_peak_tflops"
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key.lower() in device_name.lower():
+            return value, f"bf16 dense datasheet peak for '{key}'"
+    return None, f"no known peak for '{device_name}' (set train.mfu_peak_tflops)"

@@ -1,0 +1,170 @@
+"""``nsa train``: resolve the run config, then train (one process, or several through torchrun)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from nsa_cli.errors import EXIT_FAILED, EXIT_OK, fail, user_errors
+
+# command-line flag -> dotted run-config key (``--set section.key=value`` reaches every other key)
+FLAG_KEYS = {
+    "steps": "train.steps",
+    "seq_len": "train.seq_len",
+    "batch_size": "train.batch_size",
+    "accum": "train.accum",
+    "lr": "train.lr",
+    "out_dir": "train.out_dir",
+    "dataset": "data.source",
+    "data_path": "data.path",
+    "tokenizer": "data.tokenizer",
+    "seed": "train.seed",
+    "resume": "train.resume",
+    "attention": "model.attention",
+    "compile": "runtime.compile",
+}
+
+
+def flags_to_keys(**values: Any) -> dict[str, Any]:
+    """The flags that were given (not ``None``) as ``{dotted key: value}`` for ``load_run_config``."""
+    return {FLAG_KEYS[name]: v for name, v in values.items() if v is not None}
+
+
+def strip_nproc(argv: list[str]) -> list[str]:
+    """``argv`` without ``--nproc-per-node N`` / ``--nproc-per-node=N``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--nproc-per-node":
+            skip = True
+            continue
+        if arg.startswith("--nproc-per-node="):
+            continue
+        out.append(arg)
+    return out
+
+
+def torchrun_argv(nproc: int, argv: list[str]) -> list[str]:
+    """The command that runs ``nsa <argv>`` on ``nproc`` local ranks through torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "nsa_cli", *strip_nproc(argv)]
+
+
+def launch(argv: list[str]) -> int:
+    """Run torchrun as a child; SIGTERM/SIGINT here halt the ranks gracefully; return its exit code.
+
+    The first signal is passed as SIGTERM to the rank processes only (each checkpoints and exits 0, so
+    torchrun exits 0); a second one terminates torchrun itself. torchrun runs in its own session so
+    that Ctrl-C on the terminal reaches this launcher only.
+    """
+    import signal
+    import subprocess
+
+    import psutil
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    proc = subprocess.Popen(argv, start_new_session=True)
+    received: list[str] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signal.Signals(signum).name)
+        if len(received) > 1:
+            proc.terminate()
+            return
+        try:
+            ranks = psutil.Process(proc.pid).children()  # the rank processes torchrun started
+        except psutil.NoSuchProcess:
+            return
+        for child in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.send_signal(signal.SIGTERM)
+        print(f"{received[0]}: asked {len(ranks)} rank(s) to halt; send it again to stop at once",
+              file=sys.stderr, flush=True)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def train(
+    config: Annotated[str | None, typer.Option("--config", "-c", help="Shipped config name (tiny, m7c-125m) or YAML path.")] = None,
+    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile name or YAML path.")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="Optimizer steps (train.steps).")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence (train.seq_len).")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Sequences per micro-batch per rank.")] = None,
+    accum: Annotated[int | None, typer.Option("--accum", help="Micro-batches per optimizer step.")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Peak learning rate.")] = None,
+    out_dir: Annotated[str | None, typer.Option("--out-dir", "-o", help="Run directory (train.out_dir).")] = None,
+    dataset: Annotated[str | None, typer.Option("--dataset", help="embedded, local, synthetic or fineweb_edu.")] = None,
+    data_path: Annotated[str | None, typer.Option("--data-path", help="File or folder for --dataset local.")] = None,
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="byte or gpt2.")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Seed of model init and data order.")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="'auto' (newest complete checkpoint) or a checkpoint path.")] = None,
+    attention: Annotated[str | None, typer.Option("--attention", help="nsa or dense.")] = None,
+    compile_: Annotated[bool | None, typer.Option("--compile/--no-compile", help="torch.compile the model.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="section.key=value for any config key; repeatable.")] = None,
+    nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1, help="Launch torchrun with N local ranks (DDP).")] = None,
+) -> None:
+    """Train a model; writes the run directory (checkpoints, heartbeats, CSV, TensorBoard, export).
+
+    Halt with a .HALT file in the run directory (nsa halt), SIGTERM or Ctrl-C: checkpoint, then exit 0.
+
+    Precedence, lowest to highest: defaults < --config < --profile < NSA_* environment < flags < --set.
+    Exit codes: 0 completed or halted on request, 1 failed (non-finite loss/gradients or a crash), 2 bad input.
+    Example: nsa train --config tiny --steps 60
+    """
+    code = EXIT_OK
+    with user_errors():
+        from nsa.config import load_run_config
+
+        flags = flags_to_keys(
+            steps=steps, seq_len=seq_len, batch_size=batch_size, accum=accum, lr=lr, out_dir=out_dir,
+            dataset=dataset, data_path=data_path, tokenizer=tokenizer, seed=seed, resume=resume,
+            attention=attention, compile=compile_,
+        )
+        resolved = load_run_config(config=config, profile=profile, flags=flags, sets=set_)
+
+        from rich.console import Console
+
+        from nsa.train import Trainer
+        from nsa.train.distributed import launched_by_torchrun
+
+        launching = nproc_per_node is not None and not launched_by_torchrun()
+        # validates everything before any work (and before torchrun starts)
+        trainer = Trainer(resolved, console=Console(), world_size=nproc_per_node if launching else None)
+        if launching:
+            assert nproc_per_node is not None
+            argv = torchrun_argv(nproc_per_node, sys.argv[1:])
+            typer.echo(f"launching: {' '.join(argv[1:])}", err=True)
+            code = launch(argv)
+            if code:
+                raise typer.Exit(code)
+            return
+        try:
+            result = trainer.fit()
+        except Exception as exc:
+            import torch
+
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise fail(
+                    f"CUDA out of memory at step {trainer.state.step + 1}",
+                    hint="lower --batch-size or --seq-len, raise --accum, or --set runtime.gradient_checkpointing=true",
+                    code=EXIT_FAILED,
+                ) from None
+            raise
+        code = EXIT_OK if result.status in ("completed", "halted") else EXIT_FAILED
+    if code:
+        raise typer.Exit(code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train)

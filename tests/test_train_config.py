@@ -1,0 +1,143 @@
+"""``nsa train`` configuration: source precedence and every bad-config error (exit 2, one line)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nsa.config import load_run_config
+from nsa_cli.app import app
+from nsa_cli.commands.train import flags_to_keys, strip_nproc, torchrun_argv
+
+runner = CliRunner()
+
+
+def _yaml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_precedence_defaults_yaml_profile_env_flags_set(tmp_path: Path) -> None:
+    """defaults < config YAML < profile < NSA_* environment < flags < --set, with sources recorded."""
+    cfg = _yaml(
+        tmp_path / "c.yaml",
+        "train: {steps: 11, seq_len: 40, batch_size: 5, accum: 3, lr: 0.01, seed: 7}\n"
+        "runtime: {device: cpu}\n",
+    )
+    prof = _yaml(
+        tmp_path / "p.yaml",
+        "name: p\nexpect: {device: cpu}\nsettings: {NSA_PREFETCH_DEPTH: 3}\n"
+        "train: {seq_len: 48, batch_size: 6, accum: 4}\n",
+    )
+    env = {"NSA_BATCH_SIZE": "7", "NSA_ACCUM": "5", "NSA_PREFETCH_DEPTH": "1"}
+    flags = flags_to_keys(accum=6, steps=None, lr=None)
+    r = load_run_config(config=cfg, profile=str(prof), environ=env, flags=flags, sets=["train.accum=9"])
+    t = r.config.train
+    assert t.weight_decay == 0.1 and r.source_of("train.weight_decay") == "default"
+    assert (t.steps, t.lr, t.seed) == (11, 0.01, 7) and r.source_of("train.steps") == "config c.yaml"
+    assert t.seq_len == 48 and r.source_of("train.seq_len") == "profile p"
+    assert t.batch_size == 7 and r.source_of("train.batch_size") == "env NSA_BATCH_SIZE"
+    assert r.config.data.prefetch_depth == 1 and r.source_of("data.prefetch_depth") == "env NSA_PREFETCH_DEPTH"
+    assert t.accum == 9 and r.source_of("train.accum") == "--set train.accum"
+    r2 = load_run_config(config=cfg, profile=str(prof), environ=env, flags=flags)
+    assert r2.config.train.accum == 6 and r2.source_of("train.accum") == "flag --accum"
+
+
+def test_flag_mapping_covers_every_documented_flag() -> None:
+    keys = flags_to_keys(
+        steps=1, seq_len=2, batch_size=3, accum=4, lr=0.5, out_dir="o", dataset="local", data_path="p",
+        tokenizer="byte", seed=5, resume="auto", attention="dense", compile=False,
+    )
+    assert keys == {
+        "train.steps": 1, "train.seq_len": 2, "train.batch_size": 3, "train.accum": 4, "train.lr": 0.5,
+        "train.out_dir": "o", "data.source": "local", "data.path": "p", "data.tokenizer": "byte",
+        "train.seed": 5, "train.resume": "auto", "model.attention": "dense", "runtime.compile": False,
+    }
+
+
+def test_torchrun_argv_drops_nproc() -> None:
+    argv = ["train", "--config", "tiny", "--nproc-per-node", "2", "--steps", "3", "--nproc-per-node=4"]
+    assert strip_nproc(argv) == ["train", "--config", "tiny", "--steps", "3"]
+    cmd = torchrun_argv(2, argv)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in cmd
+    assert cmd[-7:] == ["-m", "nsa_cli", "train", "--config", "tiny", "--steps", "3"]
+
+
+BAD = [
+    # (extra args, environment, text the single error line must contain)
+    (["--set", "train.stepz=5"], {}, "train.stepz"),
+    (["--set", "bogus.key=1"], {}, "bogus"),
+    (["--set", "train.steps=abc"], {}, "train.steps"),
+    ([], {"NSA_STEPS": "abc"}, "NSA_STEPS"),
+    (["--accum", "0"], {}, "train.accum"),
+    (["--steps", "0"], {}, "train.steps"),
+    (["--seq-len", "128", "--set", "model.max_seq_len=64"], {}, "train.seq_len"),
+    (["--set", "runtime.device=cpu", "--set", "runtime.precision=bf16"], {}, "runtime.precision"),
+    (["--set", "runtime.precision=fp16"], {}, "runtime.precision"),
+    (["--set", "train.eval_every=5", "--set", "data.val_fraction=0"], {}, "train.eval_every"),
+    (["--dataset", "local"], {}, "data.path"),
+    (["--dataset", "nowhere"], {}, "data.source"),
+    (["--attention", "sparse"], {}, "model.attention"),
+    (["--set", "nsa.d=3"], {}, "nsa.d"),
+    (["--set", "model.n_kv_groups=3"], {}, "model.n_kv_groups"),
+    (["--resume", "/nonexistent/ckpt"], {}, "train.resume"),
+    (["--profile", "no-such-profile"], {}, "profile"),
+    (["--set", "train.fault_nan_at_step=99"], {}, "train.fault_nan_at_step"),
+    (["--set", "train.lr=-1"], {}, "train.lr"),
+]
+
+
+@pytest.mark.parametrize(("args", "env", "needle"), BAD, ids=[b[2] + "-" + "_".join(b[0])[:30] for b in BAD])
+def test_bad_config_fails_fast_with_one_line(tmp_path: Path, args: list[str], env: dict[str, str], needle: str) -> None:
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["train", "--config", "tiny", "--steps", "4", "--out-dir", str(out), *args], env=env)
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert needle in lines[0]
+    assert not out.exists(), "a bad config must fail before any work"
+
+
+def test_unknown_key_in_yaml(tmp_path: Path) -> None:
+    cfg = _yaml(tmp_path / "bad.yaml", "train:\n  steps: 3\n  warmpu_steps: 1\n")
+    res = runner.invoke(app, ["train", "--config", str(cfg), "--out-dir", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "train.warmpu_steps" in res.stderr and "bad.yaml" in res.stderr
+
+
+def test_invalid_yaml_and_missing_config(tmp_path: Path) -> None:
+    cfg = _yaml(tmp_path / "broken.yaml", "train: [steps: 3\n")
+    res = runner.invoke(app, ["train", "--config", str(cfg)])
+    assert res.exit_code == 2 and "not valid YAML" in res.stderr
+    res = runner.invoke(app, ["train", "--config", "no-such-config"])
+    assert res.exit_code == 2 and "no-such-config" in res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_requested_without_cuda(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["train", "--config", "tiny", "--set", "runtime.device=cuda", "--out-dir", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "runtime.device=cuda" in res.stderr
+
+
+def test_vocab_smaller_than_tokenizer(tmp_path: Path) -> None:
+    from nsa.data.tokenizers import gpt2_cached
+
+    if not gpt2_cached():
+        pytest.skip("gpt2 tokenizer files are not cached (no network in tests)")
+    res = runner.invoke(app, ["train", "--config", "tiny", "--tokenizer", "gpt2", "--out-dir", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "model.vocab_size" in res.stderr
+
+
+def test_existing_run_needs_resume(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "training.csv").write_text("step,loss\n1,2.0\n")
+    res = runner.invoke(app, ["train", "--config", "tiny", "--out-dir", str(run)])
+    assert res.exit_code == 2 and "train.out_dir" in res.stderr and "--resume auto" in res.stderr
+
+
+def test_nproc_must_be_positive() -> None:
+    res = runner.invoke(app, ["train", "--config", "tiny", "--nproc-per-node", "0"])
+    assert res.exit_code == 2

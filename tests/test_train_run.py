@@ -1,0 +1,333 @@
+"""In-process training runs: the run directory, its documented schema, .HALT, NaN injection, loader
+position and bad-record accounting. Tiny shapes (seq 32, batch 2) so each run takes seconds."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from rich.console import Console
+from typer.testing import CliRunner
+
+from nsa.config import ResolvedConfig, load_run_config
+from nsa.train import Trainer
+from nsa.train.checkpoint import latest_checkpoint, list_checkpoints, load_state
+from nsa.train.telemetry import COMMON_FIELDS, EVENT_FIELDS, TRAIN_CSV_HEADER, VAL_CSV_HEADER
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "run-directory.md"
+SMALL = {
+    "train.seq_len": 32, "train.batch_size": 2, "train.log_every": 1, "train.warmup_steps": 2,
+    "train.eval_batches": 2, "runtime.deterministic": True,
+}
+
+
+def resolve(out: Path, steps: int, **extra: Any) -> ResolvedConfig:
+    flags = {**SMALL, "train.steps": steps, "train.out_dir": str(out)}
+    flags.update({k.replace("__", "."): v for k, v in extra.items()})
+    return load_run_config("tiny", environ={}, flags=flags)
+
+
+def quiet() -> Console:
+    return Console(file=io.StringIO(), width=200)
+
+
+def events(run: Path, rank: int = 0) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / f"heartbeat_rank{rank}.jsonl").read_text().splitlines() if line]
+
+
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def documented_events() -> dict[str, set[str]]:
+    """The heartbeat table of docs/run-directory.md: ``| `event` | field, field, ... | notes |``."""
+    text = DOC.read_text()
+    section = text.split("## Heartbeat schema", 1)[1]
+    out = {}
+    for line in section.splitlines():
+        m = re.match(r"^\|\s*`([a-z-]+)`\s*\|([^|]*)\|", line)
+        if m:
+            out[m.group(1)] = {f.strip().strip("`") for f in m.group(2).split(",") if f.strip()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("full") / "run"
+    r = resolve(out, 16, train__save_every=8, train__eval_every=8, train__keep_last=1)
+    result = Trainer(r, console=quiet()).fit()
+    assert result.status == "completed" and result.steps_done == 16 and result.run_dir == out
+    return out
+
+
+def test_run_directory_is_complete(full_run: Path) -> None:
+    names = {p.name for p in full_run.iterdir()}
+    for required in ("config.yaml", "env.json", "training.csv", "val.csv", "heartbeat_rank0.jsonl",
+                     "metrics.json", "tb", "checkpoints", "export"):
+        assert required in names, required
+    assert [p.name for p in list_checkpoints(full_run)] == ["step_00000016"]  # keep_last=1 pruned step 8
+    assert not [p for p in (full_run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    assert list((full_run / "tb").glob("events.out.tfevents.*"))
+    assert {p.name for p in (full_run / "export").iterdir()} == {"model.safetensors", "config.yaml", "tokenizer.json"}
+    cfg = yaml.safe_load((full_run / "config.yaml").read_text())
+    assert cfg["train"]["steps"] == 16 and cfg["train"]["seq_len"] == 32 and set(cfg) == {"model", "nsa", "runtime", "train", "data"}
+    assert "# _sources" in (full_run / "config.yaml").read_text()
+    env = json.loads((full_run / "env.json").read_text())
+    for key in ("versions", "device", "driver", "git", "nsa_settings", "environment"):
+        assert key in env
+    assert env["versions"]["torch"] == torch.__version__ and set(env["git"]) >= {"commit", "branch", "dirty"}
+
+
+def test_csv_files_have_headers(full_run: Path) -> None:
+    with open(full_run / "training.csv") as f:
+        assert tuple(next(csv.reader(f))) == TRAIN_CSV_HEADER
+    rows = csv_rows(full_run / "training.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 17))
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    with open(full_run / "val.csv") as f:
+        assert tuple(next(csv.reader(f))) == VAL_CSV_HEADER
+    assert [int(r["step"]) for r in csv_rows(full_run / "val.csv")] == [8, 16]
+
+
+def test_heartbeat_matches_documented_schema(full_run: Path) -> None:
+    doc = documented_events()
+    assert set(doc) == set(EVENT_FIELDS)
+    for name, fields in EVENT_FIELDS.items():
+        assert doc[name] == set(fields), f"docs/run-directory.md and the trainer disagree on '{name}'"
+    evs = events(full_run)
+    kinds = [e["event"] for e in evs]
+    assert kinds[0] == "boot" and kinds[1] == "loader-ready" and kinds[-1] == "end"
+    assert {"progress", "eval", "checkpoint"} <= set(kinds)
+    for e in evs:
+        assert set(e) == set(COMMON_FIELDS) | set(EVENT_FIELDS[e["event"]]), e["event"]
+        assert e["schema"] == 1 and e["rank"] == 0
+    progress = [e for e in evs if e["event"] == "progress"]
+    assert progress[-1]["step"] == 16 and progress[-1]["tokens_seen"] == 16 * 2 * 32
+    assert len(progress[-1]["gate_branch_shares"]) == 3 and progress[-1]["gate_entropy_mean"] > 0
+    assert progress[-1]["fetch_p50_ms"] is not None and isinstance(progress[-1]["fallback"], dict)
+    assert evs[-1]["status"] == "completed"
+
+
+def test_metrics_and_export(full_run: Path) -> None:
+    m = json.loads((full_run / "metrics.json").read_text())
+    assert m["status"] == "completed" and m["steps_done"] == 16 and m["tokens_seen"] == 16 * 64
+    assert m["tokens_per_s"] > 0 and "peak" in m["mfu_formula"] and m["mfu_peak_source"]
+    from safetensors.torch import load_model
+
+    from nsa.model import build_model
+
+    cfg = load_run_config(full_run / "export" / "config.yaml", environ={}).config
+    model = build_model(cfg)
+    load_model(model, str(full_run / "export" / "model.safetensors"))
+    state = load_state(latest_checkpoint(full_run))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state["model"][name]), name
+
+
+def test_loss_falls(full_run: Path) -> None:
+    losses = [float(row["loss"]) for row in csv_rows(full_run / "training.csv")]
+    assert len(losses) == 16 and all(math.isfinite(v) for v in losses)
+    assert sum(losses[-4:]) / 4 < sum(losses[:3]) / 3 - 0.5, losses
+
+
+def _write_halt_when(run: Path, step: int, payload: str) -> threading.Thread:
+    def watch() -> None:
+        hb = run / "heartbeat_rank0.jsonl"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if hb.exists() and any(e["event"] == "progress" and e["step"] >= step for e in events(run)):
+                (run / ".HALT").write_text(payload)
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def test_halt_file_then_resume_archives_stale_halt(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    watcher = _write_halt_when(run, 2, json.dumps({"reason": "operator test", "who": "pytest"}))
+    result = Trainer(resolve(run, 40, train__save_every=0), console=quiet()).fit()
+    watcher.join()
+    assert result.status == "halted" and 2 <= result.steps_done < 40
+    evs = events(run)
+    halt = next(e for e in evs if e["event"] == "halt")
+    assert halt["source"] == "file" and halt["reason"] == "operator test"
+    ckpt = latest_checkpoint(run)
+    assert ckpt is not None and halt["checkpoint"] == str(ckpt) and ckpt.name == f"step_{result.steps_done:08d}"
+    assert evs[-1]["event"] == "end" and evs[-1]["status"] == "halted"
+    assert json.loads((run / "metrics.json").read_text())["status"] == "halted"
+    assert (run / ".HALT").exists()
+
+    # resume: the .HALT from before is archived, not obeyed
+    resumed = Trainer(resolve(run, result.steps_done + 2, train__resume="auto", train__save_every=0), console=quiet()).fit()
+    assert resumed.status == "completed" and resumed.steps_done == result.steps_done + 2
+    assert not (run / ".HALT").exists()
+    archived = list((run / "halts").iterdir())
+    assert len(archived) == 1 and "operator test" in archived[0].read_text()
+    steps = [int(r["step"]) for r in csv_rows(run / "training.csv")]
+    assert steps == list(range(1, result.steps_done + 3))
+    # resuming a finished run changes nothing and completes at once
+    again = Trainer(resolve(run, result.steps_done + 2, train__resume="auto"), console=quiet()).fit()
+    assert again.status == "completed" and again.steps_done == result.steps_done + 2
+    assert again.metrics["steps_this_session"] == 0
+
+
+def test_nan_injection_halts_with_last_good_checkpoint(tmp_path: Path) -> None:
+    from nsa_cli.app import app
+
+    run = tmp_path / "run"
+    args = ["train", "--config", "tiny", "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--out-dir", str(run),
+            "--set", "train.save_every=2", "--set", "train.fault_nan_at_step=5", "--set", "train.log_every=1",
+            "--set", "train.eval_every=0"]
+    res = CliRunner().invoke(app, args, env={})
+    assert res.exit_code == 1, res.output
+    assert [p.name for p in list_checkpoints(run)][-1] == "step_00000004"
+    record = json.loads((run / "anomalies" / "step_5.json").read_text())
+    assert record["kind"] == "nonfinite_loss" and record["applied"] is False and record["fault_injected"] is True
+    evs = events(run)
+    kinds = [e["event"] for e in evs]
+    assert kinds[-3:] == ["anomaly", "halt", "end"]
+    assert evs[-2]["source"] == "anomaly" and evs[-2]["checkpoint"].endswith("step_00000004")
+    assert evs[-1]["status"] == "failed"
+    assert [int(r["step"]) for r in csv_rows(run / "training.csv")] == [1, 2, 3, 4]
+    assert json.loads((run / "metrics.json").read_text())["status"] == "failed"
+    # the last good checkpoint is intact and resumable
+    state = load_state(latest_checkpoint(run))
+    assert state["train_state"]["step"] == 4 and all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_loader_position_round_trip(tmp_path: Path) -> None:
+    from nsa.data.loader import build_loader
+    from nsa.data.tokenizers import get_tokenizer
+
+    run = tmp_path / "run"
+    r = resolve(run, 3, train__accum=2, train__save_every=3, train__eval_every=0)
+    Trainer(r, console=quiet()).fit()
+    state = load_state(latest_checkpoint(run))
+    assert len(state["loader"]) == 1 and state["loader"][0]["batches"] == 6
+    cfg = r.config
+    tok = get_tokenizer(cfg.data.tokenizer, None)
+    kw = dict(seq_len=32, batch_size=2, seed=cfg.train.seed, rank=0, world_size=1, split="train")
+    with build_loader(cfg.data, tok, **kw) as restored, build_loader(cfg.data, tok, **kw) as fresh:
+        restored.load_state_dict(state["loader"][0])
+        for _ in range(6):
+            next(fresh)
+        for _ in range(3):
+            a, b = next(restored), next(fresh)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_bad_records_are_counted(tmp_path: Path) -> None:
+    rows = [{"text": f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 5 + 2)} for i in range(30)]
+    rows[0] = {"text": ""}
+    rows[1] = {"text": 42}
+    rows[2] = {"title": "no text"}
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    r = resolve(run, 4, data__source="local", data__path=str(data), data__val_fraction=0.0,
+                train__eval_every=0, train__save_every=0)
+    assert Trainer(r, console=quiet()).fit().status == "completed"
+    skipped = json.loads((run / "metrics.json").read_text())["data"]["skipped"]
+    assert skipped.get("empty", 0) >= 1 and skipped.get("not_str", 0) >= 1 and skipped.get("missing_field", 0) >= 1
+    last = [e for e in events(run) if e["event"] == "progress"][-1]
+    assert last["data_skipped"]["total"] >= 3
+
+
+def test_resume_with_another_model_is_refused_before_work(full_run: Path) -> None:
+    from nsa.errors import CheckpointError
+
+    before = (full_run / "heartbeat_rank0.jsonl").read_text()
+    with pytest.raises(CheckpointError, match=r"model\.dim"):
+        Trainer(resolve(full_run, 20, train__resume="auto", model__dim=32), console=quiet())
+    assert (full_run / "heartbeat_rank0.jsonl").read_text() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_run_reports_memory_and_mfu(tmp_path: Path) -> None:
+    r = resolve(tmp_path / "run", 6, runtime__device="cuda", runtime__precision="auto",
+                runtime__deterministic=False, train__save_every=3, train__eval_every=3)
+    result = Trainer(r, console=quiet()).fit()
+    assert result.status == "completed"
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m["precision"] == "bf16" and m["memory"]["mem_peak_mib"] > 0
+    last = [e for e in events(tmp_path / "run") if e["event"] == "progress"][-1]
+    assert last["mem_allocated_mib"] > 0 and last["mem_reserved_mib"] >= last["mem_allocated_mib"]
+    if m["mfu_peak_flops_per_device"] is not None:
+        assert 0 < last["mfu"] < 1
+
+
+def test_synthetic_fallback_is_recorded_loudly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    run = tmp_path / "run"
+    r = resolve(run, 2, data__source="fineweb_edu", data__hf_dataset="nsa-test/not-a-dataset",
+                data__synthetic_on_fail=True, data__timeout_s=30, train__eval_every=0, train__save_every=0)
+    console = quiet()
+    assert Trainer(r, console=console).fit().status == "completed"
+    assert "WARNING" in console.file.getvalue() and "SYNTHETIC" in console.file.getvalue()
+    ready = next(e for e in events(run) if e["event"] == "loader-ready")
+    assert ready["warnings"] and "SYNTHETIC" in ready["warnings"][0]
+    assert [e for e in events(run) if e["event"] == "progress"][-1]["data_warnings"] == ready["warnings"]
+    assert json.loads((run / "env.json").read_text())["data_warnings"] == ready["warnings"]
+    assert json.loads((run / "metrics.json").read_text())["data_warnings"] == ready["warnings"]
+
+
+def test_resume_checks_the_number_of_ranks_before_launch(tmp_path: Path) -> None:
+    from nsa.errors import CheckpointError
+    from nsa.train.checkpoint import save_checkpoint
+
+    run = tmp_path / "run"
+    r = resolve(run, 4, train__resume="auto")
+    sections = r.config.model_dump(mode="json")
+    save_checkpoint(run, 2, {"w": torch.randn(2)}, {"world_size": 2, "model": sections["model"], "nsa": sections["nsa"]})
+    Trainer(r, console=quiet(), world_size=2)  # what `nsa train --nproc-per-node 2` checks before torchrun
+    with pytest.raises(CheckpointError, match="2 ranks"):
+        Trainer(r, console=quiet())
+
+
+def test_sigterm_halts_like_the_halt_file(tmp_path: Path) -> None:
+    """SIGTERM (sent to this process while it trains in the main thread) checkpoints and halts."""
+    import os
+    import signal
+
+    run = tmp_path / "run"
+
+    def watch() -> None:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            hb = run / "heartbeat_rank0.jsonl"
+            if hb.exists() and any(e["event"] == "progress" and e["step"] >= 2 for e in events(run)):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    result = Trainer(resolve(run, 40, train__save_every=0, train__eval_every=0), console=quiet()).fit()
+    watcher.join()
+    assert signal.getsignal(signal.SIGTERM) is previous  # handlers are removed after the run
+    assert result.status == "halted" and 2 <= result.steps_done < 40
+    evs = events(run)
+    assert [e["event"] for e in evs[-3:]] == ["checkpoint", "halt", "end"]
+    assert evs[-2]["source"] == "SIGTERM" and evs[-3]["reason"] == "halt"
+    assert latest_checkpoint(run).name == f"step_{result.steps_done:08d}"

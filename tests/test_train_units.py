@@ -1,0 +1,162 @@
+"""Trainer parts on their own: schedule, atomic checkpoints, run-directory helpers, telemetry."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa.errors import CheckpointError
+from nsa.train import checkpoint as ckpt
+from nsa.train.rundir import archive_stale_halt, read_halt
+from nsa.train.schedule import build_scheduler, lr_multiplier
+from nsa.train.signals import SignalFlags
+from nsa.train.telemetry import CsvLog, Heartbeat, peak_flops, recorded_environment, redact_env
+
+
+def test_schedule_warmup_then_cosine_in_optimizer_steps() -> None:
+    total, warm, floor = 100, 10, 0.1
+    mult = [lr_multiplier(s, total, warm, floor) for s in range(total)]
+    assert mult[0] == pytest.approx(0.1) and mult[9] == pytest.approx(1.0)
+    assert all(a < b for a, b in itertools.pairwise(mult[:10]))
+    assert all(a >= b for a, b in itertools.pairwise(mult[10:]))
+    assert lr_multiplier(total, total, warm, floor) == pytest.approx(floor)
+    # warmup longer than the run is clamped to the run
+    assert lr_multiplier(4, 5, 50, floor) == pytest.approx(1.0)
+
+
+def test_scheduler_state_round_trip() -> None:
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    sched = build_scheduler(opt, 20, 4, 0.0)
+    for _ in range(7):
+        opt.step()
+        sched.step()
+    opt2 = torch.optim.SGD([p], lr=0.5)
+    sched2 = build_scheduler(opt2, 20, 4, 0.0)
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    for _ in range(3):
+        opt.step(), sched.step(), opt2.step(), sched2.step()
+        assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"]
+
+
+def _state() -> dict:
+    return {"w": torch.randn(4, 3), "step": random.randint(1, 99), "nested": {"a": [1, 2.5, "x"]}}
+
+
+def test_checkpoint_atomic_listing_and_prune(tmp_path: Path) -> None:
+    saved = {s: _state() for s in (2, 4, 6)}
+    for s, st in saved.items():
+        ckpt.save_checkpoint(tmp_path, s, st, {"world_size": 1})
+    root = tmp_path / "checkpoints"
+    # debris a kill could leave: a temp folder, a folder without manifest, a truncated state.pt
+    (root / ".tmp-step_00000008-1-1").mkdir()
+    (root / ".tmp-step_00000008-1-1" / "state.pt").write_bytes(b"partial")
+    (root / "step_00000009").mkdir()
+    (root / "step_00000009" / "state.pt").write_bytes(b"no manifest")
+    bad = root / "step_00000010"
+    bad.mkdir()
+    (bad / "state.pt").write_bytes(b"short")
+    (bad / "manifest.json").write_text(json.dumps({"files": {"state.pt": 999}}))
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004", "step_00000006"]
+    assert ckpt.resolve_resume(tmp_path, "auto") == root / "step_00000006"
+    loaded = ckpt.load_state(root / "step_00000004")
+    assert torch.equal(loaded["w"], saved[4]["w"]) and loaded["nested"] == saved[4]["nested"]
+    assert ckpt.prune(tmp_path, 2) == [root / "step_00000002"]
+    assert ckpt.clean_partials(tmp_path) and not list(root.glob(".tmp-*"))
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        ckpt.resolve_resume(tmp_path, str(bad))
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        ckpt.resolve_resume(tmp_path, str(tmp_path / "nope"))
+    assert ckpt.resolve_resume(tmp_path, str(root / "step_00000004" / "state.pt")) == root / "step_00000004"
+    assert ckpt.resolve_resume(tmp_path, str(tmp_path)) == root / "step_00000006"
+    assert ckpt.resolve_resume(tmp_path / "empty", "auto") is None
+
+
+def test_checkpoint_save_replaces_incomplete_folder_of_same_step(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    (root / "step_00000003").mkdir(parents=True)
+    (root / "step_00000003" / "state.pt").write_bytes(b"junk")
+    st = _state()
+    path = ckpt.save_checkpoint(tmp_path, 3, st)
+    assert ckpt.is_complete(path) and torch.equal(ckpt.load_state(path)["w"], st["w"])
+
+
+def test_halt_file_reading_and_archive(tmp_path: Path) -> None:
+    assert read_halt(tmp_path) is None
+    (tmp_path / ".HALT").write_text(json.dumps({"reason": "loss spike", "who": "watch"}))
+    assert read_halt(tmp_path) == "loss spike"
+    (tmp_path / ".HALT").write_text("  maintenance window \n")
+    assert read_halt(tmp_path) == "maintenance window"
+    (tmp_path / ".HALT").write_text("")
+    assert read_halt(tmp_path) == "halt file"
+    dest = archive_stale_halt(tmp_path)
+    assert dest is not None and dest.parent.name == "halts" and not (tmp_path / ".HALT").exists()
+    assert archive_stale_halt(tmp_path) is None
+
+
+def test_redaction_of_secrets() -> None:
+    env = {"HF_TOKEN": "hf_abc", "WANDB_API_KEY": "k", "MY_SECRET": "s", "DB_PASSWORD": "p",
+           "CUDA_VISIBLE_DEVICES": "0,1", "HF_HOME": "/data/hf", "UNRELATED": "x"}
+    red = redact_env(env)
+    assert red["HF_TOKEN"] == red["WANDB_API_KEY"] == red["MY_SECRET"] == red["DB_PASSWORD"] == "<redacted>"
+    assert red["CUDA_VISIBLE_DEVICES"] == "0,1"
+    rec = recorded_environment(env)
+    assert rec == {"CUDA_VISIBLE_DEVICES": "0,1", "HF_HOME": "/data/hf", "HF_TOKEN": "<redacted>"}
+
+
+def test_csv_resume_truncates_later_rows(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    log = CsvLog(path, ("step", "loss"))
+    for s in range(1, 8):
+        log.row({"step": s, "loss": random.random()})
+    log.close()
+    log = CsvLog(path, ("step", "loss"), keep_until_step=4)
+    log.row({"step": 5, "loss": 0.5})
+    log.close()
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "loss"] and [r[0] for r in rows[1:]] == ["1", "2", "3", "4", "5"]
+
+
+def test_heartbeat_rejects_fields_outside_the_schema(tmp_path: Path) -> None:
+    hb = Heartbeat(tmp_path, 3)
+    rec = hb.emit("end", 7, status="completed", error=None)
+    with pytest.raises(ValueError, match="schema"):
+        hb.emit("end", 7, status="completed")
+    hb.close()
+    line = json.loads((tmp_path / "heartbeat_rank3.jsonl").read_text().splitlines()[0])
+    assert line == rec and line["rank"] == 3 and line["pid"] == os.getpid() and line["schema"] == 1
+
+
+def test_peak_flops_table() -> None:
+    assert peak_flops("NVIDIA H100 80GB HBM3", None)[0] == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", None)[0] == 312e12
+    assert peak_flops("NVIDIA H100 PCIe", None)[0] == 756e12
+    assert peak_flops("cpu", None)[0] is None
+    assert peak_flops("cpu", 2.0) == (2e12, "train.mfu_peak_tflops")
+
+
+def test_signal_flags_set_by_handlers() -> None:
+    flags = SignalFlags()
+    flags.install(None)
+    try:
+        signal.raise_signal(signal.SIGUSR2)
+        assert flags.save_now
+        signal.raise_signal(signal.SIGTERM)
+        assert flags.halt_source == "SIGTERM"
+        signal.raise_signal(signal.SIGTERM)  # repeated SIGTERM: still the graceful halt
+        assert flags.halt_source == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # a second request stops at once
+    finally:
+        flags.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is not flags._on_halt

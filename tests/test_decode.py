@@ -238,6 +238,26 @@ def test_cuda_graph_generation_equals_eager(attention: str) -> None:
     assert torch.equal(graphed, eager)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("attention", "backend"), [("nsa", None), ("nsa", "triton"), ("dense", None)])
+def test_compiled_decode_equals_eager_on_gpu(attention: str, backend: str | None) -> None:
+    """``NSALM.compile_decode``: the torch.compile'd block steps give the eager logits (static caches)."""
+    torch.manual_seed(3)
+    mc = ModelConfig(vocab_size=48, dim=32, n_layers=3, n_heads=4, n_kv_groups=2, d_k=16, d_v=16,
+                     mlp_hidden=48, attention=attention)
+    model = NSALM(mc, NSAConfig(**CONFIGS[1]), backend=backend).cuda().eval()
+    ids = torch.randint(0, 48, (2, 30), device="cuda")
+    runs = []
+    for compiled in (False, True):
+        model.compile_decode(compiled)
+        cache = model.new_cache(2, 40)
+        cache.static = True
+        model.prefill(ids[:, :5], torch.tensor([5, 3], device="cuda"), cache)
+        runs.append(torch.stack([model.decode_step(ids[:, t], cache) for t in range(5, 30)]))
+    model.compile_decode(False)
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("hp", CONFIGS)
 def test_nsa_decode_op_equals_reference_rows(hp: dict) -> None:
     """The single-query op, fed caches laid out as documented, equals the reference op's row ``t``

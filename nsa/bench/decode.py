@@ -7,7 +7,9 @@ Two modes, one row each per (shape, context, batch):
   the same model with dense attention.
 Caches are filled with random values at the given context (no prefill: the step's cost does not
 depend on how the cache was filled). On CUDA each step is also timed as a CUDA-graph replay, which
-removes the Python and launch overhead that dominates small batches. ``reads`` are key positions
+removes the Python and launch overhead that dominates small batches. With ``compile`` the NSA op
+(attention rows) or every block's decode step of both models (model rows) runs through
+``torch.compile``, which fuses the step's many small kernels. ``reads`` are key positions
 read per step per sequence and KV group (per layer), measured from the index sets the step used.
 No printing here: the CLI renders the rows.
 """
@@ -44,6 +46,7 @@ class DecodeRow:
     device: str
     dtype: str
     backend: str = "torch"
+    compiled: bool = False
     nsa_ms: float | None = None
     dense_ms: float | None = None
     nsa_graph_ms: float | None = None
@@ -126,15 +129,20 @@ def _oom(exc: BaseException) -> bool:
 def bench_attention_step(
     shape: str, HQ: int, H: int, D: int, context: int, batch: int, *, params: NSAParams,
     device: torch.device, dtype: torch.dtype, timer: Timer, graphs: bool = True, seed: int = 0,
-    backend: str = "torch",
+    backend: str = "torch", compile: bool = False,
 ) -> DecodeRow:
     """One query per sequence at position ``context`` (so ``context + 1`` keys in the dense cache);
-    ``backend`` is ``nsa_decode``'s (``torch`` or ``triton``)."""
+    ``backend`` is ``nsa_decode``'s (``torch`` or ``triton``); ``compile``: through ``torch.compile``."""
     from nsa.model.dense import sdpa_gqa
-    from nsa.ops.decode import cmp_block_table, nsa_decode
+    from nsa.ops.decode import cmp_block_table, compiled_nsa_decode, nsa_decode
     from nsa.ops.indexing import num_cmp
 
-    row = DecodeRow("attention", shape, context, batch, str(device), str(dtype).removeprefix("torch."), backend)
+    row = DecodeRow("attention", shape, context, batch, str(device), str(dtype).removeprefix("torch."), backend,
+                    compile)
+    op = nsa_decode
+    if compile:
+        torch._dynamo.reset()  # one compiled graph per row's shapes, never the recompile limit
+        op = compiled_nsa_decode()
     p = params
     T = context + 1
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -153,7 +161,7 @@ def bench_attention_step(
         table = cmp_block_table(C + 1, -(-T // p.l_sel), p.l, p.d, p.l_sel, device=device)
 
         def run() -> Any:
-            return nsa_decode(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, l=p.l, d=p.d,
+            return op(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, l=p.l, d=p.d,
                               l_sel=p.l_sel, n_sel=p.n_sel, w=p.w, table=table, backend=backend)
 
         def nsa() -> torch.Tensor:
@@ -191,13 +199,15 @@ def bench_attention_step(
 
 def bench_model_step(
     run_cfg: Any, context: int, batch: int, *, name: str, device: torch.device, dtype: torch.dtype,
-    timer: Timer, graphs: bool = True, seed: int = 0, backend: str = "torch",
+    timer: Timer, graphs: bool = True, seed: int = 0, backend: str = "torch", compile: bool = False,
 ) -> DecodeRow:
     """``NSALM.decode_step`` at position ``context`` for the NSA model and its dense twin
-    (``backend``: the NSA layers' ops backend, which picks ``nsa_decode``'s path)."""
+    (``backend``: the NSA layers' ops backend, which picks ``nsa_decode``'s path; ``compile``: both
+    models' block decode steps through ``torch.compile``)."""
     from nsa.model import build_model
 
-    row = DecodeRow("model", name, context, batch, str(device), str(dtype).removeprefix("torch."), backend)
+    row = DecodeRow("model", name, context, batch, str(device), str(dtype).removeprefix("torch."), backend,
+                    compile)
     for attention in ("nsa", "dense"):
         cfg = run_cfg.model_copy(deep=True)
         cfg.model.attention = attention
@@ -207,6 +217,9 @@ def bench_model_step(
         model = None
         try:
             model = build_model(cfg).to(device=device, dtype=dtype).eval()
+            if compile:
+                torch._dynamo.reset()
+                model.compile_decode()
             cache = model.new_cache(batch, context + 1)
             base = torch.full((batch,), context, dtype=torch.int64, device=device)
             cache.start(base)
@@ -250,12 +263,13 @@ def bench_decode(
     *, tiny: bool = False, contexts: list[int] | None = None, batches: list[int] | None = None,
     shapes: list[str] | None = None, model_config: str | None = None, model_contexts: list[int] | None = None,
     modes: tuple[str, ...] = ("attention", "model"), graphs: bool = True, warmup_ms: int = 25, rep_ms: int = 100,
-    device: str | torch.device | None = None, backend: str = "torch",
+    device: str | torch.device | None = None, backend: str = "torch", compile: bool = False,
 ) -> list[DecodeRow]:
     """All rows: attention-only steps over shapes x contexts x batches, then whole-model steps.
 
     ``tiny``: CPU-sized (shape HQ=4,H=2,D=16, small NSA blocks, contexts 64/128, batches 1/2, the
     ``tiny`` config for the model rows). ``backend``: ``torch`` or ``triton`` single-query NSA path.
+    ``compile``: the NSA op / the blocks' decode steps through ``torch.compile``.
     """
     if backend not in ("torch", "triton"):
         raise ValueError(f"decode backend '{backend}' must be torch or triton")
@@ -279,12 +293,13 @@ def bench_decode(
             for b in bs:
                 for c in ctxs:
                     rows.append(bench_attention_step(s, HQ, H, D, c, b, params=params, device=dev, dtype=dtype,
-                                                     timer=timer, graphs=graphs, backend=backend))
+                                                     timer=timer, graphs=graphs, backend=backend,
+                                                     compile=compile))
     if "model" in modes:
         name = model_config or ("tiny" if tiny else "m7c-125m")
         cfg = load_named(name)
         for b in bs:
             for c in model_contexts or ([64] if tiny else list(MODEL_CONTEXTS)):
                 rows.append(bench_model_step(cfg, c, b, name=name, device=dev, dtype=dtype, timer=timer,
-                                             graphs=graphs, backend=backend))
+                                             graphs=graphs, backend=backend, compile=compile))
     return rows

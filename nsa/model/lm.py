@@ -38,6 +38,12 @@ def _run_block(block: Block, calls: list[int], x: torch.Tensor) -> torch.Tensor:
     return block(x)
 
 
+def _block_decode(block: Block, x: torch.Tensor, layer: Any, cache: ModelCache) -> torch.Tensor:
+    """One block's decode step (the unit ``NSALM.compile_decode`` compiles)."""
+    x = x + block.attn.decode(block.attn_norm(x), layer, cache)
+    return x + block.mlp(block.mlp_norm(x))
+
+
 class NSALM(nn.Module):
     """Decoder-only language model; ``model_cfg.attention`` picks NSA (default) or the dense baseline.
 
@@ -59,6 +65,7 @@ class NSALM(nn.Module):
         if m.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         self.gradient_checkpointing = False
+        self._block_decode: Any = _block_decode
         self.apply(functools.partial(_init_weights, std=m.init_std))
 
     # ------------------------------------------------------------------------------------------
@@ -186,13 +193,19 @@ class NSALM(nn.Module):
         cache.advance_host()
         return logits
 
+    def compile_decode(self, enabled: bool = True) -> None:
+        """Run each block's decode step through ``torch.compile`` (static shapes; the blocks share one
+        compiled graph per cache shape), which fuses the step's many small kernels. Pair it with a static
+        cache (``cache.static``, as CUDA-graph decoding uses): the dense model's step depends on the
+        host-side length otherwise and would recompile as the cache grows."""
+        self._block_decode = torch.compile(_block_decode, dynamic=False) if enabled else _block_decode
+
     @torch.no_grad()
     def decode_device_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """The device work of ``decode_step`` (no host counters): what a CUDA graph captures."""
         x = self.tok_emb(tokens)[:, None, :]
         for block, layer in zip(self.block_list(), cache.layers, strict=True):
-            x = x + block.attn.decode(block.attn_norm(x), layer, cache)
-            x = x + block.mlp(block.mlp_norm(x))
+            x = self._block_decode(block, x, layer, cache)
         cache.advance_device()
         return self.head(self.norm(x))[:, 0]
 

@@ -14,6 +14,7 @@ Cache layouts (head-major, one row per KV group):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -183,6 +184,18 @@ def nsa_decode(
     return DecodeOutput(o.reshape(B, HQ, -1), block_idx, reads)
 
 
+_COMPILED: dict[str, Callable[..., DecodeOutput]] = {}
+
+
+def compiled_nsa_decode() -> Callable[..., DecodeOutput]:
+    """``nsa_decode`` through ``torch.compile`` (static shapes, created once): the step's ~100 small
+    kernels fuse into a few, which is what a batch-1 decode step's time is made of."""
+    fn = _COMPILED.get("nsa_decode")
+    if fn is None:
+        fn = _COMPILED["nsa_decode"] = torch.compile(nsa_decode, dynamic=False)
+    return fn
+
+
 # --------------------------------------------------------------------------------------------------
 # Triton path for the selected and window branches (CUDA, or CPU under TRITON_INTERPRET=1).
 #
@@ -226,20 +239,23 @@ if triton is not None:
         m_i = tl.full([HP], float("-inf"), tl.float32)
         l_i = tl.zeros([HP], tl.float32)
         acc = tl.zeros([HP, BDV], tl.float32)
-        for i in range(split, NTILES, NSPLIT):
+        # constant loop bounds (a bound from program_id breaks the interpreter under NumPy >= 2.5);
+        # tiles past NTILES in the last round read nothing
+        for i0 in range(0, NTILES, NSPLIT):
+            i = i0 + split
             if SEL:
-                blk = tl.load(BLK + b * sbb + g * sbh + i // TPB).to(tl.int64)
+                blk = tl.load(BLK + b * sbb + g * sbh + i // TPB, mask=i < NTILES, other=-1).to(tl.int64)
                 off = (i % TPB) * BN + n
                 p = blk * LSEL + off
                 valid = (off < LSEL) & (p >= 0) & (p <= t)  # blk = -1 gives p < 0
                 slot = tl.where(valid, p, 0)
             else:
                 p = t - N_SLOTS + 1 + i * BN + n
-                valid = (p >= 0) & (p <= t)
+                valid = (p >= 0) & (p <= t)  # i >= NTILES gives p > t
                 slot = tl.where(valid, p % N_SLOTS, 0)
             k = tl.load(K + b * skb + g * skh + slot[:, None] * sks + ck[None, :],
                         mask=valid[:, None] & (ck[None, :] < DK), other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)  # fp32 also when compiled (fp64 scale)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -35,6 +35,7 @@ def decode(
     config: Annotated[str | None, typer.Option("--config", help="Config of the model rows [default: m7c-125m; --tiny: tiny].")] = None,
     model_contexts: Annotated[str | None, typer.Option("--model-contexts", help="Contexts of the model rows [default: 2048,65536].")] = None,
     backend: Annotated[str, typer.Option("--backend", help="NSA decode path: torch or triton (selected/window kernel).")] = "torch",
+    compile: Annotated[bool, typer.Option("--compile", help="NSA op / each block's decode step through torch.compile.")] = False,
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Also time CUDA-graph replays of each step.")] = True,
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (tiny shape and config, contexts 64/128).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write rows and environment here.")] = None,
@@ -60,10 +61,11 @@ def decode(
             raise fail("no CUDA device for bench decode", hint="use --tiny on a CPU machine")
         rows = bench_decode(tiny=tiny, contexts=_ints(contexts, "--contexts"), batches=_ints(batches, "--batches"),
                             shapes=shape, model_config=config, model_contexts=_ints(model_contexts, "--model-contexts"),
-                            modes=modes, graphs=graphs, backend=backend)
+                            modes=modes, graphs=graphs, backend=backend, compile=compile)
         if not rows:
             raise fail("nothing to measure")
-        table = Table(title=f"decode step: NSA ({backend}) vs dense ({rows[0].device}, {rows[0].dtype})")
+        how = backend + (", compiled" if compile else "")
+        table = Table(title=f"decode step: NSA ({how}) vs dense ({rows[0].device}, {rows[0].dtype})")
         for col in ("mode", "shape", "context", "batch", "nsa ms", "dense ms", "nsa graph ms", "dense graph ms",
                     "speed-up", "reads nsa", "reads dense", "reads x"):
             table.add_column(col, justify="right")

@@ -83,8 +83,8 @@ def resolve(backend: str | None, tensors: tuple[torch.Tensor, ...], op: str) -> 
     """The backend module that runs ``op`` on ``tensors``."""
     name = requested_backend(backend)
     if name == "auto":
-        on_cuda = any(t.is_cuda for t in tensors)
-        name = "triton" if on_cuda and _triton_reason(tensors) is None else "torch"
+        # CPU tensors belong to the torch path; CUDA tensors that Triton cannot serve are a fallback
+        name = "triton" if any(t.is_cuda for t in tensors) else "torch"
     if name == "triton":
         reason = _triton_reason(tensors)
         if reason is not None:

@@ -26,11 +26,22 @@ class TileConfig:
     num_stages: int
 
 
-def tile_config(device: torch.device, h: int, dk: int, dv: int) -> TileConfig:
-    """Heuristic block shapes (GPU) or small ones (the CPU interpreter)."""
+# Overrides for tuning sweeps (``{"sel_bm": 128, ...}``); empty in normal use.
+TUNE: dict[str, int | str] = {}
+
+
+def tile_config(device: torch.device, h: int, dk: int, dv: int, kind: str = "range") -> TileConfig:
+    """Heuristic block shapes (GPU) or small ones (the CPU interpreter); ``kind`` range|sel|score."""
     if device.type != "cuda":
         return TileConfig(bm=max(16, next_pow2(h)), bn=16, num_warps=4, num_stages=1)
     dmax = max(next_pow2(dk), next_pow2(dv))
-    bm = max(64, next_pow2(h))
-    bn = 64 if dmax <= 128 else 32
-    return TileConfig(bm=bm, bn=bn, num_warps=4 if dmax <= 64 else 8, num_stages=2)
+    # measured on an H200 (docs/kernels.md): 4 warps beat 8 for every kernel at D <= 128, except the
+    # block scoring of large groups, which also prefers 128-row tiles
+    big_score = kind == "score" and h >= 16 and dmax <= 128
+    # selection forward of a large group: one position per tile (no union of several positions' blocks)
+    bm = int(TUNE.get(f"{kind}_bm", 128 if big_score else 16 if kind == "sel" and h >= 16 else 64))
+    bm = max(bm, next_pow2(h))
+    bn = int(TUNE.get(f"{kind}_bn", 64 if dmax <= 128 else 32))
+    warps = int(TUNE.get(f"{kind}_warps", 8 if big_score or dmax > 128 else 4))
+    stages = int(TUNE.get(f"{kind}_stages", 2))
+    return TileConfig(bm=bm, bn=bn, num_warps=warps, num_stages=stages)

@@ -1,0 +1,1 @@
+"""Benchmarks (attention kernels, training step, decode) that return rows; the CLI renders them."""

@@ -1,0 +1,397 @@
+"""Attention benchmark: NSA (compression + top-n + three branches + gates) against dense causal SDPA.
+
+``bench_attention(...)`` returns one row per (shape, sequence length) with forward and forward+backward
+medians (``triton.testing.do_bench`` on CUDA, ``time.perf_counter`` medians on CPU), peak memory, the
+FLOPs each side must do, achieved TFLOP/s and the speed-up ratios. With fla-core importable, a peer
+column times its ``parallel_nsa`` (compression + top-n + selection, no window) where it accepts the shape
+(16 or more query heads per KV head). No printing here: the CLI renders the rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
+DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
+TINY_SEQ_LENS = (64, 128)
+
+
+@dataclass(frozen=True)
+class NSAParams:
+    """NSA hyper-parameters of the benchmark (paper defaults)."""
+
+    l: int = 32  # noqa: E741
+    d: int = 16
+    l_sel: int = 64
+    n_sel: int = 16
+    w: int = 512
+
+    @classmethod
+    def tiny(cls) -> NSAParams:
+        return cls(l=8, d=4, l_sel=16, n_sel=4, w=32)
+
+
+@dataclass
+class AttentionRow:
+    """One measured configuration; times in milliseconds, memory in MiB (None: not measured)."""
+
+    shape: str
+    batch: int
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    backend: str
+    nsa_fwd_ms: float | None = None
+    nsa_fwdbwd_ms: float | None = None
+    dense_fwd_ms: float | None = None
+    dense_fwdbwd_ms: float | None = None
+    peer_fwd_ms: float | None = None
+    peer_fwdbwd_ms: float | None = None
+    nsa_peak_mib: float | None = None
+    dense_peak_mib: float | None = None
+    nsa_fwd_gflop: float = 0.0
+    dense_fwd_gflop: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def speedup_fwd(self) -> float | None:
+        return _ratio(self.dense_fwd_ms, self.nsa_fwd_ms)
+
+    @property
+    def speedup_fwdbwd(self) -> float | None:
+        return _ratio(self.dense_fwdbwd_ms, self.nsa_fwdbwd_ms)
+
+    @property
+    def vs_peer_fwdbwd(self) -> float | None:
+        return _ratio(self.peer_fwdbwd_ms, self.nsa_fwdbwd_ms)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(speedup_fwd=self.speedup_fwd, speedup_fwdbwd=self.speedup_fwdbwd,
+                   vs_peer_fwdbwd=self.vs_peer_fwdbwd,
+                   nsa_fwd_tflops=_rate(self.nsa_fwd_gflop, self.nsa_fwd_ms),
+                   dense_fwd_tflops=_rate(self.dense_fwd_gflop, self.dense_fwd_ms))
+        return out
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None or den <= 0 else num / den
+
+
+def _rate(gflop: float, ms: float | None) -> float | None:
+    return None if ms is None or ms <= 0 else gflop / ms  # GFLOP / ms == TFLOP/s
+
+
+def nsa_fwd_flops(S: int, HQ: int, Dk: int, Dv: int, p: NSAParams, batch: int = 1) -> float:
+    """Matrix FLOPs of the NSA forward: compressed attention, the score recompute, selection, window."""
+    cmp_keys = sel_keys = win_keys = 0
+    for t in range(S):
+        n_c = max(0, (t + 1 - p.l) // p.d + 1)
+        cmp_keys += n_c
+        bt = t // p.l_sel
+        # chosen blocks: all earlier ones are full, the current one holds t % l_sel + 1 positions
+        n_full = min(p.n_sel, bt + 1) - 1
+        sel_keys += n_full * p.l_sel + (t % p.l_sel + 1)
+        win_keys += min(p.w, t + 1)
+    per_head = 2 * (Dk + Dv) * (cmp_keys + sel_keys + win_keys) + 2 * Dk * cmp_keys
+    return float(per_head * HQ * batch)
+
+
+def dense_fwd_flops(S: int, HQ: int, Dk: int, Dv: int, batch: int = 1) -> float:
+    """Matrix FLOPs of causal attention (only the lower triangle)."""
+    return float(2 * (Dk + Dv) * S * (S + 1) // 2 * HQ * batch)
+
+
+def _timer(device: torch.device, warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
+    if device.type == "cuda":
+        import triton.testing
+
+        def cuda_time(fn: Callable[[], Any]) -> float:
+            return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+        return cuda_time
+
+    def cpu_time(fn: Callable[[], Any]) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return cpu_time
+
+
+def _peak_mib(device: torch.device, fn: Callable[[], Any]) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _fwdbwd(fn: Callable[[], torch.Tensor], grad: torch.Tensor, leaves: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for t in leaves:
+            t.grad = None
+        fn().backward(grad)
+
+    return run
+
+
+def _peer() -> Callable[..., torch.Tensor] | None:
+    try:
+        from fla.ops.nsa import parallel_nsa
+    except Exception:  # fla-core missing or broken: no peer column
+        return None
+    fn: Callable[..., torch.Tensor] = parallel_nsa
+    return fn
+
+
+def bench_one(
+    shape: str, S: int, HQ: int, H: int, D: int, *, batch: int = 1, params: NSAParams | None = None,
+    device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
+    peer: bool = True, dense: bool = True, warmup_ms: int = 25, rep_ms: int = 100, seed: int = 0,
+) -> AttentionRow:
+    """Time NSA and dense attention on the same random inputs of one shape."""
+    import torch.nn.functional as F
+
+    from nsa.ops import compress_avg, nsa_attention, use_backend
+
+    p = params or NSAParams()
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    row = AttentionRow(shape=shape, batch=batch, seq_len=S, heads=HQ, kv_heads=H, head_dim=D,
+                       dtype=str(dtype).removeprefix("torch."), device=_device_name(dev), backend=backend)
+
+    def rnd(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=gen, device=dev, dtype=dtype).requires_grad_(True)
+
+    q = rnd(batch, S, HQ, D)
+    k_raw, v_raw = rnd(batch, S, H, D), rnd(batch, S, H, D)
+    k_sel, v_sel, k_win, v_win = (rnd(batch, S, H, D) for _ in range(4))
+    gates = torch.rand(batch, S, HQ, 3, generator=gen, device=dev, dtype=dtype).requires_grad_(True)
+    grad = torch.randn(batch, S, HQ, D, generator=gen, device=dev, dtype=dtype)
+    leaves = [q, k_raw, v_raw, k_sel, v_sel, k_win, v_win, gates]
+    timer = _timer(dev, warmup_ms, rep_ms)
+
+    def nsa() -> torch.Tensor:
+        with use_backend(backend):
+            k_cmp, v_cmp = compress_avg(k_raw, p.l, p.d), compress_avg(v_raw, p.l, p.d)
+            out = nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, l=p.l, d=p.d,
+                                l_sel=p.l_sel, n_sel=p.n_sel, w=p.w)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    row.nsa_fwd_gflop = nsa_fwd_flops(S, HQ, D, D, p, batch) / 1e9
+    row.dense_fwd_gflop = dense_fwd_flops(S, HQ, D, D, batch) / 1e9
+    with torch.no_grad():
+        row.nsa_fwd_ms = timer(nsa)
+    row.nsa_fwdbwd_ms = timer(_fwdbwd(nsa, grad, leaves))
+    row.nsa_peak_mib = _peak_mib(dev, _fwdbwd(nsa, grad, leaves))
+
+    if dense:
+        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k_sel, v_sel))
+        gt = grad.transpose(1, 2).contiguous()
+
+        def sdpa() -> torch.Tensor:
+            out: torch.Tensor = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+            return out
+
+        with torch.no_grad():
+            row.dense_fwd_ms = timer(sdpa)
+        row.dense_fwdbwd_ms = timer(_fwdbwd(sdpa, gt, [qt, kt, vt]))
+        row.dense_peak_mib = _peak_mib(dev, _fwdbwd(sdpa, gt, [qt, kt, vt]))
+
+    parallel_nsa = _peer() if peer and dev.type == "cuda" else None
+    if parallel_nsa is not None:
+        if HQ // H < 16 or (HQ // H) & (HQ // H - 1):
+            row.notes.append(f"fla parallel_nsa refuses {HQ // H} heads per group")
+        else:
+            g_c, g_s = (gates[..., i].detach().clone().requires_grad_(True) for i in (0, 1))
+
+            def fla() -> torch.Tensor:
+                out: torch.Tensor = parallel_nsa(q, k_sel, v_sel, g_cmp=g_c, g_slc=g_s,
+                                                 block_counts=p.n_sel, block_size=p.l_sel)
+                return out
+
+            try:
+                with torch.no_grad():
+                    row.peer_fwd_ms = timer(fla)
+                row.peer_fwdbwd_ms = timer(_fwdbwd(fla, grad, [q, k_sel, v_sel, g_c, g_s]))
+            except Exception as exc:  # a peer failure must not hide our numbers
+                row.notes.append(f"fla parallel_nsa failed: {type(exc).__name__}: {exc}"[:200])
+    return row
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return "cpu"
+
+
+def bench_attention(
+    shapes: list[tuple[str, int, int, int]], seq_lens: list[int], *, tiny: bool = False, **kwargs: Any,
+) -> list[AttentionRow]:
+    """Rows for every ``(name, HQ, H, D)`` shape and sequence length (``tiny``: CPU-sized settings)."""
+    if tiny:
+        kwargs.setdefault("params", NSAParams.tiny())
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("dtype", torch.float32)
+    rows = []
+    for name, HQ, H, D in shapes:
+        for S in seq_lens:
+            rows.append(bench_one(name, S, HQ, H, D, **kwargs))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def environment() -> dict[str, Any]:
+    """Device and library versions recorded with every result."""
+    import datetime
+    import platform
+
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    try:
+        import fla
+
+        env["fla_core"] = getattr(fla, "__version__", "installed")
+    except Exception:
+        env["fla_core"] = None
+    return env
+
+
+def kernel_breakdown(
+    S: int, HQ: int, H: int, D: int, *, params: NSAParams | None = None, batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16, warmup_ms: int = 10, rep_ms: int = 50, seed: int = 0,
+    only: tuple[str, ...] | None = None,
+) -> dict[str, float]:
+    """Median milliseconds of each Triton stage of the NSA forward and backward (CUDA only)."""
+    import triton.testing
+
+    from nsa.ops._triton.combine import combine_bwd, combine_fwd
+    from nsa.ops._triton.range_attn import range_bwd, range_fwd
+    from nsa.ops._triton.scores import block_scores, top_blocks
+    from nsa.ops._triton.selection import sel_bwd, sel_fwd
+    from nsa.ops.torch_path import compress_avg
+
+    p = params or NSAParams()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def rnd(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=gen, device=dev, dtype=dtype)
+
+    q = rnd(batch, S, HQ, D)
+    k_raw, v_raw, k_sel, v_sel, k_win, v_win = (rnd(batch, S, H, D) for _ in range(6))
+    gates = torch.rand(batch, S, HQ, 3, generator=gen, device=dev, dtype=dtype)
+    do = rnd(batch, S, HQ, D)
+    scale = D**-0.5
+    cmp = {"stride": p.d, "off": p.l - 1, "win": 0}
+    win = {"stride": 1, "off": 0, "win": p.w}
+    k_cmp, v_cmp = compress_avg(k_raw, p.l, p.d).contiguous(), compress_avg(v_raw, p.l, p.d).contiguous()
+    o3 = torch.empty(batch, S, HQ, 3, D, device=dev, dtype=dtype)
+    lse_c = range_fwd(q, k_cmp, v_cmp, o3[:, :, :, 0], scale=scale, **cmp)
+    P = block_scores(q, k_cmp, lse_c, l=p.l, d=p.d, l_sel=p.l_sel, scale=scale)
+    idx = top_blocks(P, B=batch, H=H, S=S, l_sel=p.l_sel, n_sel=p.n_sel)
+    lse_s, _ = sel_fwd(q, k_sel, v_sel, idx, o3[:, :, :, 1], l_sel=p.l_sel, scale=scale)
+    lse_w = range_fwd(q, k_win, v_win, o3[:, :, :, 2], scale=scale, **win)
+    dg = combine_bwd(o3, do)
+    dq = torch.empty(q.shape, device=dev, dtype=torch.float32)
+    stages: dict[str, Callable[[], Any]] = {
+        "compress_avg": lambda: (compress_avg(k_raw, p.l, p.d).contiguous(), compress_avg(v_raw, p.l, p.d).contiguous()),
+        "cmp_fwd": lambda: range_fwd(q, k_cmp, v_cmp, o3[:, :, :, 0], scale=scale, **cmp),
+        "block_scores": lambda: block_scores(q, k_cmp, lse_c, l=p.l, d=p.d, l_sel=p.l_sel, scale=scale),
+        "top_blocks": lambda: top_blocks(P, B=batch, H=H, S=S, l_sel=p.l_sel, n_sel=p.n_sel),
+        "sel_fwd": lambda: sel_fwd(q, k_sel, v_sel, idx, o3[:, :, :, 1], l_sel=p.l_sel, scale=scale),
+        "win_fwd": lambda: range_fwd(q, k_win, v_win, o3[:, :, :, 2], scale=scale, **win),
+        "combine_fwd": lambda: combine_fwd(o3, gates, dtype),
+        "combine_bwd": lambda: combine_bwd(o3, do),
+        "cmp_bwd": lambda: range_bwd(q, k_cmp, v_cmp, do, lse_c, gates, dg, dq, branch=0, accum=False,
+                                     scale=scale, **cmp),
+        "sel_bwd": lambda: sel_bwd(q, k_sel, v_sel, idx, do, lse_s, gates, dg, dq, branch=1, accum=True,
+                                   l_sel=p.l_sel, scale=scale),
+        "win_bwd": lambda: range_bwd(q, k_win, v_win, do, lse_w, gates, dg, dq, branch=2, accum=True,
+                                     scale=scale, **win),
+    }
+    out = {name: float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+           for name, fn in stages.items() if only is None or name in only}
+    if only is None or "sel_fwd" in only:
+        from nsa.ops._triton import tile_config
+        from nsa.ops._triton.selection import tile_blocks
+
+        bt = tile_config(dev, HQ // H, D, D, "sel").bm // (HQ // H)
+        # distinct blocks a selection tile walks, over n_sel (1.0: its positions chose the same blocks)
+        out["sel_union_ratio"] = float(tile_blocks(idx, bt)[1].float().mean()) / p.n_sel
+    return out
+
+
+def stage_costs(S: int, HQ: int, H: int, Dk: int, Dv: int, params: NSAParams | None = None,
+                batch: int = 1) -> dict[str, tuple[float, float]]:
+    """``(FLOPs, minimum bytes)`` of each stage named as in :func:`kernel_breakdown` (bf16 tensors).
+
+    FLOPs are the matrix products the kernels execute for the useful key set (no masked waste, no
+    union waste); backward counts the recomputation (dq: 3 products, dk/dv: 4). Bytes: each input
+    read once and each output written once.
+    """
+    p = params or NSAParams()
+    cmp_keys = sel_keys = win_keys = 0
+    for t in range(S):
+        cmp_keys += max(0, (t + 1 - p.l) // p.d + 1)
+        bt = t // p.l_sel
+        sel_keys += (min(p.n_sel, bt + 1) - 1) * p.l_sel + t % p.l_sel + 1
+        win_keys += min(p.w, t + 1)
+    rows = batch * HQ
+    n_c = max(0, (S - p.l) // p.d + 1)
+    nb = -(-S // p.l_sel)
+    q_b, o_b = batch * S * HQ * Dk * 2, batch * S * HQ * Dv * 2
+    kv_raw = batch * S * H * (Dk + Dv) * 2
+    kv_cmp = batch * n_c * H * (Dk + Dv) * 2
+    lse_b = batch * S * HQ * 4
+    p_b = batch * H * S * nb * 4
+    idx_b = batch * S * H * p.n_sel * 4
+
+    def fwd(keys: int) -> float:
+        return float(2 * (Dk + Dv) * keys * rows)
+
+    def bwd(keys: int) -> float:
+        return float((3 * 2 * Dk + 4 * 2 * Dv) * keys * rows)  # dq: QK, dP, dS.K; dkdv: QK, dP, P.dO, dS.Q
+
+    grads = 2 * q_b + o_b  # q, dq, do (rough)
+    return {
+        "compress_avg": (0.0, float(kv_raw + kv_cmp)),
+        "cmp_fwd": (fwd(cmp_keys), float(q_b + kv_cmp + o_b + lse_b)),
+        "block_scores": (float(2 * Dk * cmp_keys * rows), float(q_b + kv_cmp // 2 + lse_b + p_b)),
+        "top_blocks": (0.0, float(p_b / 2 + idx_b)),
+        "sel_fwd": (fwd(sel_keys), float(q_b + kv_raw + o_b + lse_b + idx_b)),
+        "win_fwd": (fwd(win_keys), float(q_b + kv_raw + o_b + lse_b)),
+        "combine_fwd": (0.0, float(4 * o_b + batch * S * HQ * 3 * 2)),
+        "combine_bwd": (0.0, float(4 * o_b + batch * S * HQ * 3 * 4)),
+        "cmp_bwd": (bwd(cmp_keys), float(grads + 2 * kv_cmp + 2 * lse_b)),
+        "sel_bwd": (bwd(sel_keys), float(grads + 2 * kv_raw + 2 * lse_b + idx_b)),
+        "win_bwd": (bwd(win_keys), float(grads + 2 * kv_raw + 2 * lse_b)),
+    }

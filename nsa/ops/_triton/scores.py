@@ -1,0 +1,161 @@
+"""Block importance (paper Eqs. 8-10) and top-n selection, without a ``[S, S_cmp]`` matrix in memory.
+
+``block_scores``: one program per tile of packed query rows of a group recomputes the compressed
+scores chunk by chunk (using the compressed forward's ``lse``), weights them by the overlap of each
+compressed token with each selection block (a small matrix product with ``W[j, b] = overlap / l``,
+built in registers) and sums the group's heads (a 0/1 matrix product), writing the group-summed
+importance ``P [B*H, S, n_blocks]`` (fp32). ``top_blocks`` turns ``P`` into the spec's indices:
+forced blocks (current, 0, previous) first, then the highest ``P``, ties to the lower index,
+ascending, ``-1`` padded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa.ops._triton import TUNE, next_pow2, tile_config
+from nsa.ops._triton.range_attn import LOG2E
+
+
+@triton.jit
+def _block_scores_kernel(
+    Q, K, LSE, P,
+    sqb, sqs, sqh, skb, sks, skh,
+    S, NK, NB, HQ, scale_log2,
+    HG: tl.constexpr, H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr,
+    DK: tl.constexpr, BDK: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr,
+    NBC: tl.constexpr, NBCP: tl.constexpr, BTP: tl.constexpr, PREC: tl.constexpr, RESHAPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    g = bh % H
+    BT: tl.constexpr = BM // HG
+    t0 = pid * BT
+    r = tl.arange(0, BM)
+    pos = t0 + r // HG
+    head = g * HG + r % HG
+    row_ok = (r < BT * HG) & (pos < S)
+    ck = tl.arange(0, BDK)
+    pos64 = pos.to(tl.int64)
+    q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
+                mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
+    lse = tl.load(LSE + (b * S + pos64) * HQ + head, mask=row_ok, other=float("inf"))
+    t_last = tl.minimum(t0 + BT - 1, S - 1)
+    n_blk = t_last // LS + 1
+    # head-sum matrix: E[i, r] = 1 iff row r belongs to the tile's i-th position
+    ti = tl.arange(0, BTP)
+    E = tl.where((r[None, :] // HG == ti[:, None]) & (r[None, :] < BT * HG), 1.0, 0.0)
+    jj = tl.arange(0, BJ)
+    bb = tl.arange(0, NBCP)
+    for c0 in range(0, n_blk, NBC):
+        first = c0 * LS - L + 1
+        j_a = tl.where(first > 0, (first + D - 1) // D, 0)
+        j = j_a + jj
+        j64 = j.to(tl.int64)
+        k = tl.load(K + b * skb + j64[:, None] * sks + g * skh + ck[None, :],
+                    mask=(j[:, None] < NK) & (ck[None, :] < DK), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        vis = (j[None, :] * D + L - 1 <= pos[:, None]) & (j[None, :] < NK)
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        blk = c0 + bb
+        lo = tl.maximum(j[:, None] * D, blk[None, :] * LS)
+        hi = tl.minimum(j[:, None] * D + L, blk[None, :] * LS + LS)
+        w = tl.where((bb[None, :] < NBC) & (hi > lo), (hi - lo).to(tl.float32) / L, 0.0)
+        if PREC == "bf16":
+            p_rows = tl.dot(p.to(tl.bfloat16), w.to(tl.bfloat16))
+        else:
+            p_rows = tl.dot(p, w, input_precision=PREC)
+        if RESHAPE:
+            # HG is a power of two: the tile's rows are [BT, HG] and the head sum is a reduction
+            p_pos2 = tl.sum(tl.reshape(p_rows, [BT, HG, NBCP]), 1)
+            t2 = tl.arange(0, BT)
+            tpos2 = (t0 + t2).to(tl.int64)
+            tl.store(P + (bh * S + tpos2[:, None]) * NB + blk[None, :], p_pos2,
+                     mask=(tpos2[:, None] < S) & (bb[None, :] < NBC) & (blk[None, :] < NB))
+        else:
+            p_pos = tl.dot(E, p_rows, input_precision="ieee")
+            tpos = (t0 + ti).to(tl.int64)
+            tl.store(P + (bh * S + tpos[:, None]) * NB + blk[None, :], p_pos,
+                     mask=(ti[:, None] < BT) & (tpos[:, None] < S) & (bb[None, :] < NBC) & (blk[None, :] < NB))
+
+
+@triton.jit
+def _top_blocks_kernel(
+    P, IDX, S, NB, H,
+    LS: tl.constexpr, N_SEL: tl.constexpr, NBP: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    g = bh % H
+    t = pid * BR + tl.arange(0, BR)
+    t_ok = t < S
+    t64 = t.to(tl.int64)
+    blk = tl.arange(0, NBP)
+    bt = t // LS
+    cand = (blk[None, :] <= bt[:, None]) & t_ok[:, None]
+    pv = tl.load(P + (bh * S + t64[:, None]) * NB + blk[None, :], mask=cand, other=0.0)
+    key = tl.maximum(pv.to(tl.int32, bitcast=True), 0)  # P >= 0: int order == float order
+    key = tl.where(blk[None, :] == bt[:, None] - 1, 0x7F000001, key)
+    key = tl.where(blk[None, :] == 0, 0x7F000002, key)
+    key = tl.where(blk[None, :] == bt[:, None], 0x7F000003, key)
+    key = tl.where(cand, key, -1)
+    chosen = (blk[None, :] < 0) & t_ok[:, None]
+    for _ in range(N_SEL):
+        m = tl.max(key, 1)
+        pick = tl.min(tl.where(key == m[:, None], blk[None, :], NBP), 1)
+        hit = (blk[None, :] == pick[:, None]) & (m[:, None] >= 0)
+        chosen = chosen | hit
+        key = tl.where(hit, -2, key)
+    ns = tl.arange(0, NSP)
+    out = tl.full([BR, NSP], -1, tl.int32)
+    for kk in range(N_SEL):
+        nxt = tl.min(tl.where(chosen, blk[None, :], NBP), 1)
+        val = tl.where(nxt < NBP, nxt, -1)
+        out = tl.where(ns[None, :] == kk, val[:, None], out)
+        chosen = chosen & (blk[None, :] != nxt[:, None])
+    tl.store(IDX + ((b * S + t64[:, None]) * H + g) * N_SEL + ns[None, :], out,
+             mask=t_ok[:, None] & (ns[None, :] < N_SEL))
+
+
+def block_scores(
+    q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, *, l: int, d: int, l_sel: int,  # noqa: E741
+    scale: float,
+) -> torch.Tensor:
+    """Group-summed block importance ``P [B*H, S, n_blocks]`` (fp32; entries past ``t // l_sel`` unset)."""
+    B, S, HQ, DK = q.shape
+    NK, H = k_cmp.shape[1], k_cmp.shape[2]
+    h = HQ // H
+    NB = -(-S // l_sel)
+    cfg = tile_config(q.device, h, DK, DK, "score")
+    halo = l // d - 1
+    per_blk = l_sel // d
+    bj = max(next_pow2(per_blk + halo), 64 if q.is_cuda else 16)
+    nbc = (bj - halo) // per_blk
+    bt = cfg.bm // h
+    P = torch.empty(B * H, S, NB, device=q.device, dtype=torch.float32)
+    _block_scores_kernel[(triton.cdiv(S, bt), B * H)](
+        q, k_cmp, lse, P, *q.stride()[:3], *k_cmp.stride()[:3], S, NK, NB, HQ, scale * LOG2E,
+        HG=h, H=H, L=l, D=d, LS=l_sel, DK=DK, BDK=max(16, next_pow2(DK)), BM=cfg.bm, BJ=bj,
+        NBC=nbc, NBCP=max(16, next_pow2(nbc)), BTP=max(16, next_pow2(bt)),
+        PREC=str(TUNE.get("score_prec", "tf32")) if q.is_cuda else "ieee",
+        RESHAPE=bool(TUNE.get("score_reshape", 1)) and q.is_cuda and h & (h - 1) == 0 and cfg.bm == bt * h,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return P
+
+
+def top_blocks(P: torch.Tensor, *, B: int, H: int, S: int, l_sel: int, n_sel: int) -> torch.Tensor:
+    """Spec top-n over ``P``: int32 ``[B, S, H, n_sel]``, ascending, ``-1`` padded."""
+    NB = P.shape[-1]
+    nbp = max(16, next_pow2(NB))
+    br = max(1, min(64, int(TUNE.get("topn_elems", 1024)) // nbp))
+    idx = torch.empty(B, S, H, n_sel, device=P.device, dtype=torch.int32)
+    _top_blocks_kernel[(triton.cdiv(S, br), B * H)](
+        P, idx, S, NB, H, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)), BR=br,
+        num_warps=4,
+    )
+    return idx

@@ -1,0 +1,183 @@
+"""Triton backend of the NSA ops: same calls as :mod:`nsa.ops.reference`, kernels in ``nsa/ops/_triton``.
+
+Forward of ``nsa_attention``: compressed branch (o_cmp + lse) -> block importance and top-n (unless
+``block_idx`` is given) -> selected branch -> window branch -> gate combine. Backward: the gate gradient
+(one pass over ``do`` and the three branch outputs), then per branch dq (accumulated in fp32) and dk/dv.
+No step reads a device value on the host, so forward and backward never synchronise.
+
+Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tiny shapes, for CI).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from nsa.ops.indexing import check_hparams, check_shapes, num_cmp
+from nsa.ops.torch_path import compress_avg as _torch_compress_avg
+
+_GPU_DTYPES = (torch.bfloat16, torch.float16)
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256
+MAX_BLOCKS = 16384
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supports(*tensors: torch.Tensor) -> str | None:
+    """None when these kernels can serve a call on ``tensors``, else a short reason."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton not installed"
+    interp = _interpreting()
+    for i, t in enumerate(tensors):
+        if t.device.type != "cuda" and not (interp and t.device.type == "cpu"):
+            return f"{t.device.type} tensor"
+        # the first tensor (q) sets the compute dtype; float32 k/v/gates (autocast) are cast to it
+        allowed = _CPU_DTYPES if t.device.type == "cpu" else (_GPU_DTYPES if i == 0 else _CPU_DTYPES)
+        if t.is_floating_point() and t.dtype not in allowed:
+            return f"dtype {str(t.dtype).removeprefix('torch.')}"
+        if t.dim() == 4 and t.shape[-1] != 3 and t.shape[-1] > MAX_HEAD_DIM:
+            return f"head dim {t.shape[-1]}"
+    cuda = [t for t in tensors if t.is_cuda]
+    if cuda and torch.cuda.get_device_capability(cuda[0].device)[0] < 8:
+        return "compute capability < 8.0"
+    return None
+
+
+def compress_avg(x: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
+    """Mean pooling is bandwidth-bound elementwise work: the vectorised torch op serves it."""
+    return _torch_compress_avg(x, l, d)
+
+
+def _cmp_geometry(l: int, d: int) -> dict[str, int]:  # noqa: E741
+    return {"stride": d, "off": l - 1, "win": 0}
+
+
+def select_blocks(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    *,
+    l: int,  # noqa: E741
+    d: int,
+    l_sel: int,
+    n_sel: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Top-``n_sel`` blocks per query and group: int32 ``[B, S, H, n_sel]``, ascending, -1 padded."""
+    from nsa.ops._triton.range_attn import range_fwd
+    from nsa.ops._triton.scores import block_scores, top_blocks
+
+    check_hparams(l, d, l_sel, n_sel)
+    B, S, _, Dk = q.shape
+    H = k_cmp.shape[2]
+    scale = Dk**-0.5 if scale is None else float(scale)
+    with torch.no_grad():
+        q, k_cmp = _dense_last(q), _dense_last(k_cmp.to(q.dtype))
+        lse = range_fwd(q, k_cmp, k_cmp, None, scale=scale, **_cmp_geometry(l, d))
+        P = block_scores(q, k_cmp, lse, l=l, d=d, l_sel=l_sel, scale=scale)
+        return top_blocks(P, B=B, H=H, S=S, l_sel=l_sel, n_sel=n_sel)
+
+
+class _NSAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
+        v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
+        block_idx: torch.Tensor | None, hp: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from nsa.ops._triton.combine import combine_fwd
+        from nsa.ops._triton.range_attn import range_fwd
+        from nsa.ops._triton.scores import block_scores, top_blocks
+        from nsa.ops._triton.selection import sel_fwd
+
+        B, S, HQ, _ = q.shape
+        H = k_sel.shape[2]
+        Dv = v_sel.shape[-1]
+        scale = hp["scale"]
+        o3 = torch.empty(B, S, HQ, 3, Dv, device=q.device, dtype=q.dtype)
+        lse_c = range_fwd(q, k_cmp, v_cmp, o3[:, :, :, 0], scale=scale, **_cmp_geometry(hp["l"], hp["d"]))
+        if block_idx is None:
+            P = block_scores(q, k_cmp, lse_c, l=hp["l"], d=hp["d"], l_sel=hp["l_sel"], scale=scale)
+            block_idx = top_blocks(P, B=B, H=H, S=S, l_sel=hp["l_sel"], n_sel=hp["n_sel"])
+            del P
+        lse_s, tiles = sel_fwd(q, k_sel, v_sel, block_idx, o3[:, :, :, 1], l_sel=hp["l_sel"], scale=scale)
+        lse_w = range_fwd(q, k_win, v_win, o3[:, :, :, 2], scale=scale, stride=1, off=0, win=hp["w"])
+        out = combine_fwd(o3, gates, q.dtype)
+        ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_idx, o3,
+                              lse_c, lse_s, lse_w, tiles[1], tiles[2])
+        ctx.tile_bt = tiles[0]
+        ctx.hp = hp
+        ctx.mark_non_differentiable(block_idx)
+        return out, block_idx
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor, _didx: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        from nsa.ops._triton.combine import combine_bwd
+        from nsa.ops._triton.range_attn import range_bwd
+        from nsa.ops._triton.selection import sel_bwd
+
+        (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, ul,
+         cnt) = ctx.saved_tensors
+        hp = ctx.hp
+        scale = hp["scale"]
+        do = do.contiguous()
+        dg = combine_bwd(o3, do)
+        dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        dk_c, dv_c = range_bwd(q, k_cmp, v_cmp, do, lse_c, gates, dg, dq, branch=0, accum=False,
+                               scale=scale, **_cmp_geometry(hp["l"], hp["d"]))
+        dk_s, dv_s = sel_bwd(q, k_sel, v_sel, idx, do, lse_s, gates, dg, dq, branch=1, accum=True,
+                             l_sel=hp["l_sel"], scale=scale, tiles=(ctx.tile_bt, ul, cnt))
+        dk_w, dv_w = range_bwd(q, k_win, v_win, do, lse_w, gates, dg, dq, branch=2, accum=True,
+                               scale=scale, stride=1, off=0, win=hp["w"])
+        return (dq.to(q.dtype), dk_c, dv_c, dk_s.to(k_sel.dtype), dv_s.to(v_sel.dtype), dk_w, dv_w,
+                dg.to(gates.dtype), None, None)
+
+
+def _dense_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def nsa_attention(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    k_sel: torch.Tensor,
+    v_sel: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    gates: torch.Tensor,
+    *,
+    l: int,  # noqa: E741
+    d: int,
+    l_sel: int,
+    n_sel: int,
+    w: int,
+    scale: float | None = None,
+    block_idx: torch.Tensor | None = None,
+    return_block_idx: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gated NSA attention ``[B, S, HQ, Dv]`` (and the blocks used, with ``return_block_idx``)."""
+    check_hparams(l, d, l_sel, n_sel, w)
+    S = check_shapes(q, k_sel, name="k_sel")[1]
+    n_c = num_cmp(S, l, d)
+    if k_cmp.shape[1] != n_c or v_cmp.shape[1] != n_c:
+        raise ValueError(f"k_cmp/v_cmp must hold S_cmp={n_c} tokens for S={S}, l={l}, d={d}; "
+                         f"got {k_cmp.shape[1]} and {v_cmp.shape[1]}")
+    if -(-S // l_sel) > MAX_BLOCKS:
+        raise ValueError(f"S={S} gives more than {MAX_BLOCKS} selection blocks of l_sel={l_sel}")
+    hp = {"l": l, "d": d, "l_sel": l_sel, "n_sel": n_sel, "w": w,
+          "scale": q.shape[-1] ** -0.5 if scale is None else float(scale)}
+    if block_idx is not None:
+        block_idx = block_idx.to(device=q.device, dtype=torch.int32).contiguous()
+    # kernels take strides for [B, S, heads]; only the feature dim must be contiguous (views of a fused
+    # projection pass as they are); gates are read as contiguous rows of 3
+    args = [_dense_last(t.to(q.dtype)) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)]
+    args.append(gates.to(q.dtype).contiguous())
+    out, idx = _NSAFunction.apply(*args, block_idx, hp)
+    return (out, idx) if return_block_idx else out

@@ -1,0 +1,182 @@
+"""``nsa bench attention`` and ``nsa bench train``: timings as a table, optionally saved as JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from nsa_cli.errors import fail, user_errors
+
+bench_app = typer.Typer(help="Benchmarks: NSA attention kernels and training steps against dense attention.",
+                        no_args_is_help=True)
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise fail(f"{name}={text!r} must be comma-separated integers", hint=f"e.g. {name} 2048,8192") from None
+    if not out or any(v < 1 for v in out):
+        raise fail(f"{name}={text!r} must list positive integers", hint=f"e.g. {name} 2048,8192")
+    return out
+
+
+def _fmt(x: float | None, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _apply_tune(items: list[str] | None) -> dict[str, int | str]:
+    """``--tune key=value`` overrides of the Triton block shapes (tuning sweeps)."""
+    out: dict[str, int | str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise fail(f"--tune {item!r} must be key=value", hint="e.g. --tune sel_bm=16")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    if out:
+        from nsa.ops._triton import TUNE
+
+        TUNE.update(out)
+    return out
+
+
+def _save(path: Path | None, payload: dict[str, Any]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    typer.echo(f"saved {path}")
+
+
+@bench_app.command("attention")
+def attention(
+    seq_lens: Annotated[str | None, typer.Option("--seq-lens", help="Comma-separated sequence lengths [default: 2048..65536, --tiny: 64,128].")] = None,
+    shape: Annotated[list[str] | None, typer.Option("--shape", help="paper (HQ=64,H=4,D=128), m7c (HQ=12,H=2,D=64) or HQ,H,D; repeatable.")] = None,
+    batch: Annotated[int, typer.Option("--batch", min=1)] = 1,
+    backend: Annotated[str, typer.Option("--backend", help="nsa.ops backend: auto, triton, torch, reference.")] = "auto",
+    peer: Annotated[bool, typer.Option("--peer/--no-peer", help="Time fla-core's parallel_nsa when importable.")] = True,
+    dense: Annotated[bool, typer.Option("--dense/--no-dense", help="Time dense causal SDPA.")] = True,
+    warmup_ms: Annotated[int, typer.Option("--warmup-ms", min=1)] = 25,
+    rep_ms: Annotated[int, typer.Option("--rep-ms", min=1)] = 100,
+    tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (seq 64,128; tiny shape; small NSA blocks).")] = False,
+    tune: Annotated[list[str] | None, typer.Option("--tune", help="Triton tile override key=value (sweeps), e.g. sel_bm=16.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write rows and environment here.")] = None,
+) -> None:
+    """Forward and forward+backward time and peak memory: NSA vs dense causal SDPA (and fla-core)."""
+    with user_errors():
+        tuned = _apply_tune(tune)
+        from rich.console import Console
+        from rich.table import Table
+
+        from nsa.bench.attention import DEFAULT_SEQ_LENS, SHAPES, TINY_SEQ_LENS, bench_attention, environment
+
+        if backend not in ("auto", "triton", "torch", "reference"):
+            raise fail(f"--backend {backend!r} is not one of auto, triton, torch, reference")
+        shapes: list[tuple[str, int, int, int]] = []
+        for s in shape or (["tiny"] if tiny else ["paper", "m7c"]):
+            if s in SHAPES:
+                shapes.append((s, *SHAPES[s]))
+            elif s == "tiny":
+                shapes.append(("tiny", 4, 2, 16))
+            else:
+                parts = _ints(s, "--shape")
+                if len(parts) != 3 or parts[0] % parts[1]:
+                    raise fail(f"--shape {s!r} must be paper, m7c or HQ,H,D with H dividing HQ")
+                shapes.append((f"{parts[0]}x{parts[1]}x{parts[2]}", parts[0], parts[1], parts[2]))
+        if seq_lens is None:
+            lens = list(TINY_SEQ_LENS if tiny else DEFAULT_SEQ_LENS)
+        else:
+            lens = _ints(seq_lens, "--seq-lens")
+        import torch
+
+        if not tiny and not torch.cuda.is_available():
+            raise fail("no CUDA device for bench attention", hint="use --tiny on a CPU machine")
+        rows = bench_attention(shapes, lens, tiny=tiny, batch=batch, backend=backend, peer=peer, dense=dense,
+                               warmup_ms=warmup_ms, rep_ms=rep_ms)
+        table = Table(title=f"NSA vs dense attention ({rows[0].device}, {rows[0].dtype}, batch {batch})")
+        for col in ("shape", "S", "nsa fwd ms", "dense fwd ms", "fwd x", "nsa f+b ms", "dense f+b ms", "f+b x",
+                    "peer f+b ms", "vs peer", "nsa TFLOP/s", "nsa MiB", "dense MiB"):
+            table.add_column(col, justify="right")
+        for r in rows:
+            d = r.to_dict()
+            table.add_row(r.shape, str(r.seq_len), _fmt(r.nsa_fwd_ms), _fmt(r.dense_fwd_ms), _fmt(r.speedup_fwd, ".2f"),
+                          _fmt(r.nsa_fwdbwd_ms), _fmt(r.dense_fwdbwd_ms), _fmt(r.speedup_fwdbwd, ".2f"),
+                          _fmt(r.peer_fwdbwd_ms), _fmt(r.vs_peer_fwdbwd, ".2f"), _fmt(d["nsa_fwd_tflops"]),
+                          _fmt(r.nsa_peak_mib, ".0f"), _fmt(r.dense_peak_mib, ".0f"))
+        Console(width=200).print(table)
+        for r in rows:
+            for note in r.notes:
+                typer.echo(f"note ({r.shape}, S={r.seq_len}): {note}")
+        _save(json_out, {"command": "bench attention", "environment": environment(), "tune": tuned,
+                         "rows": [r.to_dict() for r in rows]})
+
+
+@bench_app.command("train")
+def train(
+    config: Annotated[str, typer.Option("--config", help="Named config or YAML path.")] = "m7c-125m",
+    seq_lens: Annotated[str, typer.Option("--seq-lens", help="Comma-separated sequence lengths.")] = "2048,16384",
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Batch size per sequence length.")] = "16,2",
+    attention: Annotated[list[str] | None, typer.Option("--attention", help="nsa and/or dense; repeatable.")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1)] = 10,
+    warmup: Annotated[int, typer.Option("--warmup", min=0)] = 3,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value; repeatable.")] = None,
+    tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run: tiny config, seq 64, batch 2, 2 steps.")] = False,
+    tune: Annotated[list[str] | None, typer.Option("--tune", help="Triton tile override key=value (sweeps).")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write rows and environment here.")] = None,
+) -> None:
+    """Training-step tokens/s and peak memory: NSA model vs the same model with dense attention."""
+    with user_errors():
+        tuned = _apply_tune(tune)
+        from rich.console import Console
+        from rich.table import Table
+
+        from nsa.bench.attention import environment
+        from nsa.bench.train import bench_train, speedups
+        from nsa.config import load_run_config
+
+        atts = tuple(attention or ["nsa", "dense"])
+        if any(a not in ("nsa", "dense") for a in atts):
+            raise fail(f"--attention {list(atts)} must be nsa and/or dense")
+        if tiny:
+            config, lens, bss, steps, warmup = "tiny", [64], [2], 2, 1
+        else:
+            lens, bss = _ints(seq_lens, "--seq-lens"), _ints(batch_sizes, "--batch-sizes")
+            if len(lens) != len(bss):
+                raise fail("--batch-sizes needs one value per --seq-lens value")
+        resolved = load_run_config(config=config, sets=set_)
+        import torch
+
+        device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
+        rows = bench_train(resolved.config, lens, bss, attentions=atts, steps=steps, warmup=warmup, device=device)
+        table = Table(title=f"training step ({rows[0].device}, config {config})")
+        for col in ("attention", "S", "batch", "params M", "step ms", "tokens/s", "peak MiB"):
+            table.add_column(col, justify="right")
+        for r in rows:
+            table.add_row(r.attention, str(r.seq_len), str(r.batch_size), f"{r.params_m:.1f}", f"{r.step_ms:.1f}",
+                          f"{r.tokens_per_s:,.0f}", _fmt(r.peak_mib, ".0f"))
+        Console(width=200).print(table)
+        ratio = speedups(rows)
+        for S, x in ratio.items():
+            typer.echo(f"S={S}: NSA/dense tokens/s = {x:.2f}")
+        for r in rows:
+            if r.fallbacks:
+                typer.echo(f"fallbacks ({r.attention}, S={r.seq_len}): {r.fallbacks}")
+        _save(json_out, {"command": "bench train", "config": config, "environment": environment(), "tune": tuned,
+                         "rows": [r.to_dict() for r in rows], "nsa_over_dense": ratio})
+
+
+def register(app: typer.Typer) -> None:
+    """Attach ``nsa bench`` (and ``bench decode`` when the decode benchmark module exists)."""
+    import importlib
+
+    try:
+        bench_decode = importlib.import_module("nsa_cli.commands.bench_decode")
+    except ModuleNotFoundError as exc:  # the decode benchmark is not in this checkout
+        if exc.name != "nsa_cli.commands.bench_decode":
+            raise
+    else:
+        bench_decode.register(bench_app)
+    app.add_typer(bench_app, name="bench")

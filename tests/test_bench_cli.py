@@ -1,0 +1,54 @@
+"""``nsa bench attention`` / ``nsa bench train`` in their CPU ``--tiny`` modes, and flag errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from nsa_cli.app import app
+
+runner = CliRunner()
+
+
+def test_bench_help_lists_commands() -> None:
+    res = runner.invoke(app, ["bench", "--help"])
+    assert res.exit_code == 0
+    assert "attention" in res.output and "train" in res.output
+
+
+def test_bench_attention_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "attn.json"
+    res = runner.invoke(app, ["bench", "attention", "--tiny", "--seq-lens", "64", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "NSA vs dense attention" in res.output
+    data = json.loads(out.read_text())
+    assert data["command"] == "bench attention" and data["environment"]["torch"]
+    (row,) = data["rows"]
+    assert row["seq_len"] == 64 and row["shape"] == "tiny"
+    assert row["nsa_fwd_ms"] > 0 and row["nsa_fwdbwd_ms"] > 0 and row["dense_fwd_ms"] > 0
+    assert row["speedup_fwd"] > 0 and row["nsa_fwd_gflop"] > 0
+
+
+def test_bench_train_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "train.json"
+    res = runner.invoke(app, ["bench", "train", "--tiny", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    rows = {r["attention"]: r for r in data["rows"]}
+    assert set(rows) == {"nsa", "dense"}
+    for r in rows.values():
+        assert r["seq_len"] == 64 and r["tokens_per_s"] > 0 and r["step_ms"] > 0
+    assert rows["nsa"]["params_m"] > rows["dense"]["params_m"]  # separate branch projections and gates
+    assert data["nsa_over_dense"]["64"] > 0
+
+
+def test_bench_flag_errors_are_one_line() -> None:
+    for args in (["bench", "attention", "--tiny", "--seq-lens", "abc"],
+                 ["bench", "attention", "--tiny", "--shape", "5,2,16"],
+                 ["bench", "attention", "--tiny", "--tune", "sel_bm"],
+                 ["bench", "train", "--tiny", "--attention", "sparse"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert "error:" in res.output

@@ -1,0 +1,166 @@
+"""Triton NSA kernels against the reference: forward, block indices and every gradient.
+
+CPU: the same kernels run under ``TRITON_INTERPRET=1`` on tiny shapes (S <= 48), in a subprocess.
+GPU: bf16/fp16 at S = 1..2k for h = 1, 2, 6, 16, 64 and head dims 64/128/192 (skipped without CUDA).
+Outputs are poisoned (NaN-filled allocator memory on GPU) before each call; inputs are fresh random.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import make_inputs
+
+HAS_CUDA = torch.cuda.is_available()
+triton = pytest.importorskip("triton")
+NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _in_interpreter(code: str) -> None:
+    """Run ``code`` in a fresh Python with ``TRITON_INTERPRET=1``: Triton fixes the mode at import time,
+    so the interpreter cannot be switched on inside this already-running test process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    prelude = "import torch; torch.set_num_threads(1); from tests.test_triton_kernels import _cpu_case, _dispatcher_case\n"
+    proc = subprocess.run([sys.executable, "-c", prelude + code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values (unwritten output?)"
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _poison(device: torch.device) -> None:
+    if device.type == "cuda":
+        junk = torch.full((1 << 26,), float("nan"), device=device)
+        del junk
+
+
+def _check(B: int, S: int, HQ: int, H: int, Dk: int, Dv: int, *, l: int, d: int, l_sel: int,  # noqa: E741
+           n_sel: int, w: int, dtype: torch.dtype, device: str, tol: float, oracle: str,
+           strided: bool = False) -> None:
+    from nsa.ops import reference, torch_path, triton_path
+
+    dev = torch.device(device)
+    x = make_inputs(B, S, HQ, H, Dk, Dv, l=l, d=d, dtype=dtype, device=device)
+    assert triton_path.supports(*x.args()) is None
+    args = [a.detach().clone().requires_grad_(True) for a in x.args()]
+    ref_mod = reference if oracle == "reference" else torch_path
+    ref_args = [a.detach().double().requires_grad_(True) for a in x.args()]
+    hp = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel)
+
+    _poison(dev)
+    idx = triton_path.select_blocks(args[0], args[1], **hp)
+    idx_ref = ref_mod.select_blocks(args[0].detach().double(), args[1].detach().double(), **hp)
+    assert idx.dtype == torch.int32 and idx.shape == (B, S, H, n_sel)
+    agree = float((idx == idx_ref).float().mean())
+    # exact in fp32; with bf16/fp16 inputs only near-ties may choose differently
+    assert agree == 1.0 if dtype == torch.float32 else agree > 0.97, agree
+
+    _poison(dev)
+    out, idx2 = triton_path.nsa_attention(*args, **hp, w=w, return_block_idx=True)
+    assert torch.equal(idx2, idx), "nsa_attention chose other blocks than select_blocks"
+    inputs = list(args)
+    if strided:  # q, k_sel, v_sel, k_win as views of wider rows (a fused projection): stride(-1) == 1 only
+        for i in (0, 3, 4, 5):
+            inputs[i] = torch.cat([args[i], args[i]], dim=-1)[..., : args[i].shape[-1]]
+            assert not inputs[i].is_contiguous()
+    _poison(dev)
+    out = triton_path.nsa_attention(*inputs, **hp, w=w, block_idx=idx_ref)
+    ref = ref_mod.nsa_attention(*ref_args, **hp, w=w, block_idx=idx_ref)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert _rel(out, ref) < tol
+    grad = torch.randn(ref.shape, dtype=torch.float64, device=device)
+    _poison(dev)
+    out.backward(grad.to(dtype))
+    ref.backward(grad)
+    for name, a, r in zip(NAMES, args, ref_args, strict=True):
+        if r.grad is None:  # k_cmp / v_cmp with no compressed token (S < l)
+            assert a.grad is None or a.grad.abs().sum() == 0
+            continue
+        assert a.grad is not None, name
+        assert _rel(a.grad, r.grad) < tol, (name, _rel(a.grad, r.grad))
+
+
+CPU_CASES = {
+    # id: (B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w)
+    "h1-B2-DkneDv": (2, 40, 2, 2, 16, 32, 8, 4, 8, 2, 10),
+    "h6": (1, 48, 6, 1, 16, 16, 8, 4, 16, 3, 16),
+    "h3-nsel1-D8": (1, 36, 6, 2, 8, 8, 16, 8, 8, 1, 8),
+    "S-lt-l": (1, 10, 4, 1, 16, 16, 16, 8, 16, 2, 4),
+    "h2-strided-views": (1, 40, 4, 2, 16, 16, 8, 4, 8, 3, 12, True),
+}
+
+
+def _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w, strided=False) -> None:  # noqa: E741
+    _check(B, S, HQ, H, Dk, Dv, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, dtype=torch.float32, device="cpu",
+           tol=2e-5, oracle="reference", strided=strided)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU")
+def test_interpreter_matches_reference() -> None:
+    """All CPU cases in one interpreter process (about 20-40 s on 2 busy cores)."""
+    calls = "".join(f"print({name!r}, flush=True); _cpu_case(*{args!r})\n" for name, args in CPU_CASES.items())
+    checks = ("from nsa.ops import triton_path\n"
+              "assert triton_path.supports(torch.zeros(1, 8, 1, 16)) is None\n"
+              "assert triton_path.supports(torch.zeros(1, 8, 1, 512)) == 'head dim 512'\n"
+              "_dispatcher_case()\n")
+    _in_interpreter(checks + calls)
+
+
+def test_supports_reasons() -> None:
+    from nsa.ops import triton_path
+
+    x = torch.zeros(1, 8, 1, 16, dtype=torch.float64)
+    reason = triton_path.supports(x)
+    assert reason is not None and ("dtype" in reason or "tensor" in reason)
+    if not HAS_CUDA and not INTERPRETING:
+        assert triton_path.supports(x.float()) == "cpu tensor"
+
+
+@pytest.mark.skipif(not HAS_CUDA and not INTERPRETING, reason="CPU: part of the interpreter test")
+def test_dispatcher_uses_triton_without_fallback() -> None:
+    _dispatcher_case()
+
+
+def _dispatcher_case() -> None:
+    from nsa import ops
+
+    x = make_inputs(1, 48, 4, 2, 16, 16, l=8, d=4, dtype=torch.bfloat16 if HAS_CUDA else torch.float32,
+                    device="cuda" if HAS_CUDA else "cpu")
+    ops.reset_fallback_counts()
+    out = ops.nsa_attention(*x.args(), l=8, d=4, l_sel=16, n_sel=2, w=16, backend="triton")
+    assert ops.fallback_counts() == {}
+    ref = ops.nsa_attention(*[a.double() for a in x.args()], l=8, d=4, l_sel=16, n_sel=2, w=16,
+                            backend="torch", block_idx=ops.select_blocks(x.q.double(), x.k_cmp.double(),
+                                                                        l=8, d=4, l_sel=16, n_sel=2))
+    assert _rel(out, ref) < (2e-2 if HAS_CUDA else 1e-5)
+
+
+GPU_CASES = [
+    # B, S, HQ, H, Dk, Dv, dtype
+    pytest.param(2, 1024, 2, 2, 64, 64, torch.bfloat16, id="h1-D64"),
+    pytest.param(1, 1500, 4, 2, 128, 128, torch.bfloat16, id="h2-D128-ragged"),
+    pytest.param(2, 1024, 12, 2, 64, 64, torch.bfloat16, id="h6-D64-m7c"),
+    pytest.param(1, 2048, 12, 2, 64, 64, torch.float16, id="h6-fp16"),
+    pytest.param(1, 1024, 32, 2, 128, 128, torch.bfloat16, id="h16-D128"),
+    pytest.param(1, 1024, 64, 1, 128, 128, torch.bfloat16, id="h64-D128"),
+    pytest.param(1, 1024, 8, 2, 192, 128, torch.bfloat16, id="h4-Dk192-Dv128"),
+]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("B,S,HQ,H,Dk,Dv,dtype", GPU_CASES)
+def test_gpu_matches_torch_path(B, S, HQ, H, Dk, Dv, dtype) -> None:
+    _check(B, S, HQ, H, Dk, Dv, l=32, d=16, l_sel=64, n_sel=16, w=512, dtype=dtype, device="cuda",
+           tol=2e-2, oracle="torch", strided=HQ == 12)

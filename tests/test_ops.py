@@ -331,3 +331,21 @@ def test_dispatch_setting_context_and_fallback_counter(monkeypatch: pytest.Monke
     with pytest.raises(ValueError, match="unknown NSA backend"):
         ops.nsa_attention(*x.args(), backend="magic", **hp)
     assert "reference" in ops.available_backends("cpu") and "torch" in ops.available_backends("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_backend_under_torch_compile_matches_eager() -> None:
+    x = make_inputs(2, 300, 12, 2, 64, 64, l=32, d=16, dtype=torch.bfloat16, device="cuda")
+    hp = dict(l=32, d=16, l_sel=64, n_sel=4, w=64)
+
+    def f(*a: torch.Tensor) -> torch.Tensor:
+        return ops.nsa_attention(*a, backend="triton", **hp)
+
+    results = []
+    for fn in (f, torch.compile(f)):
+        args = [a.detach().clone().requires_grad_(True) for a in x.args()]
+        out = fn(*args)
+        out.float().square().sum().backward()
+        results.append([out.float()] + [a.grad.float() for a in args])
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=3e-2, rtol=3e-2)

@@ -27,6 +27,7 @@ class TrainRow:
     peak_mib: float | None
     device: str
     backend: str
+    compiled: bool = False
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -37,7 +38,11 @@ def bench_train_step(
     run_cfg: RunConfig, *, attention: str, seq_len: int, batch_size: int, steps: int = 10,
     warmup: int = 3, device: str | torch.device | None = None,
 ) -> TrainRow:
-    """Median step time of forward + backward + optimizer step for one model variant."""
+    """Median step time of forward + backward + optimizer step for one model variant.
+
+    With ``runtime.compile`` the model is wrapped in ``torch.compile`` (the warm-up steps absorb the
+    compilation), for NSA and dense alike, so the ratio compares like with like.
+    """
     from nsa.model import build_model
     from nsa.ops import fallback_counts, reset_fallback_counts
 
@@ -50,6 +55,7 @@ def bench_train_step(
     torch.manual_seed(0)
     model = build_model(cfg).to(dev)
     model.train()
+    forward = torch.compile(model) if cfg.runtime.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (batch_size, seq_len + 1), generator=gen).to(dev)
@@ -58,7 +64,7 @@ def bench_train_step(
 
     def step() -> None:
         with amp:
-            loss = model(inputs, labels).loss
+            loss = forward(inputs, labels).loss
         assert loss is not None
         loss.backward()
         opt.step()
@@ -89,7 +95,8 @@ def bench_train_step(
     row = TrainRow(attention=attention, seq_len=seq_len, batch_size=batch_size,
                    params_m=model.num_params() / 1e6, step_ms=ms,
                    tokens_per_s=batch_size * seq_len / (ms / 1e3), peak_mib=peak, device=name,
-                   backend=cfg.runtime.attn_backend, fallbacks=fallback_counts())
+                   backend=cfg.runtime.attn_backend, compiled=cfg.runtime.compile,
+                   fallbacks=fallback_counts())
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row

@@ -179,5 +179,17 @@ def nsa_attention(
     # projection pass as they are); gates are read as contiguous rows of 3
     args = [_dense_last(t.to(q.dtype)) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)]
     args.append(gates.to(q.dtype).contiguous())
-    out, idx = _NSAFunction.apply(*args, block_idx, hp)
+    out, idx = _apply(*args, block_idx, hp)
     return (out, idx) if return_block_idx else out
+
+
+@torch.compiler.disable
+def _apply(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernels outside any ``torch.compile`` graph (compiled models graph-break here).
+
+    Traced into a whole compiled NSA model, the kernels' writes into strided views of one output
+    buffer met an illegal memory access during inductor's autotuning (H200, torch 2.11); kept opaque,
+    the kernels run exactly as in eager mode and everything around them still compiles.
+    """
+    out: tuple[torch.Tensor, torch.Tensor] = _NSAFunction.apply(*args)
+    return out

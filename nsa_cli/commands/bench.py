@@ -151,7 +151,8 @@ def train(
 
         device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
         rows = bench_train(resolved.config, lens, bss, attentions=atts, steps=steps, warmup=warmup, device=device)
-        table = Table(title=f"training step ({rows[0].device}, config {config})")
+        mode = "torch.compile" if rows[0].compiled else "eager"
+        table = Table(title=f"training step ({rows[0].device}, config {config}, {mode})")
         for col in ("attention", "S", "batch", "params M", "step ms", "tokens/s", "peak MiB"):
             table.add_column(col, justify="right")
         for r in rows:

@@ -63,7 +63,7 @@ def _range_fwd_kernel(
         kmask = j < j_hi
         k = tl.load(K + b * skb + j64[:, None] * sks + g * skh + ck[None, :],
                     mask=kmask[:, None] & (ck[None, :] < DK), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
         vis = (j[None, :] * STRIDE + OFF <= pos[:, None]) & kmask[None, :]
         if WIN > 0:
             vis = vis & (pos[:, None] - j[None, :] < WIN)
@@ -134,7 +134,7 @@ def _range_bwd_dq_kernel(
                     mask=kmask[:, None] & (ck[None, :] < DK), other=0.0)
         v = tl.load(V + b * svb + j64[:, None] * svs + g * svh + cv[None, :],
                     mask=kmask[:, None] & (cv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
         vis = (j[None, :] * STRIDE + OFF <= pos[:, None]) & kmask[None, :]
         if WIN > 0:
             vis = vis & (pos[:, None] - j[None, :] < WIN)
@@ -142,7 +142,7 @@ def _range_bwd_dq_kernel(
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    dq = dq * scale
+    dq = (dq * scale).to(tl.float32)
     ptrs = DQ + (b * S + pos64[:, None]) * HQ * DK + head[:, None] * DK + ck[None, :]
     msk = row_ok[:, None] & (ck[None, :] < DK)
     if ACCUM:
@@ -198,7 +198,7 @@ def _range_bwd_dkdv_kernel(
         do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
         delta = gate * tl.load(DG + row * 3 + X, mask=row_ok, other=0.0)
         lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
         vis = (j[None, :] * STRIDE + OFF <= pos[:, None]) & kmask[None, :] & row_ok[:, None]
         if WIN > 0:
             vis = vis & (pos[:, None] - j[None, :] < WIN)
@@ -207,7 +207,7 @@ def _range_bwd_dkdv_kernel(
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    dk = dk * scale
+    dk = (dk * scale).to(tl.float32)
     dk_ptr = DK_ + (b * NK + j64[:, None]) * H * DK + g * DK + ck[None, :]
     dv_ptr = DV_ + (b * NK + j64[:, None]) * H * DV + g * DV + cv[None, :]
     mk = kmask[:, None] & (ck[None, :] < DK)

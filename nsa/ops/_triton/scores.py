@@ -57,7 +57,7 @@ def _block_scores_kernel(
         j64 = j.to(tl.int64)
         k = tl.load(K + b * skb + j64[:, None] * sks + g * skh + ck[None, :],
                     mask=(j[:, None] < NK) & (ck[None, :] < DK), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
         vis = (j[None, :] * D + L - 1 <= pos[:, None]) & (j[None, :] < NK)
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         blk = c0 + bb

@@ -62,7 +62,7 @@ def _sel_fwd_kernel(
         kmask = (kb < LS) & (kpos < S)
         k = tl.load(K + b * skb + kpos64[:, None] * sks + g * skh + ck[None, :],
                     mask=kmask[:, None] & (ck[None, :] < DK), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
         vis = mine[:, None] & kmask[None, :] & (kpos[None, :] <= pos[:, None])
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -130,13 +130,13 @@ def _sel_bwd_dq_kernel(
                     mask=kmask[:, None] & (ck[None, :] < DK), other=0.0)
         v = tl.load(V + b * svb + kpos64[:, None] * svs + g * svh + cv[None, :],
                     mask=kmask[:, None] & (cv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
         vis = mine[:, None] & kmask[None, :] & (kpos[None, :] <= pos[:, None])
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    dq = dq * scale
+    dq = (dq * scale).to(tl.float32)
     ptrs = DQ + (b * S + pos64[:, None]) * HQ * DK + head[:, None] * DK + ck[None, :]
     msk = row_ok[:, None] & (ck[None, :] < DK)
     if ACCUM:
@@ -193,14 +193,14 @@ def _sel_bwd_dkdv_kernel(
             do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
             delta = gate * tl.load(DG + row * 3 + X, mask=row_ok, other=0.0)
             lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
             vis = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= pos[:, None])
             p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-        dk = dk * scale
+        dk = (dk * scale).to(tl.float32)
         dk_ptr = DK_ + (b * S + kpos64[:, None]) * H * DK + g * DK + ck[None, :]
         dv_ptr = DV_ + (b * S + kpos64[:, None]) * H * DV + g * DV + cv[None, :]
         mk = kmask[:, None] & (ck[None, :] < DK)

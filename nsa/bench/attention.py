@@ -9,13 +9,13 @@ column times its ``parallel_nsa`` (compression + top-n + selection, no window) w
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from nsa.bench.timing import make_timer
 
 SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
 DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
@@ -111,27 +111,6 @@ def dense_fwd_flops(S: int, HQ: int, Dk: int, Dv: int, batch: int = 1) -> float:
     return float(2 * (Dk + Dv) * S * (S + 1) // 2 * HQ * batch)
 
 
-def _timer(device: torch.device, warmup_ms: int, rep_ms: int) -> Callable[[Callable[[], Any]], float]:
-    if device.type == "cuda":
-        import triton.testing
-
-        def cuda_time(fn: Callable[[], Any]) -> float:
-            return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-        return cuda_time
-
-    def cpu_time(fn: Callable[[], Any]) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return cpu_time
-
-
 def _peak_mib(device: torch.device, fn: Callable[[], Any]) -> float | None:
     if device.type != "cuda":
         return None
@@ -186,7 +165,7 @@ def bench_one(
     gates = torch.rand(batch, S, HQ, 3, generator=gen, device=dev, dtype=dtype).requires_grad_(True)
     grad = torch.randn(batch, S, HQ, D, generator=gen, device=dev, dtype=dtype)
     leaves = [q, k_raw, v_raw, k_sel, v_sel, k_win, v_win, gates]
-    timer = _timer(dev, warmup_ms, rep_ms)
+    timer = make_timer(dev, warmup_ms, rep_ms, cpu_reps=3)
 
     def nsa() -> torch.Tensor:
         with use_backend(backend):

@@ -16,8 +16,6 @@ No printing here: the CLI renders the rows.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,6 +23,7 @@ from typing import Any
 import torch
 
 from nsa.bench.attention import NSAParams
+from nsa.bench.timing import Timer, make_timer
 
 SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
 TINY_SHAPES: dict[str, tuple[int, int, int]] = {"tiny": (4, 2, 16)}
@@ -76,29 +75,6 @@ class DecodeRow:
         return out
 
 
-Timer = Callable[[Callable[[], Any]], float]
-
-
-def make_timer(device: torch.device, warmup_ms: int = 25, rep_ms: int = 100, cpu_reps: int = 5) -> Timer:
-    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on CUDA, ``perf_counter`` on CPU."""
-    if device.type == "cuda":
-        import triton.testing
-
-        def cuda_time(fn: Callable[[], Any]) -> float:
-            return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-        return cuda_time
-
-    def cpu_time(fn: Callable[[], Any]) -> float:
-        fn()
-        times = []
-        for _ in range(cpu_reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return cpu_time
 
 
 def _graph(fn: Callable[[], Any], device: torch.device) -> Callable[[], None] | None:

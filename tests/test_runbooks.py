@@ -66,6 +66,8 @@ def extract(path: Path) -> list[tuple[int, dict[str, str], list[str], bool]]:
                 continue
             text, pending = pending + line, ""
             env, tokens = split_command(text)
+            if tokens[:3] == ["uv", "run", "nsa"]:
+                tokens = tokens[2:]
             if tokens and tokens[0] == "nsa":
                 out.append((start, env, tokens[1:], True))
         else:
@@ -100,6 +102,9 @@ def _rest(ctx: Any) -> list[str]:
 
 
 ALL = [(p.name, n, env, argv, fenced) for p in RUNBOOKS for n, env, argv, fenced in extract(p)]
+# the README and docs: commands in code blocks must parse too (their prose shows syntax like [--json])
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ALL += [(str(p.relative_to(ROOT)), n, env, argv, fenced) for p in DOCS for n, env, argv, fenced in extract(p) if fenced]
 
 
 def test_runbooks_exist_and_have_commands() -> None:

@@ -7,6 +7,7 @@ works for multi-rank runs (one ``heartbeat_rank{r}.jsonl`` per rank).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -426,12 +427,10 @@ def read_halt_file(run_dir: str | Path) -> dict[str, Any] | None:
         text = p.read_text(errors="replace")
     except OSError:
         return None
-    try:
+    with contextlib.suppress(ValueError):  # plain text is a valid .HALT too
         data = json.loads(text)
         if isinstance(data, dict):
             return data
-    except ValueError:
-        pass
     return {"reason": text.strip() or "(empty .HALT)", "time": p.stat().st_mtime}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -40,12 +41,10 @@ def read_halt(run_dir: Path) -> str | None:
         return None
     except OSError:
         return "halt file (unreadable)"
-    try:
+    with contextlib.suppress(ValueError):  # plain text is a valid .HALT too
         data = json.loads(text)
         if isinstance(data, dict) and data.get("reason"):
             return str(data["reason"])
-    except ValueError:
-        pass
     return text.strip()[:500] or "halt file"
 
 

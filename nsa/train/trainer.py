@@ -685,11 +685,9 @@ class Trainer:
         if self.hb is None or getattr(self, "_ended", False):
             return
         error = f"{type(exc).__name__}: {exc}"[:1000]
-        try:
+        with suppress(Exception):
             if self.dist.is_main and hasattr(self, "_t_first_step_end"):
                 write_json_atomic(self.run_dir / "metrics.json", self._metrics("failed", error))
-        except Exception:
-            pass
         with suppress(Exception):
             self.hb.emit("end", self.state.step, status="failed", error=error)
 

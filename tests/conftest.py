@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -31,12 +32,10 @@ def backends_under_test() -> list[str]:
     """Reference and torch always; Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``."""
     names = ["reference", "torch"]
     if HAS_CUDA or _triton_serves_cpu():
-        try:
+        with contextlib.suppress(ImportError):
             import nsa.ops.triton_path  # noqa: F401
 
             names.append("triton")
-        except ImportError:
-            pass
     return names
 
 

@@ -12,16 +12,6 @@ from nsa.model.cache import ModelCache
 from nsa.model.generate import sample_next
 from nsa.ops import select_blocks
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops are much faster on one intra-op thread on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # Tiny hyper-parameters so that a 40-token sequence crosses many compression/selection boundaries and
 # leaves free (non-forced) block choices: (l, d, l_sel, n_sel, w)
 CONFIGS = [
@@ -363,14 +353,17 @@ def test_triton_decode_falls_back_off_gpu() -> None:
     from nsa.ops.decode import nsa_decode, triton_decode_supported
 
     x = torch.randn(1, 2, 1, 8, dtype=torch.float64)
-    if triton_decode_supported(x) is None:
-        pytest.skip("the kernel serves CPU tensors here (TRITON_INTERPRET=1)")
+    served = triton_decode_supported(x) is None  # only under TRITON_INTERPRET=1 on a CPU
     reset_fallback_counts()
     q = torch.randn(1, 2, 8, dtype=torch.float64)
     kv = [torch.randn(1, 1, n, 8, dtype=torch.float64) for n in (6, 6, 16, 16, 5, 5)]
     gates = torch.rand(1, 2, 3, dtype=torch.float64)
     out = nsa_decode(q, torch.tensor([15]), *kv, gates, l=4, d=2, l_sel=4, n_sel=2, w=5, backend="triton")
     ref = nsa_decode(q, torch.tensor([15]), *kv, gates, l=4, d=2, l_sel=4, n_sel=2, w=5)
-    assert torch.equal(out.o, ref.o)  # served by the torch path
-    assert sum(fallback_counts().values()) == 1
+    if served:  # the interpreted kernel ran: same result, nothing counted
+        torch.testing.assert_close(out.o, ref.o)
+        assert sum(fallback_counts().values()) == 0
+    else:  # served by the torch path, and counted
+        assert torch.equal(out.o, ref.o)
+        assert sum(fallback_counts().values()) == 1
     reset_fallback_counts()

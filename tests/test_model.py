@@ -10,16 +10,6 @@ import torch
 from nsa.config import ModelConfig, NSAConfig, load_named
 from nsa.model import NSALM, DenseAttention, LMOutput, NSAAttention, RMSNorm, build_model
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops are much faster on one intra-op thread on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 HP = {"l": 4, "d": 2, "l_sel": 4, "n_sel": 2, "w": 6}
 
 

@@ -14,14 +14,6 @@ from nsa.model import build_model
 from nsa_cli.app import app
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _tiny_run(tmp_path: Path, export: bool = True) -> tuple[Path, torch.nn.Module]:
     cfg = load_named("tiny")
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"n_layers": 1, "tie_embeddings": True})})

@@ -95,6 +95,14 @@ def resolve_local_files(path: str) -> tuple[str, list[str]]:
     return str(formats.pop()), [str(p.resolve()) for p in files]
 
 
+def _records(ds: Any, start: int, field: str) -> Iterator[Any]:
+    """The ``field`` of each record of a ``datasets`` stream from record ``start`` on (skipped lazily)."""
+    if start:
+        ds = ds.skip(start)
+    for record in ds:
+        yield record.get(field)
+
+
 class LocalSource:
     """JSONL, Parquet or text files read through ``datasets`` streaming (``.txt``: one document per paragraph)."""
 
@@ -140,11 +148,7 @@ class LocalSource:
             )
 
     def documents(self, start: int) -> Iterator[Any]:
-        ds = self._dataset()
-        if start:
-            ds = ds.skip(start)
-        for record in ds:
-            yield record.get(self.field)
+        return _records(self._dataset(), start, self.field)
 
     def describe(self) -> str:
         return f"local: {len(self.files)} {self.format} file(s) at {self.path}, field {self.field!r}"
@@ -205,11 +209,7 @@ class HFStreamSource:
         return load_dataset(self.dataset, self.config, split=self.split, streaming=True)
 
     def documents(self, start: int) -> Iterator[Any]:
-        ds = self._dataset()
-        if start:
-            ds = ds.skip(start)
-        for record in ds:
-            yield record.get(self.field)
+        return _records(self._dataset(), start, self.field)
 
     def describe(self) -> str:
         return f"fineweb_edu: {self.label} reachable (first record in {self.first_s:.1f}s)"

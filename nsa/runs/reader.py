@@ -52,33 +52,49 @@ def check_run_dir(path: str | Path) -> Path:
     return p
 
 
-class JsonlTail:
-    """Reads the JSON objects appended to a file since the last call."""
+class _Tail:
+    """Whole lines appended to a file since the last call; an unfinished last line waits in ``partial``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
         self.partial = b""
         self.corrupt = 0
-        self.truncated = False
 
-    def read_new(self, final: bool = False) -> list[dict[str, Any]]:
+    def _new_lines(self) -> tuple[list[bytes], bool] | None:
+        """``(lines, restarted)``; ``None`` when the file cannot be read (missing)."""
         try:
             size = self.path.stat().st_size
         except OSError:
-            return []
-        if size < self.offset:  # rewritten from scratch
+            return None
+        restarted = size < self.offset  # rewritten from scratch
+        if restarted:
             self.offset, self.partial = 0, b""
+        if size == self.offset:
+            return [], restarted
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        return lines, restarted
+
+
+class JsonlTail(_Tail):
+    """Reads the JSON objects appended to a file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.truncated = False
+
+    def read_new(self, final: bool = False) -> list[dict[str, Any]]:
+        got = self._new_lines()
+        if got is None:
+            return []
         out: list[dict[str, Any]] = []
-        if size > self.offset:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read(size - self.offset)
-            self.offset += len(data)
-            lines = (self.partial + data).split(b"\n")
-            self.partial = lines.pop()
-            for line in lines:
-                self._parse(line, out)
+        for line in got[0]:
+            self._parse(line, out)
         self.truncated = bool(self.partial.strip())
         if final and self.truncated:
             # a last line without newline: accept it if it is whole, else count it as truncated
@@ -105,31 +121,20 @@ class JsonlTail:
             self.corrupt += 1
 
 
-class CsvTail:
+class CsvTail(_Tail):
     """Rows appended to a CSV with a header line, as dicts of floats (non-numbers kept as text)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = b""
+        super().__init__(path)
         self.header: list[str] | None = None
-        self.corrupt = 0
 
     def read_new(self, final: bool = False) -> list[dict[str, Any]]:
-        try:
-            size = self.path.stat().st_size
-        except OSError:
+        got = self._new_lines()
+        if got is None:
             return []
-        if size < self.offset:
-            self.offset, self.partial, self.header = 0, b"", None
-        if size == self.offset and not (final and self.partial):
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
-        self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
+        lines, restarted = got
+        if restarted:
+            self.header = None
         if final and self.partial.strip():
             lines.append(self.partial)
             self.partial = b""

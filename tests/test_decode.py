@@ -300,28 +300,39 @@ def test_decode_step_does_not_sync_on_cuda(attention: str) -> None:
 
 
 def _triton_vs_torch_decode(device: str, dtype: torch.dtype, tol: float) -> None:
-    """The Triton selected/window kernel equals the torch path (same blocks, same reads)."""
+    """The fused Triton decode step equals its torch reference: same blocks, same reads, same output.
+
+    Cases cover h = 1..16, Dk != Dv, tokens spanning one to three blocks (l > l_sel), one block per
+    compressed tile or several, caches longer than the positions (invisible tiles), positions before
+    the first compressed token, on an emission and a block boundary, and ``n_sel`` above the candidates.
+    """
     from nsa.ops.decode import nsa_decode
     from nsa.ops.indexing import num_cmp
 
     gen = torch.Generator().manual_seed(0)
-    cases = [((4, 2, 2, 5, 5), 1, 8, 6, 40), ((4, 2, 4, 4, 6), 2, 16, 16, 37), ((8, 4, 16, 3, 20), 6, 8, 12, 70)]
+    # (l, d, l_sel, n_sel, w), h, Dk, Dv, T (cache length), extra positions
+    cases = [((4, 2, 2, 5, 5), 1, 8, 6, 40, [3, 22]), ((4, 2, 4, 4, 6), 2, 16, 16, 37, [11, 0]),
+             ((8, 4, 16, 3, 20), 6, 8, 12, 70, [31, 47]), ((8, 2, 2, 4, 7), 3, 16, 8, 45, [9, 30]),
+             ((8, 4, 8, 40, 9), 4, 16, 16, 90, [63, 64])]
     if device == "cuda":
-        cases += [((32, 16, 64, 16, 512), 16, 128, 128, 3000), ((32, 16, 64, 16, 512), 6, 64, 64, 1500)]
-    for (l, d, l_sel, n_sel, w), h, Dk, Dv, T in cases:  # noqa: E741
-        B, H = 3, 2
+        cases += [((32, 16, 64, 16, 512), 16, 128, 128, 3000, [2047, 2048]),
+                  ((32, 16, 64, 16, 512), 6, 64, 64, 9000, [100, 4095]),
+                  ((32, 16, 64, 16, 512), 1, 128, 128, 70000, [65535, 31])]
+    for (l, d, l_sel, n_sel, w), h, Dk, Dv, T, extra in cases:  # noqa: E741
+        B, H = 5, 2
         C, R = num_cmp(T, l, d), min(w, T)
 
         def r(*s: int) -> torch.Tensor:
             return torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
 
-        t = torch.tensor([T - 1, 5, T // 2], device=device)
+        t = torch.tensor([T - 1, 5, T // 2, *extra], device=device)[:B]
         args = (r(B, H * h, Dk) * 2, t, r(B, H, C + 1, Dk), r(B, H, C + 1, Dv), r(B, H, T, Dk), r(B, H, T, Dv),
                 r(B, H, R, Dk), r(B, H, R, Dv), torch.rand(B, H * h, 3, generator=gen).to(device=device, dtype=dtype))
         kw = {"l": l, "d": d, "l_sel": l_sel, "n_sel": n_sel, "w": w}
-        a = nsa_decode(*args, **kw)
+        a = nsa_decode(*args, **kw, backend="torch")
         b = nsa_decode(*args, **kw, backend="triton")
-        assert torch.equal(a.block_idx, b.block_idx) and torch.equal(a.reads, b.reads)
+        assert torch.equal(a.block_idx, b.block_idx), (h, T, a.block_idx, b.block_idx)
+        assert torch.equal(a.reads, b.reads)
         err = ((a.o.float() - b.o.float()).norm() / a.o.float().norm()).item()
         assert err < tol, (h, T, err)
 
@@ -334,10 +345,22 @@ def test_triton_decode_kernel_in_interpreter() -> None:
     from pathlib import Path
 
     pytest.importorskip("triton")
+    # default tiles, then several block chunks per group (chunk-local candidates), then the n_sel
+    # rounds of max that replace the one-pass ranking for many candidates; then a fallback case
     code = ("import torch; torch.set_num_threads(1)\n"
             "from tests.test_decode import _triton_vs_torch_decode\n"
-            "_triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
-            "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n")
+            "from nsa.ops._triton import TUNE\n"
+            "for tune in ({}, {'dec_score_cols': 16}, {'dec_score_cols': 16, 'dec_rank_limit': 0}):\n"
+            "    TUNE.clear(); TUNE.update(tune)\n"
+            "    _triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
+            "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
+            "from nsa.ops.decode import nsa_decode\n"
+            "q, g = torch.randn(1, 2, 8), torch.rand(1, 2, 3)\n"
+            "kv = [torch.randn(1, 1, n, 8) for n in (9, 9, 24, 24, 5, 5)]\n"
+            "out = nsa_decode(q, torch.tensor([20]), *kv, g, l=4, d=2, l_sel=6, n_sel=2, w=5, backend='triton')\n"
+            "ref = nsa_decode(q, torch.tensor([20]), *kv, g, l=4, d=2, l_sel=6, n_sel=2, w=5, backend='torch')\n"
+            "torch.testing.assert_close(out.o, ref.o)\n"
+            "assert list(fallback_counts()) == ['nsa_decode:triton->torch:l_sel/d=3 is not a power of two <= 64']\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                           env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -44,7 +44,7 @@ class DecodeRow:
     batch: int
     device: str
     dtype: str
-    backend: str = "torch"
+    backend: str = "auto"
     compiled: bool = False
     nsa_ms: float | None = None
     dense_ms: float | None = None
@@ -105,7 +105,7 @@ def _oom(exc: BaseException) -> bool:
 def bench_attention_step(
     shape: str, HQ: int, H: int, D: int, context: int, batch: int, *, params: NSAParams,
     device: torch.device, dtype: torch.dtype, timer: Timer, graphs: bool = True, seed: int = 0,
-    backend: str = "torch", compile: bool = False,
+    backend: str = "auto", compile: bool = False,
 ) -> DecodeRow:
     """One query per sequence at position ``context`` (so ``context + 1`` keys in the dense cache);
     ``backend`` is ``nsa_decode``'s (``torch`` or ``triton``); ``compile``: through ``torch.compile``."""
@@ -175,7 +175,7 @@ def bench_attention_step(
 
 def bench_model_step(
     run_cfg: Any, context: int, batch: int, *, name: str, device: torch.device, dtype: torch.dtype,
-    timer: Timer, graphs: bool = True, seed: int = 0, backend: str = "torch", compile: bool = False,
+    timer: Timer, graphs: bool = True, seed: int = 0, backend: str = "auto", compile: bool = False,
 ) -> DecodeRow:
     """``NSALM.decode_step`` at position ``context`` for the NSA model and its dense twin
     (``backend``: the NSA layers' ops backend, which picks ``nsa_decode``'s path; ``compile``: both
@@ -239,16 +239,16 @@ def bench_decode(
     *, tiny: bool = False, contexts: list[int] | None = None, batches: list[int] | None = None,
     shapes: list[str] | None = None, model_config: str | None = None, model_contexts: list[int] | None = None,
     modes: tuple[str, ...] = ("attention", "model"), graphs: bool = True, warmup_ms: int = 25, rep_ms: int = 100,
-    device: str | torch.device | None = None, backend: str = "torch", compile: bool = False,
+    device: str | torch.device | None = None, backend: str = "auto", compile: bool = False,
 ) -> list[DecodeRow]:
     """All rows: attention-only steps over shapes x contexts x batches, then whole-model steps.
 
     ``tiny``: CPU-sized (shape HQ=4,H=2,D=16, small NSA blocks, contexts 64/128, batches 1/2, the
-    ``tiny`` config for the model rows). ``backend``: ``torch`` or ``triton`` single-query NSA path.
+    ``tiny`` config for the model rows). ``backend``: ``nsa_decode``'s (``auto``: fused Triton on CUDA).
     ``compile``: the NSA op / the blocks' decode steps through ``torch.compile``.
     """
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"decode backend '{backend}' must be torch or triton")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"decode backend '{backend}' must be auto, torch or triton")
     from nsa.config import load_named
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() and not tiny else "cpu"))

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nsa.model.compress import Compressor
@@ -104,6 +105,16 @@ class NSAAttention(nn.Module):
     def op_kwargs(self) -> dict[str, int]:
         return {"l": self.l, "d": self.d, "l_sel": self.l_sel, "n_sel": self.n_sel, "w": self.w}
 
+    def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``gate_mlp(x)``; for a few rows (a decode step) as products and sums, which a compiled step
+        fuses into two small kernels instead of two GEMM launches and their epilogues."""
+        if x.shape[0] * x.shape[1] > 8:
+            out: torch.Tensor = self.gate_mlp(x)
+            return out
+        fc1, fc2 = self.gate_mlp[0], self.gate_mlp[2]
+        hid = F.silu((x[..., None, :] * fc1.weight).sum(-1) + fc1.bias)
+        return (hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias
+
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> Projected:
         """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``."""
         B, S, _ = x.shape
@@ -117,7 +128,7 @@ class NSAAttention(nn.Module):
             vs.append(kv[:, :, i, H * Dk :].reshape(B, S, H, Dv))
         if self.shared_kv:
             ks, vs = ks * 3, vs * 3
-        g = self.gate_mlp(x).view(B, S, self.n_heads, 3)
+        g = self.gate_logits(x).view(B, S, self.n_heads, 3)
         gates = torch.sigmoid(g) if self.gate == "sigmoid" else torch.softmax(g, dim=-1)
         return Projected(
             q=q, k_cmp_raw=ks[0], v_cmp_raw=vs[0], k_sel=ks[1], v_sel=vs[1], k_win=ks[2], v_win=vs[2],
@@ -175,7 +186,7 @@ class NSAAttention(nn.Module):
 
         Stores the token's K/V, emits a compressed token where its block completes, then attends
         with ``nsa.ops.decode.nsa_decode`` (reads only visible compressed tokens, chosen blocks, window;
-        its Triton kernel when this layer's backend is ``triton``, else the torch path).
+        the fused Triton step on CUDA unless this layer's backend is ``torch``/``reference``).
         """
         from nsa.model.cache import NSALayerCache
         from nsa.ops.decode import nsa_decode
@@ -194,7 +205,7 @@ class NSAAttention(nn.Module):
         res = nsa_decode(
             p.q[:, 0], t, layer.k_cmp, layer.v_cmp, layer.k_sel, layer.v_sel, layer.k_win, layer.v_win,
             p.gates[:, 0], **self.op_kwargs(), scale=self.scale, table=layer.table,
-            backend="triton" if self.backend == "triton" else None,
+            backend=self.backend or "auto",  # resolved here: no settings lookup inside a compiled step
         )
         layer.last_block_idx, layer.last_reads = res.block_idx, res.reads
         cache.reads_total += res.reads.sum(dim=-1)

@@ -51,7 +51,8 @@ def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
             acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, H, h, Dk]`` over ``k/v [B, H, n, D]`` with ``mask [B, H|1, n]``: (out, probabilities)."""
-    s = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale  # [B, H, h, n]
+    # scores in fp32 (the Triton kernels' accumulator): they rank the selection blocks
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # [B, H, h, n]
     p = _masked_softmax(s, mask[:, :, None, :])
     return torch.matmul(p.to(v.dtype), v), p
 
@@ -119,12 +120,27 @@ def nsa_decode(
 ) -> DecodeOutput:
     """NSA output of one query per sequence: ``q [B, HQ, Dk]`` at positions ``t [B]``; ``gates [B, HQ, 3]``.
 
-    ``table`` is ``cmp_block_table(C, ceil(T / l_sel), ...)`` (computed here when not given).
-    ``backend``: ``torch`` (default) or ``triton`` (the selected and window branches read the cache
-    directly in a split-over-key-tiles kernel; falls back to torch, counted in
-    ``nsa.ops.fallback_counts()``, where the kernel cannot serve the tensors).
+    ``table`` is ``cmp_block_table(C, ceil(T / l_sel), ...)`` (torch path; computed when not given).
+    ``backend`` (as for ``nsa_attention``; default ``NSA_ATTN_BACKEND``, else ``auto``): ``triton`` runs
+    the fused four-kernel step of ``nsa.ops._triton.decode``, ``auto`` does so for CUDA tensors, and
+    ``torch``/``reference`` run this vectorised torch path, which is the fused step's reference. A
+    requested ``triton`` that cannot serve the call falls back here, counted in
+    ``nsa.ops.fallback_counts()``.
     """
     check_hparams(l, d, l_sel, n_sel, w)
+    from nsa.ops.dispatch import record_fallback, requested_backend
+
+    name = requested_backend(backend)
+    if name == "triton" or (name == "auto" and q.is_cuda):
+        tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
+        reason = triton_decode_supported(*tensors, l=l, d=d, l_sel=l_sel)
+        if reason is None:
+            from nsa.ops._triton.decode import nsa_decode_triton
+
+            sc = q.shape[-1] ** -0.5 if scale is None else scale
+            return DecodeOutput(*nsa_decode_triton(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
+                                                   l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=sc))
+        record_fallback(f"nsa_decode:{name}->torch:{reason}")
     B, HQ, Dk = q.shape
     H, C, T, R = k_cmp.shape[1], k_cmp.shape[2], k_sel.shape[2], k_win.shape[2]
     h = HQ // H
@@ -148,35 +164,20 @@ def nsa_decode(
     P.scatter_add_(-1, blk_tab.reshape(1, 1, C * K).expand(B, H, C * K), contrib)
     block_idx = top_blocks(P[..., :nb], t, l_sel, n_sel)  # [B, H, n_sel]
 
-    use_triton = backend == "triton"
-    if use_triton:
-        reason = triton_decode_supported(q, k_sel, k_win)
-        if reason is not None:
-            from nsa.ops.dispatch import record_fallback
-
-            record_fallback(f"nsa_decode:triton->torch:{reason}")
-            use_triton = False
-
     # selected branch: raw positions <= t of the chosen blocks (each block once, so each position once)
     bi = block_idx.to(torch.int64)
     pos = (bi[..., None] * l_sel + torch.arange(l_sel, device=dev)).reshape(B, H, n_sel * l_sel)
     sel_mask = (bi[..., None] >= 0).expand(B, H, n_sel, l_sel).reshape(B, H, -1) & (pos <= t[:, None, None])
-    if use_triton:
-        o_sel = _branch_triton(qg, k_sel, v_sel, t, scale, block_idx=block_idx, l_sel=l_sel)
-    else:
-        gidx = pos.clamp(0, T - 1)[..., None]
-        ks = torch.gather(k_sel, 2, gidx.expand(B, H, n_sel * l_sel, k_sel.shape[-1]))
-        vs = torch.gather(v_sel, 2, gidx.expand(B, H, n_sel * l_sel, v_sel.shape[-1]))
-        o_sel = _sdpa(qg, ks, vs, sel_mask, scale)
+    gidx = pos.clamp(0, T - 1)[..., None]
+    ks = torch.gather(k_sel, 2, gidx.expand(B, H, n_sel * l_sel, k_sel.shape[-1]))
+    vs = torch.gather(v_sel, 2, gidx.expand(B, H, n_sel * l_sel, v_sel.shape[-1]))
+    o_sel = _sdpa(qg, ks, vs, sel_mask, scale)
 
     # sliding window from the ring: slot s holds position t - ((t - s) mod R)
     slot = torch.arange(R, device=dev)[None, :]
     p_win = t[:, None] - torch.remainder(t[:, None] - slot, R)
     win_mask = ((p_win >= 0) & (p_win > t[:, None] - w))[:, None, :]  # [B, 1, R]
-    if use_triton:
-        o_win = _branch_triton(qg, k_win, v_win, t, scale, block_idx=None, l_sel=l_sel)
-    else:
-        o_win = _sdpa(qg, k_win, v_win, win_mask, scale)
+    o_win = _sdpa(qg, k_win, v_win, win_mask, scale)
 
     g = gates.reshape(B, H, h, 3).to(o_cmp.dtype)
     o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win
@@ -196,136 +197,11 @@ def compiled_nsa_decode() -> Callable[..., DecodeOutput]:
     return fn
 
 
-# --------------------------------------------------------------------------------------------------
-# Triton path for the selected and window branches (CUDA, or CPU under TRITON_INTERPRET=1).
-#
-# One program per (KV group, split): it reads the group's ``h`` queries once and streams key tiles
-# straight from the cache (no gathered copies): for the selected branch the tiles of the chosen blocks,
-# for the window the ring slots of positions ``t-R+1 .. t``. Tiles are dealt round-robin to ``NSPLIT``
-# programs (split over key blocks, so one sequence still fills the GPU); each writes a partial
-# (max, sum, weighted values) in the log2 domain and a small torch reduction merges the splits.
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
-    triton = None
-
-LOG2E = 1.4426950408889634
-
-if triton is not None:
-
-    @triton.jit
-    def _decode_partial_kernel(
-        Q, K, V, T, BLK, M_OUT, L_OUT, A_OUT,
-        sqb, sqh, skb, skh, sks, svb, svh, svs, sbb, sbh,
-        N_SLOTS, scale_log2,
-        H: tl.constexpr, HG: tl.constexpr, HP: tl.constexpr, NSPLIT: tl.constexpr, NTILES: tl.constexpr,
-        SEL: tl.constexpr, LSEL: tl.constexpr, TPB: tl.constexpr,
-        DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
-    ):
-        split = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        g = bh % H
-        t = tl.load(T + b)
-        r = tl.arange(0, HP)
-        row_ok = r < HG
-        ck = tl.arange(0, BDK)
-        cv = tl.arange(0, BDV)
-        n = tl.arange(0, BN)
-        q = tl.load(Q + b * sqb + (g * HG + r)[:, None] * sqh + ck[None, :],
-                    mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
-        m_i = tl.full([HP], float("-inf"), tl.float32)
-        l_i = tl.zeros([HP], tl.float32)
-        acc = tl.zeros([HP, BDV], tl.float32)
-        # constant loop bounds (a bound from program_id breaks the interpreter under NumPy >= 2.5);
-        # tiles past NTILES in the last round read nothing
-        for i0 in range(0, NTILES, NSPLIT):
-            i = i0 + split
-            if SEL:
-                blk = tl.load(BLK + b * sbb + g * sbh + i // TPB, mask=i < NTILES, other=-1).to(tl.int64)
-                off = (i % TPB) * BN + n
-                p = blk * LSEL + off
-                valid = (off < LSEL) & (p >= 0) & (p <= t)  # blk = -1 gives p < 0
-                slot = tl.where(valid, p, 0)
-            else:
-                p = t - N_SLOTS + 1 + i * BN + n
-                valid = (p >= 0) & (p <= t)  # i >= NTILES gives p > t
-                slot = tl.where(valid, p % N_SLOTS, 0)
-            k = tl.load(K + b * skb + g * skh + slot[:, None] * sks + ck[None, :],
-                        mask=valid[:, None] & (ck[None, :] < DK), other=0.0)
-            s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)  # fp32 also when compiled (fp64 scale)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            pr = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            v = tl.load(V + b * svb + g * svh + slot[:, None] * svs + cv[None, :],
-                        mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m_i = m_new
-        row = (bh * NSPLIT + split) * HP + r
-        tl.store(M_OUT + row, m_i)
-        tl.store(L_OUT + row, l_i)
-        tl.store(A_OUT + row[:, None] * BDV + cv[None, :], acc)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def triton_decode_supported(*tensors: torch.Tensor) -> str | None:
-    """None when the Triton decode kernel can serve these tensors, else a short reason."""
-    if triton is None:
+def triton_decode_supported(*tensors: torch.Tensor, l: int = 1, d: int = 1, l_sel: int = 1) -> str | None:  # noqa: E741
+    """None when the fused Triton decode step (``nsa.ops._triton.decode``) can serve these tensors and
+    block sizes, else a short reason."""
+    try:
+        from nsa.ops._triton.decode import decode_unsupported
+    except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
         return "triton not installed"
-    import os
-
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    for x in tensors:
-        if not (x.is_cuda or (interp and x.device.type == "cpu")):
-            return f"{x.device.type} tensor"
-        if x.is_floating_point() and x.dtype == torch.float64:
-            return "float64"
-    return None
-
-
-def _branch_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: torch.Tensor, scale: float, *,
-                   block_idx: torch.Tensor | None, l_sel: int) -> torch.Tensor:
-    """One branch for ``q [B, H, h, Dk]``: selected (``block_idx`` given) or window (ring ``k/v``)."""
-    B, H, h, Dk = q.shape
-    Dv, n_slots = v.shape[-1], k.shape[2]
-    HP, BDK, BDV = max(16, _next_pow2(h)), max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
-    if block_idx is not None:
-        BN = max(16, min(64, _next_pow2(l_sel)))
-        tpb = -(-l_sel // BN)
-        ntiles = block_idx.shape[-1] * tpb
-        blk = block_idx.to(torch.int32).contiguous()
-    else:
-        BN = 64 if q.is_cuda else 16
-        tpb, ntiles = 1, -(-n_slots // BN)
-        blk = torch.zeros(1, 1, 1, dtype=torch.int32, device=q.device)
-    nsplit = max(1, min(ntiles, -(-256 // (B * H)) if q.is_cuda else 2))
-    qc = q.reshape(B, H * h, Dk).contiguous()
-    kc, vc = k.contiguous(), v.contiguous()
-    m = torch.empty(B * H * nsplit * HP, dtype=torch.float32, device=q.device)
-    lsum = torch.empty_like(m)
-    acc = torch.empty(B * H * nsplit * HP, BDV, dtype=torch.float32, device=q.device)
-    _decode_partial_kernel[(nsplit, B * H)](
-        qc, kc, vc, t.contiguous(), blk, m, lsum, acc,
-        qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
-        vc.stride(2), blk.stride(0), blk.stride(1),
-        n_slots, scale * LOG2E,
-        H=H, HG=h, HP=HP, NSPLIT=nsplit, NTILES=ntiles, SEL=block_idx is not None, LSEL=l_sel, TPB=tpb,
-        DK=Dk, DV=Dv, BDK=BDK, BDV=BDV, BN=BN,
-    )
-    m = m.view(B, H, nsplit, HP)
-    lsum = lsum.view(B, H, nsplit, HP)
-    acc = acc.view(B, H, nsplit, HP, BDV)
-    top = m.amax(dim=2, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    wgt = torch.exp2(m - top)  # splits without a visible key have m = -inf: weight 0
-    den = (wgt * lsum).sum(dim=2)
-    o = (wgt[..., None] * acc).sum(dim=2) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
-    return o[:, :, :h, :Dv].to(v.dtype)
+    return decode_unsupported(l, d, l_sel, *tensors)

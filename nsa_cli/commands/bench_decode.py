@@ -34,7 +34,7 @@ def decode(
     mode: Annotated[list[str] | None, typer.Option("--mode", help="attention and/or model; repeatable [default: both].")] = None,
     config: Annotated[str | None, typer.Option("--config", help="Config of the model rows [default: m7c-125m; --tiny: tiny].")] = None,
     model_contexts: Annotated[str | None, typer.Option("--model-contexts", help="Contexts of the model rows [default: 2048,65536].")] = None,
-    backend: Annotated[str, typer.Option("--backend", help="NSA decode path: torch or triton (selected/window kernel).")] = "torch",
+    backend: Annotated[str, typer.Option("--backend", help="NSA decode path: auto (fused Triton step on CUDA), triton, or torch.")] = "auto",
     compile: Annotated[bool, typer.Option("--compile", help="NSA op / each block's decode step through torch.compile.")] = False,
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Also time CUDA-graph replays of each step.")] = True,
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (tiny shape and config, contexts 64/128).")] = False,
@@ -55,8 +55,8 @@ def decode(
         known = TINY_SHAPES if tiny else SHAPES
         if shape and any(s not in known for s in shape):
             raise fail(f"--shape {shape} must be among: {', '.join(known)}")
-        if backend not in ("torch", "triton"):
-            raise fail(f"--backend {backend!r} must be torch or triton")
+        if backend not in ("auto", "torch", "triton"):
+            raise fail(f"--backend {backend!r} must be auto, torch or triton")
         if not tiny and not torch.cuda.is_available():
             raise fail("no CUDA device for bench decode", hint="use --tiny on a CPU machine")
         rows = bench_decode(tiny=tiny, contexts=_ints(contexts, "--contexts"), batches=_ints(batches, "--batches"),

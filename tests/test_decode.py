@@ -345,12 +345,11 @@ def test_triton_decode_kernel_in_interpreter() -> None:
     from pathlib import Path
 
     pytest.importorskip("triton")
-    # default tiles, then several block chunks per group (chunk-local candidates), then the n_sel
-    # rounds of max that replace the one-pass ranking for many candidates; then a fallback case
+    # default tiles, then several block chunks per group (chunk-local candidates); then a fallback case
     code = ("import torch; torch.set_num_threads(1)\n"
             "from tests.test_decode import _triton_vs_torch_decode\n"
             "from nsa.ops._triton import TUNE\n"
-            "for tune in ({}, {'dec_score_cols': 16}, {'dec_score_cols': 16, 'dec_rank_limit': 0}):\n"
+            "for tune in ({}, {'dec_score_cols': 16}):\n"
             "    TUNE.clear(); TUNE.update(tune)\n"
             "    _triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
             "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"

@@ -122,13 +122,28 @@ def _cmp_win_kernel(
 
 
 @triton.jit
+def _beaten_by(v, idx, V_SCR, I_SCR, N: tl.constexpr, JB: tl.constexpr, HAS_IDX: tl.constexpr):
+    """For keys ``(v, idx)`` (larger value first, then lower index): how many of the ``N`` keys stored
+    at ``V_SCR`` (indices at ``I_SCR``, or their positions when not ``HAS_IDX``) beat each one.
+    Read back in sub-blocks of ``JB`` so the pairwise comparison stays small."""
+    cnt = tl.zeros(v.shape, tl.int32)
+    for j0 in tl.static_range(0, N, JB):
+        jj = j0 + tl.arange(0, JB)
+        vj = tl.load(V_SCR + jj)
+        ij = tl.load(I_SCR + jj) if HAS_IDX else jj
+        beats = (vj[None, :] > v[:, None]) | ((vj[None, :] == v[:, None]) & (ij[None, :] < idx[:, None]))
+        cnt += tl.sum(beats.to(tl.int32), 1)
+    return cnt
+
+
+@triton.jit
 def _scores_kernel(
-    M_IN, L_IN, PART, SPILL, MT, T, CAND,
+    M_IN, L_IN, PART, SPILL, MT, T, K_SCR, CAND_V, CAND_B,
     NB,
     H: tl.constexpr, HG: tl.constexpr, HGP: tl.constexpr, NS_C: tl.constexpr, NS1: tl.constexpr,
     NSP: tl.constexpr, NT_C: tl.constexpr, L: tl.constexpr, D: tl.constexpr, LSEL: tl.constexpr,
     NBT: tl.constexpr, X: tl.constexpr, BC: tl.constexpr, NBP: tl.constexpr, NBC: tl.constexpr,
-    KC: tl.constexpr, NCAND: tl.constexpr,
+    KC: tl.constexpr, NCAND: tl.constexpr, JB: tl.constexpr,
 ):
     """Block importances ``P[b]`` of NBC blocks of one group (each head's tile partials rescaled to
     the head's global max and normaliser from the compressed splits' partials, summed over heads),
@@ -165,31 +180,37 @@ def _scores_kernel(
         contrib += s_part * tl.exp2(mt_prev - m_all[:, None])
     P = tl.sum(contrib * inv[:, None], 0)
     # selection keys: forced blocks outrank every score (current > initial > previous), then the
-    # score (P >= 0, so its bit pattern orders like the value), then the lower index
+    # score (P >= 0, so its bit pattern orders like the value), then the lower index; -1: no candidate
     bt = t // LSEL
-    bits = P.to(tl.int32, bitcast=True).to(tl.int64)
+    key = P.to(tl.int32, bitcast=True)
     inf_bits = 0x7F800000
-    bits = tl.where(blk == bt - 1, inf_bits + 1, bits)
-    bits = tl.where(blk == 0, inf_bits + 2, bits)
-    bits = tl.where(blk == bt, inf_bits + 3, bits)
-    key = tl.where((blk <= bt) & (blk < NB), (bits << 32) | (NBP - 1 - blk).to(tl.int64), -1)
-    # this chunk's best KC keys (keys are unique: rank = how many keys of the chunk beat it)
-    rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
-    keep = (rank < KC) & (key >= 0)
+    key = tl.where(blk == bt - 1, inf_bits + 1, key)
+    key = tl.where(blk == 0, inf_bits + 2, key)
+    key = tl.where(blk == bt, inf_bits + 3, key)
+    key = tl.where((blk <= bt) & (blk < NB), key, -1)
+    # this chunk's best KC keys, kept in block order (so the group's candidate row is block-sorted)
+    scr = K_SCR + bh * NBP + blk
+    tl.store(scr, key)
+    tl.debug_barrier()
+    beaten = _beaten_by(key, blk, K_SCR + bh * NBP + tl.program_id(1) * NBC, K_SCR, NBC, JB, False)
+    keep = (beaten < KC) & (key >= 0)
+    slot = tl.cumsum(keep.to(tl.int32), 0) - 1
     n_kept = tl.sum(keep.to(tl.int32), 0)
     kc = tl.arange(0, KC)
-    row = CAND + bh * NCAND + tl.program_id(1) * KC
-    tl.store(row + rank, key, mask=keep)
-    tl.store(row + kc, tl.full([KC], -1, tl.int64), mask=kc >= n_kept)
+    row = tl.program_id(1) * KC + bh * NCAND
+    tl.store(CAND_V + row + slot, key, mask=keep)
+    tl.store(CAND_B + row + slot, blk, mask=keep)
+    tl.store(CAND_V + row + kc, tl.full([KC], -1, tl.int32), mask=kc >= n_kept)
+    tl.store(CAND_B + row + kc, tl.full([KC], 0, tl.int32), mask=kc >= n_kept)
 
 
 @triton.jit
 def _sel_kernel(
-    Q, K, V, T, CAND, BLK_SCR, BLK_OUT, READS_OUT, M_OUT, L_OUT, A_OUT,
+    Q, K, V, T, CAND_V, CAND_B, BLK_SCR, BLK_OUT, READS_OUT, M_OUT, L_OUT, A_OUT,
     sqb, sqh, skb, skh, sks, svb, svh, svs, scale_log2, NB, R,
     H: tl.constexpr, HG: tl.constexpr, HP: tl.constexpr, NS: tl.constexpr, NTILES: tl.constexpr,
     L: tl.constexpr, D: tl.constexpr, W: tl.constexpr, NSEL: tl.constexpr, NSELP: tl.constexpr,
-    LSEL: tl.constexpr, TPB: tl.constexpr, NBP: tl.constexpr, NCAND: tl.constexpr, RANKED: tl.constexpr,
+    LSEL: tl.constexpr, TPB: tl.constexpr, NBP: tl.constexpr, NCAND: tl.constexpr, JB: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -201,23 +222,15 @@ def _sel_kernel(
     g = bh % H
     t = tl.load(T + b).to(tl.int64)
 
-    # top-n of the candidates (the union of every chunk's best keys holds the group's best n_sel)
+    # top-n of the candidates (the union of every chunk's best keys holds the group's best n_sel);
+    # the candidate row is in block order, so the chosen ones' ascending positions are a running count
     c = tl.arange(0, NCAND)
-    key = tl.load(CAND + bh * NCAND + c)
-    blk = (NBP - 1 - (key & 0x7FFFFFFF)).to(tl.int32)
-    if RANKED:  # one pass: a key is chosen if fewer than n_sel keys beat it
-        chosen = (tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1) < NSEL) & (key >= 0)
-    else:  # many candidates: n_sel rounds of max
-        sel = tl.zeros([NCAND], tl.int32)
-        for _ in range(NSEL):
-            top = tl.max(key, 0)
-            hit = (key == top) & (top >= 0)
-            sel = tl.where(hit, 1, sel)
-            key = tl.where(hit, -1, key)
-        chosen = sel != 0
+    key = tl.load(CAND_V + bh * NCAND + c)
+    blk = tl.load(CAND_B + bh * NCAND + c)
+    beaten = _beaten_by(key, blk, CAND_V + bh * NCAND, CAND_B + bh * NCAND, NCAND, JB, True)
+    chosen = (beaten < NSEL) & (key >= 0)
     cnt = tl.sum(chosen.to(tl.int32), 0)
-    order = tl.where(chosen, blk, NBP + c)  # chosen blocks first, ascending
-    rank = tl.sum((order[None, :] < order[:, None]).to(tl.int32), 1)
+    rank = tl.cumsum(chosen.to(tl.int32), 0) - 1
     kk = tl.arange(0, NSELP)
     # ascending block list, -1 padded, in this program's scratch row (read back per tile below)
     row_scr = BLK_SCR + (bh * NS + split) * NSEL
@@ -418,11 +431,14 @@ def nsa_decode_triton(
     NBC = min(NBP, int(TUNE.get("dec_score_cols", 128)))
     KC = max(2, next_pow2(min(n_sel, NBC)))
     NCAND = NBP // NBC * KC
-    cand = torch.empty(G * NCAND, dtype=torch.int64, device=dev)
+    JB = min(32, NBC, NCAND)
+    k_scr = torch.empty(G * NBP, dtype=torch.int32, device=dev)
+    cand_v = torch.empty(G * NCAND, dtype=torch.int32, device=dev)
+    cand_b = torch.empty_like(cand_v)
     _scores_kernel[(G, NBP // NBC)](
-        m1, l1, part, spill, mt, t, cand, NB,
+        m1, l1, part, spill, mt, t, k_scr, cand_v, cand_b, NB,
         H=H, HG=h, HGP=HGP, NS_C=ns_c, NS1=ns1, NSP=max(2, next_pow2(ns_c)), NT_C=NT_C, L=l, D=d, LSEL=l_sel,
-        NBT=NBT, X=X, BC=BC, NBP=NBP, NBC=NBC, KC=KC, NCAND=NCAND, num_warps=4,
+        NBT=NBT, X=X, BC=BC, NBP=NBP, NBC=NBC, KC=KC, NCAND=NCAND, JB=JB, num_warps=4,
     )
     BN = max(16, min(64, next_pow2(l_sel)))
     tpb_s = -(-l_sel // BN)
@@ -433,11 +449,11 @@ def nsa_decode_triton(
     a2 = torch.empty(G * ns_s * h * Dv, **f32)
     blk_scr = torch.empty(G * ns_s * n_sel, dtype=torch.int32, device=dev)
     _sel_kernel[(ns_s, G)](
-        qc, k_sel, v_sel, t, cand, blk_scr, block_idx, reads, m2, l2, a2,
+        qc, k_sel, v_sel, t, cand_v, cand_b, blk_scr, block_idx, reads, m2, l2, a2,
         qc.stride(0), qc.stride(1), k_sel.stride(0), k_sel.stride(1), k_sel.stride(2),
         v_sel.stride(0), v_sel.stride(1), v_sel.stride(2), scale_log2, NB, R,
         H=H, HG=h, HP=HP, NS=ns_s, NTILES=nt_s, L=l, D=d, W=w, NSEL=n_sel, NSELP=max(2, next_pow2(n_sel)),
-        LSEL=l_sel, TPB=tpb_s, NBP=NBP, NCAND=NCAND, RANKED=NCAND <= int(TUNE.get("dec_rank_limit", 512)), DK=Dk, DV=Dv, BDK=BDK, BDV=BDV, BN=BN, PREC=prec,
+        LSEL=l_sel, TPB=tpb_s, NBP=NBP, NCAND=NCAND, JB=JB, DK=Dk, DV=Dv, BDK=BDK, BDV=BDV, BN=BN, PREC=prec,
         num_warps=int(TUNE.get("dec_sel_warps", 4)), num_stages=int(TUNE.get("dec_sel_stages", 2)) if cuda else 1,
     )
     o = torch.empty(B, HQ, Dv, dtype=v_sel.dtype, device=dev)

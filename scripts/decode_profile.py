@@ -108,8 +108,8 @@ def sweep(out: dict) -> None:
     from nsa.ops.indexing import num_cmp
 
     timer = make_timer(torch.device("cuda"), 25, 100)
-    variants = [{}, {"dec_score_cols": 64}, {"dec_score_cols": 256}, {"dec_sel_warps": 2}, {"dec_sel_warps": 8},
-                {"dec_cmp_stages": 2}, {"dec_cmp_stages": 3}]
+    variants = [{}, {"dec_part_prec": "tf32"}, {"dec_part_prec": "ieee"}, {"dec_sel_warps": 4},
+                {"dec_score_cols": 256}, {"dec_cmp_warps": 8}, {"dec_waves": 1}, {"dec_win_min_tiles": 8}]
     for shape, HQ, H, D in (("paper", 64, 4, 128), ("m7c", 12, 2, 64)):
         for B in (1, 32):
             T = 65537

@@ -421,7 +421,7 @@ def nsa_decode_triton(
         C, R, NB, scale_log2,
         H=H, HG=h, HP=HP, NS_C=ns_c, NS_W=ns_w, NT_C=NT_C, NT_W=NT_W, L=l, D=d, LSEL=l_sel, W=w,
         NBT=NBT, NBT2=NBT2, X=X, DK=Dk, DV=Dv, BDK=BDK, BDV=BDV, BC=BC, PREC=prec,
-        PREC_W="tf32x3" if cuda else "ieee", num_warps=int(TUNE.get("dec_cmp_warps", 4)),
+        PREC_W=str(TUNE.get("dec_part_prec", "tf32x3")) if cuda else "ieee", num_warps=int(TUNE.get("dec_cmp_warps", 4)),
         num_stages=int(TUNE.get("dec_cmp_stages", 3 if BDK <= 64 else 2)) if cuda else 1,
     )
     block_idx = torch.empty(B, H, n_sel, dtype=torch.int32, device=dev)
@@ -454,7 +454,7 @@ def nsa_decode_triton(
         v_sel.stride(0), v_sel.stride(1), v_sel.stride(2), scale_log2, NB, R,
         H=H, HG=h, HP=HP, NS=ns_s, NTILES=nt_s, L=l, D=d, W=w, NSEL=n_sel, NSELP=max(2, next_pow2(n_sel)),
         LSEL=l_sel, TPB=tpb_s, NBP=NBP, NCAND=NCAND, JB=JB, DK=Dk, DV=Dv, BDK=BDK, BDV=BDV, BN=BN, PREC=prec,
-        num_warps=int(TUNE.get("dec_sel_warps", 4)), num_stages=int(TUNE.get("dec_sel_stages", 2)) if cuda else 1,
+        num_warps=int(TUNE.get("dec_sel_warps", 8)), num_stages=int(TUNE.get("dec_sel_stages", 2)) if cuda else 1,
     )
     o = torch.empty(B, HQ, Dv, dtype=v_sel.dtype, device=dev)
     DVC = min(BDV, int(TUNE.get("dec_combine_cols", 64)))

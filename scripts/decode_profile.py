@@ -108,8 +108,7 @@ def sweep(out: dict) -> None:
     from nsa.ops.indexing import num_cmp
 
     timer = make_timer(torch.device("cuda"), 25, 100)
-    variants = [{}, {"dec_part_prec": "tf32"}, {"dec_part_prec": "ieee"}, {"dec_sel_warps": 4},
-                {"dec_score_cols": 256}, {"dec_cmp_warps": 8}, {"dec_waves": 1}, {"dec_win_min_tiles": 8}]
+    variants = [{}, {"dec_rank_block": 32}, {"dec_rank_block": 64}, {"dec_score_warps": 4}]
     for shape, HQ, H, D in (("paper", 64, 4, 128), ("m7c", 12, 2, 64)):
         for B in (1, 32):
             T = 65537

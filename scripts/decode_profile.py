@@ -108,7 +108,7 @@ def sweep(out: dict) -> None:
     from nsa.ops.indexing import num_cmp
 
     timer = make_timer(torch.device("cuda"), 25, 100)
-    variants = [{}, {"dec_rank_block": 32}, {"dec_rank_block": 64}, {"dec_score_warps": 4}]
+    variants = [{}, {"dec_rank_block": 16}, {"dec_score_warps": 8}, {"dec_part_prec": "tf32"}]
     for shape, HQ, H, D in (("paper", 64, 4, 128), ("m7c", 12, 2, 64)):
         for B in (1, 32):
             T = 65537

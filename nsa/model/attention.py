@@ -112,6 +112,7 @@ class NSAAttention(nn.Module):
             out: torch.Tensor = self.gate_mlp(x)
             return out
         fc1, fc2 = self.gate_mlp[0], self.gate_mlp[2]
+        assert isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)
         hid = F.silu((x[..., None, :] * fc1.weight).sum(-1) + fc1.bias)
         return (hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias
 

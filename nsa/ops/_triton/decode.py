@@ -268,7 +268,7 @@ def _sel_kernel(
                     mask=valid[:, None] & (ck[None, :] < DK), other=0.0)
         v = tl.load(V + b * svb + g * svh + slot[:, None] * svs + cv[None, :],
                     mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
-        m_i, m_use, l_i, acc, p = _online_update(q, k, v, valid, m_i, l_i, acc, scale_log2, PREC)
+        m_i, _m, l_i, acc, _p = _online_update(q, k, v, valid, m_i, l_i, acc, scale_log2, PREC)
     row = (bh * NS + split) * HG + r
     tl.store(M_OUT + row, m_i, mask=row_ok)
     tl.store(L_OUT + row, l_i, mask=row_ok)
@@ -293,7 +293,7 @@ def _merge(M_IN, L_IN, A_IN, bh, hr, c, c_ok, NS: tl.constexpr, S0: tl.constexpr
 
 @triton.jit
 def _combine_kernel(
-    M1, L1, A1, M2, L2, A2, G, O,
+    M1, L1, A1, M2, L2, A2, G, OUT,
     sgb, sgh, sgk, sob, soh,
     H: tl.constexpr, HG: tl.constexpr, NS_C: tl.constexpr, NS_W: tl.constexpr,
     NS_S: tl.constexpr, NSPC: tl.constexpr, NSPW: tl.constexpr, NSPS: tl.constexpr, DV: tl.constexpr,
@@ -314,7 +314,7 @@ def _combine_kernel(
     g1 = tl.load(gp + sgk).to(tl.float32)
     g2 = tl.load(gp + 2 * sgk).to(tl.float32)
     o = g0 * o_cmp + g1 * o_sel + g2 * o_win
-    tl.store(O + b * sob + head * soh + c, o.to(O.dtype.element_ty), mask=c_ok)
+    tl.store(OUT + b * sob + head * soh + c, o.to(OUT.dtype.element_ty), mask=c_ok)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,13 +405,16 @@ def nsa_decode_triton(
     k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (x if x.stride(-1) == 1 else x.contiguous()
                                                 for x in (k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
     t = t.to(device=dev, dtype=torch.int64).contiguous()
-    f32 = {"dtype": torch.float32, "device": dev}
-    m1 = torch.empty(G * ns1 * h, **f32)
+
+    def f32(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.float32, device=dev)
+
+    m1 = f32(G * ns1 * h)
     l1 = torch.empty_like(m1)
-    a1 = torch.empty(G * ns1 * h * Dv, **f32)
-    part = torch.empty(G * h * NB, **f32)
-    spill = torch.empty(max(1, G * NT_C * h * X), **f32)
-    mt = torch.empty(G * NT_C * h, **f32)
+    a1 = f32(G * ns1 * h * Dv)
+    part = f32(G * h * NB)
+    spill = f32(max(1, G * NT_C * h * X))
+    mt = f32(G * NT_C * h)
     scale_log2 = scale * LOG2E
     _cmp_win_kernel[(ns1, G)](
         qc, k_cmp, v_cmp, k_win, v_win, t, m1, l1, a1, part, spill, mt,
@@ -447,9 +450,9 @@ def nsa_decode_triton(
     tpb_s = -(-l_sel // BN)
     nt_s = n_sel * tpb_s
     ns_s = _splits(nt_s, G, dev, int(TUNE.get("dec_sel_min_tiles", 1)))
-    m2 = torch.empty(G * ns_s * h, **f32)
+    m2 = f32(G * ns_s * h)
     l2 = torch.empty_like(m2)
-    a2 = torch.empty(G * ns_s * h * Dv, **f32)
+    a2 = f32(G * ns_s * h * Dv)
     blk_scr = torch.empty(G * ns_s * n_sel, dtype=torch.int32, device=dev)
     _sel_kernel[(ns_s, G)](
         qc, k_sel, v_sel, t, cand_v, cand_b, blk_scr, block_idx, reads, m2, l2, a2,

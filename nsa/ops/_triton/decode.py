@@ -49,6 +49,24 @@ def _online_update(q, k, v, valid, m_i, l_i, acc, scale_log2, PREC: tl.constexpr
 
 
 @triton.jit
+def _group_queries(Q, b, g, sqb, sqh, HG: tl.constexpr, HP: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr):
+    """The ``HG`` query heads of KV group ``g`` of sequence ``b`` as the rows of a ``[HP, BDK]`` tile."""
+    r = tl.arange(0, HP)
+    ck = tl.arange(0, BDK)
+    return tl.load(Q + b * sqb + (g * HG + r)[:, None] * sqh + ck[None, :],
+                   mask=(r < HG)[:, None] & (ck[None, :] < DK), other=0.0)
+
+
+@triton.jit
+def _store_partial(M_OUT, L_OUT, A_OUT, row, row_ok, m_i, l_i, acc, DV: tl.constexpr, BDV: tl.constexpr):
+    """One split's partial (running max, sum, weighted values) for the rows ``row``."""
+    cv = tl.arange(0, BDV)
+    tl.store(M_OUT + row, m_i, mask=row_ok)
+    tl.store(L_OUT + row, l_i, mask=row_ok)
+    tl.store(A_OUT + row[:, None] * DV + cv[None, :], acc, mask=row_ok[:, None] & (cv[None, :] < DV))
+
+
+@triton.jit
 def _cmp_win_kernel(
     Q, KC, VC, KW, VW, T, M_OUT, L_OUT, A_OUT, PART, SPILL, MT,
     sqb, sqh, skcb, skch, skcs, svcb, svch, svcs, skwb, skwh, skws, svwb, svwh, svws,
@@ -69,8 +87,7 @@ def _cmp_win_kernel(
     ck = tl.arange(0, BDK)
     cv = tl.arange(0, BDV)
     n = tl.arange(0, BC)
-    q = tl.load(Q + b * sqb + (g * HG + r)[:, None] * sqh + ck[None, :],
-                mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
+    q = _group_queries(Q, b, g, sqb, sqh, HG, HP, DK, BDK)
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, BDV], tl.float32)
@@ -115,10 +132,7 @@ def _cmp_win_kernel(
             v = tl.load(VW + b * svwb + g * svwh + slot[:, None] * svws + cv[None, :],
                         mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
             m_i, m_use, l_i, acc, p = _online_update(q, k, v, valid, m_i, l_i, acc, scale_log2, PREC)
-    row = (bh * (NS_C + NS_W) + split) * HG + r
-    tl.store(M_OUT + row, m_i, mask=row_ok)
-    tl.store(L_OUT + row, l_i, mask=row_ok)
-    tl.store(A_OUT + row[:, None] * DV + cv[None, :], acc, mask=row_ok[:, None] & (cv[None, :] < DV))
+    _store_partial(M_OUT, L_OUT, A_OUT, (bh * (NS_C + NS_W) + split) * HG + r, row_ok, m_i, l_i, acc, DV, BDV)
 
 
 @triton.jit
@@ -252,8 +266,7 @@ def _sel_kernel(
     ck = tl.arange(0, BDK)
     cv = tl.arange(0, BDV)
     n = tl.arange(0, BN)
-    q = tl.load(Q + b * sqb + (g * HG + r)[:, None] * sqh + ck[None, :],
-                mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
+    q = _group_queries(Q, b, g, sqb, sqh, HG, HP, DK, BDK)
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, BDV], tl.float32)
@@ -269,10 +282,7 @@ def _sel_kernel(
         v = tl.load(V + b * svb + g * svh + slot[:, None] * svs + cv[None, :],
                     mask=valid[:, None] & (cv[None, :] < DV), other=0.0)
         m_i, _m, l_i, acc, _p = _online_update(q, k, v, valid, m_i, l_i, acc, scale_log2, PREC)
-    row = (bh * NS + split) * HG + r
-    tl.store(M_OUT + row, m_i, mask=row_ok)
-    tl.store(L_OUT + row, l_i, mask=row_ok)
-    tl.store(A_OUT + row[:, None] * DV + cv[None, :], acc, mask=row_ok[:, None] & (cv[None, :] < DV))
+    _store_partial(M_OUT, L_OUT, A_OUT, (bh * NS + split) * HG + r, row_ok, m_i, l_i, acc, DV, BDV)
 
 
 @triton.jit

@@ -130,6 +130,7 @@ def nsa_decode(
     check_hparams(l, d, l_sel, n_sel, w)
     from nsa.ops.dispatch import record_fallback, requested_backend
 
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     name = requested_backend(backend)
     if name == "triton" or (name == "auto" and q.is_cuda):
         tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
@@ -137,14 +138,12 @@ def nsa_decode(
         if reason is None:
             from nsa.ops._triton.decode import nsa_decode_triton
 
-            sc = q.shape[-1] ** -0.5 if scale is None else scale
             return DecodeOutput(*nsa_decode_triton(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
-                                                   l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=sc))
+                                                   l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale))
         record_fallback(f"nsa_decode:{name}->torch:{reason}")
     B, HQ, Dk = q.shape
     H, C, T, R = k_cmp.shape[1], k_cmp.shape[2], k_sel.shape[2], k_win.shape[2]
     h = HQ // H
-    scale = Dk**-0.5 if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dev = q.device
     t = t.to(device=dev, dtype=torch.int64)

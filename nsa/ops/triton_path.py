@@ -10,11 +10,11 @@ Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tiny shapes, f
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from nsa.ops._triton import interpreting
 from nsa.ops.indexing import check_hparams, check_shapes, num_cmp
 from nsa.ops.torch_path import compress_avg as _torch_compress_avg
 
@@ -24,17 +24,13 @@ MAX_HEAD_DIM = 256
 MAX_BLOCKS = 16384
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def supports(*tensors: torch.Tensor) -> str | None:
     """None when these kernels can serve a call on ``tensors``, else a short reason."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return "triton not installed"
-    interp = _interpreting()
+    interp = interpreting()
     for i, t in enumerate(tensors):
         if t.device.type != "cuda" and not (interp and t.device.type == "cpu"):
             return f"{t.device.type} tensor"

@@ -7,9 +7,30 @@ of a group read the same keys, so a small group is never padded to 16 heads of w
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, read at import)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+@torch.compiler.assume_constant_result
+def _sm_count(index: int) -> int:
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached; a constant inside ``torch.compile``)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def next_pow2(x: int) -> int:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops._triton import TUNE, next_pow2
+from nsa.ops._triton import TUNE, interpreting, next_pow2, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -46,6 +46,12 @@ def _online_update(q, k, v, valid, m_i, l_i, acc, scale_log2, PREC: tl.constexpr
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, m_use, l_i, acc, p
+
+
+@triton.jit
+def _visible_cmp(t, L: tl.constexpr, D: tl.constexpr):
+    """``N_c(t)``: compressed tokens whose last raw position is ``<= t``."""
+    return tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)
 
 
 @triton.jit
@@ -93,7 +99,7 @@ def _cmp_win_kernel(
     acc = tl.zeros([HP, BDV], tl.float32)
     if split < NS_C:
         # compressed branch: tokens j < N_c(t); tiles of BC tokens start on selection-block boundaries
-        n_c = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)
+        n_c = _visible_cmp(t, L, D)
         jj = tl.arange(0, BC)[:, None]
         kb = tl.arange(0, NBT2)[None, :]
         lo = tl.maximum(jj * D, kb * LSEL)
@@ -165,7 +171,7 @@ def _scores_kernel(
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     t = tl.load(T + b).to(tl.int64)
-    n_c = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)
+    n_c = _visible_cmp(t, L, D)
     r = tl.arange(0, HGP)
     row_ok = r < HG
     sp = tl.arange(0, NSP)
@@ -254,7 +260,7 @@ def _sel_kernel(
         tl.store(BLK_OUT + bh * NSEL + rank, blk, mask=chosen)
         tl.store(BLK_OUT + bh * NSEL + kk, tl.full([NSELP], -1, tl.int32), mask=(kk >= cnt) & (kk < NSEL))
         # reads = visible compressed + selected positions <= t + window
-        n_c = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)
+        n_c = _visible_cmp(t, L, D)
         in_blk = tl.minimum(tl.maximum(t - blk.to(tl.int64) * LSEL + 1, 0), LSEL)
         sel_reads = tl.sum(tl.where(chosen, in_blk, 0), 0)
         win_reads = tl.minimum(tl.minimum(t + 1, W), R)
@@ -331,28 +337,18 @@ def _combine_kernel(
 # host side
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-@torch.compiler.assume_constant_result
-def _sm_count(index: int) -> int:
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
 def _splits(work_tiles: int, groups: int, device: torch.device, min_tiles: int = 2) -> int:
     """Programs per (sequence, group) for a key range of ``work_tiles`` tiles: about two waves of
     programs in all, each with at least ``min_tiles`` tiles (CPU interpreter: 2)."""
     if device.type != "cuda":
         return max(1, min(2, work_tiles))
-    want = -(-int(TUNE.get("dec_waves", 2)) * _sm_count(device.index or 0) // max(1, groups))
+    want = -(-int(TUNE.get("dec_waves", 2)) * sm_count(device) // max(1, groups))
     return max(1, min(want, -(-work_tiles // min_tiles)))
 
 
 def decode_unsupported(l: int, d: int, l_sel: int, *tensors: torch.Tensor) -> str | None:  # noqa: E741
     """None when the fused kernels can serve this call, else a short reason (the caller falls back)."""
-    interp = _interpreting()
+    interp = interpreting()
     for x in tensors:
         if not (x.is_cuda or (interp and x.device.type == "cpu")):
             return f"{x.device.type} tensor"
@@ -364,12 +360,6 @@ def decode_unsupported(l: int, d: int, l_sel: int, *tensors: torch.Tensor) -> st
     if -(-(l - d) // l_sel) > 64 // tpb:
         return "compressed tokens span more blocks than a tile"
     return None
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def nsa_decode_triton(

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops._triton import TUNE, next_pow2, tile_config
+from nsa.ops._triton import TUNE, next_pow2, sm_count, tile_config
 
 LOG2E = 1.4426950408889634
 
@@ -228,7 +228,7 @@ def _query_chunk(S: int, programs: int, device: torch.device) -> int:
         return int(TUNE["cmp_qch"])
     if device.type != "cuda":
         return 32
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     chunks = max(triton.cdiv(S, 4096), triton.cdiv(4 * sms, programs))
     chunks = min(chunks, triton.cdiv(S, 256))
     return triton.cdiv(triton.cdiv(S, chunks), 64) * 64

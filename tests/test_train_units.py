@@ -97,7 +97,23 @@ def test_halt_file_reading_and_archive(tmp_path: Path) -> None:
     (tmp_path / ".HALT").write_text("  maintenance window \n")
     assert read_halt(tmp_path) == "maintenance window"
     (tmp_path / ".HALT").write_text("")
-    assert read_halt(tmp_path) == "halt file"
+    assert read_halt(tmp_path, settle_s=0.05) == "halt file"
+
+
+def test_halt_file_caught_mid_write_is_reread(tmp_path: Path) -> None:
+    """``echo reason > .HALT`` truncates first: an empty or cut-short file is re-read until it settles."""
+    import threading
+
+    for partial in ("", '{"reason": "disk fu'):
+        (tmp_path / ".HALT").write_text(partial)
+        writer = threading.Timer(0.05, lambda: (tmp_path / ".HALT").write_text('{"reason": "disk full"}'))
+        writer.start()
+        assert read_halt(tmp_path, settle_s=5.0) == "disk full"
+        writer.join()
+
+
+def test_halt_archive(tmp_path: Path) -> None:
+    (tmp_path / ".HALT").write_text("stop")
     dest = archive_stale_halt(tmp_path)
     assert dest is not None and dest.parent.name == "halts" and not (tmp_path / ".HALT").exists()
     assert archive_stale_halt(tmp_path) is None

@@ -32,19 +32,30 @@ def check_fresh(run_dir: Path) -> None:
         )
 
 
-def read_halt(run_dir: Path) -> str | None:
-    """The reason in ``.HALT`` (JSON ``{"reason": ...}`` or plain text), or ``None`` when absent."""
+def read_halt(run_dir: Path, settle_s: float = 0.25) -> str | None:
+    """The reason in ``.HALT`` (JSON ``{"reason": ...}`` or plain text), or ``None`` when absent.
+
+    A file caught mid-write (``echo ... > .HALT`` truncates first: empty, or JSON cut short) is re-read
+    for up to ``settle_s`` seconds before its reason is taken as it stands.
+    """
     path = run_dir / HALT_FILE
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return "halt file (unreadable)"
-    with contextlib.suppress(ValueError):  # plain text is a valid .HALT too
-        data = json.loads(text)
-        if isinstance(data, dict) and data.get("reason"):
-            return str(data["reason"])
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return "halt file (unreadable)"
+        data: Any = None
+        with contextlib.suppress(ValueError):  # plain text is a valid .HALT too
+            data = json.loads(text)
+        partial = not text.strip() or (text.lstrip().startswith("{") and data is None)
+        if not partial or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    if isinstance(data, dict) and data.get("reason"):
+        return str(data["reason"])
     return text.strip()[:500] or "halt file"
 
 

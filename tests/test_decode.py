@@ -370,6 +370,60 @@ def test_triton_decode_kernel_on_gpu() -> None:
     _triton_vs_torch_decode("cuda", torch.bfloat16, 2e-2)
 
 
+def _triton_vs_torch_append(device: str, dtype: torch.dtype) -> None:
+    """The fused cache append equals its torch reference over a walk of decode positions: every raw,
+    window and ring slot, and (mean pooling) every compressed token emitted, across ring wrap-arounds,
+    emission steps, positions before the first compressed token, Dk != Dv, non-contiguous new rows."""
+    from nsa.ops.decode_cache import DecodeCaches, NewToken, append_token
+    from nsa.ops.indexing import num_cmp
+
+    gen = torch.Generator().manual_seed(1)
+
+    def r(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
+
+    # (l, d, w), H, Dk, Dv, T
+    for (l, d, w), H, Dk, Dv, T in [((4, 2, 5), 2, 8, 6, 40), ((8, 4, 9), 1, 16, 16, 50), ((32, 16, 512), 2, 64, 64, 700)]:  # noqa: E741
+        B, C, R = 3, num_cmp(T, l, d), min(w, T)
+        shapes = [(T, Dk), (T, Dv), (R, Dk), (R, Dv), (l, Dk), (l, Dv), (C + 1, Dk), (C + 1, Dv)]
+        ref = DecodeCaches(*(r(B, H, n, D) for n, D in shapes))
+        fused = DecodeCaches(*(x.clone() for x in ref))
+        t = torch.tensor([0, 3, T // 3], device=device)
+        for _ in range(min(T - T // 3 - 1, 2 * l + 3 * d + 1)):
+            kv = r(B, 1, 3, H * (Dk + Dv))  # rows as views of one projection, like the model's
+            new = NewToken(*(kv[:, 0, i, : H * Dk].reshape(B, H, Dk) if j == 0 else
+                             kv[:, 0, i, H * Dk :].reshape(B, H, Dv) for i in range(3) for j in range(2)))
+            for caches, backend in ((ref, "torch"), (fused, "triton")):
+                append_token(t, new, caches, l=l, d=d, emit_mean=True, backend=backend)
+            for name, a, b in zip(DecodeCaches._fields, ref, fused, strict=True):
+                if name in ("k_cmp", "v_cmp"):  # the torch path also writes the scratch slot C
+                    a, b = a[:, :, :C], b[:, :, :C]
+                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=lambda m, n=name, t=t: f"{n} t={t}: {m}")
+            t = t + 1
+
+
+def test_triton_cache_append_in_interpreter() -> None:
+    """CPU: the fused append under ``TRITON_INTERPRET=1`` (fresh process) equals the torch path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from tests.test_decode import _triton_vs_torch_append\n"
+            "_triton_vs_torch_append('cpu', torch.float32)\n"
+            "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_cache_append_on_gpu() -> None:
+    _triton_vs_torch_append("cuda", torch.float32)
+
+
 def test_triton_decode_falls_back_off_gpu() -> None:
     from nsa.ops import fallback_counts, reset_fallback_counts
     from nsa.ops.decode import nsa_decode, triton_decode_supported

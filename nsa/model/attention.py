@@ -191,6 +191,7 @@ class NSAAttention(nn.Module):
         """
         from nsa.model.cache import NSALayerCache
         from nsa.ops.decode import nsa_decode
+        from nsa.ops.decode_cache import NewToken
 
         assert isinstance(layer, NSALayerCache)
         if not torch.compiler.is_compiling():  # a host check; decode_step makes it too
@@ -198,15 +199,16 @@ class NSAAttention(nn.Module):
         B = x.shape[0]
         t = cache.lengths
         p = self.project(x, t[:, None])
-        layer.append(t, p.k_sel[:, 0], p.v_sel[:, 0], p.k_win[:, 0], p.v_win[:, 0], p.k_cmp_raw[:, 0],
-                     p.v_cmp_raw[:, 0])
-        k_blk, v_blk = layer.block_in_order(t)
-        k_new, v_new = self.compress.one_block(k_blk, v_blk)
-        layer.emit(t, k_new, v_new, self.l, self.d)
+        backend = self.backend or "auto"  # resolved here: no settings lookup inside a compiled step
+        new = NewToken(p.k_sel[:, 0], p.v_sel[:, 0], p.k_win[:, 0], p.v_win[:, 0], p.k_cmp_raw[:, 0], p.v_cmp_raw[:, 0])
+        mean = self.phi == "avg"  # mean pooling is emitted by the append itself (one kernel on CUDA)
+        layer.append(t, new, l=self.l, d=self.d, emit_mean=mean, backend=backend)
+        if not mean:
+            k_new, v_new = self.compress.one_block(*layer.block_in_order(t))
+            layer.emit(t, k_new, v_new, self.l, self.d)
         res = nsa_decode(
             p.q[:, 0], t, layer.k_cmp, layer.v_cmp, layer.k_sel, layer.v_sel, layer.k_win, layer.v_win,
-            p.gates[:, 0], **self.op_kwargs(), scale=self.scale, table=layer.table,
-            backend=self.backend or "auto",  # resolved here: no settings lookup inside a compiled step
+            p.gates[:, 0], **self.op_kwargs(), scale=self.scale, table=layer.table, backend=backend,
         )
         layer.last_block_idx, layer.last_reads = res.block_idx, res.reads
         cache.reads_total += res.reads.sum(dim=-1)

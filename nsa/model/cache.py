@@ -15,6 +15,7 @@ import torch
 
 from nsa.errors import NSAError
 from nsa.ops.decode import cmp_block_table
+from nsa.ops.decode_cache import DecodeCaches, NewToken, append_token, block_in_order, emit
 from nsa.ops.indexing import num_cmp
 
 if TYPE_CHECKING:
@@ -96,38 +97,24 @@ class NSALayerCache:
         self.k_cmp[:, :, :n] = k_cmp.transpose(1, 2)
         self.v_cmp[:, :, :n] = v_cmp.transpose(1, 2)
 
-    def append(self, t: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, k_win: torch.Tensor,
-               v_win: torch.Tensor, k_raw: torch.Tensor, v_raw: torch.Tensor) -> None:
-        """Store one new position ``t [B]`` per sequence (inputs ``[B, H, D]``)."""
-        ar = torch.arange(t.shape[0], device=t.device)
-        self.k_sel[ar, :, t] = k_sel
-        self.v_sel[ar, :, t] = v_sel
-        R = self.k_win.shape[2]
-        self.k_win[ar, :, t % R] = k_win
-        self.v_win[ar, :, t % R] = v_win
-        l = self.ring_k.shape[2]  # noqa: E741
-        self.ring_k[ar, :, t % l] = k_raw
-        self.ring_v[ar, :, t % l] = v_raw
+    def tensors(self) -> DecodeCaches:
+        return DecodeCaches(self.k_sel, self.v_sel, self.k_win, self.v_win, self.ring_k, self.ring_v, self.k_cmp,
+                            self.v_cmp)
+
+    def append(self, t: torch.Tensor, new: NewToken, *, l: int, d: int, emit_mean: bool,  # noqa: E741
+               backend: str | None = None) -> None:
+        """Store one new position ``t [B]`` per sequence (rows ``[B, H, D]``); with ``emit_mean``
+        (phi = mean pooling) also the compressed token it completes (``nsa.ops.decode_cache``)."""
+        append_token(t, new, self.tensors(), l=l, d=d, emit_mean=emit_mean, backend=backend)
 
     def block_in_order(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw compression rows ``t-l+1 .. t`` in position order: ``[B, H, l, D]`` each."""
-        l = self.ring_k.shape[2]  # noqa: E741
-        B, H = self.ring_k.shape[:2]
-        slots = torch.remainder(t[:, None] - l + 1 + torch.arange(l, device=t.device)[None, :], l)
-        ik = slots[:, None, :, None].expand(B, H, l, self.ring_k.shape[-1])
-        iv = slots[:, None, :, None].expand(B, H, l, self.ring_v.shape[-1])
-        return torch.gather(self.ring_k, 2, ik), torch.gather(self.ring_v, 2, iv)
+        return block_in_order(self.ring_k, t), block_in_order(self.ring_v, t)
 
     def emit(self, t: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l: int, d: int) -> None:  # noqa: E741
         """Write compressed token ``j`` (``[B, H, D]``) for sequences whose position ``t = j*d + l - 1``
         completes it; the others write into the scratch slot (no host sync to decide)."""
-        C = self.k_cmp.shape[2] - 1
-        done = (t >= l - 1) & (torch.remainder(t - (l - 1), d) == 0)
-        j = torch.div(t - (l - 1), d, rounding_mode="floor")
-        slot = torch.where(done & (j < C), j, torch.full_like(j, C))
-        ar = torch.arange(t.shape[0], device=t.device)
-        self.k_cmp[ar, :, slot] = k_new
-        self.v_cmp[ar, :, slot] = v_new
+        emit(self.tensors(), t, k_new, v_new, l, d)
 
 
 @dataclass

@@ -1,0 +1,114 @@
+"""Appending one decoded token to the NSA caches (the write half of a decode step).
+
+``append_token`` stores the new position ``t[b]`` of every sequence in the head-major caches that
+``nsa.ops.decode.nsa_decode`` reads, and with ``emit_mean=True`` (phi = mean pooling) also emits the
+compressed token whose last raw position is ``t`` (spec: token ``j`` covers raw ``j*d .. j*d+l-1``).
+Cache layouts:
+
+- ``k_sel, v_sel [B, H, T, D]``: raw position ``p`` in slot ``p``.
+- ``k_win, v_win [B, H, R, D]``: window ring, position ``p`` in slot ``p % R``.
+- ``ring_k, ring_v [B, H, l, D]``: the last ``l`` raw compression rows, position ``p`` in slot ``p % l``
+  (after the write they are exactly the block ``t-l+1 .. t``).
+- ``k_cmp, v_cmp [B, H, C + 1, D]``: compressed token ``j`` in slot ``j``; slot ``C`` is scratch.
+
+The torch path below is the reference of the fused Triton kernel (``nsa.ops._triton.decode_cache``),
+which does all of it in one launch with no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class DecodeCaches(NamedTuple):
+    """The cache tensors one NSA layer decodes with (layouts in the module doc)."""
+
+    k_sel: torch.Tensor
+    v_sel: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+    ring_k: torch.Tensor
+    ring_v: torch.Tensor
+    k_cmp: torch.Tensor
+    v_cmp: torch.Tensor
+
+
+class NewToken(NamedTuple):
+    """One position per sequence, ``[B, H, D]`` each: selection, window and raw compression K/V."""
+
+    k_sel: torch.Tensor
+    v_sel: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+    k_raw: torch.Tensor
+    v_raw: torch.Tensor
+
+
+def emit_slot(t: torch.Tensor, l: int, d: int, n_cmp: int) -> torch.Tensor:  # noqa: E741
+    """Slot of the compressed token that position ``t`` completes (``j`` with ``t = j*d + l - 1``), or the
+    scratch slot ``n_cmp`` where ``t`` completes none (or ``j`` is past the cache)."""
+    done = (t >= l - 1) & (torch.remainder(t - (l - 1), d) == 0)
+    j = torch.div(t - (l - 1), d, rounding_mode="floor")
+    return torch.where(done & (j < n_cmp), j, torch.full_like(j, n_cmp))
+
+
+def block_in_order(ring: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The ring's raw rows ``t-l+1 .. t`` in position order: ``[B, H, l, D]``."""
+    B, H, l, D = ring.shape  # noqa: E741
+    slots = torch.remainder(t[:, None] - l + 1 + torch.arange(l, device=t.device)[None, :], l)
+    return torch.gather(ring, 2, slots[:, None, :, None].expand(B, H, l, D))
+
+
+def emit(caches: DecodeCaches, t: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l: int, d: int) -> None:  # noqa: E741
+    """Write compressed token ``[B, H, D]`` where ``t`` completes one (the others write the scratch slot)."""
+    slot = emit_slot(t, l, d, caches.k_cmp.shape[2] - 1)
+    ar = torch.arange(t.shape[0], device=t.device)
+    caches.k_cmp[ar, :, slot] = k_new
+    caches.v_cmp[ar, :, slot] = v_new
+
+
+def _append_torch(t: torch.Tensor, new: NewToken, caches: DecodeCaches, l: int, d: int, emit_mean: bool) -> None:  # noqa: E741
+    ar = torch.arange(t.shape[0], device=t.device)
+    caches.k_sel[ar, :, t] = new.k_sel
+    caches.v_sel[ar, :, t] = new.v_sel
+    R = caches.k_win.shape[2]
+    caches.k_win[ar, :, t % R] = new.k_win
+    caches.v_win[ar, :, t % R] = new.v_win
+    caches.ring_k[ar, :, t % l] = new.k_raw
+    caches.ring_v[ar, :, t % l] = new.v_raw
+    if emit_mean:
+        emit(caches, t, block_in_order(caches.ring_k, t).mean(dim=-2), block_in_order(caches.ring_v, t).mean(dim=-2),
+             l, d)
+
+
+def append_token(
+    t: torch.Tensor,
+    new: NewToken,
+    caches: DecodeCaches,
+    *,
+    l: int,  # noqa: E741
+    d: int,
+    emit_mean: bool,
+    backend: str | None = None,
+) -> None:
+    """Store position ``t [B]`` (int64, ``< T``) of each sequence in ``caches`` (in place); with
+    ``emit_mean`` also write the mean-pooled compressed token that ``t`` completes.
+
+    ``backend`` as for ``nsa_decode``: ``triton`` (or ``auto`` on CUDA) runs one fused kernel, ``torch``
+    / ``reference`` the indexed writes above; a ``triton`` request the kernel cannot serve falls back,
+    counted in ``nsa.ops.fallback_counts()``.
+    """
+    from nsa.ops.dispatch import record_fallback, requested_backend
+
+    name = requested_backend(backend)
+    if name == "triton" or (name == "auto" and t.is_cuda):
+        from nsa.ops._triton.decode_cache import append_token_triton, append_unsupported
+
+        reason = append_unsupported(t, new, caches)
+        if reason is None:
+            append_token_triton(t, new, caches, l=l, d=d, emit_mean=emit_mean)
+            return
+        record_fallback(f"append_token:{name}->torch:{reason}")
+    _append_torch(t.to(torch.int64), new, caches, l, d, emit_mean)

@@ -443,3 +443,18 @@ def test_triton_decode_falls_back_off_gpu() -> None:
         assert torch.equal(out.o, ref.o)
         assert sum(fallback_counts().values()) == 1
     reset_fallback_counts()
+
+
+def test_fused_decode_refuses_pre_ampere_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 tensor-core dots need compute capability 8.0: older GPUs get the torch path, with the reason."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    import nsa.ops._triton.decode as dec
+
+    fake = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.bfloat16,
+                           is_floating_point=lambda: True)
+    monkeypatch.setattr(dec, "cc_major", lambda device: 7)
+    assert dec.decode_unsupported(32, 16, 64, fake) == "compute capability < 8.0"
+    monkeypatch.setattr(dec, "cc_major", lambda device: 9)
+    assert dec.decode_unsupported(32, 16, 64, fake) is None

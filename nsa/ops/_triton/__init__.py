@@ -33,6 +33,21 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_CC_MAJOR: dict[int, int] = {}
+
+
+@torch.compiler.assume_constant_result
+def _cc_major(index: int) -> int:
+    if index not in _CC_MAJOR:
+        _CC_MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return _CC_MAJOR[index]
+
+
+def cc_major(device: torch.device) -> int:
+    """Major compute capability of a CUDA device (cached; a constant inside ``torch.compile``)."""
+    return _cc_major(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops._triton import TUNE, interpreting, next_pow2, sm_count
+from nsa.ops._triton import TUNE, cc_major, interpreting, next_pow2, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -354,6 +354,9 @@ def decode_unsupported(l: int, d: int, l_sel: int, *tensors: torch.Tensor) -> st
             return f"{x.device.type} tensor"
         if x.is_floating_point() and x.dtype == torch.float64:
             return "float64"
+    cuda = [x for x in tensors if x.is_cuda]
+    if cuda and cc_major(cuda[0].device) < 8:  # bf16 tensor-core dots need Ampere or newer
+        return "compute capability < 8.0"
     tpb = l_sel // d
     if tpb & (tpb - 1) or tpb > 64:
         return f"l_sel/d={tpb} is not a power of two <= 64"

@@ -42,7 +42,10 @@ def quiet() -> Console:
 
 
 def events(run: Path, rank: int = 0) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / f"heartbeat_rank{rank}.jsonl").read_text().splitlines() if line]
+    """Heartbeat events; a last line still being written (no newline yet) is left out, any other is parsed."""
+    text = (run / f"heartbeat_rank{rank}.jsonl").read_text()
+    lines = text.split("\n")
+    return [json.loads(line) for line in lines[:-1] if line]
 
 
 def csv_rows(path: Path) -> list[dict[str, str]]:

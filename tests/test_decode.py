@@ -337,32 +337,37 @@ def _triton_vs_torch_decode(device: str, dtype: torch.dtype, tol: float) -> None
         assert err < tol, (h, T, err)
 
 
-def test_triton_decode_kernel_in_interpreter() -> None:
-    """CPU: the kernel under ``TRITON_INTERPRET=1`` (a fresh process: Triton reads it at import)."""
+def _run_interpreted(code: str) -> None:
+    """Run ``code`` in a fresh Python under ``TRITON_INTERPRET=1`` (Triton reads it at import); must exit 0."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     pytest.importorskip("triton")
-    # default tiles, then several block chunks per group (chunk-local candidates); then a fallback case
-    code = ("import torch; torch.set_num_threads(1)\n"
-            "from tests.test_decode import _triton_vs_torch_decode\n"
-            "from nsa.ops._triton import TUNE\n"
-            "for tune in ({}, {'dec_score_cols': 16}):\n"
-            "    TUNE.clear(); TUNE.update(tune)\n"
-            "    _triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
-            "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
-            "from nsa.ops.decode import nsa_decode\n"
-            "q, g = torch.randn(1, 2, 8), torch.rand(1, 2, 3)\n"
-            "kv = [torch.randn(1, 1, n, 8) for n in (9, 9, 24, 24, 5, 5)]\n"
-            "out = nsa_decode(q, torch.tensor([20]), *kv, g, l=4, d=2, l_sel=6, n_sel=2, w=5, backend='triton')\n"
-            "ref = nsa_decode(q, torch.tensor([20]), *kv, g, l=4, d=2, l_sel=6, n_sel=2, w=5, backend='torch')\n"
-            "torch.testing.assert_close(out.o, ref.o)\n"
-            "assert list(fallback_counts()) == ['nsa_decode:triton->torch:l_sel/d=3 is not a power of two <= 64']\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
-                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", "import torch; torch.set_num_threads(1)\n" + code],
+                          cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_triton_decode_kernel_in_interpreter() -> None:
+    """CPU: the kernel under ``TRITON_INTERPRET=1`` (a fresh process: Triton reads it at import)."""
+    # default tiles, then several block chunks per group (chunk-local candidates); then a fallback case
+    _run_interpreted(
+        "from tests.test_decode import _triton_vs_torch_decode\n"
+        "from nsa.ops._triton import TUNE\n"
+        "for tune in ({}, {'dec_score_cols': 16}):\n"
+        "    TUNE.clear(); TUNE.update(tune)\n"
+        "    _triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
+        "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
+        "from nsa.ops.decode import nsa_decode\n"
+        "q, g = torch.randn(1, 2, 8), torch.rand(1, 2, 3)\n"
+        "kv = [torch.randn(1, 1, n, 8) for n in (9, 9, 24, 24, 5, 5)]\n"
+        "out = nsa_decode(q, torch.tensor([20]), *kv, g, l=4, d=2, l_sel=6, n_sel=2, w=5, backend='triton')\n"
+        "ref = nsa_decode(q, torch.tensor([20]), *kv, g, l=4, d=2, l_sel=6, n_sel=2, w=5, backend='torch')\n"
+        "torch.testing.assert_close(out.o, ref.o)\n"
+        "assert list(fallback_counts()) == ['nsa_decode:triton->torch:l_sel/d=3 is not a power of two <= 64']\n")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -404,19 +409,9 @@ def _triton_vs_torch_append(device: str, dtype: torch.dtype) -> None:
 
 def test_triton_cache_append_in_interpreter() -> None:
     """CPU: the fused append under ``TRITON_INTERPRET=1`` (fresh process) equals the torch path."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    code = ("import torch; torch.set_num_threads(1)\n"
-            "from tests.test_decode import _triton_vs_torch_append\n"
-            "_triton_vs_torch_append('cpu', torch.float32)\n"
-            "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
-                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _run_interpreted("from tests.test_decode import _triton_vs_torch_append\n"
+                     "_triton_vs_torch_append('cpu', torch.float32)\n"
+                     "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

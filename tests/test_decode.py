@@ -411,7 +411,9 @@ def test_triton_cache_append_in_interpreter() -> None:
     """CPU: the fused append under ``TRITON_INTERPRET=1`` (fresh process) equals the torch path."""
     _run_interpreted("from tests.test_decode import _triton_vs_torch_append\n"
                      "_triton_vs_torch_append('cpu', torch.float32)\n"
-                     "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n")
+                     "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
+                     "_triton_vs_torch_append('cpu', torch.float64)  # served by the torch path, counted\n"
+                     "assert set(fallback_counts()) == {'append_token:triton->torch:float64'}, fallback_counts()\n")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -76,6 +76,8 @@ def append_unsupported(t: torch.Tensor, new: NewToken, caches: DecodeCaches) -> 
     for x in (t, *new, *caches):
         if not (x.is_cuda or (interp and x.device.type == "cpu")):
             return f"{x.device.type} tensor"
+        if x.dtype == torch.float64:  # the block mean accumulates in fp32
+            return "float64"
     if any(x.stride(-1) != 1 for x in caches):
         return "a cache whose last dim is not contiguous"
     return None

@@ -455,3 +455,15 @@ def test_fused_decode_refuses_pre_ampere_gpus(monkeypatch: pytest.MonkeyPatch) -
     assert dec.decode_unsupported(32, 16, 64, fake) == "compute capability < 8.0"
     monkeypatch.setattr(dec, "cc_major", lambda device: 9)
     assert dec.decode_unsupported(32, 16, 64, fake) is None
+
+
+def test_decode_bench_notes_out_of_memory_and_raises_the_rest() -> None:
+    from nsa.bench.decode import DecodeRow, _noting_oom
+
+    row = DecodeRow("attention", "m7c", 1024, 1, "cpu", "float32", "auto", False)
+    with _noting_oom(row, "nsa", torch.device("cpu")):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert row.notes == ["nsa: out of memory"]
+    with pytest.raises(ValueError), _noting_oom(row, "dense", torch.device("cpu")):
+        raise ValueError("a real bug")
+    assert row.notes == ["nsa: out of memory"]

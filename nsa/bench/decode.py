@@ -16,7 +16,8 @@ No printing here: the CLI renders the rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -102,6 +103,27 @@ def _oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
 
 
+@contextmanager
+def _noting_oom(row: DecodeRow, side: str, device: torch.device) -> Iterator[None]:
+    """Out of memory inside becomes a note on ``row`` (``"nsa: out of memory"``); the cache is emptied after."""
+    try:
+        yield
+    except Exception as exc:
+        if not _oom(exc):
+            raise
+        row.notes.append(f"{side}: out of memory")
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, timer: Timer, graphs: bool) -> tuple[float, float | None]:
+    """Median ms of ``fn`` eager, and of its CUDA-graph replay (``None`` off CUDA or if capture fails)."""
+    ms = timer(fn)
+    g = _graph(fn, device) if graphs else None
+    return ms, (timer(g) if g is not None else None)
+
+
 def bench_attention_step(
     shape: str, HQ: int, H: int, D: int, context: int, batch: int, *, params: NSAParams,
     device: torch.device, dtype: torch.dtype, timer: Timer, graphs: bool = True, seed: int = 0,
@@ -126,7 +148,7 @@ def bench_attention_step(
     def rnd(*s: int) -> torch.Tensor:
         return torch.randn(*s, generator=gen, device=device, dtype=dtype)
 
-    try:
+    with _noting_oom(row, "nsa", device):
         q = rnd(batch, HQ, D)
         gates = torch.rand(batch, HQ, 3, generator=gen, device=device, dtype=dtype)
         t = torch.full((batch,), context, dtype=torch.int64, device=device)
@@ -144,32 +166,15 @@ def bench_attention_step(
             return run().o
 
         row.nsa_reads = float(run().reads.float().mean())
-        row.nsa_ms = timer(nsa)
-        g = _graph(nsa, device) if graphs else None
-        if g is not None:
-            row.nsa_graph_ms = timer(g)
-    except Exception as exc:
-        if not _oom(exc):
-            raise
-        row.notes.append("nsa: out of memory")
-    finally:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    try:
+        row.nsa_ms, row.nsa_graph_ms = _timed(nsa, device, timer, graphs)
+    with _noting_oom(row, "dense", device):
         qd = rnd(batch, HQ, 1, D)
 
         def dense() -> torch.Tensor:
             return sdpa_gqa(qd, k_sel, v_sel)  # every cached position <= t: no mask needed
 
         row.dense_reads = float(T)
-        row.dense_ms = timer(dense)
-        g = _graph(dense, device) if graphs else None
-        if g is not None:
-            row.dense_graph_ms = timer(g)
-    except Exception as exc:
-        if not _oom(exc):
-            raise
-        row.notes.append("dense: out of memory")
+        row.dense_ms, row.dense_graph_ms = _timed(dense, device, timer, graphs)
     return row
 
 
@@ -191,7 +196,7 @@ def bench_model_step(
         cfg.model.max_seq_len = max(cfg.model.max_seq_len, context + 1)
         torch.manual_seed(seed)
         model = None
-        try:
+        with _noting_oom(row, attention, device):
             model = build_model(cfg).to(device=device, dtype=dtype).eval()
             if compile:
                 torch._dynamo.reset()
@@ -217,21 +222,12 @@ def bench_model_step(
                 step()
                 H, L = cfg.model.n_kv_groups, cfg.model.n_layers
                 reads = float(cache.reads_total.float().mean()) / (H * L)
-                ms = timer(step)
-                g = _graph(step, device) if graphs else None
-                gms = timer(g) if g is not None else None
+                ms, gms = _timed(step, device, timer, graphs)
             if attention == "nsa":
                 row.nsa_ms, row.nsa_graph_ms, row.nsa_reads = ms, gms, reads
             else:
                 row.dense_ms, row.dense_graph_ms, row.dense_reads = ms, gms, reads
-        except Exception as exc:
-            if not _oom(exc):
-                raise
-            row.notes.append(f"{attention}: out of memory")
-        finally:
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        del model
     return row
 
 

@@ -75,6 +75,15 @@ class NSAConfig(_Section):
     gate: Literal["sigmoid", "softmax"] = "sigmoid"
     shared_kv: bool = False
     gate_hidden: int | None = Field(None, ge=1, description="gate MLP hidden size; default dim // 4")
+    gate_bias: tuple[float, float, float] = Field(
+        (-2.0, -2.0, -2.0), description="initial gate logits (cmp, sel, win): the gate MLP's output bias at init"
+    )
+    gate_scale: float = Field(
+        0.1, gt=0, le=1, description="multiplier on the gate MLP's learned term (logits = bias + scale * mlp(x))"
+    )
+    fixed_gates: tuple[float, float, float] | None = Field(
+        None, description="constant gates (cmp, sel, win) instead of the gate MLP, for ablations"
+    )
     collapse_threshold: float = Field(0.9, gt=0, le=1, description="share above which a gate counts as collapsed")
 
     @model_validator(mode="after")
@@ -247,6 +256,28 @@ def format_validation_error(exc: ValidationError, sources: dict[str, str] | None
         else:
             lines.append(f"{msg}{origin}")
     return "; ".join(lines)
+
+
+# Fields added after runs were first saved, with the values that rebuild those runs' models exactly
+# (today's defaults differ: see docs/design.md, "Gates").
+LEGACY_DEFAULTS: dict[str, Any] = {"nsa.gate_bias": [0.0, 0.0, 0.0], "nsa.gate_scale": 1.0}
+
+
+def fill_legacy(tree: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a config saved by a run (``config.yaml``, a checkpoint) with the fields it predates set
+    to ``LEGACY_DEFAULTS``, so that loading or resuming it rebuilds the model it was trained with."""
+    out = copy.deepcopy(tree)
+    for dotted, value in LEGACY_DEFAULTS.items():
+        section, key = dotted.split(".", 1)
+        sec = out.get(section)
+        if isinstance(sec, dict) and key not in sec:
+            sec[key] = copy.deepcopy(value)
+    return out
+
+
+def saved_run_config(tree: dict[str, Any]) -> RunConfig:
+    """Validate a config saved by a run (see ``fill_legacy``)."""
+    return validate_run_config(fill_legacy(tree))
 
 
 def validate_run_config(tree: dict[str, Any], sources: dict[str, str] | None = None) -> RunConfig:

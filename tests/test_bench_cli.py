@@ -52,3 +52,27 @@ def test_bench_flag_errors_are_one_line() -> None:
         res = runner.invoke(app, args)
         assert res.exit_code == 2, (args, res.output)
         assert "error:" in res.output
+
+
+def test_bench_retrieval_writes_curves(tmp_path: Path) -> None:
+    """A few steps of the retrieval benchmark on the CPU: the table, and one curve per variant in JSON."""
+    out = tmp_path / "retrieval.json"
+    res = runner.invoke(app, ["bench", "retrieval", "--config", "tiny", "--seq-len", "64", "--gap", "20", "--steps", "4",
+                              "--eval-every", "2", "--eval-samples", "8", "--variants", "nsa,window", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "retrieval at S=64" in res.output
+    data = json.loads(out.read_text())
+    assert data["command"] == "bench retrieval" and data["environment"]["torch"] and data["gap"] == 20
+    curves = {c["variant"]: c for c in data["curves"]}
+    assert set(curves) == {"nsa", "window"}
+    assert [p["step"] for p in curves["nsa"]["points"]] == [2, 4]
+    assert curves["window"]["points"][-1]["gates"] == [0.0, 0.0, 1.0]
+    assert len(curves["nsa"]["points"][-1]["gates"]) == 3
+
+
+def test_bench_retrieval_flag_errors_are_one_line() -> None:
+    for args, text in ((["--variants", "sparse"], "--variants"), (["--seeds", "a"], "--seeds"),
+                       (["--config", "tiny", "--seq-len", "64", "--gap", "62"], "gap=62")):
+        res = runner.invoke(app, ["bench", "retrieval", *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert "error:" in res.output and text in res.output

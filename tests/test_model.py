@@ -261,3 +261,58 @@ def test_stats_accumulation_does_not_sync_on_cuda() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert acc.shape == (11,)
+
+
+def test_gates_start_small_and_the_learned_term_is_scaled() -> None:
+    """Gate logits are ``gate_bias + gate_scale * W2 silu(W1 x + b1)`` (docs/design.md, "Gates"); with
+    the defaults every gate starts near sigmoid(-2) = 0.12, for every token and head."""
+    torch.manual_seed(0)
+    m = _tiny_lm()
+    attn = m.blocks[0].attn
+    assert isinstance(attn, NSAAttention) and attn.gate_bias == (-2.0, -2.0, -2.0) and attn.gate_scale == 0.1
+    x = torch.randn(2, 11, 32)
+    fc1, fc2 = attn.gate_mlp[0], attn.gate_mlp[2]
+    with torch.no_grad():
+        fc2.weight.normal_()  # a trained-looking weight, so the scale is visible
+    want = fc2.bias + 0.1 * torch.nn.functional.linear(torch.nn.functional.silu(fc1(x)), fc2.weight)
+    torch.testing.assert_close(attn.gate_logits(x), want)  # the batched path
+    torch.testing.assert_close(attn.gate_logits(x[:1, :3]), want[:1, :3])  # the few-rows (decode) path
+    fresh = _tiny_lm(gate_bias=(-1.0, 2.0, -3.0))
+    gates = fresh.blocks[1].attn.project(torch.randn(1, 7, 32), torch.arange(7)).gates
+    torch.testing.assert_close(gates, torch.sigmoid(torch.tensor([-1.0, 2.0, -3.0])).expand_as(gates),
+                               atol=0.02, rtol=0)
+
+
+def test_fixed_gates_replace_the_gate_mlp() -> None:
+    m = _tiny_lm(fixed_gates=(0.0, 0.0, 1.0))
+    p = m.blocks[0].attn.project(torch.randn(2, 9, 32), torch.arange(9))
+    assert torch.equal(p.gates, torch.tensor([0.0, 0.0, 1.0]).expand(2, 9, 4, 3))
+    assert "fixed_gates=(0.0, 0.0, 1.0)" in repr(m.blocks[0].attn)
+
+
+def test_a_config_saved_before_the_gate_fields_loads_with_the_old_gates(tmp_path) -> None:
+    """Runs saved before ``nsa.gate_bias``/``gate_scale`` existed were trained with bias 0, scale 1;
+    loading them must rebuild that model, not today's defaults."""
+    import yaml
+
+    from nsa.config import RunConfig, saved_run_config
+    from nsa.model.load import load_model
+
+    tree = RunConfig().model_dump(mode="json")
+    for key in ("gate_bias", "gate_scale"):
+        del tree["nsa"][key]
+    cfg = saved_run_config(tree)
+    assert cfg.nsa.gate_bias == (0.0, 0.0, 0.0) and cfg.nsa.gate_scale == 1.0
+    assert RunConfig.model_validate(tree).nsa.gate_scale == 0.1  # a user's config without them: today's default
+    small = load_named("tiny").model_dump(mode="json")
+    for key in ("gate_bias", "gate_scale"):
+        del small["nsa"][key]
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.yaml").write_text(yaml.safe_dump(small))
+    from safetensors.torch import save_model
+
+    save_model(build_model(saved_run_config(small)), str(export / "model.safetensors"))
+    loaded = load_model(tmp_path)
+    attn = loaded.model.blocks[0].attn
+    assert isinstance(attn, NSAAttention) and attn.gate_scale == 1.0 and attn.gate_bias == (0.0, 0.0, 0.0)

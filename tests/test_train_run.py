@@ -334,3 +334,22 @@ def test_sigterm_halts_like_the_halt_file(tmp_path: Path) -> None:
     assert [e["event"] for e in evs[-3:]] == ["checkpoint", "halt", "end"]
     assert evs[-2]["source"] == "SIGTERM" and evs[-3]["reason"] == "halt"
     assert latest_checkpoint(run).name == f"step_{result.steps_done:08d}"
+
+
+def test_resume_of_a_checkpoint_from_before_the_gate_fields_names_the_sets(tmp_path: Path) -> None:
+    """A checkpoint saved before ``nsa.gate_bias``/``nsa.gate_scale`` existed was trained with the old
+    gates (bias 0, scale 1): resuming with today's defaults is refused with the ``--set`` that matches."""
+    from nsa.errors import CheckpointError
+    from nsa.train.checkpoint import save_checkpoint
+
+    run = tmp_path / "run"
+    r = resolve(run, 4, train__resume="auto")
+    sections = r.config.model_dump(mode="json")
+    old_nsa = {k: v for k, v in sections["nsa"].items() if k not in ("gate_bias", "gate_scale")}
+    save_checkpoint(run, 2, {"w": torch.randn(2)}, {"world_size": 1, "model": sections["model"], "nsa": old_nsa})
+    with pytest.raises(CheckpointError, match=r"nsa\.gate_bias, nsa\.gate_scale") as err:
+        Trainer(r, console=quiet())
+    assert err.value.hint is not None
+    assert "--set nsa.gate_bias=[0.0,0.0,0.0]" in err.value.hint and "--set nsa.gate_scale=1.0" in err.value.hint
+    legacy = resolve(run, 4, train__resume="auto", nsa__gate_bias=[0.0, 0.0, 0.0], nsa__gate_scale=1.0)
+    Trainer(legacy, console=quiet())  # the old gates: accepted

@@ -45,8 +45,10 @@ class NSAAttention(nn.Module):
     - RoPE on ``q``, ``k_sel``, ``k_win`` and on the raw compression keys before ``phi`` (values: none).
     - ``phi``: ``avg`` (``nsa.ops.compress_avg``) or ``mlp`` (learnable block MLP with intra-block
       position embedding, separate for keys and values).
-    - Gates: ``Linear(dim, gate_hidden) -> SiLU -> Linear(gate_hidden, n_heads * 3)``, then ``sigmoid``
-      per branch or ``softmax`` over the three branches; order (cmp, sel, win).
+    - Gates: ``Linear(dim, gate_hidden) -> SiLU -> Linear(gate_hidden, n_heads * 3)``, its weight term
+      scaled by ``gate_scale`` and its bias starting at ``gate_bias``, then ``sigmoid`` per branch or
+      ``softmax`` over the three branches; order (cmp, sel, win). Small, slow gates at init are what
+      lets the model learn long-range retrieval (docs/design.md, "Gates").
     - ``o_proj``: ``Linear(n_heads * d_v, dim)``.
 
     On every training forward the gate and selection statistics are added to a device-side vector
@@ -70,6 +72,9 @@ class NSAAttention(nn.Module):
         shared_kv: bool = False,
         rope_theta: float = 10000.0,
         gate_hidden: int | None = None,
+        gate_bias: tuple[float, float, float] = (-2.0, -2.0, -2.0),
+        gate_scale: float = 0.1,
+        fixed_gates: tuple[float, float, float] | None = None,
         collapse_threshold: float = 0.9,
         backend: str | None = None,
     ) -> None:
@@ -93,6 +98,10 @@ class NSAAttention(nn.Module):
         self.compress = Compressor(phi, l, d, d_k, d_v, backend=backend)
         gh = gate_hidden or max(1, dim // 4)
         self.gate_mlp = nn.Sequential(nn.Linear(dim, gh), nn.SiLU(), nn.Linear(gh, n_heads * 3))
+        self.gate_bias = tuple(float(b) for b in gate_bias)
+        self.gate_scale = float(gate_scale)
+        self.fixed_gates = None if fixed_gates is None else tuple(float(g) for g in fixed_gates)
+        self.reset_gate_bias()
         self.o_proj = nn.Linear(n_heads * d_v, dim, bias=False)
         self.rope = RotaryEmbedding(d_k, rope_theta)
 
@@ -105,16 +114,27 @@ class NSAAttention(nn.Module):
     def op_kwargs(self) -> dict[str, int]:
         return {"l": self.l, "d": self.d, "l_sel": self.l_sel, "n_sel": self.n_sel, "w": self.w}
 
+    @torch.no_grad()
+    def reset_gate_bias(self) -> None:
+        """Set the gate MLP's output bias to ``gate_bias`` (cmp, sel, win) for every head."""
+        out = self.gate_mlp[2]
+        assert isinstance(out, nn.Linear) and out.bias is not None
+        out.bias.view(self.n_heads, 3).copy_(torch.tensor(self.gate_bias, dtype=out.bias.dtype))
+
     def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``gate_mlp(x)``; for a few rows (a decode step) as products and sums, which a compiled step
-        fuses into two small kernels instead of two GEMM launches and their epilogues."""
-        if x.shape[0] * x.shape[1] > 8:
-            out: torch.Tensor = self.gate_mlp(x)
-            return out
+        """``bias + gate_scale * W2 silu(W1 x + b1)`` (the gate MLP with its learned term scaled).
+
+        For a few rows (a decode step) as products and sums, which a compiled step fuses into two
+        small kernels instead of two GEMM launches and their epilogues.
+        """
         fc1, fc2 = self.gate_mlp[0], self.gate_mlp[2]
         assert isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)
+        if x.shape[0] * x.shape[1] > 8:
+            hid = F.silu(fc1(x))
+            return torch.addmm(fc2.bias, hid.reshape(-1, hid.shape[-1]), fc2.weight.t(),
+                               alpha=self.gate_scale).view(*hid.shape[:-1], -1)
         hid = F.silu((x[..., None, :] * fc1.weight).sum(-1) + fc1.bias)
-        return (hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias
+        return self.gate_scale * (hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> Projected:
         """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``."""
@@ -129,8 +149,11 @@ class NSAAttention(nn.Module):
             vs.append(kv[:, :, i, H * Dk :].reshape(B, S, H, Dv))
         if self.shared_kv:
             ks, vs = ks * 3, vs * 3
-        g = self.gate_logits(x).view(B, S, self.n_heads, 3)
-        gates = torch.sigmoid(g) if self.gate == "sigmoid" else torch.softmax(g, dim=-1)
+        if self.fixed_gates is not None:  # ablation: constant gates, the gate MLP unused
+            gates = torch.tensor(self.fixed_gates, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads, 3)
+        else:
+            g = self.gate_logits(x).view(B, S, self.n_heads, 3)
+            gates = torch.sigmoid(g) if self.gate == "sigmoid" else torch.softmax(g, dim=-1)
         return Projected(
             q=q, k_cmp_raw=ks[0], v_cmp_raw=vs[0], k_sel=ks[1], v_sel=vs[1], k_win=ks[2], v_win=vs[2],
             gates=gates,
@@ -253,4 +276,5 @@ class NSAAttention(nn.Module):
             f"heads={self.n_heads}, kv_groups={self.n_kv_groups}, d_k={self.d_k}, d_v={self.d_v}, "
             f"l={self.l}, d={self.d}, l_sel={self.l_sel}, n_sel={self.n_sel}, w={self.w}, "
             f"phi={self.phi}, gate={self.gate}, shared_kv={self.shared_kv}"
+            + (f", fixed_gates={self.fixed_gates}" if self.fixed_gates is not None else "")
         )

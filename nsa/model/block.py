@@ -22,6 +22,8 @@ def make_attention(
     return NSAAttention(
         m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, **n.op_kwargs(), phi=n.phi, gate=n.gate,
         shared_kv=n.shared_kv, rope_theta=m.rope_theta, gate_hidden=n.gate_hidden,
+        gate_bias=n.gate_bias, gate_scale=n.gate_scale,
+        fixed_gates=n.fixed_gates,
         collapse_threshold=n.collapse_threshold, backend=backend,
     )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from nsa.config import RunConfig, validate_run_config
+from nsa.config import RunConfig, saved_run_config
 from nsa.errors import CheckpointError, RunDirError
 from nsa.model.lm import NSALM, build_model
 
@@ -31,7 +31,7 @@ def _read_config(path: Path) -> RunConfig:
         raise RunDirError(f"cannot read {path}: {exc}") from None
     if not isinstance(tree, dict):
         raise RunDirError(f"{path} is not a run config (a mapping of sections)")
-    return validate_run_config(tree)
+    return saved_run_config(tree)
 
 
 def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -96,7 +96,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             raise CheckpointError(f"cannot load checkpoint {weights}: {exc}") from None
         if not isinstance(state, dict) or "model" not in state or "config" not in state:
             raise CheckpointError(f"{weights} has no 'model' and 'config' entries")
-        cfg = validate_run_config(state["config"])
+        cfg = saved_run_config(state["config"])
         model = build_model(cfg)
         try:
             model.load_state_dict(_strip(state["model"]))

@@ -8,6 +8,7 @@ doing work (device, precision, combinations, resume target, tokenizer vocabulary
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -20,7 +21,7 @@ from typing import Any, Literal
 import torch
 from rich.console import Console
 
-from nsa.config import ResolvedConfig
+from nsa.config import ResolvedConfig, fill_legacy
 from nsa.errors import CheckpointError, ConfigError
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
@@ -147,16 +148,24 @@ class Trainer:
         self.state = TrainState()
         self.tokens_per_step = tr.batch_size * tr.seq_len * tr.accum * self.dist.world_size
 
-    def _check_resume_manifest(self, path: Path) -> None:
-        manifest = ckpt.read_manifest(path) or {}
+    def _check_same_model(self, saved: dict[str, Any], path: Path) -> None:
+        """Refuse to resume a checkpoint whose ``model``/``nsa`` sections differ from this run's,
+        naming each differing key and the ``--set`` that restores the saved value."""
         mine = self.cfg.model_dump(mode="json")
         for section in ("model", "nsa"):
-            if section in manifest and manifest[section] != mine[section]:
-                diff = sorted(k for k in mine[section] if manifest[section].get(k) != mine[section][k])
-                raise CheckpointError(
-                    f"checkpoint {path} has a different '{section}' section ({', '.join(f'{section}.{k}' for k in diff)})",
-                    hint="resume with the config the run was started with (see its config.yaml)",
-                )
+            theirs = saved.get(section)
+            if theirs is None or theirs == mine[section]:
+                continue
+            diff = sorted(k for k in mine[section] if theirs.get(k) != mine[section][k])
+            sets = " ".join(f"--set {section}.{k}={json.dumps(theirs.get(k), separators=(',', ':'))}" for k in diff)
+            raise CheckpointError(
+                f"checkpoint {path} has a different '{section}' section ({', '.join(f'{section}.{k}' for k in diff)})",
+                hint=f"resume with the config the run was started with (see its config.yaml): {sets}",
+            )
+
+    def _check_resume_manifest(self, path: Path) -> None:
+        manifest = fill_legacy(ckpt.read_manifest(path) or {})
+        self._check_same_model(manifest, path)
         ws = manifest.get("world_size")
         if ws is not None and ws != self._expected_world:
             raise CheckpointError(
@@ -296,13 +305,7 @@ class Trainer:
     def _load_checkpoint(self) -> dict[str, Any]:
         assert self.resume_from is not None
         state = ckpt.load_state(self.resume_from)
-        saved_cfg = state.get("config", {})
-        for section in ("model", "nsa"):
-            if saved_cfg.get(section) != self.cfg.model_dump(mode="json")[section]:
-                raise CheckpointError(
-                    f"checkpoint {self.resume_from} has a different '{section}' section than this run",
-                    hint="resume with the config the run was started with (see its config.yaml)",
-                )
+        self._check_same_model(fill_legacy(state.get("config", {})), self.resume_from)
         if len(state["loader"]) != self.dist.world_size:
             raise CheckpointError(
                 f"checkpoint {self.resume_from} was written by {len(state['loader'])} ranks, "

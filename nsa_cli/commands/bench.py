@@ -10,7 +10,7 @@ import typer
 
 from nsa_cli.errors import fail, user_errors
 
-bench_app = typer.Typer(help="Benchmarks: NSA attention kernels and training steps against dense attention.",
+bench_app = typer.Typer(help="Benchmarks: NSA attention kernels, training steps and decode against dense attention; retrieval learning.",
                         no_args_is_help=True)
 
 
@@ -180,4 +180,7 @@ def register(app: typer.Typer) -> None:
             raise
     else:
         bench_decode.register(bench_app)
+    from nsa_cli.commands import bench_retrieval
+
+    bench_retrieval.register(bench_app)
     app.add_typer(bench_app, name="bench")

@@ -76,10 +76,10 @@ class NSAConfig(_Section):
     shared_kv: bool = False
     gate_hidden: int | None = Field(None, ge=1, description="gate MLP hidden size; default dim // 4")
     gate_bias: tuple[float, float, float] = Field(
-        (-2.0, -2.0, -2.0), description="initial gate logits (cmp, sel, win): the gate MLP's output bias at init"
+        (-2.0, -2.0, -2.0), description="constant gate logits (cmp, sel, win): logits = gate_bias + gate_scale * mlp(x)"
     )
     gate_scale: float = Field(
-        0.1, gt=0, le=1, description="multiplier on the gate MLP's learned term (logits = bias + scale * mlp(x))"
+        0.1, gt=0, le=1, description="multiplier on the learned gate MLP (slows the gates under Adam)"
     )
     fixed_gates: tuple[float, float, float] | None = Field(
         None, description="constant gates (cmp, sel, win) instead of the gate MLP, for ablations"

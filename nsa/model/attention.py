@@ -45,9 +45,9 @@ class NSAAttention(nn.Module):
     - RoPE on ``q``, ``k_sel``, ``k_win`` and on the raw compression keys before ``phi`` (values: none).
     - ``phi``: ``avg`` (``nsa.ops.compress_avg``) or ``mlp`` (learnable block MLP with intra-block
       position embedding, separate for keys and values).
-    - Gates: ``Linear(dim, gate_hidden) -> SiLU -> Linear(gate_hidden, n_heads * 3)``, its weight term
-      scaled by ``gate_scale`` and its bias starting at ``gate_bias``, then ``sigmoid`` per branch or
-      ``softmax`` over the three branches; order (cmp, sel, win). Small, slow gates at init are what
+    - Gates: logits ``gate_bias + gate_scale * mlp(x)`` with ``mlp = Linear(dim, gate_hidden) -> SiLU
+      -> Linear(gate_hidden, n_heads * 3)`` (``gate_bias`` a constant per branch), then ``sigmoid`` per
+      branch or ``softmax`` over the three branches; order (cmp, sel, win). Small, slow gates at init are what
       lets the model learn long-range retrieval (docs/design.md, "Gates").
     - ``o_proj``: ``Linear(n_heads * d_v, dim)``.
 
@@ -100,8 +100,9 @@ class NSAAttention(nn.Module):
         self.gate_mlp = nn.Sequential(nn.Linear(dim, gh), nn.SiLU(), nn.Linear(gh, n_heads * 3))
         self.gate_bias = tuple(float(b) for b in gate_bias)
         self.gate_scale = float(gate_scale)
+        # a constant (config, not state): the learned part of the logits starts at 0 around it
+        self.register_buffer("gate_offset", torch.tensor(self.gate_bias).repeat(n_heads), persistent=False)
         self.fixed_gates = None if fixed_gates is None else tuple(float(g) for g in fixed_gates)
-        self.reset_gate_bias()
         self.o_proj = nn.Linear(n_heads * d_v, dim, bias=False)
         self.rope = RotaryEmbedding(d_k, rope_theta)
 
@@ -114,27 +115,24 @@ class NSAAttention(nn.Module):
     def op_kwargs(self) -> dict[str, int]:
         return {"l": self.l, "d": self.d, "l_sel": self.l_sel, "n_sel": self.n_sel, "w": self.w}
 
-    @torch.no_grad()
-    def reset_gate_bias(self) -> None:
-        """Set the gate MLP's output bias to ``gate_bias`` (cmp, sel, win) for every head."""
-        out = self.gate_mlp[2]
-        assert isinstance(out, nn.Linear) and out.bias is not None
-        out.bias.view(self.n_heads, 3).copy_(torch.tensor(self.gate_bias, dtype=out.bias.dtype))
-
     def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``bias + gate_scale * W2 silu(W1 x + b1)`` (the gate MLP with its learned term scaled).
+        """``gate_bias + gate_scale * gate_mlp(x)``: a constant offset per branch plus the learned MLP,
+        scaled (docs/design.md, "Gates").
 
         For a few rows (a decode step) as products and sums, which a compiled step fuses into two
         small kernels instead of two GEMM launches and their epilogues.
         """
         fc1, fc2 = self.gate_mlp[0], self.gate_mlp[2]
         assert isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)
+        offset = self.gate_offset
+        assert isinstance(offset, torch.Tensor)
         if x.shape[0] * x.shape[1] > 8:
             hid = F.silu(fc1(x))
-            return torch.addmm(fc2.bias, hid.reshape(-1, hid.shape[-1]), fc2.weight.t(),
+            const = offset.to(hid.dtype) + self.gate_scale * fc2.bias.to(hid.dtype)
+            return torch.addmm(const, hid.reshape(-1, hid.shape[-1]), fc2.weight.to(hid.dtype).t(),
                                alpha=self.gate_scale).view(*hid.shape[:-1], -1)
         hid = F.silu((x[..., None, :] * fc1.weight).sum(-1) + fc1.bias)
-        return self.gate_scale * (hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias
+        return offset + self.gate_scale * ((hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> Projected:
         """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``."""

@@ -231,8 +231,6 @@ def _init_weights(module: nn.Module, std: float) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=std)
     elif isinstance(module, BlockMLP):
         nn.init.normal_(module.pos, mean=0.0, std=std)
-    elif isinstance(module, NSAAttention):  # after its Linear children (apply visits children first)
-        module.reset_gate_bias()
 
 
 def build_model(run_cfg: RunConfig) -> NSALM:

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from nsa.config_section import ConfigSection
 from nsa.data.config import DataConfig
 from nsa.errors import ConfigError
 from nsa.train.config import TrainConfig
@@ -22,8 +23,8 @@ from nsa.train.config import TrainConfig
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class _Section(ConfigSection):
+    """A run-config section (see ``ConfigSection``: no booleans for int/float fields)."""
 
 
 class ModelConfig(_Section):

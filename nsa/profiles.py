@@ -109,7 +109,7 @@ class Profile(_Strict):
         except ValidationError as exc:
             err = exc.errors()[0]
             name = PREFIX + str(err["loc"][0]).upper()
-            raise ValueError(f"{name}={err.get('input')!r}: {err['msg']}") from None
+            raise ValueError(f"{name}={err.get('input')!r}: {str(err['msg']).removeprefix('Value error, ')}") from None
         return {k: getattr(validated, k) for k in fields}
 
     @model_validator(mode="after")

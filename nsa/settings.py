@@ -10,9 +10,10 @@ import functools
 import os
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from nsa.config_section import reject_bool
 from nsa.errors import ConfigError
 
 PREFIX = "NSA_"
@@ -46,9 +47,29 @@ ENV_TO_CONFIG: dict[str, str] = {
 
 
 class NSASettings(BaseSettings):
-    """Every ``NSA_*`` variable the toolkit understands. Unset fields are ``None``."""
+    """Every ``NSA_*`` variable the toolkit understands. Unset fields are ``None``.
+
+    Values come only from the arguments (``read_settings`` passes the environment mapping it is
+    given): pydantic-settings would otherwise fill missing fields from ``os.environ``."""
 
     model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", case_sensitive=False)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        return value if field is None else reject_bool(value, field.annotation)
 
     profile: str | None = Field(None, description="hardware profile name (like --profile)")
     device: Literal["auto", "cpu", "cuda"] | None = None
@@ -93,6 +114,7 @@ def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
 
 
 def read_settings(environ: dict[str, str] | None = None) -> NSASettings:
+    """Settings from ``environ`` only (``None``: ``os.environ``)."""
     env = {k: v for k, v in _environ(environ).items() if k.upper() in KNOWN}
     try:
         # values come from the mapping we pass, so tests can give an explicit environment

@@ -23,7 +23,7 @@ def test_report_finished_and_crashed(tmp_path) -> None:
     assert data["runs"][0]["verdict"] == "PASS" and data["path"].endswith("Test Engineer Report - ok v1.md")
     assert all(p.endswith(".png") for p in data["images"])
     res = nsa("report", str(crashed), "--out", str(out))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr  # a FAIL verdict fails the command
     assert "FAIL" in res.stdout and "crashed" in res.stdout
     text = next(out.glob("*crashed v1.md")).read_text()
     assert "**Overall verdict: FAIL**" in text and "1 truncated" in text

@@ -27,9 +27,9 @@ def _tiny_run(tmp_path: Path, export: bool = True) -> tuple[Path, torch.nn.Modul
         save_model(model, str(run / "export" / "model.safetensors"))
         (run / "export" / "config.yaml").write_text(cfg.to_yaml())
     else:
-        ck = run / "checkpoints" / "step_00000005"
-        ck.mkdir(parents=True)
-        torch.save({"model": model.state_dict(), "config": cfg.model_dump(mode="json")}, ck / "state.pt")
+        from nsa.train.checkpoint import save_checkpoint
+
+        save_checkpoint(run, 5, {"model": model.state_dict(), "config": cfg.model_dump(mode="json")})
     return run, model
 
 

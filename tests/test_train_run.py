@@ -144,13 +144,14 @@ def test_loss_falls(full_run: Path) -> None:
     assert sum(losses[-4:]) / 4 < sum(losses[:3]) / 3 - 0.5, losses
 
 
-def _write_halt_when(run: Path, step: int, payload: str) -> threading.Thread:
+def _write_halt_when(run: Path, step: int, payload: str | bytes) -> threading.Thread:
     def watch() -> None:
         hb = run / "heartbeat_rank0.jsonl"
         deadline = time.time() + 60
         while time.time() < deadline:
             if hb.exists() and any(e["event"] == "progress" and e["step"] >= step for e in events(run)):
-                (run / ".HALT").write_text(payload)
+                data = payload if isinstance(payload, bytes) else payload.encode()
+                (run / ".HALT").write_bytes(data)
                 return
             time.sleep(0.05)
 

@@ -72,7 +72,7 @@ def test_checkpoint_atomic_listing_and_prune(tmp_path: Path) -> None:
     assert torch.equal(loaded["w"], saved[4]["w"]) and loaded["nested"] == saved[4]["nested"]
     assert ckpt.prune(tmp_path, 2) == [root / "step_00000002"]
     assert ckpt.clean_partials(tmp_path) and not list(root.glob(".tmp-*"))
-    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match="not a usable checkpoint"):
         ckpt.resolve_resume(tmp_path, str(bad))
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         ckpt.resolve_resume(tmp_path, str(tmp_path / "nope"))

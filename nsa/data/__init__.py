@@ -15,6 +15,7 @@ _EXPORTS = {
     "Tokenizer": "nsa.data.tokenizers",
     "get_tokenizer": "nsa.data.tokenizers",
     "open_source_probe": "nsa.data.sources",
+    "check_local_inputs": "nsa.data.sources",
 }
 
 

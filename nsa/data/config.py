@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from nsa.config_section import ConfigSection
 
 
-class DataConfig(BaseModel):
+class DataConfig(ConfigSection):
     """Where tokens come from and how they are loaded."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     source: Literal["embedded", "local", "synthetic", "fineweb_edu"] = "embedded"
     path: str | None = Field(None, description="file or folder for source=local")

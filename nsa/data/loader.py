@@ -164,7 +164,8 @@ class Loader:
         return x, y
 
     def stats(self) -> dict[str, Any]:
-        """Fetch-time percentiles (recent window, ms), counters, skipped records by reason, warnings."""
+        """Fetch-time percentiles (recent window, ms), counters, skipped records by reason, warnings
+        (the loader's and the source's)."""
         times = np.array(self._fetch_ms, dtype=np.float64)
         state = self._state
         return {
@@ -180,8 +181,13 @@ class Loader:
             "skipped": dict(state["skipped"]),
             "skipped_total": sum(state["skipped"].values()),
             "queue_depth": self._queue.qsize() if self._thread is not None else 0,
-            "warnings": list(self.warnings),
+            "warnings": [*self.warnings, *self._source_warnings()],
         }
+
+    def _source_warnings(self) -> list[str]:
+        """The source's own warnings (e.g. malformed local JSON lines), if it has any."""
+        fn = getattr(self.source, "warnings", None)
+        return [str(w) for w in fn()] if callable(fn) else []
 
     # position --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -3,21 +3,29 @@
 ``Source.documents(start)`` yields the raw record of document ``start``, ``start + 1``, ... (text for
 ``embedded``/``local``/``fineweb_edu``, which the loader checks with :func:`nsa.data.records.clean_text`;
 token id arrays for ``synthetic``). Finite sources end; the loader starts them again for the next epoch.
+A source may also have ``warnings() -> list[str]`` (stable lines the loader adds to ``stats()["warnings"]``).
+
+:func:`check_local_inputs` is the cheap up-front check of ``data.source=local`` inputs (missing path, no
+files, empty files, no parseable record), meant to run before anything is created on disk.
 """
 
 from __future__ import annotations
 
+import gzip
+import io
+import json
 import queue
 import threading
 import time
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, BinaryIO, Protocol, cast
 
 import numpy as np
 
 from nsa.data.config import DataConfig
+from nsa.data.records import Malformed
 from nsa.errors import DataError
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -25,6 +33,14 @@ OFFLINE_HINT = (
     "check the network (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE must be unset), use data.source=embedded or "
     "local, or set data.synthetic_on_fail=true"
 )
+PATH_HINT = (
+    "fix --data-path / data.path: a .jsonl, .json, .parquet or .txt file (optionally .gz) or a folder of them"
+)
+EAGER_SCAN_BYTES = 64 << 20  # JSON inputs up to this size are read once at open to count malformed lines
+WHOLE_FILE_BYTES = 64 << 20  # a .json file whose first line is not JSON is tried as one object up to this
+EMPTY_HINT = "put records in it, or point --data-path / data.path at other data"
+FIELD_PROBE_RECORDS = 1000  # data.text_field must appear in one of the first this many records
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
 
 
 class Source(Protocol):
@@ -68,13 +84,17 @@ def _format_of(path: Path) -> str | None:
     return FORMATS.get(suffixes[-1]) if suffixes else None
 
 
+def _shown(path: str) -> str:
+    """``path``, and what it resolves to when that differs (relative paths, ``~``)."""
+    full = str(Path(path).expanduser().absolute())
+    return path if full == path else f"{path} ({full})"
+
+
 def resolve_local_files(path: str) -> tuple[str, list[str]]:
     """``(format, files)`` for a file or a folder of JSONL/JSON/Parquet/.txt files (optionally .gz)."""
     root = Path(path).expanduser()
     if not root.exists():
-        raise DataError(
-            f"data.path={path} does not exist", hint="point data.path at a file or folder of data"
-        )
+        raise DataError(f"data.path={_shown(path)} does not exist", hint=PATH_HINT)
     if root.is_file():
         files = [root]
     else:
@@ -84,7 +104,7 @@ def resolve_local_files(path: str) -> tuple[str, list[str]]:
     formats = {_format_of(p) for p in files}
     if not files or None in formats:
         raise DataError(
-            f"data.path={path}: no .jsonl, .json, .parquet or .txt files there",
+            f"data.path={_shown(path)}: no .jsonl, .json, .parquet or .txt files there",
             hint="use JSONL, Parquet or text files (optionally gzipped)",
         )
     if len(formats) > 1:
@@ -93,6 +113,180 @@ def resolve_local_files(path: str) -> tuple[str, list[str]]:
             hint="keep one format per folder",
         )
     return str(formats.pop()), [str(p.resolve()) for p in files]
+
+
+# JSON / JSON Lines, read with the json module -------------------------------------------------------
+def _open_binary(file: str) -> BinaryIO:
+    if file.lower().endswith(".gz"):
+        return cast(BinaryIO, gzip.open(file, "rb"))
+    return open(file, "rb")
+
+
+def _json_error(exc: Exception) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} (column {exc.colno})"
+    return _one_line(exc)
+
+
+def _as_object(value: Any, file: str, line: int, what: str = "the line") -> Any:
+    if isinstance(value, dict):
+        return value
+    kind = "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
+    return Malformed(file, line, f"{what} is {kind}, not a JSON object")
+
+
+def _parse_line(raw: bytes, file: str, line: int) -> Any:
+    """The JSON object on one line of a JSONL file, or :class:`Malformed`."""
+    try:
+        value = json.loads(raw.decode("utf-8", errors="replace"))  # bad bytes become U+FFFD: invalid_utf8
+    except (ValueError, RecursionError) as exc:
+        return Malformed(file, line, _json_error(exc))
+    return _as_object(value, file, line)
+
+
+def _json_whole(data: bytes, file: str, line: int) -> list[Any]:
+    """Records of a whole-file JSON value: an array of objects (strings become ``{"text": s}``) or one object."""
+    try:
+        value = json.loads(data.decode("utf-8", errors="replace"))
+    except (ValueError, RecursionError) as exc:
+        where = line + exc.lineno - 1 if isinstance(exc, json.JSONDecodeError) else line
+        return [Malformed(file, where, _json_error(exc))]
+    if not isinstance(value, list):
+        return [_as_object(value, file, line, "the file")]
+    return [
+        {"text": v} if isinstance(v, str) else _as_object(v, file, line, f"array item {i}")
+        for i, v in enumerate(value)
+    ]
+
+
+def _nonblank_lines(fh: IO[bytes], line: int) -> Iterator[tuple[int, bytes]]:
+    """``(line, stripped)`` for each non-blank line of ``fh``, numbering on from ``line``."""
+    for raw in fh:
+        line += 1
+        stripped = raw.strip()
+        if stripped:
+            yield line, stripped
+
+
+def _json_rows(file: str) -> Iterator[tuple[int, Any]]:
+    """``(line, item)`` for each record of one JSON file, in order.
+
+    JSON Lines: one record per non-blank line, ``item`` the raw line (parse it with :func:`_json_record`,
+    so skipping stays cheap). A file whose first non-blank line starts with ``[`` is one JSON array, and
+    a small file whose first line is not JSON but which parses whole is one (pretty-printed) object;
+    their items are already parsed.
+    """
+    try:
+        with _open_binary(file) as fh:
+            line, raw, stripped = 0, b"", b""
+            for raw in fh:
+                line += 1
+                if line == 1:
+                    raw = raw.removeprefix(b"\xef\xbb\xbf")  # UTF-8 byte order mark
+                stripped = raw.strip()
+                if stripped:
+                    break
+            if not stripped:
+                return  # empty, or only blank lines
+            if stripped.startswith(b"["):
+                yield from ((line, item) for item in _json_whole(raw + fh.read(), file, line))
+                return
+            rest: IO[bytes] = fh
+            if isinstance(_parse_line(stripped, file, line), Malformed) and (
+                Path(file).stat().st_size <= WHOLE_FILE_BYTES
+            ):
+                data = fh.read()
+                whole = _json_whole(raw + data, file, line)
+                if not isinstance(whole[0], Malformed):
+                    yield from ((line, item) for item in whole)
+                    return
+                rest = io.BytesIO(data)  # JSON Lines with a bad first line
+            yield line, stripped
+            yield from _nonblank_lines(rest, line)
+    except (OSError, EOFError) as exc:  # unreadable, or a broken .gz
+        raise DataError(f"cannot read {file}: {_one_line(exc)}", hint="check or replace that file") from None
+
+
+def _json_record(file: str, line: int, item: Any) -> Any:
+    return _parse_line(item, file, line) if isinstance(item, bytes) else item
+
+
+def _json_records(files: list[str], start: int = 0) -> Iterator[Any]:
+    """Parsed records (dicts or :class:`Malformed`) of ``files`` from record ``start`` on."""
+    index = 0
+    for file in files:
+        for line, item in _json_rows(file):
+            if index >= start:
+                yield _json_record(file, line, item)
+            index += 1
+
+
+# cheap checks of local inputs ---------------------------------------------------------------------------
+def _unreadable(file: str, exc: BaseException) -> DataError:
+    return DataError(f"cannot read {file}: {_one_line(exc)}", hint="check or replace that file")
+
+
+def _has_record(fmt: str, files: list[str]) -> tuple[bool, int, Malformed | None]:
+    """``(found, malformed, first malformed)``: reads from the start only up to the first usable record."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        for file in files:
+            try:
+                if pq.ParquetFile(file).metadata.num_rows > 0:
+                    return True, 0, None
+            except Exception as exc:
+                raise _unreadable(file, exc) from None
+    elif fmt == "text":
+        for file in files:
+            try:
+                with _open_binary(file) as fh:
+                    if any(raw.strip() for raw in fh):
+                        return True, 0, None
+            except (OSError, EOFError) as exc:
+                raise _unreadable(file, exc) from None
+    else:
+        bad, first = 0, None
+        for record in _json_records(files):
+            if not isinstance(record, Malformed):
+                return True, bad, first
+            bad += 1
+            first = first or record
+        return False, bad, first
+    return False, 0, None
+
+
+def _check_local_path(path: str) -> tuple[str, list[str]]:
+    """:func:`resolve_local_files`, plus DataError when the files hold no usable record."""
+    fmt, files = resolve_local_files(path)
+    nonempty = [f for f in files if Path(f).stat().st_size > 0]
+    if not nonempty:
+        single = len(files) == 1 and Path(path).expanduser().is_file()
+        what = "is an empty file (0 bytes)" if single else f"holds only empty files ({len(files)} of 0 bytes)"
+        raise DataError(f"data.path={_shown(path)} {what}", hint=EMPTY_HINT)
+    found, bad, first = _has_record(fmt, nonempty)
+    if found:
+        return fmt, files
+    if first is not None:
+        raise DataError(
+            f"data.path={path}: no valid JSON record, {bad} malformed line(s) (first: {first.where()})",
+            hint='each line of a .jsonl file must be one JSON object, e.g. {"text": "..."}',
+        )
+    raise DataError(f"data.path={path} holds no records (only blank lines or no rows)", hint=EMPTY_HINT)
+
+
+def check_local_inputs(data_cfg: DataConfig) -> None:
+    """Fail fast, with a one-line :class:`DataError`, on unusable ``data.source=local`` inputs.
+
+    Reads ``data_cfg.source`` and ``data_cfg.path`` only; a no-op for other sources. Checks that the path
+    exists, holds files of one known format, not all of 0 bytes, and that a record parses (reading from
+    the start only up to the first usable record, so big files cost little). Creates nothing.
+    """
+    if data_cfg.source != "local":
+        return
+    if not data_cfg.path:
+        raise DataError("data.path is required when data.source=local", hint=PATH_HINT)
+    _check_local_path(data_cfg.path)
 
 
 def _records(ds: Any, start: int, field: str) -> Iterator[Any]:
@@ -104,7 +298,12 @@ def _records(ds: Any, start: int, field: str) -> Iterator[Any]:
 
 
 class LocalSource:
-    """JSONL, Parquet or text files read through ``datasets`` streaming (``.txt``: one document per paragraph)."""
+    """Local JSONL/JSON, Parquet or text files (``.txt``: one document per paragraph).
+
+    JSON is read line by line with the ``json`` module: a malformed line is yielded as :class:`Malformed`
+    (skipped and counted by the loader) and reported by :meth:`warnings`. Parquet and text go through
+    ``datasets`` streaming.
+    """
 
     name = "local"
     finite = True
@@ -112,9 +311,17 @@ class LocalSource:
 
     def __init__(self, path: str, text_field: str) -> None:
         self.path = path
-        self.format, self.files = resolve_local_files(path)
+        self.format, self.files = _check_local_path(path)
         self.field = "text" if self.format == "text" else text_field
-        self._check_field()
+        self._malformed: int | None = None  # malformed records in one full pass, once known
+        self._first_bad: Malformed | None = None
+        if self.format == "json":
+            self._check_json_field()
+            if sum(Path(f).stat().st_size for f in self.files) <= EAGER_SCAN_BYTES:
+                for _ in self._json_documents(0):  # count malformed lines now: the warning is exact at once
+                    pass
+        else:
+            self._check_field()
 
     def _dataset(self) -> Any:
         from datasets import load_dataset
@@ -147,8 +354,58 @@ class LocalSource:
                 hint="set data.text_field to the field holding the text",
             )
 
+    def _check_json_field(self) -> None:
+        fields: dict[str, None] = {}  # ordered set
+        good = 0
+        for record in _json_records(self.files):
+            if isinstance(record, Malformed):
+                continue
+            if self.field in record:
+                return
+            fields.update(dict.fromkeys(record))
+            good += 1
+            if good >= FIELD_PROBE_RECORDS:
+                break
+        shown = ", ".join(list(fields)[:20]) + (", ..." if len(fields) > 20 else "")
+        raise DataError(
+            f"data.text_field={self.field!r} is not a field of {self.path} (fields: {shown})",
+            hint="set data.text_field to the field holding the text",
+        )
+
+    def _json_documents(self, start: int) -> Iterator[Any]:
+        tally = start == 0  # only a pass from the first record counts the malformed ones
+        bad = 0
+        for record in _json_records(self.files, start):
+            if isinstance(record, Malformed):
+                if tally:
+                    bad += 1
+                    if self._first_bad is None:
+                        self._first_bad = record
+                yield record
+            else:
+                yield record.get(self.field)
+        if tally:
+            self._malformed = bad
+
     def documents(self, start: int) -> Iterator[Any]:
+        if self.format == "json":
+            return self._json_documents(start)
         return _records(self._dataset(), start, self.field)
+
+    def warnings(self) -> list[str]:
+        """One line once malformed records were met: their count per pass and the first one's location."""
+        first = self._first_bad
+        if first is None:
+            return []
+        if self._malformed is None:
+            return [
+                f"data.path={self.path}: skipping malformed JSON lines (first: {first.where()}); "
+                "the count follows after a full pass"
+            ]
+        return [
+            f"data.path={self.path}: {self._malformed} malformed JSON line(s) skipped in each pass "
+            f"(first: {first.where()})"
+        ]
 
     def describe(self) -> str:
         return f"local: {len(self.files)} {self.format} file(s) at {self.path}, field {self.field!r}"

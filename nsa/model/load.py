@@ -11,6 +11,7 @@ import yaml
 from nsa.config import RunConfig, saved_run_config
 from nsa.errors import CheckpointError, RunDirError
 from nsa.model.lm import NSALM, build_model
+from nsa.runs.checkpoints import newest_verified, step_of, verify
 
 _PREFIXES = ("_orig_mod.", "module.")
 
@@ -46,7 +47,8 @@ def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def find_weights(path: str | Path) -> tuple[Path, Path | None]:
     """``(weights, config.yaml or None)`` for a run directory, an ``export/`` folder, a checkpoint
-    folder, a ``model.safetensors`` or a ``state.pt``. Exports win over checkpoints."""
+    folder, a ``model.safetensors`` or a ``state.pt``. Exports win over checkpoints; of a run's
+    checkpoints the newest that verifies (complete, checksums equal) is taken."""
     p = Path(path)
     if not p.exists():
         raise RunDirError(f"{p} does not exist", hint="give a run directory (e.g. artifacts/tiny) or a checkpoint")
@@ -63,13 +65,17 @@ def find_weights(path: str | Path) -> tuple[Path, Path | None]:
         if (folder / "model.safetensors").is_file() and (folder / "config.yaml").is_file():
             return folder / "model.safetensors", folder / "config.yaml"
     if (p / "state.pt").is_file():
+        verdict = verify(p)
+        if step_of(p) >= 0 and not verdict.ok:
+            raise CheckpointError(f"checkpoint {p} is not usable: {verdict.reason}",
+                                  hint="give the run directory to take its newest checkpoint that verifies")
         return p / "state.pt", None
-    ckpts = sorted(
-        (c for c in (p / "checkpoints").glob("step_*") if (c / "state.pt").is_file()),
-        key=lambda c: int(c.name.split("_")[1]) if c.name.split("_")[1].isdigit() else -1,
-    )
-    if ckpts:
-        return ckpts[-1] / "state.pt", None
+    newest, skipped = newest_verified(p)
+    if newest is not None:
+        return newest / "state.pt", None
+    if skipped:
+        raise CheckpointError(f"{p} has no checkpoint that verifies (newest: {skipped[0].path.name}, "
+                              f"{skipped[0].reason})")
     raise RunDirError(
         f"{p} has no export/model.safetensors and no checkpoints/step_*/state.pt",
         hint="train first (nsa train ...) or give the path of a checkpoint",

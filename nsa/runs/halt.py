@@ -3,6 +3,7 @@ trainer acknowledges (``halt`` event, final checkpoint) or a timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from nsa.errors import NSAError
 from nsa.runs.reader import RunReader, check_run_dir
 
 HALT_FILE = ".HALT"
@@ -33,7 +35,9 @@ def write_halt(
     rule: str | None = None,
     evidence: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write ``RUN_DIR/.HALT`` (JSON) atomically: a temporary file renamed over the target."""
+    """Write ``RUN_DIR/.HALT`` (JSON) atomically: a temporary file renamed over the target.
+
+    Raises ``NSAError`` naming the directory when it cannot be written (read-only, no permission)."""
     run = Path(run_dir)
     record: dict[str, Any] = {"reason": reason, "time": time.time(), "who": who or who_am_i()}
     if rule is not None:
@@ -41,8 +45,17 @@ def write_halt(
     if evidence is not None:
         record["evidence"] = evidence
     tmp = run / f".HALT.tmp-{os.getpid()}-{time.time_ns()}"
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    os.replace(tmp, run / HALT_FILE)
+    try:
+        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        os.replace(tmp, run / HALT_FILE)
+    except OSError as exc:
+        raise NSAError(
+            f"could not write {HALT_FILE} in {run}: {exc.strerror or exc}",
+            hint="make the run directory writable, or send the trainer SIGTERM: it checkpoints and stops too",
+        ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return record
 
 

@@ -1,22 +1,26 @@
 """The daily test report: markdown (+ PNG charts) built from a run directory's own files.
 
 Default path: ``Documentation/Reports/<yyyy-mm-dd> Test Engineer Report - <run name> v<N>.md`` with ``N``
-one above the highest existing version for that date and name. Works on a finished, running or crashed
-run; several runs add a comparison table.
+one above the highest existing version for that date and name; ``out_dir`` ending in ``.md`` (or naming an
+existing file) is the report file itself, replaced only with ``force``. Files are written atomically
+(temporary file + rename). Works on a finished, running or crashed run; several runs add a comparison table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import functools
 import math
 import os
 import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nsa.errors import RunDirError
+from nsa.errors import NSAError, RunDirError
 from nsa.runs.reader import RunState, is_run_dir, read_run
 from nsa.runs.summary import RunSummary, step_ranges, summarize
 
@@ -30,9 +34,19 @@ class ReportResult:
     verdicts: list[tuple[str, str]]
     images: list[Path] = field(default_factory=list)
 
+    @property
+    def overall(self) -> str:
+        """``FAIL`` if any run failed, else ``RUNNING`` if any runs, ``PASS`` if all passed, else ``INCOMPLETE``."""
+        return overall_verdict(self.verdicts)
+
+    @property
+    def failed(self) -> bool:
+        return self.overall == "FAIL"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": str(self.path),
+            "verdict": self.overall,
             "images": [str(p) for p in self.images],
             "runs": [
                 {"run_dir": s.run_dir, "run_name": s.run_name, "status": s.status, "verdict": v, "why": why}
@@ -83,6 +97,40 @@ def verdict(s: RunSummary) -> tuple[str, str]:
         loss = f", loss {s.first_loss:.3f} -> {s.last_loss:.3f}" if s.first_loss is not None and s.last_loss is not None else ""
         return "PASS", f"completed {progress}{loss}"
     return "INCOMPLETE", f"status {s.status}, {progress}"
+
+
+def overall_verdict(verdicts: list[tuple[str, str]]) -> str:
+    """The report's overall verdict from the per-run ``(verdict, why)`` pairs."""
+    names = [v for v, _ in verdicts]
+    if "FAIL" in names:
+        return "FAIL"
+    if "RUNNING" in names:
+        return "RUNNING"
+    return "PASS" if all(v == "PASS" for v in names) else "INCOMPLETE"
+
+
+@contextlib.contextmanager
+def _writing(target: Path) -> Iterator[None]:
+    """Turn an ``OSError`` (read-only filesystem, no permission, ...) while writing into one ``NSAError``."""
+    try:
+        yield
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        name = str(exc.filename or "")
+        where = f" ({name})" if name and ".tmp-" not in name and Path(name) != target else ""
+        raise NSAError(f"cannot write the report to {target}: {why}{where}",
+                       hint="choose a writable folder with --out") from None
+
+
+def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` into a temporary file next to ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def _fmt(v: Any, spec: str = ".4g", unit: str = "") -> str:
@@ -155,8 +203,10 @@ def _charts(states: list[RunState], summaries: list[RunSummary], folder: Path) -
             ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
         fig.tight_layout()
         path = folder / fname
-        fig.savefig(path)
-        plt.close(fig)
+        try:
+            _write_atomic(path, functools.partial(fig.savefig, format="png"))
+        finally:
+            plt.close(fig)
         out[key] = path
     return out
 
@@ -291,24 +341,50 @@ def build_report(
     title: str | None = None,
     charts: bool = True,
     now: float | None = None,
+    force: bool = False,
 ) -> ReportResult:
-    """Write the report and its charts; returns the path and each run's verdict."""
+    """Write the report and its charts; returns the path and each run's verdict.
+
+    ``out_dir`` is a folder (versioned file name inside), or the report file itself when it ends in
+    ``.md`` or names an existing file; an existing report file is replaced only with ``force``. A path
+    that cannot be written raises ``NSAError`` and leaves no partial report behind."""
     dirs = [Path(p) for p in run_dirs] if run_dirs else [newest_run(artifacts_root)]
     now = time.time() if now is None else now
     states = [read_run(p) for p in dirs]
     summaries = [summarize(st, now) for st in states]
     verdicts = [verdict(s) for s in summaries]
-    out = Path(out_dir) if out_dir is not None else DEFAULT_OUT
-    out.mkdir(parents=True, exist_ok=True)
-    date = date or dt.date.today().isoformat()
+    target = Path(out_dir) if out_dir is not None else DEFAULT_OUT
+    as_file = not target.is_dir() and (target.suffix.lower() == ".md" or target.exists())
+    if as_file and target.exists() and not force:
+        raise NSAError(f"report file {target} already exists", hint="pass --force to replace it, or another --out")
+    out = target.parent if as_file else target
+    with _writing(target):
+        out.mkdir(parents=True, exist_ok=True)
+        return _write_report(states, summaries, verdicts, out, target if as_file else None,
+                             date or dt.date.today().isoformat(), title, charts, now)
+
+
+def _write_report(
+    states: list[RunState],
+    summaries: list[RunSummary],
+    verdicts: list[tuple[str, str]],
+    out: Path,
+    file: Path | None,
+    date: str,
+    title: str | None,
+    charts: bool,
+    now: float,
+) -> ReportResult:
+    """Charts, then the markdown (atomically) in ``out`` (at ``file`` when given)."""
     names = [s.run_name for s in summaries]
     name = _safe_name(title or (names[0] if len(names) == 1 else " vs ".join(names) if len(names) <= 3 else f"{len(names)} runs"))
     n = next_version(out, date, name)
-    path = out / f"{date} Test Engineer Report - {name} v{n}.md"
+    path = file or out / f"{date} Test Engineer Report - {name} v{n}.md"
+    heading = f"{date} Test Engineer Report - {name}" + ("" if file else f" v{n}")
     images: list[Path] = []
     per_run: list[dict[str, Path] | None] = []
     if charts:
-        folder = out / "assets" / f"{date}-{_slug(name)}-v{n}"
+        folder = out / "assets" / (_slug(path.stem) if file else f"{date}-{_slug(name)}-v{n}")
         combined = _charts(states, summaries, folder) if len(states) > 1 else None
         for i, (st, s) in enumerate(zip(states, summaries, strict=True)):
             imgs = _charts([st], [s], folder / f"run{i + 1}-{_slug(s.run_name)}") if len(states) > 1 else _charts([st], [s], folder)
@@ -320,9 +396,8 @@ def build_report(
         combined = None
         per_run = [None] * len(states)
 
-    overall = "FAIL" if any(v == "FAIL" for v, _ in verdicts) else "RUNNING" if any(v == "RUNNING" for v, _ in verdicts) \
-        else "PASS" if all(v == "PASS" for v, _ in verdicts) else "INCOMPLETE"
-    L = [f"# {date} Test Engineer Report - {name} v{n}", ""]
+    overall = overall_verdict(verdicts)
+    L = [f"# {heading}", ""]
     L.append(f"Generated {dt.datetime.fromtimestamp(now, dt.UTC).strftime('%Y-%m-%d %H:%M UTC')} by `nsa report` from the run "
              "directories' own files (heartbeat, training.csv, env.json, config.yaml, metrics.json).")
     L.append("")
@@ -337,7 +412,6 @@ def build_report(
                   f"![tokens/s, all runs]({_rel(combined['tokens_per_s'], out)})", ""]
     for st, s, verdict_, run_imgs in zip(states, summaries, verdicts, per_run, strict=True):
         L += _run_section(st, s, verdict_, out, run_imgs)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(L).rstrip() + "\n")
-    os.replace(tmp, path)
+    text = "\n".join(L).rstrip() + "\n"
+    _write_atomic(path, lambda tmp: tmp.write_text(text))
     return ReportResult(path, summaries, verdicts, images)

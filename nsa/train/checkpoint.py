@@ -1,16 +1,17 @@
-"""Atomic checkpoints: ``checkpoints/step_NNNNNNNN/{state.pt, manifest.json}``.
+"""Atomic, checksummed checkpoints: ``checkpoints/step_NNNNNNNN/{state.pt, manifest.json}``.
 
-A checkpoint is written under ``checkpoints/.tmp-*``, each file is fsynced, the manifest (with file
-sizes) is written last, and the folder is renamed into place. A folder counts as complete only when its
-name is ``step_<8 digits>`` and its manifest parses and matches the sizes on disk, so a kill at any
-moment never leaves something that ``--resume`` would pick.
+A checkpoint is written under ``checkpoints/.tmp-*`` while its SHA-256 is computed, each file is
+fsynced, the manifest (file sizes and checksums) is written last, and the folder is renamed into
+place. A failed write (disk full, say) removes its temporary folder and leaves the previous
+checkpoints as they were. Reading and verifying is ``nsa.runs.checkpoints``: resume takes the newest
+checkpoint that verifies and says which newer ones it skipped and why.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -19,16 +20,27 @@ from typing import Any
 import torch
 
 from nsa.errors import CheckpointError
+from nsa.runs.checkpoints import (
+    CKPT_DIR,
+    MANIFEST_FILE,
+    STATE_FILE,
+    Verdict,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+    newest_verified,
+    read_manifest,
+    step_dir_name,
+    verify,
+)
 
-CKPT_DIR = "checkpoints"
-STATE_FILE = "state.pt"
-MANIFEST_FILE = "manifest.json"
-MANIFEST_SCHEMA = 1
-_NAME = re.compile(r"^step_(\d{8})$")
+MANIFEST_SCHEMA = 2  # 2: per-file SHA-256 under "sha256"
 
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
+__all__ = [
+    "CKPT_DIR", "MANIFEST_FILE", "STATE_FILE", "Verdict", "clean_partials", "find_resume", "is_complete",
+    "latest_checkpoint", "list_checkpoints", "load_state", "newest_verified", "prune", "read_manifest",
+    "resolve_resume", "save_checkpoint", "step_dir_name", "verify",
+]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -39,67 +51,60 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest of a complete checkpoint folder, else ``None``."""
-    if not _NAME.match(path.name) or not path.is_dir():
-        return None
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-        for name, size in manifest["files"].items():
-            if (path / name).stat().st_size != size:
-                return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return manifest
+class _HashingWriter:
+    """A binary file that also feeds every byte written to a SHA-256 (so saving reads nothing back)."""
 
+    def __init__(self, f: Any) -> None:
+        self.f, self.h = f, hashlib.sha256()
 
-def is_complete(path: Path) -> bool:
-    return read_manifest(path) is not None
+    def write(self, data: Any) -> int:
+        n: int = self.f.write(data)
+        self.h.update(memoryview(data)[:n] if n is not None else data)
+        return n
 
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / CKPT_DIR
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if is_complete(p)]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
-    """Write ``state`` atomically as the checkpoint of ``step``; return its folder."""
+    """Write ``state`` atomically as the checkpoint of ``step``; return its folder.
+
+    On any error (``OSError`` such as a full disk included) the temporary folder is removed and the
+    error propagates; checkpoints already on disk are untouched.
+    """
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    if is_complete(final):
+    if is_complete(final) and verify(final).ok:
         return final
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}"
     tmp.mkdir()
-    state_path = tmp / STATE_FILE
-    with open(state_path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    manifest = {
-        "schema": MANIFEST_SCHEMA,
-        "step": step,
-        "created": time.time(),
-        "files": {STATE_FILE: state_path.stat().st_size},
-        **(extra or {}),
-    }
-    with open(tmp / MANIFEST_FILE, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if final.exists():  # an incomplete leftover with the final name: move it out of the way first
-        _remove(final)
-    os.rename(tmp, final)
+    try:
+        state_path = tmp / STATE_FILE
+        with open(state_path, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(state, writer)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        manifest = {
+            "schema": MANIFEST_SCHEMA,
+            "step": step,
+            "created": time.time(),
+            "files": {STATE_FILE: state_path.stat().st_size},
+            "sha256": {STATE_FILE: writer.h.hexdigest()},
+            **(extra or {}),
+        }
+        with open(tmp / MANIFEST_FILE, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # an incomplete or corrupted leftover with the final name: move it out first
+            _remove(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _fsync_dir(root)
     return final
 
@@ -131,31 +136,40 @@ def clean_partials(run_dir: Path) -> list[Path]:
     return gone
 
 
-def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
-    """``None`` -> no resume; ``auto`` -> newest complete checkpoint (or ``None``); else a given path.
+def find_resume(run_dir: Path, resume: str | None) -> tuple[Path | None, list[Verdict]]:
+    """The checkpoint to resume from and the newer ones skipped on the way (``auto`` only).
 
-    A given path may be a checkpoint folder, its ``state.pt``, or a run directory (newest checkpoint).
+    ``None`` -> no resume; ``auto`` -> the newest checkpoint that verifies (``None`` if there is none);
+    else a given path: a checkpoint folder, its ``state.pt``, or a run directory (its newest verified
+    checkpoint). A given checkpoint that does not verify is an error naming why.
     """
     if resume is None:
-        return None
+        return None, []
     if resume == "auto":
-        return latest_checkpoint(run_dir)
+        return newest_verified(run_dir)
     p = Path(resume)
     if p.is_file() and p.name == STATE_FILE:
         p = p.parent
     if p.is_dir() and (p / CKPT_DIR).is_dir():
-        newest = latest_checkpoint(p)
+        newest, skipped = newest_verified(p)
         if newest is None:
-            raise CheckpointError(f"train.resume={resume}: run directory has no complete checkpoint")
-        return newest
+            raise CheckpointError(f"train.resume={resume}: run directory has no checkpoint that verifies",
+                                  hint=skipped[0].reason if skipped else None)
+        return newest, skipped
     if not p.exists():
         raise CheckpointError(f"train.resume={resume}: no such checkpoint", hint="use 'auto' or a step_* folder")
-    if not is_complete(p):
+    verdict = verify(p)
+    if not verdict.ok:
         raise CheckpointError(
-            f"train.resume={resume} is not a complete checkpoint (no valid manifest.json)",
-            hint="use 'auto' to take the newest complete one",
+            f"train.resume={resume} is not a usable checkpoint: {verdict.reason}",
+            hint="use 'auto' to take the newest one that verifies",
         )
-    return p
+    return p, []
+
+
+def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
+    """``find_resume`` without the skipped list."""
+    return find_resume(run_dir, resume)[0]
 
 
 def load_state(path: Path) -> dict[str, Any]:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from nsa.config_section import ConfigSection
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(ConfigSection):
     """Optimisation, schedule, checkpoints and logging of a run."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     steps: int = Field(1000, ge=1, description="optimizer steps")
     seq_len: int = Field(2048, ge=2)

@@ -1,22 +1,97 @@
-"""Run-directory files the trainer manages besides telemetry: halt files, config, anomalies, export."""
+"""Run-directory files the trainer manages besides telemetry: the writer lock, halt files, config,
+anomalies, export."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from nsa.config import ResolvedConfig
-from nsa.errors import ConfigError
+from nsa.errors import ConfigError, RunDirError
 from nsa.train.checkpoint import list_checkpoints
 from nsa.train.telemetry import write_json_atomic
 
 HALT_FILE = ".HALT"
 HALTS_DIR = "halts"
+LOCK_FILE = ".lock"
+
+
+def check_writable(run_dir: Path) -> None:
+    """``RunDirError`` naming ``run_dir`` when it (or the folder it would be made in) cannot be written:
+    a read-only filesystem, missing permissions, or a file in the way. Creates nothing."""
+    p = Path(run_dir)
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise RunDirError(f"train.out_dir={run_dir}: {probe} is a file, not a directory",
+                          hint="choose another --out-dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        why = "read-only filesystem" if _read_only_fs(probe) else "no write permission"
+        raise RunDirError(f"train.out_dir={run_dir} cannot be written ({why} at {probe})",
+                          hint="choose a writable --out-dir")
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+class RunLock:
+    """The one-writer lock of a run directory: an exclusive ``flock`` on ``<run>/.lock`` held for the
+    whole run. The kernel releases it when the process ends, however it ends (SIGKILL included), so a
+    lock is never stale. The file names the holder (pid, host, start time) for the error a second
+    writer gets; readers (``nsa watch``, ``report``, ``halt``) never take it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise ``RunDirError`` naming the process that holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            holder = holder_of(self.path.parent)
+            who = (f"PID {holder.get('pid')} on {holder.get('host')}" if holder else "another process")
+            raise RunDirError(
+                f"run directory {self.path.parent} is in use by {who} (another nsa train is writing it)",
+                hint=f"wait for it to end, stop it with: nsa halt {self.path.parent}, or choose another --out-dir",
+            ) from None
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}) + "\n"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info.encode(), 0)
+        self._fd = fd
+
+    def close(self) -> None:
+        """Release the lock (the file stays; its content names the last holder)."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def holder_of(run_dir: Path) -> dict[str, Any] | None:
+    """Who holds (or last held) the run directory's lock: ``{"pid", "host", "since"}``, else ``None``."""
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads((Path(run_dir) / LOCK_FILE).read_text())
+        return data if isinstance(data, dict) else None
+    return None
 
 
 def check_fresh(run_dir: Path) -> None:
@@ -41,8 +116,8 @@ def read_halt(run_dir: Path, settle_s: float = 0.25) -> str | None:
     path = run_dir / HALT_FILE
     deadline = time.monotonic() + settle_s
     while True:
-        try:
-            text = path.read_text()
+        try:  # bytes, decoded leniently: any content asks for a halt, none may crash the trainer
+            text = path.read_bytes().decode("utf-8", errors="replace")
         except FileNotFoundError:
             return None
         except OSError:

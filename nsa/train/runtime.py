@@ -89,8 +89,27 @@ def check_training_config(cfg: RunConfig) -> None:
         )
 
 
+def apply_alloc_conf(cfg: RunConfig) -> str | None:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF`` from ``runtime.alloc_conf`` (``NSA_ALLOC_CONF``). The CUDA
+    caching allocator reads it once, when CUDA is first initialised, so this must run before anything
+    touches CUDA; returns a warning when it cannot take effect any more (``None`` otherwise)."""
+    want = cfg.runtime.alloc_conf
+    if not want:
+        return None
+    have = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if torch.cuda.is_initialized():
+        if have == want:
+            return None
+        return (f"runtime.alloc_conf={want!r} not applied: CUDA was initialised before the trainer "
+                "(set PYTORCH_CUDA_ALLOC_CONF before starting Python)")
+    if have is not None and have != want:
+        return f"runtime.alloc_conf={want!r} not applied: PYTORCH_CUDA_ALLOC_CONF={have!r} is set in the environment"
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = want
+    return None
+
+
 def apply_runtime_settings(cfg: RunConfig, rt: Runtime) -> dict[str, Any]:
-    """Global torch switches: TF32, determinism, allocator config (before CUDA is first used).
+    """Global torch switches: TF32, determinism (``apply_alloc_conf`` runs earlier, before CUDA starts).
 
     Returns the previous values for :func:`restore_runtime_settings`.
     """
@@ -100,8 +119,6 @@ def apply_runtime_settings(cfg: RunConfig, rt: Runtime) -> dict[str, Any]:
         "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
         "cudnn_tf32": torch.backends.cudnn.allow_tf32,
     }
-    if cfg.runtime.alloc_conf and rt.device_type == "cuda":
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", cfg.runtime.alloc_conf)
     if rt.device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.runtime.tf32
         torch.backends.cudnn.allow_tf32 = cfg.runtime.tf32

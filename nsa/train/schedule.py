@@ -31,3 +31,9 @@ def build_scheduler(
         return lr_multiplier(step, total_steps, warmup_steps, min_lr_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def schedule_lrs(scheduler: torch.optim.lr_scheduler.LambdaLR) -> list[float]:
+    """The learning rates ``scheduler``'s lambdas give for its current step (what the next update uses)."""
+    step = scheduler.last_epoch
+    return [float(base * fn(step)) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]

@@ -6,8 +6,10 @@ the two equal.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.metadata
+import io
 import json
 import math
 import os
@@ -64,18 +66,59 @@ def _clean(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to a temporary file beside ``path`` and rename it into place; on any error (a full
+    disk, say) the temporary file is removed and ``path`` keeps its previous content."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(_clean(data), indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(_clean(data), indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+class LineFile:
+    """An append-only text file written a whole line at a time: a write that fails part-way (a full
+    disk) is cut back to the previous end, so readers never see a torn line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, text: str) -> None:
+        assert self._fd is not None, f"{self.path} is closed"
+        data = text.encode()
+        end = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)
+            raise
+
+    def close(self, sync: bool = False) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                if sync:
+                    os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
 
 
 class Heartbeat:
-    """``heartbeat_rank{r}.jsonl``: one JSON object per line, appended and flushed per event."""
+    """``heartbeat_rank{r}.jsonl``: one JSON object per line, appended whole per event."""
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.path = Path(run_dir) / f"heartbeat_rank{rank}.jsonl"
         self.rank = rank
-        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - open for the whole run
+        self._f = LineFile(self.path)
 
     def emit(self, event: str, step: int, **fields: Any) -> dict[str, Any]:
         expected = EVENT_FIELDS[event]
@@ -85,19 +128,16 @@ class Heartbeat:
             "schema": HEARTBEAT_SCHEMA, "event": event, "ts": time.time(), "rank": self.rank,
             "pid": os.getpid(), "step": step, **fields,
         }
-        self._f.write(json.dumps(_clean(record)) + "\n")
-        self._f.flush()
+        self._f.append(json.dumps(_clean(record)) + "\n")
         return record
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
+        self._f.close(sync=True)
 
 
 class CsvLog:
-    """A CSV file with a header. On resume, rows after the resumed step are dropped first."""
+    """A CSV file with a header, one whole row per write. On resume, rows after the resumed step are
+    dropped first."""
 
     def __init__(self, path: Path, header: tuple[str, ...], keep_until_step: int | None = None) -> None:
         self.path = Path(path)
@@ -107,11 +147,9 @@ class CsvLog:
         elif self.path.exists():
             self.path.unlink()
         new = not self.path.exists()
-        self._f = open(self.path, "a", newline="")  # noqa: SIM115 - open for the whole run
-        self._w = csv.writer(self._f)
+        self._f = LineFile(self.path)
         if new:
-            self._w.writerow(header)
-            self._f.flush()
+            self._f.append(_csv_line(header))
 
     def _truncate(self, step: int) -> None:
         with open(self.path, newline="") as f:
@@ -123,12 +161,16 @@ class CsvLog:
             w.writerows(kept)
 
     def row(self, values: dict[str, Any]) -> None:
-        self._w.writerow([_fmt(values.get(k)) for k in self.header])
-        self._f.flush()
+        self._f.append(_csv_line([_fmt(values.get(k)) for k in self.header]))
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.close()
+        self._f.close()
+
+
+def _csv_line(cells: Any) -> str:
+    buf = io.StringIO()
+    csv.writer(buf).writerow(cells)
+    return buf.getvalue()
 
 
 def _fmt(v: Any) -> str:

@@ -22,13 +22,14 @@ import torch
 from rich.console import Console
 
 from nsa.config import ResolvedConfig, fill_legacy
-from nsa.errors import CheckpointError, ConfigError
+from nsa.errors import CheckpointError, ConfigError, RunDirError
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import rundir
 from nsa.train.display import Display
 from nsa.train.runtime import (
     Runtime,
+    apply_alloc_conf,
     apply_runtime_settings,
     check_training_config,
     resolve_runtime,
@@ -37,7 +38,7 @@ from nsa.train.runtime import (
     seed_everything,
     set_rng_state,
 )
-from nsa.train.schedule import build_scheduler
+from nsa.train.schedule import build_scheduler, schedule_lrs
 from nsa.train.signals import SignalFlags
 from nsa.train.telemetry import (
     MFU_FORMULA,
@@ -99,6 +100,12 @@ def _build_loader(cfg: Any, tokenizer: Any, **kwargs: Any) -> Any:
     return build_loader(cfg.data, tokenizer, **kwargs)
 
 
+def _check_data_inputs(cfg: Any) -> None:
+    from nsa.data import check_local_inputs
+
+    check_local_inputs(cfg.data)
+
+
 def _fallback_counts() -> dict[str, int]:
     from nsa.ops import fallback_counts
 
@@ -121,6 +128,8 @@ class Trainer:
         self.console = console
         tr = self.cfg.train
         check_training_config(self.cfg)
+        _check_data_inputs(self.cfg)  # missing or empty local data: one line, before any directory is made
+        self.alloc_conf_note = apply_alloc_conf(self.cfg)  # before anything below initialises CUDA
         self.dist = D.env_info()
         self._expected_world = world_size or self.dist.world_size
         self.rt: Runtime = resolve_runtime(self.cfg, self.dist.local_rank)
@@ -133,7 +142,8 @@ class Trainer:
                 )
         self.run_dir = Path(tr.out_dir)
         self.run_name = tr.run_name or self.run_dir.resolve().name
-        self.resume_from = ckpt.resolve_resume(self.run_dir, tr.resume)
+        rundir.check_writable(self.run_dir)
+        self.resume_from, self.skipped_checkpoints = ckpt.find_resume(self.run_dir, tr.resume)
         if tr.resume is None:
             rundir.check_fresh(self.run_dir)
         if self.resume_from is not None:
@@ -166,6 +176,12 @@ class Trainer:
     def _check_resume_manifest(self, path: Path) -> None:
         manifest = fill_legacy(ckpt.read_manifest(path) or {})
         self._check_same_model(manifest, path)
+        done = int(manifest.get("step", 0))
+        if self.cfg.train.steps < done:
+            raise ConfigError(
+                f"train.steps={self.cfg.train.steps} is below the step of checkpoint {path} ({done})",
+                hint=f"pass --steps above {done} to train on (the schedule stretches to the new total)",
+            )
         ws = manifest.get("world_size")
         if ws is not None and ws != self._expected_world:
             raise CheckpointError(
@@ -205,8 +221,22 @@ class Trainer:
         self.display = Display(self.console, tr.steps, enabled=self.dist.is_main)
 
         archived = None
+        refused: tuple[str, str | None] | None = None
+        if self.dist.is_main:  # one writer per run directory: the lock comes before any write
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                lock = rundir.RunLock(self.run_dir)
+                lock.acquire()
+                self._opened.append(lock)
+            except RunDirError as exc:
+                refused = (exc.message, exc.hint)
+            except OSError as exc:
+                refused = (f"cannot write run directory {self.run_dir}: {exc.strerror or exc}",
+                           "choose a writable --out-dir")
+        refused = D.broadcast_object(refused, self.dist)
+        if refused is not None:
+            raise RunDirError(*refused)
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.clean_partials(self.run_dir)
             archived = rundir.archive_stale_halt(self.run_dir)
         D.barrier(self.dist)
@@ -226,6 +256,10 @@ class Trainer:
             self.display.print(line, highlight=False, markup=False)
         if archived is not None:
             self.display.warn(f"a stale .HALT from before this start was archived to {archived} (not obeyed)")
+        for verdict in self.skipped_checkpoints:
+            self.display.warn(f"skipped checkpoint {verdict.path.name}: {verdict.reason}")
+        if self.alloc_conf_note:
+            self.display.warn(self.alloc_conf_note)
         if self.resolved.unknown_env:
             self.display.warn(f"unknown NSA_* variables ignored: {', '.join(self.resolved.unknown_env)}")
 
@@ -315,6 +349,10 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # the optimizer's saved lr belongs to the old schedule: take the new one's for the next update
+        # (they differ when --steps changed on resume)
+        for group, lr in zip(self.optimizer.param_groups, schedule_lrs(self.scheduler), strict=True):
+            group["lr"] = lr
         self.state = TrainState(**state["train_state"])
         return state
 
@@ -598,7 +636,7 @@ class Trainer:
     # -- endings ---------------------------------------------------------------------------------------
     def _anomaly(self, step: int, kind: str, value: float, loss: float, grad_norm: float) -> TrainResult:
         assert self.hb is not None
-        last_good = ckpt.latest_checkpoint(self.run_dir)
+        last_good, _ = ckpt.newest_verified(self.run_dir)
         record_path = self.run_dir / "anomalies" / f"step_{step}.json"
         if self.dist.is_main:
             record = {

@@ -19,7 +19,7 @@ Examples:
 
 The trainer checks .HALT every step: it saves a checkpoint, logs a halt event and exits 0.
 Exit code 0 when written (or acknowledged with --wait), 1 on timeout or a crashed trainer, 2 when
-RUN_DIR is not a run directory.
+RUN_DIR is not a run directory or .HALT cannot be written there (read-only, no permission).
 """
 
 
@@ -38,7 +38,7 @@ def halt(
 
         con = render.console()
         if wait and not as_json:
-            con.print(f"wrote .HALT in {run_dir}; waiting up to {timeout:g} s for the trainer to acknowledge...")
+            con.print(f"writing .HALT in {run_dir}, then waiting up to {timeout:g} s for the trainer to acknowledge...")
         out = halt_run(run_dir, reason, wait=wait, timeout_s=timeout)
     if as_json:
         render.print_json(render.jsonable(out.to_dict()))

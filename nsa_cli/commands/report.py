@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from nsa_cli.errors import user_errors
+from nsa_cli.errors import EXIT_FAILED, user_errors
 
 EPILOG = """\
 Examples:
@@ -19,13 +19,19 @@ Examples:
 
   nsa report artifacts/tiny --out /tmp/reports --json
 
+  nsa report artifacts/tiny --out /tmp/tiny.md --force      # this file, replaced if it exists
+
 Default output: Documentation/Reports/<yyyy-mm-dd> Test Engineer Report - <run name> v<N>.md
+Exit code 0 for PASS, RUNNING or INCOMPLETE, 1 when the verdict is FAIL, 2 for bad input or an
+output path that cannot be written.
 """
 
 
 def report(
     run_dirs: Annotated[list[str] | None, typer.Argument(help="Run directories (default: newest under artifacts/).")] = None,
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Report folder (default Documentation/Reports).")] = None,
+    out: Annotated[str | None, typer.Option(
+        "--out", "-o", help="Report folder (default Documentation/Reports), or a .md file to write.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace the --out file if it exists.")] = False,
     title: Annotated[str | None, typer.Option("--title", help="Name used in the title and file name.")] = None,
     artifacts: Annotated[str, typer.Option("--artifacts", help="Where to look for the newest run.")] = "artifacts",
     no_charts: Annotated[bool, typer.Option("--no-charts", help="Skip the PNG charts.")] = False,
@@ -38,16 +44,19 @@ def report(
     with user_errors():
         from nsa.runs.report import build_report
 
-        res = build_report(run_dirs or None, out, artifacts_root=artifacts, title=title, charts=not no_charts)
+        res = build_report(run_dirs or None, out, artifacts_root=artifacts, title=title, charts=not no_charts,
+                           force=force)
     if as_json:
         render.print_json(res.to_dict())
-        return
-    con = render.console()
-    for s, (v, why) in zip(res.runs, res.verdicts, strict=True):
-        text = render.styled(v)
-        text.append(f"  {s.run_name}: {why}")
-        con.print(text)
-    con.print(f"report: {res.path}")
+    else:
+        con = render.console()
+        for s, (v, why) in zip(res.runs, res.verdicts, strict=True):
+            text = render.styled(v)
+            text.append(f"  {s.run_name}: {why}")
+            con.print(text)
+        con.print(f"report: {res.path}")
+    if res.failed:
+        raise typer.Exit(EXIT_FAILED)
 
 
 def register(app: typer.Typer) -> None:

@@ -160,6 +160,17 @@ def train(
                     hint="lower --batch-size or --seq-len, raise --accum, or --set runtime.gradient_checkpointing=true",
                     code=EXIT_FAILED,
                 ) from None
+            if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+                from nsa.runs.checkpoints import newest_verified
+
+                where = f" ({exc.filename})" if exc.filename else ""
+                last, _ = newest_verified(trainer.run_dir)
+                raise fail(
+                    f"run failed at step {trainer.state.step + 1}: {exc.strerror or exc}{where}",
+                    hint=(f"fix the cause (free disk space?), then resume from {last.name}: --resume auto" if last
+                          else "fix the cause (free disk space?) and start again"),
+                    code=EXIT_FAILED,
+                ) from None
             raise
         code = EXIT_OK if result.status in ("completed", "halted") else EXIT_FAILED
     if code:

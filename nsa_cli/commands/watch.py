@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from nsa_cli.errors import EXIT_FAILED, EXIT_OK, user_errors
+from nsa_cli.errors import EXIT_FAILED, EXIT_OK, fail, user_errors
 
 EPILOG = """\
 Examples:
@@ -129,6 +129,7 @@ def watch(
 
     with user_errors():
         from nsa.checks.gpu import query_gpus
+        from nsa.errors import NSAError
         from nsa.runs.halt import who_am_i, write_halt
         from nsa.runs.reader import RunReader
         from nsa.runs.rules import Rule, default_rules, evaluate, parse_rules
@@ -162,8 +163,11 @@ def watch(
             firing = [h for h in hits if h.rule in names]
             if firing:
                 h = firing[0]
-                rec = write_halt(reader.run_dir, f"watchdog: {h.message}", who=who_am_i("nsa watch"),
-                                 rule=h.rule, evidence=h.evidence)
+                try:
+                    rec = write_halt(reader.run_dir, f"watchdog: {h.message}", who=who_am_i("nsa watch"),
+                                     rule=h.rule, evidence=h.evidence)
+                except NSAError as exc:  # a read-only run directory: say so in one line, stop watching
+                    raise fail(f"watchdog rule {h.rule} fired but {exc.message}", hint=exc.hint) from None
                 halted_by_us.append(rec)
                 st.halt_file = rec
         return st, summ, hits

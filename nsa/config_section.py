@@ -1,0 +1,47 @@
+"""The pydantic base of every run-config section (a leaf module: the sections import it)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+
+def numeric_kind(annotation: Any) -> str | None:
+    """``"integer"`` or ``"number"`` when the annotation holds an int or float (also inside
+    ``X | None`` and tuples), else ``None``."""
+    if annotation is int:
+        return "integer"
+    if annotation is float:
+        return "number"
+    if get_origin(annotation) in (Union, types.UnionType, tuple, list):
+        kinds = {numeric_kind(a) for a in get_args(annotation) if a is not Ellipsis}
+        return "number" if "number" in kinds else "integer" if "integer" in kinds else None
+    return None
+
+
+def reject_bool(value: Any, annotation: Any) -> Any:
+    """``value`` unchanged, or a validation error when a boolean stands for an int/float (pydantic's lax
+    mode would read ``True`` as 1)."""
+    kind = numeric_kind(annotation)
+    if kind is None:
+        return value
+    items = value if isinstance(value, list | tuple) else [value]
+    if any(isinstance(v, bool) for v in items):
+        raise PydanticCustomError("bool_not_number", "Input should be a valid {kind}, not a boolean", {"kind": kind})
+    return value
+
+
+class ConfigSection(BaseModel):
+    """Base of the run-config sections: unknown keys rejected, assignments validated, and no boolean
+    accepted for an int/float field."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        return value if field is None else reject_bool(value, field.annotation)

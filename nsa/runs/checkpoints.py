@@ -1,0 +1,124 @@
+"""Reading checkpoints on disk: ``checkpoints/step_NNNNNNNN/{state.pt, manifest.json}``.
+
+A folder is *complete* when its name is ``step_<8 digits>`` and its manifest parses and matches the
+file sizes on disk (cheap: what a kill mid-save can leave). It is *verified* when, in addition, every
+file's SHA-256 equals the one the manifest recorded before the atomic rename (reads every byte:
+what catches corruption that keeps the size). Checkpoints written before checksums existed are
+complete but carry no checksum; they are accepted as they are (``verify`` says so).
+
+The trainer writes checkpoints (``nsa.train.checkpoint``); resume, ``nsa sample`` and the model
+loader pick the newest one that verifies (``newest_verified``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CKPT_DIR = "checkpoints"
+STATE_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
+_NAME = re.compile(r"^step_(\d{8})$")
+_CHUNK = 1 << 22
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int:
+    """The step number of a ``step_*`` folder name (``-1`` for anything else)."""
+    m = _NAME.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of a complete checkpoint folder (name, manifest, sizes), else ``None``."""
+    if not _NAME.match(path.name) or not path.is_dir():
+        return None
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        for name, size in manifest["files"].items():
+            if (path / name).stat().st_size != size:
+                return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def is_complete(path: Path) -> bool:
+    return read_manifest(path) is not None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``ok`` when the folder is complete and every recorded checksum matches; ``reason`` otherwise
+    (or, when ``ok``, a note such as "no checksums (written before they existed)")."""
+
+    path: Path
+    ok: bool
+    reason: str = ""
+
+
+def verify(path: Path) -> Verdict:
+    """Check a checkpoint folder: complete, and each file's SHA-256 equal to the manifest's."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        return Verdict(path, False, "incomplete (no valid manifest.json, or a file of the wrong size)")
+    sums = manifest.get("sha256")
+    if not isinstance(sums, dict):
+        return Verdict(path, True, "no checksums (written before they existed)")
+    for name in manifest["files"]:
+        want = sums.get(name)
+        if want is None:
+            return Verdict(path, False, f"{name} has no checksum in manifest.json")
+        try:
+            got = sha256_file(path / name)
+        except OSError as exc:
+            return Verdict(path, False, f"{name} unreadable: {exc.strerror or exc}")
+        if got != want:
+            return Verdict(path, False, f"{name} checksum mismatch (corrupted on disk)")
+    return Verdict(path, True)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (sizes checked, checksums not)."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint (sizes checked, checksums not)."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def newest_verified(run_dir: Path) -> tuple[Path | None, list[Verdict]]:
+    """The newest checkpoint that verifies, walking back from the newest folder; also the verdicts of
+    the newer ``step_*`` folders that were skipped (incomplete or corrupted), newest first."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return None, []
+    folders = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=step_of, reverse=True)
+    skipped: list[Verdict] = []
+    for p in folders:
+        v = verify(p)
+        if v.ok:
+            return p, skipped
+        skipped.append(v)
+    return None, skipped

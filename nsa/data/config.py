@@ -17,7 +17,11 @@ class DataConfig(ConfigSection):
     text_field: str = "text"
     tokenizer: Literal["byte", "gpt2"] = "byte"
     tokenizer_path: str | None = Field(None, description="folder of a local HF tokenizer (gpt2)")
-    synthetic_task: Literal["random", "assoc_recall"] = "assoc_recall"
+    synthetic_task: Literal["random", "assoc_recall", "needle", "mqar"] = "assoc_recall"
+    synthetic_pairs: int = Field(8, ge=1, le=32, description="key/value pairs (and queries) of synthetic_task=mqar")
+    loss_on: Literal["all", "answers"] = Field(
+        "all", description="answers: train only on the answer tokens of a synthetic task (labels -100 elsewhere)"
+    )
     hf_dataset: str = "HuggingFaceFW/fineweb-edu"
     hf_config: str = "sample-10BT"
     hf_split: str = "train"

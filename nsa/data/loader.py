@@ -60,6 +60,15 @@ class Loader:
             source, tokenizer.encode, tokenizer.eot_id, keep, data_cfg.max_doc_chars, label
         )
         self._packer = SequencePacker(self._stream, seq_len)
+        mask_fn = getattr(source, "target_mask", None)
+        mask = mask_fn() if callable(mask_fn) else None
+        # [seq_len] bool: where y holds an answer of a synthetic task (None for text and random tokens)
+        self.answer_mask: torch.Tensor | None = torch.tensor(mask, dtype=torch.bool) if mask is not None else None
+        if data_cfg.loss_on == "answers" and self.answer_mask is None:
+            raise DataError(
+                f"data.loss_on=answers needs a task with answers, not {source.describe()}",
+                hint="use data.source=synthetic with data.synthetic_task=needle, mqar or assoc_recall, or data.loss_on=all",
+            )
         self._depth = data_cfg.prefetch_depth
         self._fetch_ms: deque[float] = deque(maxlen=FETCH_WINDOW)
         self._thread: threading.Thread | None = None
@@ -90,6 +99,9 @@ class Loader:
         seqs = np.stack([self._packer.next_sequence() for _ in range(self.batch_size)])
         batch = torch.from_numpy(seqs)
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        if self.cfg.loss_on == "answers":
+            assert self.answer_mask is not None
+            y[:, ~self.answer_mask] = -100
         if self._cuda:
             x, y = x.pin_memory(), y.pin_memory()
         state = self._snapshot(batches + 1, tokens_seen + self.batch_size * self.seq_len)

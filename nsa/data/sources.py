@@ -482,6 +482,10 @@ class SyntheticSource:
 
     Each answer is ``seq_len - 4n`` or more tokens after its pair, so only attention that reaches back
     past the gap (beyond a sliding window shorter than that) can predict it.
+    ``needle``: ``nsa.data.retrieval.needle_episode`` with the needle at a uniform random depth (one
+    answer, the last target). ``mqar``: ``mqar_episode`` with ``pairs`` pairs scattered over the
+    sequence and all of them asked at the end. Both use the top of the vocabulary for keys and values
+    (``TaskLayout``), the same layout ``nsa eval`` asks with.
     """
 
     name = "synthetic"
@@ -490,7 +494,9 @@ class SyntheticSource:
     KEY_IDS = 16  # keys and values each come from 16 token ids
     MAX_PAIRS = 8  # a 2-layer d=64 transformer learns recall across a 96-token gap in ~2k steps of batch 32
 
-    def __init__(self, task: str, seed: int, seq_len: int, vocab_size: int, eot_id: int) -> None:
+    def __init__(self, task: str, seed: int, seq_len: int, vocab_size: int, eot_id: int, pairs: int = 8) -> None:
+        from nsa.data.retrieval import TaskLayout
+
         if seq_len < 8:
             raise DataError(f"synthetic data needs train.seq_len >= 8, got {seq_len}")
         self.task, self.seed, self.seq_len = task, seed, seq_len
@@ -503,12 +509,30 @@ class SyntheticSource:
         self.values = alphabet[1 + self.KEY_IDS : 1 + 2 * self.KEY_IDS]
         self.n_pairs = max(1, min(seq_len // 16, self.MAX_PAIRS))
         self.query_start = seq_len - 2 * self.n_pairs
+        if task in ("needle", "mqar"):
+            self.layout = TaskLayout.for_vocab(vocab_size, eot_id)
+            self.n_pairs = pairs if task == "mqar" else 1
+            self.query_start = seq_len - 2 * self.n_pairs
+            if task == "mqar" and self.query_start // 2 < pairs:
+                raise DataError(f"synthetic_task=mqar: train.seq_len={seq_len} is too short for {pairs} pairs",
+                                hint="lower data.synthetic_pairs or raise train.seq_len")
 
     def episode(self, index: int) -> np.ndarray:
         """Document ``index``: ``seq_len`` token ids (int64)."""
         rng = np.random.default_rng([self.seed & 0xFFFFFFFF, index])
         if self.task == "random":
             return rng.choice(self.alphabet, size=self.seq_len)
+        if self.task in ("needle", "mqar"):
+            import torch
+
+            from nsa.data.retrieval import mqar_episode, needle_episode
+
+            gen = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))
+            if self.task == "needle":
+                tokens, _ = needle_episode(self.layout, gen, self.seq_len, float(rng.random()))
+            else:
+                tokens, _ = mqar_episode(self.layout, gen, self.seq_len, self.n_pairs)
+            return tokens.numpy().astype(np.int64)
         n = self.n_pairs
         keys = rng.choice(self.keys, size=n, replace=False)
         vals = rng.choice(self.values, size=n)
@@ -518,12 +542,15 @@ class SyntheticSource:
         out[self.query_start :: 2], out[self.query_start + 1 :: 2] = keys[order], vals[order]
         return out
 
-    def target_mask(self) -> list[bool]:
-        """Per target position ``t`` of a packed sequence: True where ``y[:, t]`` is a query's answer.
+    def target_mask(self) -> list[bool] | None:
+        """Per target position ``t`` of a packed sequence: True where ``y[:, t]`` is an answer (``None``
+        for ``random``, which has none).
 
         Episodes fill whole sequences (episode + separator = ``seq_len + 1`` tokens), so this holds for
         every row; the loss on these positions falls only with recall across the gap.
         """
+        if self.task == "random":
+            return None
         start = self.query_start
         return [t >= start and (t - start) % 2 == 0 for t in range(self.seq_len)]
 
@@ -534,11 +561,11 @@ class SyntheticSource:
             index += 1
 
     def describe(self) -> str:
-        detail = (
-            f", {self.n_pairs} pairs recalled across a {self.query_start - 2 * self.n_pairs}-token gap"
-            if self.task == "assoc_recall"
-            else ""
-        )
+        detail = {
+            "assoc_recall": f", {self.n_pairs} pairs recalled across a {self.query_start - 2 * self.n_pairs}-token gap",
+            "needle": ", one key/value needle at a random depth, asked at the end",
+            "mqar": f", {self.n_pairs} key/value pairs scattered, all asked at the end",
+        }.get(self.task, "")
         return f"synthetic: {self.task}, seed {self.seed}, {self.seq_len} tokens per episode{detail}"
 
 
@@ -557,7 +584,7 @@ def open_source(
             raise DataError("data.path is required when data.source=local")
         return LocalSource(cfg.path, cfg.text_field), []
     if cfg.source == "synthetic":
-        return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id), []
+        return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs), []
     if cfg.source == "fineweb_edu":
         try:
             return _hf_source(cfg), []
@@ -568,7 +595,7 @@ def open_source(
                 f"data source fineweb_edu failed ({exc.message}); TRAINING ON SYNTHETIC "
                 f"{cfg.synthetic_task} DATA INSTEAD (data.synthetic_on_fail=true)"
             )
-            return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id), [warning]
+            return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs), [warning]
     raise DataError(f"unknown data.source={cfg.source!r}")
 
 

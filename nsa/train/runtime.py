@@ -82,6 +82,13 @@ def check_training_config(cfg: RunConfig) -> None:
         raise ConfigError(f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     if cfg.model.attention == "nsa" and tr.seq_len < 2:
         raise ConfigError(f"train.seq_len={tr.seq_len} is too short")
+    data = cfg.data
+    if data.loss_on == "answers" and (data.source != "synthetic" or data.synthetic_task == "random"):
+        raise ConfigError(
+            f"data.loss_on=answers needs a task with answers (data.source={data.source}, "
+            f"data.synthetic_task={data.synthetic_task})",
+            hint="use data.source=synthetic with data.synthetic_task=needle, mqar or assoc_recall, or data.loss_on=all",
+        )
     if tr.fault_nan_at_step is not None and tr.fault_nan_at_step > tr.steps:
         raise ConfigError(
             f"train.fault_nan_at_step={tr.fault_nan_at_step} is beyond train.steps={tr.steps}",

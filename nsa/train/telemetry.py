@@ -31,7 +31,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
         "steps_total", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "fetch_p50_ms",
         "fetch_p95_ms", "tokens_seen", "elapsed_s", "eta_s", "mem_allocated_mib", "mem_reserved_mib",
         "mem_peak_mib", "rss_mib", "gate_entropy_mean", "gate_branch_shares", "gate_collapse_fraction",
-        "sel_keys_mean", "fallback", "mfu", "data_skipped", "data_warnings",
+        "sel_keys_mean", "fallback", "mfu", "data_skipped", "data_warnings", "answer_loss", "answer_acc",
     ),
     "eval": ("val_loss", "val_ppl", "seconds"),
     "checkpoint": ("path", "seconds", "reason"),
@@ -42,6 +42,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
 
 TRAIN_CSV_HEADER = (
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "fetch_ms", "tokens_seen", "elapsed_s",
+    "answer_loss", "answer_acc",
 )
 VAL_CSV_HEADER = ("step", "val_loss", "val_ppl")
 

@@ -297,6 +297,8 @@ class Trainer:
             self._opened.append(self.val_loader)
             self._val_start = self.val_loader.state_dict()
         self._pending = next(self.loader)  # the first batch is used by the first step, not discarded
+        mask = getattr(self.loader, "answer_mask", None)
+        self._answer_mask = mask.to(self.rt.device) if mask is not None else None
         first_batch_s = time.perf_counter() - t_loader
         self._seen_warnings: list[str] = []
         warnings = self._new_data_warnings()
@@ -391,6 +393,7 @@ class Trainer:
             step = self.state.step + 1
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=self.rt.device)
+            answer_sums = torch.zeros(2, device=self.rt.device)  # answer loss, answer accuracy
             fetch_s = 0.0
             for micro in range(tr.accum):
                 tf = time.perf_counter()
@@ -406,6 +409,8 @@ class Trainer:
                         loss = loss * float("nan")  # fault injection (tests only)
                     loss.backward()
                 loss_sum += loss.detach()
+                if self._answer_mask is not None:
+                    answer_sums += _answer_scores(out.logits.detach(), y, self._answer_mask) / tr.accum
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             halt_local = self._local_halt_request()
             flags = torch.stack([
@@ -415,9 +420,10 @@ class Trainer:
                 torch.tensor(float(halt_local is not None), device=self.rt.device),
                 torch.tensor(float(self.signals.save_now), device=self.rt.device),
                 grad_norm.float(),  # identical on all ranks after DDP's gradient all-reduce
+                *answer_sums,
             ])
             D.all_reduce_sum(flags, self.dist)
-            loss_total, bad_loss, bad_grad, halt_any, save_any, norm_total = flags.tolist()  # the one sync
+            loss_total, bad_loss, bad_grad, halt_any, save_any, norm_total, ans_loss, ans_acc = flags.tolist()  # the one sync
             loss_value = loss_total / self.dist.world_size
             norm_value = norm_total / self.dist.world_size
             if bad_loss or bad_grad:
@@ -431,6 +437,9 @@ class Trainer:
             self.state.step = step
             self.state.tokens_seen += self.tokens_per_step
             self.state.last_loss = loss_value
+            answers = None
+            if self._answer_mask is not None:
+                answers = (ans_loss / self.dist.world_size, ans_acc / self.dist.world_size)
             dt = time.perf_counter() - t0
             self._train_time_s += dt
             self._t_last_step_end = time.perf_counter()
@@ -441,7 +450,7 @@ class Trainer:
             win_steps, win_time, win_fetch = win_steps + 1, win_time + dt, win_fetch + fetch_s
 
             if step == 1 or step % tr.log_every == 0 or step == tr.steps:
-                self._log(step, loss_value, lr, norm_value, win_steps, win_time, win_fetch)
+                self._log(step, loss_value, lr, norm_value, win_steps, win_time, win_fetch, answers)
                 win_steps, win_time, win_fetch = 0, 0.0, 0.0
             else:
                 self.display.step(step)
@@ -488,7 +497,8 @@ class Trainer:
         return requests[0] if requests else ("file", "halt requested")
 
     # -- logging and evaluation ----------------------------------------------------------------------
-    def _log(self, step: int, loss: float, lr: float, grad_norm: float, n: int, win_time: float, fetch_s: float) -> None:
+    def _log(self, step: int, loss: float, lr: float, grad_norm: float, n: int, win_time: float, fetch_s: float,
+             answers: tuple[float, float] | None = None) -> None:
         tr = self.cfg.train
         assert self.hb is not None
         step_time = win_time / max(n, 1)
@@ -504,6 +514,7 @@ class Trainer:
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
             "step_time_s": step_time, "fetch_ms": 1000 * fetch_s / max(n, 1), "tokens_seen": self.state.tokens_seen,
             "elapsed_s": elapsed, "eta_s": eta,
+            "answer_loss": answers[0] if answers else None, "answer_acc": answers[1] if answers else None,
         }
         shares = stats.get("gate_branch_shares")
         self.hb.emit(
@@ -515,6 +526,7 @@ class Trainer:
             gate_collapse_fraction=_float(stats.get("gate_collapse_fraction")),
             sel_keys_mean=_float(stats.get("sel_keys_mean")), fallback=_fallback_counts(), mfu=mfu,
             data_skipped=_skipped(loader_stats), data_warnings=list(self._seen_warnings),
+            answer_loss=row["answer_loss"], answer_acc=row["answer_acc"],
         )
         if not self.dist.is_main:
             return
@@ -528,6 +540,8 @@ class Trainer:
             "gate/collapse_fraction": _float(stats.get("gate_collapse_fraction")),
             "sel/keys_mean": _float(stats.get("sel_keys_mean")),
         }
+        if answers is not None:
+            scalars.update({"train/answer_loss": answers[0], "train/answer_acc": answers[1]})
         if shares is not None:
             scalars.update({f"gate/share_{b}": float(s) for b, s in zip(("cmp", "sel", "win"), shares, strict=False)})
         self.tb.scalars(scalars, step)
@@ -743,6 +757,13 @@ class Trainer:
             D.shutdown()
         if getattr(self, "_torch_settings", None) is not None:
             restore_runtime_settings(self._torch_settings)
+
+
+def _answer_scores(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[cross-entropy, accuracy]`` of the predictions at a synthetic task's answer positions."""
+    picked, want = logits[:, mask].float(), y[:, mask]
+    loss = torch.nn.functional.cross_entropy(picked.reshape(-1, picked.shape[-1]), want.reshape(-1))
+    return torch.stack([loss, (picked.argmax(-1) == want).float().mean()])
 
 
 def _float(v: Any) -> float | None:

@@ -82,6 +82,9 @@ def test_synthetic_sources_train_on_answers_only(task: str) -> None:
             key, value = int(x[row, t]), int(y[row, t])
             earlier = [p for p in range(t - 1) if int(x[row, p]) == key and p < 64 - 2 * int(mask.sum())]
             assert len(earlier) == 1 and int(x[row, earlier[0] + 1]) == value
+    with build_loader(cfg, get_tokenizer("byte"), seq_len=64, batch_size=1, seed=3) as loader:
+        x1, y1 = next(loader)
+    assert (x1 >= 0).all() and (y1[:, ~mask] == -100).all()  # one row: the inputs are not masked with y
     if task == "needle":  # random depths: the needle moves between episodes
         depths = {next(p for p in range(62) if int(x[r, p]) in LAYOUT.keys) for r in range(8)}
         assert len(depths) > 4

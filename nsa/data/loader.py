@@ -101,6 +101,7 @@ class Loader:
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         if self.cfg.loss_on == "answers":
             assert self.answer_mask is not None
+            y = y.clone()  # with one row, contiguous() returns views that share x's storage
             y[:, ~self.answer_mask] = -100
         if self._cuda:
             x, y = x.pin_memory(), y.pin_memory()

@@ -11,20 +11,23 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
+import json
 import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nsa.errors import NSAError, RunDirError
+from nsa.fileio import write_atomic
 from nsa.runs.reader import RunState, is_run_dir, read_run
 from nsa.runs.summary import RunSummary, step_ranges, summarize
 
 DEFAULT_OUT = Path("Documentation") / "Reports"
+EVAL_TASKS = ("needle", "mqar", "loss")  # RUN/eval/<task>.json written by `nsa eval`, in report order
 
 
 @dataclass
@@ -122,17 +125,6 @@ def _writing(target: Path) -> Iterator[None]:
                        hint="choose a writable folder with --out") from None
 
 
-def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(tmp)`` into a temporary file next to ``path``, then rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-
-
 def _fmt(v: Any, spec: str = ".4g", unit: str = "") -> str:
     if v is None:
         return "n/a"
@@ -204,7 +196,7 @@ def _charts(states: list[RunState], summaries: list[RunSummary], folder: Path) -
         fig.tight_layout()
         path = folder / fname
         try:
-            _write_atomic(path, functools.partial(fig.savefig, format="png"))
+            write_atomic(path, functools.partial(fig.savefig, format="png"))
         finally:
             plt.close(fig)
         out[key] = path
@@ -288,6 +280,7 @@ def _run_section(st: RunState, s: RunSummary, v: tuple[str, str], out_dir: Path,
     L.append("| fallback counters | " + (", ".join(f"`{k}`: {n}" for k, n in sorted(s.fallback.items())) or "none (0)") + " |")
     L.append(f"| unreadable heartbeat/CSV lines | {s.corrupt_lines} corrupt, {s.truncated_lines} truncated |")
     L.append("")
+    L += _eval_section(st.run_dir, out_dir, (images or {}).get("needle"))
     L += ["### Anomalies and halts", ""]
     if not s.anomalies and not s.halts and not s.pending_halt:
         L += ["None.", ""]
@@ -303,7 +296,8 @@ def _run_section(st: RunState, s: RunSummary, v: tuple[str, str], out_dir: Path,
         L.append(f"- end error: `{s.end.get('error')}`")
     L.append("")
     L += ["### Artifacts", ""]
-    for name in ("config.yaml", "env.json", "training.csv", "val.csv", "metrics.json", "heartbeat_rank0.jsonl", "tb", "export"):
+    for name in ("config.yaml", "env.json", "training.csv", "val.csv", "metrics.json", "heartbeat_rank0.jsonl", "tb", "export",
+                 "eval"):
         p = st.run_dir / name
         if p.exists():
             L.append(f"- {_link(p, out_dir, name)}")
@@ -315,6 +309,89 @@ def _run_section(st: RunState, s: RunSummary, v: tuple[str, str], out_dir: Path,
                 p = st.run_dir / "checkpoints" / Path(str(c["path"])).name
             L.append(f"- checkpoint ({c.get('reason')}, step {c.get('step')}): {_link(p, out_dir, p.name)}")
     L.append("")
+    return L
+
+
+def _eval_payloads(run_dir: Path) -> list[tuple[str, dict[str, Any] | None]]:
+    """``(task, payload or None when unreadable)`` for each ``RUN/eval/<task>.json`` present."""
+    out: list[tuple[str, dict[str, Any] | None]] = []
+    for task in EVAL_TASKS:
+        p = run_dir / "eval" / f"{task}.json"
+        if not p.is_file():
+            continue
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            data = None
+        ok = isinstance(data, dict) and isinstance(data.get("results"), list) and all(
+            isinstance(r, dict) for r in data["results"])
+        out.append((task, data if ok else None))
+    return out
+
+
+def _copy_eval_chart(run_dir: Path, folder: Path) -> Path | None:
+    """Copy ``RUN/eval/needle.png`` into the report's assets folder (None when absent or unreadable)."""
+    src = run_dir / "eval" / "needle.png"
+    try:
+        data = src.read_bytes() if src.is_file() else None
+    except OSError:
+        data = None
+    if data is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    dst = folder / "needle.png"
+    write_atomic(dst, lambda tmp: tmp.write_bytes(data))
+    return dst
+
+
+def _ctx(c: Any) -> str:
+    return f"{c // 1024}K" if isinstance(c, int) and c >= 1024 and c % 1024 == 0 else str(c)
+
+
+def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None) -> list[str]:
+    """The "Evaluation" section: one table per ``nsa eval`` task found in ``RUN/eval/`` (nothing when none)."""
+    found = _eval_payloads(run_dir)
+    if not found:
+        return []
+    L = ["### Evaluation", ""]
+    for task, data in found:
+        if data is None:
+            L += [f"- `eval/{task}.json` could not be read", ""]
+            continue
+        rows, st = data["results"], data.get("settings") or {}
+        ckpt = str(data.get("checkpoint") or "n/a")
+        with contextlib.suppress(ValueError):
+            ckpt = Path(ckpt).relative_to(run_dir).as_posix()
+        when = (data.get("env") or {}).get("date") or "n/a"
+        source = f"checkpoint `{ckpt}`, {when}, seed {st.get('seed')}"
+        if task == "needle":
+            contexts = sorted({r.get("context") for r in rows if isinstance(r.get("context"), int)})
+            depths = sorted({r.get("depth") for r in rows if isinstance(r.get("depth"), int | float)})
+            acc = {(r.get("context"), r.get("depth")): r.get("accuracy") for r in rows}
+            L += ["#### Needle retrieval", "",
+                  f"Accuracy of the value after the repeated key; rows = needle depth (0 = first token), columns = "
+                  f"context. {st.get('samples')} samples per cell, haystack {st.get('haystack')}; {source}.", ""]
+            L.append("| depth / context | " + " | ".join(_ctx(c) for c in contexts) + " |")
+            L.append("|---|" + "---|" * len(contexts))
+            for d in depths:
+                L.append(f"| {d:g} | " + " | ".join(_fmt(acc.get((c, d)), ".2f") for c in contexts) + " |")
+            L.append("")
+            if needle_png is not None:
+                L += [f"![needle retrieval heat map]({_rel(needle_png, out_dir)})", ""]
+        elif task == "mqar":
+            L += ["#### Multi-query associative recall", "",
+                  f"{st.get('pairs')} pairs, {st.get('queries')} queries, {st.get('samples')} samples per context, "
+                  f"haystack {st.get('haystack')}; {source}.", "",
+                  "| context | accuracy | keys asked |", "|---|---|---|"]
+            L += [f"| {_ctx(r.get('context'))} | {_fmt(r.get('accuracy'), '.3f')} | {_fmt(r.get('n'), ',')} |" for r in rows]
+            L.append("")
+        else:
+            L += ["#### Held-out loss", "",
+                  f"Validation split, {st.get('samples')} sequences per context; {source}.", "",
+                  "| context | loss | bits/byte | tokens |", "|---|---|---|---|"]
+            L += [f"| {_ctx(r.get('context'))} | {_fmt(r.get('loss'), '.4f')} | {_fmt(r.get('bits_per_byte'), '.4f')} "
+                  f"| {_fmt(r.get('n'), ',')} |" for r in rows]
+            L.append("")
     return L
 
 
@@ -387,7 +464,11 @@ def _write_report(
         folder = out / "assets" / (_slug(path.stem) if file else f"{date}-{_slug(name)}-v{n}")
         combined = _charts(states, summaries, folder) if len(states) > 1 else None
         for i, (st, s) in enumerate(zip(states, summaries, strict=True)):
-            imgs = _charts([st], [s], folder / f"run{i + 1}-{_slug(s.run_name)}") if len(states) > 1 else _charts([st], [s], folder)
+            run_folder = folder / f"run{i + 1}-{_slug(s.run_name)}" if len(states) > 1 else folder
+            imgs = _charts([st], [s], run_folder)
+            needle = _copy_eval_chart(st.run_dir, run_folder)
+            if needle is not None:
+                imgs["needle"] = needle
             per_run.append(imgs)
             images += list(imgs.values())
         if combined:
@@ -413,5 +494,5 @@ def _write_report(
     for st, s, verdict_, run_imgs in zip(states, summaries, verdicts, per_run, strict=True):
         L += _run_section(st, s, verdict_, out, run_imgs)
     text = "\n".join(L).rstrip() + "\n"
-    _write_atomic(path, lambda tmp: tmp.write_text(text))
+    write_atomic(path, lambda tmp: tmp.write_text(text))
     return ReportResult(path, summaries, verdicts, images)

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nsa.fileio import write_atomic
+
 HEARTBEAT_SCHEMA = 1
 COMMON_FIELDS = ("schema", "event", "ts", "rank", "pid", "step")
 
@@ -67,16 +69,9 @@ def _clean(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it into place; on any error (a full
-    disk, say) the temporary file is removed and ``path`` keeps its previous content."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(_clean(data), indent=2, default=str) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    """Write JSON atomically (``nsa.fileio.write_atomic``): on any error ``path`` keeps its content."""
+    text = json.dumps(_clean(data), indent=2, default=str) + "\n"
+    write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 class LineFile:

@@ -1,0 +1,124 @@
+"""The evaluation payload (JSON) and where it is saved: ``RUN/eval/<task>.json`` (+ ``needle.png``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from nsa.errors import RunDirError
+from nsa.fileio import write_atomic
+from nsa.runs.reader import is_run_dir
+
+
+def run_dir_of(path: str | Path) -> Path:
+    """The run directory a model path belongs to: the folder holding ``checkpoints/`` for a checkpoint,
+    the run for its ``export/`` folder, else the folder given (or holding the file given)."""
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    if folder.name == "export" and (is_run_dir(folder.parent) or (folder.parent / "checkpoints").is_dir()):
+        return folder.parent
+    if folder.parent.name == "checkpoints":
+        return folder.parent.parent
+    return folder
+
+
+def _jsonable(obj: Any) -> Any:
+    """Non-finite floats become None (JSON has no NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def build_payload(task: str, rows: list[dict[str, Any]], *, run: str | Path | None, checkpoint: str | Path | None,
+                  settings: dict[str, Any], env: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"task", "run", "checkpoint", "results", "settings", "env"}`` (``env`` defaults to
+    ``nsa.bench.attention.environment()``); non-finite numbers become null."""
+    if env is None:
+        from nsa.bench.attention import environment
+
+        env = environment()
+    payload = {"task": task, "run": None if run is None else str(run),
+               "checkpoint": None if checkpoint is None else str(checkpoint),
+               "results": rows, "settings": settings, "env": env}
+    return dict(_jsonable(payload))
+
+
+def to_json(payload: dict[str, Any]) -> str:
+    """The payload as indented JSON text (ends with a newline)."""
+    return json.dumps(_jsonable(payload), indent=2, allow_nan=False) + "\n"
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write the payload to ``path`` atomically (temporary file + rename); parents are created."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    text = to_json(payload)
+    write_atomic(p, lambda tmp: tmp.write_text(text))
+    return p
+
+
+def context_label(context: int) -> str:
+    """``4096 -> "4K"``, ``100 -> "100"``."""
+    return f"{context // 1024}K" if context >= 1024 and context % 1024 == 0 else str(context)
+
+
+def needle_heatmap(payload: dict[str, Any], path: str | Path) -> Path:
+    """The needle results as a heat map (x = context, y = depth, colour = accuracy, cells annotated),
+    written atomically as a PNG (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["results"]
+    contexts = sorted({int(r["context"]) for r in rows})
+    depths = sorted({float(r["depth"]) for r in rows})
+    acc = {(int(r["context"]), float(r["depth"])): r["accuracy"] for r in rows}
+    grid = [[acc.get((c, d)) for c in contexts] for d in depths]
+    values = [[float("nan") if v is None else float(v) for v in line] for line in grid]
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(contexts) + 2.5), max(3.0, 0.55 * len(depths) + 1.8)), dpi=100)
+    try:
+        im = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+        for i, line in enumerate(grid):
+            for j, v in enumerate(line):
+                dark = v is not None and not 0.2 <= v <= 0.8  # the colour map's dark ends
+                ax.text(j, i, "-" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=9,
+                        color="white" if dark else "black")
+        ax.set_xticks(range(len(contexts)), [context_label(c) for c in contexts])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth (0 = first token)")
+        name = Path(str(payload.get("run") or "model")).name
+        ax.set_title(f"needle retrieval: {name}")
+        fig.colorbar(im, ax=ax, label="accuracy")
+        fig.tight_layout()
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(p, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
+    return p
+
+
+def save_results(run_dir: str | Path | None, payload: dict[str, Any]) -> list[Path]:
+    """Write ``run_dir/eval/<task>.json`` (and ``needle.png`` for the needle task), atomically; returns
+    the paths (none when ``run_dir`` is None). A folder that cannot be written raises ``RunDirError``."""
+    if run_dir is None:
+        return []
+    folder = Path(run_dir) / "eval"
+    try:
+        paths = [write_json(folder / f"{payload['task']}.json", payload)]
+        if payload["task"] == "needle":
+            paths.append(needle_heatmap(payload, folder / "needle.png"))
+    except OSError as exc:
+        raise RunDirError(f"cannot write the results to {folder}: {exc.strerror or exc}",
+                          hint="the run directory is read-only? use --json PATH to keep them elsewhere") from None
+    return paths

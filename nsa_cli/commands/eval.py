@@ -1,0 +1,208 @@
+"""``nsa eval``: does a trained model retrieve (needle, MQAR), and what is its held-out loss?"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from nsa_cli.errors import fail, user_errors
+
+EPILOG = """\
+Examples:
+
+  nsa eval artifacts/tiny --task needle --contexts 64,128 --depths 0,0.5,1 --samples 16
+
+  nsa eval artifacts/prod --task needle --contexts 4k,16k --haystack text
+
+  nsa eval artifacts/prod --task mqar --contexts 4096 --pairs 8 --queries 8
+
+  nsa eval artifacts/prod/checkpoints/step_00050000 --task loss --contexts 2048,8192 --json loss.json
+
+Results go to RUN/eval/<task>.json (and RUN/eval/needle.png, a depth x context heat map) unless
+--no-save; `nsa report RUN` shows them. --json PATH writes the same payload there (- for stdout).
+Exit code 0 on success, 2 for bad input (unknown task, a context above model.max_seq_len or too
+short for the task, a depth outside [0, 1], a path without weights).
+"""
+
+DEFAULT_SAMPLES = {"needle": 32, "mqar": 32, "loss": 16}
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    out = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        scale = 1024 if part[-1] in "kK" else 1
+        try:
+            out.append(int(part[:-1] if scale > 1 else part) * scale)
+        except ValueError:
+            raise fail(f"{flag} {text!r} must be comma-separated integers", hint="e.g. 4096,16384 or 4k,16k") from None
+    if not out:
+        raise fail(f"{flag} {text!r} lists nothing", hint="e.g. 4096,16384")
+    return out
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        out = [float(p) for p in text.replace(" ", "").split(",") if p]
+    except ValueError:
+        raise fail(f"{flag} {text!r} must be comma-separated numbers", hint="e.g. 0,0.25,0.5,0.75,1") from None
+    if not out:
+        raise fail(f"{flag} {text!r} lists nothing", hint="e.g. 0,0.5,1")
+    return out
+
+
+def _style(acc: float) -> str:
+    return "green" if acc >= 0.9 else "yellow" if acc >= 0.5 else "red"
+
+
+def _table(payload: dict[str, Any]) -> tuple[str, Any]:
+    """A heading line and the Rich table of the results."""
+    from rich.table import Table
+
+    from nsa.eval.results import context_label
+
+    task, rows, s = payload["task"], payload["results"], payload["settings"]
+    name = Path(str(payload["run"])).name
+    if task == "needle":
+        contexts = sorted({r["context"] for r in rows})
+        depths = sorted({r["depth"] for r in rows})
+        acc = {(r["context"], r["depth"]): r["accuracy"] for r in rows}
+        heading = f"needle accuracy of {name} ({s['samples']} samples per cell, haystack {s['haystack']})"
+        t = Table()
+        t.add_column("depth \\ context", justify="right")
+        for c in contexts:
+            t.add_column(context_label(c), justify="right")
+        for d in depths:
+            cells = [acc.get((c, d)) for c in contexts]
+            t.add_row(f"{d:g}", *("-" if v is None else f"[{_style(v)}]{v:.2f}[/]" for v in cells))
+        return heading, t
+    if task == "mqar":
+        heading = f"MQAR accuracy of {name} ({s['pairs']} pairs, {s['queries']} queries, {s['samples']} samples)"
+        t = Table()
+        for col in ("context", "accuracy", "keys asked"):
+            t.add_column(col, justify="right")
+        for r in rows:
+            t.add_row(str(r["context"]), f"[{_style(r['accuracy'])}]{r['accuracy']:.3f}[/]", str(r["n"]))
+        return heading, t
+    heading = f"held-out loss of {name} on the val split ({s['samples']} sequences per context)"
+    t = Table()
+    for col in ("context", "loss", "bits/byte", "tokens"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        loss, bpb = r["loss"], r["bits_per_byte"]
+        t.add_row(str(r["context"]), "n/a" if loss is None else f"{loss:.4f}", "n/a" if bpb is None else f"{bpb:.4f}",
+                  f"{r['n']:,}")
+    return heading, t
+
+
+def eval_cmd(
+    path: Annotated[Path, typer.Argument(help="Run directory, its export/ folder, a checkpoint folder or file.")],
+    task: Annotated[str, typer.Option("--task", help="needle, mqar or loss.")],
+    contexts: Annotated[str | None, typer.Option(
+        "--contexts", help="Comma-separated context lengths (4k = 4096); default the run's train.seq_len.")] = None,
+    depths: Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1] (0 = first token).")] = "0,0.25,0.5,0.75,1",
+    samples: Annotated[int | None, typer.Option(
+        "--samples", min=1, help="Episodes per cell (needle 32, mqar 32) or val sequences per context (loss 16).")] = None,
+    pairs: Annotated[int, typer.Option("--pairs", min=1, help="MQAR key/value pairs per episode.")] = 8,
+    queries: Annotated[int | None, typer.Option("--queries", min=1, help="MQAR keys asked (default: --pairs).")] = None,
+    haystack: Annotated[str, typer.Option(
+        "--haystack", help="random (uniform filler) or text (the run's val split).")] = "random",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the episodes (results are reproducible).")] = 0,
+    batch_size: Annotated[int | None, typer.Option(
+        "--batch-size", min=1, help="Sequences per forward (default: about 32k tokens).")] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    json_out: Annotated[str | None, typer.Option("--json", help="Also write the results JSON here (- for stdout).")] = None,
+    no_save: Annotated[bool, typer.Option("--no-save", help="Do not write RUN/eval/<task>.json (and needle.png).")] = False,
+) -> None:
+    """Score a trained model on needle retrieval or MQAR at chosen contexts, or its held-out loss.
+
+    Example: nsa eval artifacts/tiny --task needle --contexts 64,128 --depths 0,0.5,1 --samples 16
+    """
+    from nsa_cli import render
+
+    with user_errors():
+        from nsa.errors import ConfigError, NSAError
+        from nsa.eval.tasks import HAYSTACKS, TASKS, check_contexts, check_depths, resolve_device
+
+        if task not in TASKS:
+            raise ConfigError(f"unknown task {task!r}", hint=f"use --task {'|'.join(TASKS)}")
+        if haystack not in HAYSTACKS:
+            raise ConfigError(f"--haystack {haystack!r} must be random or text")
+        q = pairs if queries is None else queries
+        ctx_list = _ints(contexts, "--contexts") if contexts is not None else None
+        depth_list = check_depths(_floats(depths, "--depths")) if task == "needle" else None
+        if ctx_list is not None:  # what can be checked before the model is loaded
+            check_contexts(ctx_list, task, None, pairs, q)
+        n = samples or DEFAULT_SAMPLES[task]
+        dev = resolve_device(device)
+
+        from nsa.data.retrieval import TaskLayout
+        from nsa.data.tokenizers import get_tokenizer
+        from nsa.eval.results import build_payload, run_dir_of, save_results, to_json, write_json
+        from nsa.model.load import load_model
+
+        loaded = load_model(path, device=dev)
+        cfg, model = loaded.config, loaded.model
+        limit = cfg.model.max_seq_len
+        if ctx_list is None:
+            ctx_list = [min(cfg.train.seq_len, limit)]
+            check_contexts(ctx_list, task, None, pairs, q)
+        ctx_list = check_contexts(ctx_list, task, limit, pairs, q)
+        tok = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+        console = render.console(stderr=json_out == "-")
+        typer.echo(f"[{loaded.source}, {dev}, task {task}, contexts {','.join(map(str, ctx_list))}]", err=True)
+
+        settings: dict[str, Any] = {"samples": n, "depths": depth_list, "contexts": ctx_list,
+                                    "haystack": haystack if task != "loss" else None,
+                                    "pairs": pairs if task == "mqar" else None, "queries": q if task == "mqar" else None,
+                                    "seed": seed, "batch_size": batch_size, "device": str(dev)}
+        if task == "loss":
+            from nsa.eval.tasks import TOKENS_PER_BATCH, eval_loss
+
+            bs = batch_size or max(1, min(n, TOKENS_PER_BATCH // max(ctx_list)))
+            batches = math.ceil(n / bs)
+            settings.update(samples=batches * bs, batch_size=bs, batches=batches, seed=cfg.train.seed)
+            rows = eval_loss(model, cfg, tok, ctx_list, batches, batch_size=bs, device=dev, max_seq_len=limit)
+        else:
+            from nsa.eval.tasks import eval_mqar, eval_needle, text_haystack
+
+            layout = TaskLayout.for_vocab(min(cfg.model.vocab_size, tok.vocab_size), tok.eot_id)
+            text = None
+            if haystack == "text":
+                text = text_haystack(cfg, tok, 2 * max(ctx_list), seq_len=max(ctx_list))
+            if task == "needle":
+                assert depth_list is not None
+                rows = eval_needle(model, layout, ctx_list, depth_list, n, seed=seed, device=dev,
+                                   batch_size=batch_size, haystack=haystack, text_tokens=text, max_seq_len=limit)
+            else:
+                rows = eval_mqar(model, layout, ctx_list, n, pairs=pairs, queries=q, seed=seed, device=dev,
+                                 batch_size=batch_size, haystack=haystack, text_tokens=text, max_seq_len=limit)
+        run_dir = run_dir_of(path)
+        payload = build_payload(task, rows, run=run_dir, checkpoint=loaded.source, settings=settings)
+
+        heading, table = _table(payload)
+        console.print(heading, highlight=False)
+        console.print(table)
+        written: list[Path] = []
+        if not no_save:
+            try:
+                written = save_results(run_dir, payload)
+            except NSAError as exc:
+                typer.echo(f"warning: results not saved in the run directory: {exc.one_line()}", err=True)
+        if json_out == "-":
+            typer.echo(to_json(payload), nl=False)
+        elif json_out is not None:
+            try:
+                written.append(write_json(json_out, payload))
+            except OSError as exc:
+                raise fail(f"cannot write --json {json_out}: {exc.strerror or exc}", hint="choose a writable path") from None
+        for p in written:
+            console.print(f"saved {p}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval", epilog=EPILOG)(eval_cmd)

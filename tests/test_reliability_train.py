@@ -333,3 +333,35 @@ def test_alloc_conf_is_set_before_the_runtime_looks_at_cuda(tmp_path: Path, monk
     t = Trainer(resolve(tmp_path / "run", 2, runtime__alloc_conf="expandable_segments:True"), console=quiet())
     assert t.alloc_conf_note is not None and "max_split_size_mb:64" in t.alloc_conf_note
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"  # the user's explicit value stays
+
+
+def test_sigusr1_dumps_every_thread_without_stopping(tmp_path: Path) -> None:
+    """The stack dump runs in its own thread under the GIL (never reads a running thread's frames)."""
+    import threading
+
+    from nsa.train.signals import SignalFlags
+
+    busy = threading.Event()
+
+    def worker() -> None:
+        while not busy.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=worker, name="busy-worker", daemon=True)
+    t.start()
+    flags = SignalFlags()
+    dump = tmp_path / "stackdump_rank0.txt"
+    flags.install(dump)
+    try:
+        for _ in range(20):  # repeated dumps while another thread runs: the process survives each
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.01)
+        deadline = time.time() + 10
+        while "Thread busy-worker" not in dump.read_text() and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        flags.uninstall()
+        busy.set()
+    text = dump.read_text()
+    assert "Thread MainThread" in text and "Thread busy-worker" in text and "in worker" in text
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL

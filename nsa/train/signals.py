@@ -2,15 +2,23 @@
 
 SIGTERM / SIGINT: halt gracefully (checkpoint, ``halt`` event, exit 0). A second SIGINT (Ctrl-C twice)
 stops at once; repeated SIGTERMs do not (a scheduler and torchrun may both send one).
-SIGUSR1: append the stacks of all threads to ``stackdump_rank{r}.txt`` (works even while the main
-thread is blocked inside C code, e.g. a stuck collective). SIGUSR2: save a checkpoint now and continue.
+SIGUSR1: append the stacks of all threads to ``stackdump_rank{r}.txt``. The C-level signal handler
+writes the signal number to a wakeup pipe (``signal.set_wakeup_fd``) and a dumper thread formats
+``sys._current_frames()`` under the GIL, so the dump works while the main thread is blocked inside C
+code that released the GIL (a stuck collective, a stalled read) and never reads another thread's
+frames while that thread runs (``faulthandler``'s all-thread dump can crash the process that way).
+SIGUSR2: save a checkpoint now and continue.
 """
 
 from __future__ import annotations
 
-import faulthandler
+import os
+import select
 import signal
+import sys
 import threading
+import time
+import traceback
 from pathlib import Path
 from types import FrameType
 from typing import IO
@@ -24,6 +32,9 @@ class SignalFlags:
         self.save_now = False
         self._previous: dict[int, object] = {}
         self._dump_file: IO[str] | None = None
+        self._pipe: tuple[int, int] | None = None
+        self._old_wakeup = -1
+        self._dumper: threading.Thread | None = None
 
     # -- handlers ---------------------------------------------------------------------------------
     def _on_halt(self, signum: int, frame: FrameType | None) -> None:
@@ -48,14 +59,56 @@ class SignalFlags:
         ):
             self._previous[sig] = signal.signal(sig, handler)
         if stackdump_path is not None:
-            self._dump_file = open(stackdump_path, "a")  # noqa: SIM115 - kept open for faulthandler
-            faulthandler.register(signal.SIGUSR1, file=self._dump_file, all_threads=True, chain=False)
+            self._dump_file = open(stackdump_path, "a")  # noqa: SIM115 - kept open for the dumper
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            self._pipe = (r, w)
+            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+            self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            self._dumper = threading.Thread(target=self._dump_loop, args=(r,), name="nsa-stackdump", daemon=True)
+            self._dumper.start()
+
+    def _dump_loop(self, fd: int) -> None:
+        """Wait for signal numbers on the wakeup pipe; on SIGUSR1 append every thread's stack."""
+        while True:
+            select.select([fd], [], [])
+            try:
+                data = os.read(fd, 64)
+            except OSError:
+                return
+            if not data:  # the write end was closed: uninstall
+                return
+            if signal.SIGUSR1 in data and self._dump_file is not None:
+                with_stacks = dump_stacks()
+                try:
+                    self._dump_file.write(with_stacks)
+                    self._dump_file.flush()
+                except (OSError, ValueError):
+                    return
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)  # type: ignore[arg-type]
         self._previous.clear()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._old_wakeup)
+            r, w = self._pipe
+            os.close(w)  # the dumper reads end-of-file and returns
+            if self._dumper is not None:
+                self._dumper.join(timeout=5)
+            os.close(r)
+            self._pipe, self._dumper = None, None
         if self._dump_file is not None:
-            faulthandler.unregister(signal.SIGUSR1)
             self._dump_file.close()
             self._dump_file = None
+
+
+def dump_stacks() -> str:
+    """Every thread's Python stack, most recent call first, as text."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    lines = [f"# stack dump {time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()}"]
+    for ident, frame in sys._current_frames().items():
+        lines.append(f"Thread {names.get(ident, '?')} ({ident:#x}) (most recent call first):")
+        for entry in reversed(traceback.extract_stack(frame)):
+            lines.append(f'  File "{entry.filename}", line {entry.lineno} in {entry.name}')
+    return "\n".join(lines) + "\n\n"

@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from nsa.config_section import ConfigSection
 from nsa.data.config import DataConfig
+from nsa.runs.config import MonitorConfig
 from nsa.errors import ConfigError
 from nsa.train.config import TrainConfig
 
@@ -124,6 +125,7 @@ class RunConfig(_Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -184,7 +186,7 @@ def read_yaml(path: Path, what: str = "config") -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{what} {path} must be a mapping of sections (model, nsa, runtime, train, data)")
+        raise ConfigError(f"{what} {path} must be a mapping of sections (model, nsa, runtime, train, data, monitor)")
     return data
 
 

@@ -89,7 +89,23 @@ class Profile(_Strict):
     settings: dict[str, Any] = Field(default_factory=dict)
     train: ProfileTrain = Field(default_factory=ProfileTrain)
     smoke: ProfileSmoke = Field(default_factory=ProfileSmoke)
+    monitor: dict[str, Any] = Field(default_factory=dict, description="monitor.* values (watch thresholds, report limits)")
     path: str | None = None
+
+    @field_validator("monitor", mode="before")
+    @classmethod
+    def _monitor(cls, value: Any) -> dict[str, Any]:
+        from nsa.runs.config import MonitorConfig
+
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ValueError("must be a mapping of monitor keys to values")
+        unknown = sorted(set(value) - set(MonitorConfig.model_fields))
+        if unknown:
+            raise ValueError(f"unknown monitor key(s) {', '.join(unknown)}")
+        MonitorConfig.model_validate(value)
+        return dict(value)
 
     @field_validator("settings", mode="before")
     @classmethod
@@ -135,6 +151,8 @@ class Profile(_Strict):
             tree.setdefault(section, {})[key] = value
         for key, value in self.train.model_dump(exclude_none=True).items():
             tree.setdefault("train", {})[key] = value
+        for key, value in self.monitor.items():
+            tree.setdefault("monitor", {})[key] = value
         return tree
 
 

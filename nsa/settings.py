@@ -107,6 +107,49 @@ def _environ(environ: dict[str, str] | None) -> dict[str, str]:
     return dict(os.environ) if environ is None else dict(environ)
 
 
+# Knobs of the older system (../shared/seed-runbooks) -> what replaced them (docs/migrating.md).
+LEGACY_VARS: dict[str, str] = {
+    "NSA_USE_FA2": "replaced by NSA_WINDOW_BACKEND=flash|triton|flex|torch (runtime.window_backend)",
+    "NSA_USE_FA2_WIN": "replaced by NSA_WINDOW_BACKEND (runtime.window_backend)",
+    "NSA_USE_FA2_CMP": "gone: the compressed branch has its own kernel on every backend",
+    "NSA_FA2_MIN_LEN_WIN": "gone: the dispatcher picks the window path per call",
+    "NSA_FA2_MIN_LEN_CMP": "gone: the compressed branch has its own kernel on every backend",
+    "NSA_SDPA_NO_FLASH": "gone: dense attention uses torch's SDPA backend choice",
+    "NSA_SEL_RANGES_V2": "replaced by NSA_ATTN_BACKEND=triton|torch|reference (one dispatcher, same result on every path)",
+    "NSA_SEL_RANGES_V2_MIN_S": "gone: the dispatcher picks the selection path per call",
+    "NSA_USE_SEL_PACK": "replaced by NSA_ATTN_BACKEND (runtime.attn_backend)",
+    "NSA_USE_SEL_VARLEN": "replaced by NSA_ATTN_BACKEND (runtime.attn_backend)",
+    "NSA_USE_SEL_MASK": "replaced by NSA_ATTN_BACKEND=torch (the masked vectorised path)",
+    "NSA_FORCE_SEL_MASK": "replaced by NSA_ATTN_BACKEND=torch (the masked vectorised path)",
+    "NSA_USE_TRITON_SEL": "replaced by NSA_ATTN_BACKEND=triton (or torch to avoid Triton)",
+    "NSA_FORCE_PARITY": "replaced by NSA_ATTN_BACKEND=reference (the float64-exact reference)",
+    "NSA_PREFILL_BATCHED": "gone: prefill is always one batched pass (nsa.model.cache)",
+    "NSA_PREFILL_TILE": "gone: prefill is always one batched pass (nsa.model.cache)",
+    "NSA_FWE_Q": "replaced by NSA_PREFETCH_DEPTH (data.prefetch_depth)",
+    "NSA_FWE_PREFETCH": "replaced by NSA_PREFETCH_DEPTH (0 turns prefetch off)",
+    "NSA_FWE_DOC_BATCH": "gone: the loader streams documents; tune NSA_PREFETCH_DEPTH",
+    "NSA_FWE_WARMUP_BATCHES": "gone: the first batch is prefetched during set-up and its time reported",
+    "NSA_FWE_WARMUP_TIMEOUT": "replaced by NSA_LOADER_TIMEOUT (data.timeout_s)",
+    "NSA_SDPA_AUDIT": "gone: nsa smoke checks every fast path against the reference",
+    "NSA_DEBUG_COMPARE": "gone: nsa smoke checks every fast path against the reference",
+    "NSA_DEBUG_TIMING": "replaced by nsa bench attention|train and the heartbeat's step/fetch times",
+    "NSA_STRICT_ASSERTS": "gone: the spec's checks run in the test suite and nsa smoke, not at train time",
+    "NSA_ENV_STATIC": "gone: settings are read once at start and recorded in env.json",
+    "NSA_ROPE_SCALE": "gone: set model.rope_theta instead",
+}
+
+
+def describe_unknown(name: str) -> str:
+    """An unknown ``NSA_*`` name with what replaced it (older system's knob) or the closest known name."""
+    import difflib
+
+    upper = name.upper()
+    if upper in LEGACY_VARS:
+        return f"{name} (older system: {LEGACY_VARS[upper]})"
+    close = difflib.get_close_matches(upper, sorted(KNOWN), n=1)
+    return f"{name} (did you mean {close[0]}?)" if close else name
+
+
 def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
     """``NSA_*`` names in the environment that no setting reads (likely typos)."""
     env = _environ(environ)

@@ -7,7 +7,6 @@ short dataset timeout).
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import platform
 import re
@@ -76,19 +75,23 @@ def _check_profile(ctx: _Context, name: str | None, error: NSAError | None) -> C
 def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> Check:
     if error is not None:
         return failed("config", error.message, error.hint or "fix the config or the NSA_* variable named")
+    from nsa.train.runtime import long_run_warnings
+
     cfg = ctx.cfg
     t = cfg.train
     what = ctx.resolved.config_path or "defaults"
-    return passed(
-        "config",
-        f"{Path(what).name}: {cfg.model.attention} dim {cfg.model.dim} x {cfg.model.n_layers} layers, "
-        f"seq_len {t.seq_len}, batch {t.batch_size} x accum {t.accum}, {t.steps} steps",
-        path=ctx.resolved.config_path,
-    )
+    summary = (f"{Path(what).name}: {cfg.model.attention} dim {cfg.model.dim} x {cfg.model.n_layers} layers, "
+               f"seq_len {t.seq_len}, batch {t.batch_size} x accum {t.accum}, {t.steps} steps")
+    concerns = long_run_warnings(cfg)
+    if concerns:
+        return warned("config", f"{summary}; " + "; ".join(concerns),
+                      "fine for a short test; for a real run set the keys named", path=ctx.resolved.config_path,
+                      concerns=concerns)
+    return passed("config", summary, path=ctx.resolved.config_path)
 
 
 def _check_env(ctx: _Context) -> Check:
-    from nsa.settings import KNOWN, settings_table, unknown_variables
+    from nsa.settings import describe_unknown, settings_table, unknown_variables
 
     unknown = unknown_variables(ctx.environ)
     try:
@@ -96,14 +99,10 @@ def _check_env(ctx: _Context) -> Check:
     except NSAError as exc:
         return failed("env", exc.message, exc.hint or "")
     if unknown:
-        guesses = []
-        for name in unknown:
-            close = difflib.get_close_matches(name.upper(), sorted(KNOWN), n=1)
-            guesses.append(f"{name} (did you mean {close[0]}?)" if close else name)
         return warned(
             "env",
-            f"unknown NSA_* variable(s) ignored: {', '.join(guesses)}",
-            "unset or rename them; `nsa profiles show` lists the known settings",
+            f"unknown NSA_* variable(s) ignored: {'; '.join(describe_unknown(n) for n in unknown)}",
+            "unset or rename them (docs/migrating.md maps the older system's knobs); `nsa profiles show` lists the known settings",
             unknown=unknown,
         )
     return passed("env", f"{len(rows)} NSA_* setting(s) set, no unknown names",

@@ -27,6 +27,9 @@ class TrainConfig(ConfigSection):
     eval_every: int = Field(0, ge=0, description="0 disables evaluation")
     eval_batches: int = Field(8, ge=1)
     log_every: int = Field(10, ge=1)
+    heartbeat_every: int | None = Field(
+        None, ge=1, description="progress heartbeat cadence in steps (default: log_every; 1 = every step)"
+    )
     out_dir: str = "artifacts/run"
     resume: str | None = Field(None, description="'auto', a checkpoint path, or null")
     run_name: str | None = Field(None, description="name in reports; default: the out_dir folder name")

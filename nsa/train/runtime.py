@@ -96,6 +96,31 @@ def check_training_config(cfg: RunConfig) -> None:
         )
 
 
+LONG_RUN_STEPS = 1000
+
+
+def long_run_warnings(cfg: RunConfig) -> list[str]:
+    """Settings a long run (``train.steps >= 1000``) should not have; each a line naming the key."""
+    tr, out = cfg.train, []
+    long = tr.steps >= LONG_RUN_STEPS
+    if long and (tr.save_every == 0 or tr.save_every >= tr.steps):
+        out.append(f"train.save_every={tr.save_every}: no periodic checkpoint in a {tr.steps}-step run, so a crash "
+                   f"loses everything since the start (set e.g. train.save_every={max(100, tr.steps // 20)})")
+    if long and tr.eval_every == 0:
+        out.append(f"train.eval_every=0: no held-out loss over {tr.steps} steps (set e.g. train.eval_every="
+                   f"{max(100, tr.steps // 20)})")
+    if long and tr.log_every > tr.steps // 20:
+        out.append(f"train.log_every={tr.log_every}: fewer than 20 progress points over {tr.steps} steps")
+    if tr.keep_last < 2 and tr.save_every > 0:
+        out.append("train.keep_last=1: a corrupted newest checkpoint leaves none to fall back to (keep 2 or more)")
+    if cfg.data.synthetic_on_fail and cfg.data.source != "synthetic":
+        out.append(f"data.synthetic_on_fail=true: an outage of data.source={cfg.data.source} would train on "
+                   "synthetic tokens (loudly recorded, but the run goes on)")
+    if long and cfg.runtime.deterministic and cfg.runtime.device != "cpu":
+        out.append("runtime.deterministic=true: deterministic GPU kernels are slower; meant for debugging")
+    return out
+
+
 def apply_alloc_conf(cfg: RunConfig) -> str | None:
     """Set ``PYTORCH_CUDA_ALLOC_CONF`` from ``runtime.alloc_conf`` (``NSA_ALLOC_CONF``). The CUDA
     caching allocator reads it once, when CUDA is first initialised, so this must run before anything

@@ -32,6 +32,7 @@ from nsa.train.runtime import (
     apply_alloc_conf,
     apply_runtime_settings,
     check_training_config,
+    long_run_warnings,
     resolve_runtime,
     restore_runtime_settings,
     rng_state,
@@ -240,6 +241,9 @@ class Trainer:
             ckpt.clean_partials(self.run_dir)
             archived = rundir.archive_stale_halt(self.run_dir)
         D.barrier(self.dist)
+        log_name = "train.log" if self.dist.rank == 0 else f"train_rank{self.dist.rank}.log"
+        self.display.attach_log(self.run_dir / log_name)
+        self._opened.append(self.display)
         self.hb = Heartbeat(self.run_dir, self.dist.rank)
         self._opened.append(self.hb)
         self.hb.emit(
@@ -260,8 +264,13 @@ class Trainer:
             self.display.warn(f"skipped checkpoint {verdict.path.name}: {verdict.reason}")
         if self.alloc_conf_note:
             self.display.warn(self.alloc_conf_note)
+        for concern in long_run_warnings(cfg):
+            self.display.warn(concern)
         if self.resolved.unknown_env:
-            self.display.warn(f"unknown NSA_* variables ignored: {', '.join(self.resolved.unknown_env)}")
+            from nsa.settings import describe_unknown
+
+            names = "; ".join(describe_unknown(n) for n in self.resolved.unknown_env)
+            self.display.warn(f"unknown NSA_* variables ignored: {names} (see docs/migrating.md)")
 
         # model, optimizer, schedule
         self.model: Any = _build_model(cfg).to(self.rt.device)
@@ -452,6 +461,9 @@ class Trainer:
             if step == 1 or step % tr.log_every == 0 or step == tr.steps:
                 self._log(step, loss_value, lr, norm_value, win_steps, win_time, win_fetch, answers)
                 win_steps, win_time, win_fetch = 0, 0.0, 0.0
+            elif tr.heartbeat_every is not None and step % tr.heartbeat_every == 0:
+                self._log(step, loss_value, lr, norm_value, win_steps, win_time, win_fetch, answers,
+                          heartbeat_only=True)
             else:
                 self.display.step(step)
             if self.val_loader is not None and (step % tr.eval_every == 0 or step == tr.steps):
@@ -498,7 +510,9 @@ class Trainer:
 
     # -- logging and evaluation ----------------------------------------------------------------------
     def _log(self, step: int, loss: float, lr: float, grad_norm: float, n: int, win_time: float, fetch_s: float,
-             answers: tuple[float, float] | None = None) -> None:
+             answers: tuple[float, float] | None = None, heartbeat_only: bool = False) -> None:
+        """A log step: the heartbeat's ``progress`` event, a CSV row, TensorBoard and the console line
+        (``heartbeat_only``: the event alone, for ``train.heartbeat_every`` between log steps)."""
         tr = self.cfg.train
         assert self.hb is not None
         step_time = win_time / max(n, 1)
@@ -515,6 +529,7 @@ class Trainer:
             "step_time_s": step_time, "fetch_ms": 1000 * fetch_s / max(n, 1), "tokens_seen": self.state.tokens_seen,
             "elapsed_s": elapsed, "eta_s": eta,
             "answer_loss": answers[0] if answers else None, "answer_acc": answers[1] if answers else None,
+            "fetch_p50_ms": loader_stats.get("fetch_p50_ms"), "fetch_p95_ms": loader_stats.get("fetch_p95_ms"),
         }
         shares = stats.get("gate_branch_shares")
         self.hb.emit(
@@ -528,7 +543,11 @@ class Trainer:
             data_skipped=_skipped(loader_stats), data_warnings=list(self._seen_warnings),
             answer_loss=row["answer_loss"], answer_acc=row["answer_acc"],
         )
+        if heartbeat_only:
+            self.display.step(step)
+            return
         if not self.dist.is_main:
+            self.display.log(row)  # into this rank's log file
             return
         assert self.csv is not None and self.tb is not None
         self.csv.row(row)

@@ -114,9 +114,13 @@ def show_cmd(
         t.add_row(r["key"], str(r["value"]), f"[{style}]{r['source']}[/]" if style else r["source"])
     con.print(t)
     if resolved.unknown_env:
+        from nsa.settings import describe_unknown
+
         render.console(stderr=True).print(
-            f"[bold yellow]warning[/]: unknown NSA_* variable(s) ignored: {', '.join(resolved.unknown_env)} "
-            "(hint: check the spelling; known names are in nsa/settings.py)"
+            f"[bold yellow]warning[/]: unknown NSA_* variable(s) ignored: "
+            f"{'; '.join(describe_unknown(n) for n in resolved.unknown_env)} "
+            "(hint: docs/migrating.md maps the older system's knobs; known names are in nsa/settings.py)",
+            highlight=False,
         )
 
 

@@ -17,8 +17,8 @@ from pydantic import Field, ValidationError, model_validator
 
 from nsa.config_section import ConfigSection
 from nsa.data.config import DataConfig
-from nsa.runs.config import MonitorConfig
 from nsa.errors import ConfigError
+from nsa.runs.config import MonitorConfig
 from nsa.train.config import TrainConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"

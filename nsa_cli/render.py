@@ -101,3 +101,34 @@ def fmt_duration(seconds: float | None) -> str:
     if s >= 60:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s}s"
+
+
+def fit_left(text: str, width: int) -> str:
+    """``text``, or its end with a leading ``…`` when longer than ``width`` (paths keep their tail)."""
+    if width <= 0:
+        return ""
+    return text if len(text) <= width else "…" + text[len(text) - width + 1:]
+
+
+def fit(text: str, width: int) -> str:
+    """``text``, or its start with a trailing ``…`` when longer than ``width``."""
+    if width <= 0:
+        return ""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def pack(segments: list[str], width: int, sep: str = " | ") -> list[str]:
+    """Segments joined by ``sep`` into lines of at most ``width`` characters, never splitting a segment
+    (a segment longer than a line is shortened with ``…``)."""
+    lines: list[str] = []
+    cur = ""
+    for seg in (fit(s, width) for s in segments if s):
+        if cur and len(cur) + len(sep) + len(seg) <= width:
+            cur += sep + seg
+        else:
+            if cur:
+                lines.append(cur)
+            cur = seg
+    if cur:
+        lines.append(cur)
+    return lines

@@ -214,7 +214,7 @@ def test_summary_numbers(tmp_path: Path) -> None:
 def test_parse_rules() -> None:
     rules = {r.name: r.threshold for r in parse_rules("stale=120, nonfinite,fetch-stall=5000ms")}
     assert rules == {"stale": 120.0, "nonfinite": None, "fetch-stall": 5000.0}
-    assert len(parse_rules("all")) == 5
+    assert len(parse_rules("all")) == 10  # every rule of nsa.runs.rules.RULES
     assert parse_rules(None) == []
     for bad in ("bogus", "stale=abc", "nonfinite=3", "stale=-1"):
         with pytest.raises(ConfigError):
@@ -226,7 +226,7 @@ def test_parse_rules() -> None:
     [
         ("nonfinite", {"nonfinite_at": 20}),
         ("gate-collapse", {"collapse": 0.8}),
-        ("throughput-drop", {"steps": 80, "tps_drop_after": 55}),
+        ("throughput-drop", {"steps": 80, "tps_drop_after": 55, "dt_s": 30.0}),  # slow for 750 s >= 600 s
         ("fetch-stall", {"fetch_p95_ms": 9000.0}),
         ("stale", {"dt_s": 1.0, "ts0": time.time() - 5000}),
     ],
@@ -329,7 +329,7 @@ def test_report_running_and_comparison(tmp_path: Path) -> None:
     assert "## Comparison" in text and "| s512 | 512 |" in text and "| s1024 | 1024 |" in text
     assert [v for v, _ in res.verdicts] == ["PASS", "RUNNING"]
     assert "**Overall verdict: RUNNING**" in text
-    assert len(res.images) == 6
+    assert len(res.images) == 14  # 7 charts per run (nsa.runs.charts)
 
 
 def test_newest_run_and_verdict_rules(tmp_path: Path) -> None:

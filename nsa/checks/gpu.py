@@ -48,8 +48,22 @@ def _try(fn: Any, *args: Any) -> Any:
         return None
 
 
-def query_gpus(own_pids: set[int] | None = None) -> GpuProbe:
-    """Count, names, memory, versions, capability, ECC, temperature, utilisation and foreign processes."""
+def _basic_info(pynvml: Any, i: int) -> tuple[Any, GpuInfo]:
+    """Handle and name, memory, temperature, utilisation and power of GPU ``i``."""
+    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+    info = GpuInfo(i, _text(pynvml.nvmlDeviceGetName(h)), mem.total / MIB, mem.free / MIB)
+    info.temperature_c = _try(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
+    util = _try(pynvml.nvmlDeviceGetUtilizationRates, h)
+    info.utilization_pct = float(util.gpu) if util is not None else None
+    power = _try(pynvml.nvmlDeviceGetPowerUsage, h)
+    info.power_w = power / 1000.0 if power is not None else None
+    return h, info
+
+
+def query_gpus(own_pids: set[int] | None = None, details: bool = True) -> GpuProbe:
+    """Count, names, memory, versions, capability, ECC, temperature, utilisation, power and foreign processes;
+    ``details=False`` (a dashboard's refresh) reads only names, memory, utilisation, temperature and power."""
     try:
         import pynvml
     except ImportError:
@@ -60,23 +74,19 @@ def query_gpus(own_pids: set[int] | None = None) -> GpuProbe:
         return GpuProbe(False, f"NVML unavailable ({_text(exc) or type(exc).__name__})")
     try:
         probe = GpuProbe(True)
+        if not details:
+            probe.gpus = [_basic_info(pynvml, i)[1] for i in range(pynvml.nvmlDeviceGetCount())]
+            return probe
         probe.driver_version = _try(lambda: _text(pynvml.nvmlSystemGetDriverVersion()))
         cuda = _try(pynvml.nvmlSystemGetCudaDriverVersion)
         if cuda:
             probe.cuda_driver_version = f"{cuda // 1000}.{(cuda % 1000) // 10}"
         count = pynvml.nvmlDeviceGetCount()
         for i in range(count):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            info = GpuInfo(i, _text(pynvml.nvmlDeviceGetName(h)), mem.total / MIB, mem.free / MIB)
+            h, info = _basic_info(pynvml, i)
             cc = _try(pynvml.nvmlDeviceGetCudaComputeCapability, h)
             if cc:
                 info.compute_capability = f"{cc[0]}.{cc[1]}"
-            info.temperature_c = _try(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
-            util = _try(pynvml.nvmlDeviceGetUtilizationRates, h)
-            info.utilization_pct = float(util.gpu) if util is not None else None
-            power = _try(pynvml.nvmlDeviceGetPowerUsage, h)
-            info.power_w = power / 1000.0 if power is not None else None
             info.ecc_uncorrected = _try(
                 pynvml.nvmlDeviceGetTotalEccErrors,
                 h,

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,17 +271,35 @@ class RunState:
 
     def process_alive(self) -> bool | None:
         """Whether rank 0's trainer process is alive (None when it runs on another host or is unknown)."""
-        boot = self.boot
-        if not boot or not isinstance(boot.get("pid"), int):
-            return None
-        if boot.get("host") not in (None, socket.gethostname()):
-            return None
-        try:
-            import psutil
+        return pid_alive(self.boot)
 
-            return bool(psutil.pid_exists(int(boot["pid"])))
-        except Exception:
+    @property
+    def session_start(self) -> float | None:
+        """``ts`` of rank 0's latest ``boot`` (the current session of a resumed run)."""
+        boot = self.boot
+        return float(boot["ts"]) if boot and isinstance(boot.get("ts"), int | float) else None
+
+    def session_progress(self) -> list[dict[str, Any]]:
+        """Rank-0 progress events of the current session (after the latest ``boot``)."""
+        t0 = self.session_start
+        if t0 is None:
+            return self.progress
+        return [p for p in self.progress if isinstance(p.get("ts"), int | float) and p["ts"] >= t0]
+
+    @property
+    def pending_halt(self) -> dict[str, Any] | None:
+        """The ``.HALT`` file while the trainer has not acted on it yet: ``None`` once a ``halt`` or ``end``
+        event at or after the file's time (1 s of clock slack) is in the heartbeat."""
+        h = self.halt_file
+        if h is None:
             return None
+        t = h.get("time")
+        if not isinstance(t, int | float) or isinstance(t, bool):
+            return h
+        acted = [e for e in self.halts if isinstance(e.get("ts"), int | float) and e["ts"] >= t - 1.0]
+        acted += [r.end for r in self.ranks.values()
+                  if r.end and isinstance(r.end.get("ts"), int | float) and r.end["ts"] >= t - 1.0]
+        return None if acted else h
 
     def status(self, now: float, stale_s: float = 300.0) -> str:
         """``completed``/``halted``/``failed`` (from the end event), else ``running``, ``stale`` or ``crashed``."""
@@ -426,17 +445,75 @@ def parse_sources(config_text: str) -> dict[str, str]:
 
 
 def read_halt_file(run_dir: str | Path) -> dict[str, Any] | None:
-    """The pending ``.HALT`` as a dict (plain-text files become ``{"reason": text}``), or None."""
+    """The ``.HALT`` file as a dict (plain-text files become ``{"reason": text}``; ``time`` defaults to the
+    file's mtime), or None."""
     p = Path(run_dir) / ".HALT"
     try:
         text = p.read_text(errors="replace")
+        mtime = p.stat().st_mtime
     except OSError:
         return None
     with contextlib.suppress(ValueError):  # plain text is a valid .HALT too
         data = json.loads(text)
         if isinstance(data, dict):
+            if not isinstance(data.get("time"), int | float) or isinstance(data.get("time"), bool):
+                data["time"] = mtime
             return data
-    return {"reason": text.strip() or "(empty .HALT)", "time": p.stat().st_mtime}
+    return {"reason": text.strip() or "(empty .HALT)", "time": mtime}
+
+
+def pid_alive(boot: dict[str, Any] | None) -> bool | None:
+    """Whether the process of a ``boot`` event is alive: None when it ran on another host or is unknown;
+    a zombie (killed, not yet reaped) counts as gone."""
+    if not boot or not isinstance(boot.get("pid"), int) or isinstance(boot.get("pid"), bool):
+        return None
+    if boot.get("host") not in (None, socket.gethostname()):
+        return None
+    try:
+        import psutil
+
+        pid = int(boot["pid"])
+        if not psutil.pid_exists(pid):
+            return False
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.Error:
+            return True
+    except Exception:
+        return None
+
+
+def run_started(path: str | Path) -> bool:
+    """Whether ``path`` is a run directory with something to show: a non-empty heartbeat file, or
+    ``metrics.json`` / ``training.csv`` of a run that wrote no heartbeat."""
+    p = Path(path)
+    try:
+        names = os.listdir(p)
+    except OSError:
+        return False
+    for name in names:
+        if HEARTBEAT_RE.match(name):
+            with contextlib.suppress(OSError):
+                if (p / name).stat().st_size > 0:
+                    return True
+    return "metrics.json" in names or "training.csv" in names
+
+
+def wait_for_run(path: str | Path, timeout_s: float | None = None, poll_s: float = 0.5) -> bool:
+    """Wait until ``run_started(path)`` (True) or ``timeout_s`` passes (False); ``RunDirError`` at once
+    when the path is a file."""
+    p = Path(path)
+    t0 = time.monotonic()
+    while True:
+        if p.exists() and not p.is_dir():
+            check_run_dir(p)
+        if run_started(p):
+            return True
+        if timeout_s is not None and time.monotonic() - t0 >= timeout_s:
+            return False
+        time.sleep(poll_s if timeout_s is None else max(0.0, min(poll_s, timeout_s - (time.monotonic() - t0))))
 
 
 def read_run(run_dir: str | Path) -> RunState:

@@ -1,43 +1,83 @@
 """Watch rules: conditions on a live run that raise an alarm and, as a watchdog, write ``.HALT``.
 
-Spec syntax (``nsa watch --halt-on``): comma-separated ``name`` or ``name=threshold``; ``all`` means
-every rule with its default threshold. Rules:
+Spec syntax (``nsa watch --alert-on / --halt-on``): comma-separated ``name`` or ``name=threshold``;
+``all`` means every rule, ``none`` no rule. A rule without ``=threshold`` takes its threshold from the
+run's own ``monitor`` section (``config.yaml``, ``nsa.runs.config.MonitorConfig``; its defaults when
+absent); ``RULES`` lists each rule's monitor field. Rules (monitor field, default):
 
-- ``stale=SECONDS``: a rank's heartbeat is older than this (default 300) and the run has not ended;
+- ``crashed``: the trainer process (rank 0, this host) is gone and the heartbeat has no ``end`` event;
+- ``stale=SECONDS`` (``stale_s``, 180): a rank's heartbeat is older than this and the run has not ended;
 - ``nonfinite``: a non-finite loss in the log or an ``anomaly`` event;
-- ``gate-collapse=FRACTION``: the collapsed-gate fraction is at least this (default 0.5) for the last
-  3 progress points;
-- ``throughput-drop=RATIO``: median tokens/s of the last 5 points below RATIO (default 0.5) times the
-  median of the earlier points (after the first fifth);
-- ``fetch-stall=MS``: data fetch p95 above this (default 2000 ms).
+- ``gate-entropy=NATS`` (``gate_entropy_min``, 0.2): mean gate entropy below this for the last 3 points;
+- ``gate-collapse=FRACTION`` (``gate_collapse_max``, 0.5): collapsed-gate fraction at least this for the
+  last 3 points;
+- ``grad-spike=RATIO`` (``grad_spike_ratio``, 10): a gradient norm among the last 5 points above RATIO x
+  the median of the 20 points before it;
+- ``loss-plateau=DROP`` (``plateau_min_drop``, 0.01; over ``plateau_steps``, 1000): relative loss drop over
+  the last ``plateau_steps`` steps below DROP (needs that many steps of history);
+- ``memory-creep=RATIO`` (``memory_creep_ratio``, 1.2): reserved GPU memory (RSS on a CPU run) of the last
+  points above RATIO x its level at the end of warm-up (the points after the first 10%);
+- ``throughput-drop=RATIO`` (``throughput_drop_ratio``, 0.5; for ``throughput_window_s``, 600): tokens/s
+  below RATIO x the run's median for at least that many seconds of wall time (heartbeat ``ts``);
+- ``fetch-stall=MS`` (``fetch_stall_ms``, 2000): data fetch p95 above this.
+
+``AlarmLog`` de-duplicates hits across refreshes (new / cleared) and ``notify`` runs a shell command with an
+alarm as JSON on stdin; both are what ``nsa watch`` builds its actions from.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
+import signal
+import socket
 import statistics
+import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from nsa.errors import ConfigError
+from nsa.runs.config import MonitorConfig
 from nsa.runs.reader import RunState
 from nsa.runs.summary import finite
 
-DEFAULTS: dict[str, float | None] = {
-    "stale": 300.0,
+# rule -> the MonitorConfig field holding its threshold (None: the rule takes no threshold)
+RULES: dict[str, str | None] = {
+    "crashed": None,
+    "stale": "stale_s",
     "nonfinite": None,
-    "gate-collapse": 0.5,
-    "throughput-drop": 0.5,
-    "fetch-stall": 2000.0,
+    "gate-entropy": "gate_entropy_min",
+    "gate-collapse": "gate_collapse_max",
+    "grad-spike": "grad_spike_ratio",
+    "loss-plateau": "plateau_min_drop",
+    "memory-creep": "memory_creep_ratio",
+    "throughput-drop": "throughput_drop_ratio",
+    "fetch-stall": "fetch_stall_ms",
+}
+DEFAULTS: dict[str, float | None] = {
+    name: (float(MonitorConfig.model_fields[f].default) if f else None) for name, f in RULES.items()
 }
 ALIASES = {"nan": "nonfinite", "non-finite": "nonfinite", "collapse": "gate-collapse",
-           "throughput": "throughput-drop", "fetch": "fetch-stall", "heartbeat": "stale"}
+           "throughput": "throughput-drop", "fetch": "fetch-stall", "heartbeat": "stale",
+           "crash": "crashed", "dead": "crashed", "entropy": "gate-entropy", "grad": "grad-spike",
+           "spike": "grad-spike", "plateau": "loss-plateau", "memory": "memory-creep", "mem": "memory-creep"}
+SPIKE_HISTORY, SPIKE_RECENT, LAST_N = 20, 5, 3
 
 
 @dataclass
 class Rule:
+    """A rule and its threshold; ``explicit=False`` when the threshold should come from the run's
+    ``monitor`` config (``evaluate`` then uses that instead of ``threshold``)."""
+
     name: str
     threshold: float | None = None
+    explicit: bool = True
 
     def describe(self) -> str:
         return self.name if self.threshold is None else f"{self.name}={self.threshold:g}"
@@ -53,10 +93,12 @@ class RuleHit:
         return asdict(self)
 
 
-def parse_rules(spec: str | None) -> list[Rule]:
-    """``"stale=120,nonfinite"`` -> rules; ``"all"`` -> every rule; ``ConfigError`` on a bad spec."""
+def parse_rules(spec: str | None, monitor: MonitorConfig | None = None) -> list[Rule]:
+    """``"stale=120,nonfinite"`` -> rules; ``"all"`` -> every rule; ``"none"`` -> no rule; thresholds not
+    given come from ``monitor`` (default ``MonitorConfig()``); ``ConfigError`` on a bad spec."""
     if spec is None or not spec.strip():
         return []
+    mon = monitor or MonitorConfig()
     rules: dict[str, Rule] = {}
     for part in spec.split(","):
         part = part.strip()
@@ -64,49 +106,118 @@ def parse_rules(spec: str | None) -> list[Rule]:
             continue
         name, _, value = part.partition("=")
         name = ALIASES.get(name.strip().lower(), name.strip().lower())
-        if name in ("all", "default", "defaults"):
-            for n, t in DEFAULTS.items():
-                rules.setdefault(n, Rule(n, t))
+        if name in ("none", "off"):
             continue
-        if name not in DEFAULTS:
-            raise ConfigError(f"unknown watch rule '{name}'", hint=f"rules: {', '.join(DEFAULTS)} (or all)")
-        threshold = DEFAULTS[name]
+        if name in ("all", "default", "defaults"):
+            for n in RULES:
+                rules.setdefault(n, Rule(n, _monitor_value(mon, n), explicit=False))
+            continue
+        if name not in RULES:
+            raise ConfigError(f"unknown watch rule '{name}'", hint=f"rules: {', '.join(RULES)} (or all, none)")
+        threshold = _monitor_value(mon, name)
+        explicit = False
         if value.strip():
-            if threshold is None:
+            if RULES[name] is None:
                 raise ConfigError(f"watch rule '{name}' takes no threshold", hint=f"write just {name}")
-            try:
-                threshold = float(value.rstrip("s").rstrip("m"))
-            except ValueError:
-                raise ConfigError(f"watch rule '{part}': threshold must be a number",
-                                  hint=f"e.g. {name}={DEFAULTS[name]:g}") from None
-            if not math.isfinite(threshold) or threshold <= 0:
-                raise ConfigError(f"watch rule '{part}': threshold must be positive")
-        rules[name] = Rule(name, threshold)
+            threshold = _parse_threshold(part, name, value)
+            explicit = True
+        rules[name] = Rule(name, threshold, explicit)
     return list(rules.values())
 
 
-def default_rules() -> list[Rule]:
-    return [Rule(n, t) for n, t in DEFAULTS.items()]
+def _parse_threshold(part: str, name: str, value: str) -> float:
+    try:
+        threshold = float(value.strip().lower().removesuffix("ms").removesuffix("s").removesuffix("m"))
+    except ValueError:
+        raise ConfigError(f"watch rule '{part}': threshold must be a number",
+                          hint=f"e.g. {name}={DEFAULTS[name]:g}") from None
+    if not math.isfinite(threshold) or threshold <= 0:
+        raise ConfigError(f"watch rule '{part}': threshold must be positive", hint=f"e.g. {name}={DEFAULTS[name]:g}")
+    fld = RULES[name]
+    assert fld is not None
+    try:
+        MonitorConfig.model_validate({fld: threshold})
+    except ValidationError as exc:
+        msg = exc.errors()[0].get("msg", "out of range")
+        raise ConfigError(f"watch rule '{part}': {msg.lower()} (monitor.{fld})",
+                          hint=f"e.g. {name}={DEFAULTS[name]:g}") from None
+    return threshold
 
 
-def _progress_values(state: RunState, key: str) -> list[float]:
-    return [float(p[key]) for p in state.progress if finite(p.get(key))]
+def _monitor_value(mon: MonitorConfig, name: str) -> float | None:
+    fld = RULES[name]
+    return None if fld is None else float(getattr(mon, fld))
 
 
-def evaluate(rules: list[Rule], state: RunState, now: float) -> list[RuleHit]:
-    """The rules that fire on this state (none once the run has ended)."""
+def default_rules(monitor: MonitorConfig | None = None) -> list[Rule]:
+    """Every rule, thresholds from ``monitor`` (default ``MonitorConfig()``) and not explicit."""
+    mon = monitor or MonitorConfig()
+    return [Rule(n, _monitor_value(mon, n), explicit=False) for n in RULES]
+
+
+def monitor_config(state: RunState) -> MonitorConfig:
+    """The run's ``monitor`` section (``config.yaml``) validated, its defaults when absent; ``ConfigError``
+    naming the file when it is invalid."""
+    raw = (state.config or {}).get("monitor") or {}
+    try:
+        return MonitorConfig.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ())) or "monitor"
+        raise ConfigError(f"{state.run_dir / 'config.yaml'}: monitor.{where}: {err.get('msg', 'invalid')}",
+                          hint="fix the run's monitor section, or give thresholds with --alert-on/--halt-on") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{state.run_dir / 'config.yaml'}: monitor section is not a mapping ({exc})") from None
+
+
+def resolve(rules: list[Rule], monitor: MonitorConfig) -> list[Rule]:
+    """The rules with the thresholds they are evaluated with (``monitor``'s for non-explicit ones)."""
+    return [r if r.explicit else Rule(r.name, _monitor_value(monitor, r.name), False) for r in rules]
+
+
+def evaluate(rules: list[Rule], state: RunState, now: float, monitor: MonitorConfig | None = None) -> list[RuleHit]:
+    """The rules that fire on this state (only ``nonfinite`` once the run has ended). ``monitor``: the
+    thresholds of non-explicit rules and the rules' windows (default: the run's own, ``monitor_config``)."""
+    mon = monitor if monitor is not None else monitor_config(state)
     ended = state.end is not None
     hits: list[RuleHit] = []
-    for rule in rules:
-        hit = None if ended and rule.name != "nonfinite" else _RULES[rule.name](rule, state, now)
+    for rule in resolve(rules, mon):
+        if ended and rule.name != "nonfinite":
+            continue
+        hit = _RULES[rule.name](rule.threshold, state, now, mon)
         if hit is not None:
             hits.append(hit)
     return hits
 
 
-def _stale(rule: Rule, state: RunState, now: float) -> RuleHit | None:
+# ------------------------------------------------------------------------------------------- the rules
+
+
+def _points(state: RunState) -> list[dict[str, Any]]:
+    """Rank-0 progress events (the heartbeat), else training.csv rows."""
+    return state.progress or state.csv_rows
+
+
+def _values(points: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(p[key]) for p in points if finite(p.get(key))]
+
+
+def _crashed(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    if state.process_alive() is not False:
+        return None
+    boot = state.boot or {}
+    last = (state.rank0.last if state.rank0 else None) or {}
     ages = state.heartbeat_age(now)
-    limit = rule.threshold or 300.0
+    age = ages.get(state.rank0.rank) if state.rank0 else None
+    return RuleHit("crashed", f"trainer process {boot.get('pid')} on {boot.get('host')} is gone without an end "
+                   f"event (last step {state.steps_done}, last heartbeat {age or 0:.0f} s ago)",
+                   {"pid": boot.get("pid"), "host": boot.get("host"), "step": state.steps_done,
+                    "last_event": last.get("event"), "heartbeat_age_s": None if age is None else round(age, 1)})
+
+
+def _stale(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    ages = state.heartbeat_age(now)
+    limit = th or mon.stale_s
     old = {r: a for r, a in ages.items() if a > limit and state.ranks[r].end is None}
     if not old:
         return None
@@ -116,7 +227,7 @@ def _stale(rule: Rule, state: RunState, now: float) -> RuleHit | None:
                    {"rank": rank, "age_s": round(age, 1), "last_event": last.get("event"), "step": last.get("step")})
 
 
-def _nonfinite(rule: Rule, state: RunState, now: float) -> RuleHit | None:
+def _nonfinite(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
     if state.anomalies:
         a = state.anomalies[-1]
         return RuleHit("nonfinite", f"anomaly {a.get('kind')} at step {a.get('step')} (value {a.get('value')})",
@@ -128,51 +239,236 @@ def _nonfinite(rule: Rule, state: RunState, now: float) -> RuleHit | None:
     return None
 
 
-def _gate_collapse(rule: Rule, state: RunState, now: float) -> RuleHit | None:
-    vals = _progress_values(state, "gate_collapse_fraction")[-3:]
-    limit = rule.threshold or 0.5
-    if len(vals) < 3 or min(vals) < limit:
+def _gate_entropy(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    vals = _values(state.progress, "gate_entropy_mean")[-LAST_N:]
+    limit = mon.gate_entropy_min if th is None else th
+    if len(vals) < LAST_N or max(vals) >= limit:
         return None
     last = state.progress[-1]
-    return RuleHit("gate-collapse", f"collapsed-gate fraction {vals[-1]:.2f} >= {limit:g} for 3 points",
+    return RuleHit("gate-entropy", f"mean gate entropy {vals[-1]:.3f} < {limit:g} for {LAST_N} points",
+                   {"step": last.get("step"), "gate_entropy_mean": vals,
+                    "gate_branch_shares": last.get("gate_branch_shares")})
+
+
+def _gate_collapse(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    vals = _values(state.progress, "gate_collapse_fraction")[-LAST_N:]
+    limit = th or mon.gate_collapse_max
+    if len(vals) < LAST_N or min(vals) < limit:
+        return None
+    last = state.progress[-1]
+    return RuleHit("gate-collapse", f"collapsed-gate fraction {vals[-1]:.2f} >= {limit:g} for {LAST_N} points",
                    {"step": last.get("step"), "gate_collapse_fraction": vals,
                     "gate_entropy_mean": last.get("gate_entropy_mean"),
                     "gate_branch_shares": last.get("gate_branch_shares")})
 
 
-def _throughput_drop(rule: Rule, state: RunState, now: float) -> RuleHit | None:
-    vals = _progress_values(state, "tokens_per_s")
-    if len(vals) < 12:
+def _grad_spike(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    pts = [(p.get("step"), float(p["grad_norm"])) for p in _points(state) if finite(p.get("grad_norm"))]
+    ratio = th or mon.grad_spike_ratio
+    worst: tuple[float, int, float, float] | None = None  # (ratio, index, value, median)
+    for i in range(max(SPIKE_HISTORY, len(pts) - SPIKE_RECENT), len(pts)):
+        med = statistics.median(v for _, v in pts[i - SPIKE_HISTORY:i])
+        if med > 0 and pts[i][1] > ratio * med and (worst is None or pts[i][1] / med > worst[0]):
+            worst = (pts[i][1] / med, i, pts[i][1], med)
+    if worst is None:
         return None
-    recent = statistics.median(vals[-5:])
-    earlier = vals[len(vals) // 5:-5]
-    if not earlier:
-        return None
-    base = statistics.median(earlier)
-    ratio = rule.threshold or 0.5
-    if base <= 0 or recent >= ratio * base:
-        return None
-    return RuleHit("throughput-drop", f"tokens/s {recent:.0f} < {ratio:g} x baseline {base:.0f}",
-                   {"step": state.progress[-1].get("step"), "recent_tokens_per_s": recent,
-                    "baseline_tokens_per_s": base})
+    _, i, value, med = worst
+    return RuleHit("grad-spike", f"grad norm {value:.3g} at step {pts[i][0]} > {ratio:g} x median {med:.3g} "
+                   f"of the previous {SPIKE_HISTORY} points",
+                   {"step": pts[i][0], "grad_norm": value, "median_previous": med, "ratio": round(value / med, 2)})
 
 
-def _fetch_stall(rule: Rule, state: RunState, now: float) -> RuleHit | None:
+def _loss_plateau(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    by_step: dict[int, float] = {}
+    for p in _points(state):  # a resumed run re-logs steps: the latest value of a step wins
+        if finite(p.get("step")) and finite(p.get("loss")):
+            by_step[int(p["step"])] = float(p["loss"])
+    if len(by_step) < 2:
+        return None
+    steps = sorted(by_step)
+    span = mon.plateau_steps
+    last, min_drop = steps[-1], (mon.plateau_min_drop if th is None else th)
+    if steps[0] > last - span:
+        return None  # not enough history
+    w = max(1, span // 10)  # compare medians of a tenth of the span at each end (noise)
+    now_vals = [by_step[s] for s in steps if s > last - w]
+    then_steps = [s for s in steps if last - span - w < s <= last - span] or [max(s for s in steps if s <= last - span)]
+    then_vals = [by_step[s] for s in then_steps]
+    before, after = statistics.median(then_vals), statistics.median(now_vals)
+    if before == 0:
+        return None
+    drop = (before - after) / abs(before)
+    if drop >= min_drop:
+        return None
+    return RuleHit("loss-plateau", f"loss fell {drop:.2%} over the last {span} steps ({before:.4f} -> {after:.4f}; "
+                   f"< {min_drop:.2%})",
+                   {"from_step": then_steps[-1], "to_step": last, "loss_then": before, "loss_now": after,
+                    "relative_drop": drop, "plateau_steps": span})
+
+
+def _memory_creep(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    pts = state.session_progress()
+    key = "mem_reserved_mib" if any(finite(p.get("mem_reserved_mib")) for p in pts) else "rss_mib"
+    vals = [(p.get("step"), float(p[key])) for p in pts if finite(p.get(key))]
+    if len(vals) < 10:
+        return None
+    warm = max(1, len(vals) // 10)
+    base_pts = vals[warm:2 * warm]
+    base = statistics.median(v for _, v in base_pts)
+    current = statistics.median(v for _, v in vals[-LAST_N:])
+    ratio = th or mon.memory_creep_ratio
+    if base <= 0 or current <= ratio * base:
+        return None
+    what = "reserved GPU memory" if key == "mem_reserved_mib" else "host RSS"
+    return RuleHit("memory-creep", f"{what} {current:,.0f} MiB > {ratio:g} x {base:,.0f} MiB after warm-up "
+                   f"(step {base_pts[0][0]})",
+                   {"step": vals[-1][0], "metric": key, "current_mib": current, "baseline_mib": base,
+                    "baseline_steps": [base_pts[0][0], base_pts[-1][0]], "ratio": round(current / base, 3)})
+
+
+def _throughput_drop(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    pts = [(float(p["ts"]), float(p["tokens_per_s"]), p.get("step")) for p in state.session_progress()
+           if finite(p.get("ts")) and finite(p.get("tokens_per_s"))]
+    if len(pts) < 10:
+        return None
+    body = pts[len(pts) // 5:]  # skip the warm-up fifth
+    ratio = th or mon.throughput_drop_ratio
+
+    def split(base: float) -> int:  # index where the trailing run of slow points starts
+        k = len(body)
+        while k > 0 and body[k - 1][1] < ratio * base:
+            k -= 1
+        return k
+
+    k = split(statistics.median(v for _, v, _ in body))
+    if k < 5:
+        return None
+    base = statistics.median(v for _, v, _ in body[:k])  # the run's median without the slow stretch
+    k = split(base)
+    if k < 5 or k == len(body):
+        return None
+    slow = body[k:]
+    since = body[k - 1][0]  # the first slow point's tokens/s covers the time since the last normal point
+    lasted = slow[-1][0] - since
+    if base <= 0 or lasted < mon.throughput_window_s:
+        return None
+    recent = statistics.median(v for _, v, _ in slow)
+    return RuleHit("throughput-drop", f"tokens/s {recent:,.0f} < {ratio:g} x the run's median {base:,.0f} for "
+                   f"{lasted:.0f} s (>= {mon.throughput_window_s:g} s) since step {slow[0][2]}",
+                   {"step": slow[-1][2], "since_step": slow[0][2], "recent_tokens_per_s": recent,
+                    "baseline_tokens_per_s": base, "seconds": round(lasted, 1)})
+
+
+def _fetch_stall(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
     last = state.last_progress
     if not last or not finite(last.get("fetch_p95_ms")):
         return None
     p95 = float(last["fetch_p95_ms"])
-    limit = rule.threshold or 2000.0
+    limit = th or mon.fetch_stall_ms
     if p95 <= limit:
         return None
     return RuleHit("fetch-stall", f"data fetch p95 {p95:.0f} ms > {limit:g} ms",
                    {"step": last.get("step"), "fetch_p95_ms": p95, "fetch_p50_ms": last.get("fetch_p50_ms")})
 
 
-_RULES = {
+_RULES: dict[str, Callable[[float | None, RunState, float, MonitorConfig], RuleHit | None]] = {
+    "crashed": _crashed,
     "stale": _stale,
     "nonfinite": _nonfinite,
+    "gate-entropy": _gate_entropy,
     "gate-collapse": _gate_collapse,
+    "grad-spike": _grad_spike,
+    "loss-plateau": _loss_plateau,
+    "memory-creep": _memory_creep,
     "throughput-drop": _throughput_drop,
     "fetch-stall": _fetch_stall,
 }
+
+
+# ------------------------------------------------------------------------------------------- actions
+
+
+@dataclass
+class Alarm:
+    """One firing of a rule, from the refresh it appeared on until it cleared."""
+
+    rule: str
+    message: str
+    evidence: dict[str, Any]
+    since: float
+    cleared: float | None = None
+
+    def payload(self, run: str, host: str | None = None) -> dict[str, Any]:
+        """What ``notify`` sends: ``{"run", "rule", "message", "evidence", "time", "host"}``."""
+        return {"run": run, "rule": self.rule, "message": self.message, "evidence": self.evidence,
+                "time": self.since, "host": host or socket.gethostname()}
+
+
+class AlarmLog:
+    """De-duplicates hits across refreshes: a rule that keeps firing is one alarm until it clears."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, Alarm] = {}
+        self.history: list[Alarm] = []  # every alarm of this watch, oldest first
+
+    def update(self, hits: list[RuleHit], now: float) -> tuple[list[Alarm], list[Alarm]]:
+        """``(new, cleared)`` alarms after this refresh's hits; a firing alarm's message follows the hit."""
+        firing = {h.rule: h for h in hits}
+        cleared = [a for name, a in self.active.items() if name not in firing]
+        for a in cleared:
+            a.cleared = now
+            del self.active[a.rule]
+        new: list[Alarm] = []
+        for name, h in firing.items():
+            if name in self.active:
+                self.active[name].message, self.active[name].evidence = h.message, h.evidence
+                continue
+            a = Alarm(h.rule, h.message, h.evidence, now)
+            self.active[name] = a
+            self.history.append(a)
+            new.append(a)
+        return new, cleared
+
+
+def notify(command: str, payload: dict[str, Any], timeout_s: float = 10.0) -> str | None:
+    """Run ``command`` through the shell with ``payload`` as one JSON line on stdin; None when it exited 0,
+    else why not (non-zero exit with its stderr's last line, timeout, cannot start). Never raises; on a
+    timeout the command's whole process group is killed."""
+    data = json.dumps(_jsonable(payload), default=str) + "\n"
+    try:
+        proc = subprocess.Popen(command, shell=True, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    except (OSError, ValueError) as exc:
+        return f"could not run it ({exc})"
+    try:
+        _, err = proc.communicate(data, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"timed out after {timeout_s:g} s"
+    except OSError as exc:  # e.g. the command exited without reading stdin (broken pipe)
+        proc.wait()
+        if proc.returncode == 0:
+            return None
+        return f"exit status {proc.returncode} ({exc})"
+    if proc.returncode != 0:
+        tail = (err or "").strip().splitlines()
+        return f"exit status {proc.returncode}" + (f": {tail[-1][:200]}" if tail else "")
+    return None
+
+
+def _jsonable(obj: Any) -> Any:
+    """Non-finite floats -> None (JSON has no NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def now_iso(t: float | None = None) -> str:
+    """Local time as ``YYYY-mm-ddTHH:MM:SS`` (the watch's line log)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() if t is None else t))

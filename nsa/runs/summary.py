@@ -61,7 +61,13 @@ class RunSummary:
     step_time_s_median: float | None = None
     tokens_seen: float | None = None
     elapsed_s: float | None = None
-    eta_s: float | None = None
+    eta_s: float | None = None  # smoothed: remaining steps x the recent wall-clock pace (see smoothed_eta)
+    eta_s_trainer: float | None = None  # the trainer's own estimate in the last progress line
+    lr: float | None = None
+    grad_norm: float | None = None
+    last_checkpoint: dict[str, Any] | None = None
+    host: str | None = None
+    pid: int | None = None
     fetch_p50_ms: float | None = None
     fetch_p95_ms: float | None = None
     mem_peak_mib: float | None = None
@@ -121,7 +127,7 @@ def summarize(state: RunState, now: float, stale_s: float = 300.0) -> RunSummary
         halts=list(state.halts),
         checkpoints=list(state.checkpoints),
         end=state.end,
-        pending_halt=state.halt_file,
+        pending_halt=state.pending_halt,
         corrupt_lines=state.corrupt_lines,
         truncated_lines=state.truncated_lines,
     )
@@ -136,7 +142,13 @@ def summarize(state: RunState, now: float, stale_s: float = 300.0) -> RunSummary
     last_row = series[-1] if series else {}
     s.tokens_seen = _num(last.get("tokens_seen")) or _num(last_row.get("tokens_seen"))
     s.elapsed_s = _num(last.get("elapsed_s")) or _num(last_row.get("elapsed_s"))
-    s.eta_s = _num(last.get("eta_s"))
+    s.eta_s_trainer = _num(last.get("eta_s"))
+    s.eta_s = smoothed_eta(state)
+    if s.eta_s is None:
+        s.eta_s = s.eta_s_trainer
+    s.lr = _num(last.get("lr")) if "lr" in last else _num(last_row.get("lr"))
+    s.grad_norm = _num(last.get("grad_norm")) if "grad_norm" in last else _num(last_row.get("grad_norm"))
+    s.last_checkpoint = state.checkpoints[-1] if state.checkpoints else None
     s.fetch_p50_ms = _num(last.get("fetch_p50_ms"))
     s.fetch_p95_ms = _num(last.get("fetch_p95_ms"))
     if s.fetch_p95_ms is None:
@@ -176,4 +188,32 @@ def summarize(state: RunState, now: float, stale_s: float = 300.0) -> RunSummary
     s.config_path = env.get("config_path") if isinstance(env.get("config_path"), str) else None
     git: dict[str, Any] = env["git"] if isinstance(env.get("git"), dict) else {}
     s.commit = git.get("commit") or env.get("commit")
+    s.host = str(boot["host"]) if boot.get("host") else None
+    s.pid = int(boot["pid"]) if isinstance(boot.get("pid"), int) and not isinstance(boot.get("pid"), bool) else None
     return s
+
+
+def smoothed_eta(state: RunState, window_s: float = 300.0, min_points: int = 3) -> float | None:
+    """Remaining steps x the wall-clock seconds per step over the current session's progress points of the
+    last ``window_s`` seconds (at least ``min_points``; heartbeat ``ts``), so one slow or fast interval moves
+    the estimate by its share of the window instead of replacing it. Falls back to the median
+    ``step_time_s`` of those points; None when nothing is known."""
+    total, done = state.steps_total, state.steps_done
+    if total is None:
+        return None
+    remaining = max(0, total - done)
+    if remaining == 0:
+        return 0.0
+    pts = [(float(p["ts"]), float(p["step"])) for p in state.session_progress()
+           if finite(p.get("ts")) and finite(p.get("step"))]
+    if pts:
+        last_ts = pts[-1][0]
+        recent = [q for q in pts if q[0] >= last_ts - window_s]
+        if len(recent) < min_points:
+            recent = pts[-min_points:]
+        dt, dstep = recent[-1][0] - recent[0][0], recent[-1][1] - recent[0][1]
+        if dt > 0 and dstep > 0:
+            return remaining * dt / dstep
+    times = [float(p["step_time_s"]) for p in (state.session_progress() or state.series())[-20:]
+             if finite(p.get("step_time_s"))]
+    return remaining * statistics.median(times) if times else None

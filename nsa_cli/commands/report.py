@@ -21,7 +21,14 @@ Examples:
 
   nsa report artifacts/tiny --out /tmp/tiny.md --force      # this file, replaced if it exists
 
+  nsa report artifacts/m7c-125m --limits strict-h100.yaml   # a profile whose monitor: block sets the limits
+
+  nsa report artifacts/m7c-125m --note "restarted after a node reboot" --note-file deviations.md
+
 Default output: Documentation/Reports/<yyyy-mm-dd> Test Engineer Report - <run name> v<N>.md
+The verdict checks each figure against the run's saved monitor.* limits (throughput floor, fetch p95,
+gate entropy/collapse, GPU memory ceiling, eval accuracy; a limit not set does not judge); a watchdog
+halt (a hang: stale heartbeat) is FAIL, an operator's halt is not.
 Exit code 0 for PASS, RUNNING or INCOMPLETE, 1 when the verdict is FAIL, 2 for bad input or an
 output path that cannot be written.
 """
@@ -35,17 +42,26 @@ def report(
     title: Annotated[str | None, typer.Option("--title", help="Name used in the title and file name.")] = None,
     artifacts: Annotated[str, typer.Option("--artifacts", help="Where to look for the newest run.")] = "artifacts",
     no_charts: Annotated[bool, typer.Option("--no-charts", help="Skip the PNG charts.")] = False,
+    limits: Annotated[str | None, typer.Option(
+        "--limits", help="Profile name or YAML path whose monitor: block overrides the runs' saved limits.")] = None,
+    note: Annotated[list[str] | None, typer.Option(
+        "--note", help="Engineer's note or deviation for the report; repeatable.")] = None,
+    note_file: Annotated[list[str] | None, typer.Option(
+        "--note-file", help="Markdown/text file of notes ('-': stdin); repeatable.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report path and verdicts as JSON.")] = False,
 ) -> None:
-    """Verdict, git state, versions, profile and NSA_* settings, config, tokens/s trend and charts,
-    fetch p50/p95, peak memory, gate health, counters, anomalies/halts and links to artifacts."""
+    """Verdict with its checks (figure, limit, result), git state, versions, profile and environment
+    (NSA_*, CUDA_*, NCCL_*, PYTORCH_*; secrets redacted), config, tokens/s trend, charts (loss with
+    validation points and checkpoint/halt/resume markers, tokens/s, memory, gates, fetch, lr/grad norm),
+    gate health, counters, evaluation, anomalies/halts/resumes, notes and links to artifacts."""
     from nsa_cli import render
 
     with user_errors():
-        from nsa.runs.report import build_report
+        from nsa.runs.report import build_report, read_notes
 
+        notes = read_notes(note or [], note_file or [])
         res = build_report(run_dirs or None, out, artifacts_root=artifacts, title=title, charts=not no_charts,
-                           force=force)
+                           force=force, limits=limits, notes=notes)
     if as_json:
         render.print_json(res.to_dict())
     else:

@@ -1,8 +1,13 @@
-"""``nsa watch``: a live dashboard over a run directory, and with ``--halt-on`` a watchdog."""
+"""``nsa watch``: a live dashboard over a run directory; alarms (record, notify) and, with ``--halt-on``, a
+watchdog that writes ``.HALT``. On a terminal a Rich live view; otherwise one plain (or JSON) line per
+refresh, so the output is a log of what it saw."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -12,23 +17,44 @@ from nsa_cli.errors import EXIT_FAILED, EXIT_OK, fail, user_errors
 EPILOG = """\
 Examples:
 
-  nsa watch artifacts/tiny                          # live dashboard, Ctrl-C to leave
+  nsa watch artifacts/tiny                          # live dashboard; waits for the run to start
 
-  nsa watch artifacts/tiny --once                   # one snapshot (logs, cron, non-terminals)
+  nsa watch artifacts/tiny --once                   # one snapshot (cron, scripts)
 
   nsa watch artifacts/tiny --once --json
 
+  nsa watch artifacts/tiny > watch.log              # not a terminal: one line per refresh
+
+  nsa watch artifacts/tiny --json | jq .status      # JSON lines, one object per refresh
+
   nsa watch artifacts/m7c-125m --halt-on all        # watchdog: writes .HALT when a rule fires
 
-  nsa watch artifacts/m7c-125m --halt-on stale=600,nonfinite,fetch-stall=5000
+  nsa watch artifacts/m7c-125m --alert-on all,stale=60 --halt-on nonfinite,stale=600
 
-Rules: stale=SECONDS, nonfinite, gate-collapse=FRACTION, throughput-drop=RATIO, fetch-stall=MS, all.
-Exit code: 0, or 1 when an alarm is firing (--once) or the run failed.
+  nsa watch artifacts/m7c-125m --notify 'curl -fsS -X POST -H "Content-Type: application/json" \\
+      --data-binary @- https://hooks.example.com/nsa'
+
+Rules (thresholds default to the run's monitor config): crashed, stale=S, nonfinite, gate-entropy=NATS,
+gate-collapse=FRACTION, grad-spike=RATIO, loss-plateau=DROP, memory-creep=RATIO, throughput-drop=RATIO,
+fetch-stall=MS; all; none.
+Exit code: live: 1 when the run crashed or failed, else 0; --once: 1 when an alarm fires or the run
+failed/crashed; 2 bad input (or the run did not start within --timeout).
 """
 
+ENDED_GRACE_S = 30.0  # after rank 0's end event, how long to wait for the other ranks' end events
+METRIC_W, NOW_W = 13, 20  # dashboard table columns; the third (trend/detail) takes the rest
 
-def _snapshot(state: Any, summary: Any, alarms: list[Any], gpus: Any, now: float) -> Any:
-    """The dashboard as one Rich renderable."""
+
+def _spark_row(t: Any, name: str, now: str, values: list[Any], detail_w: int) -> None:
+    from nsa_cli import render
+
+    t.add_row(name, now, render.sparkline([v for v in values if v is not None], width=detail_w))
+
+
+def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, width: int = 80,
+              log: Any = None, now: float | None = None) -> Any:
+    """The dashboard as one Rich renderable, laid out for ``width`` columns: no line wraps, sparklines
+    hold the newest points (trimmed from the left)."""
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
@@ -36,131 +62,225 @@ def _snapshot(state: Any, summary: Any, alarms: list[Any], gpus: Any, now: float
 
     from nsa_cli import render
 
+    now = time.time() if now is None else now
     s = summary
+    inner = max(20, width - 4)  # panel border and padding
     env = state.env or {}
     git = env.get("git") or {}
-    head = Text()
-    head.append(f"{s.run_name}", style="bold")
-    head.append(f"  {state.run_dir}\n")
-    head.append(f"config {env.get('config_path') or 'n/a'} | profile {env.get('profile') or 'none'} | "
-                f"commit {(git.get('commit') or 'n/a')[:12]}{' (dirty)' if git.get('dirty') else ''} | "
-                f"device {s.device or 'n/a'} {env.get('precision') or ''} | world {s.world_size}")
+
+    def line(text: str = "", style: str = "") -> Text:
+        return Text(render.fit(text, inner), style=style, no_wrap=True, overflow="ellipsis")
+
+    head = Text(no_wrap=True, overflow="ellipsis")
+    name = render.fit(s.run_name, inner)
+    head.append(name, style="bold")
+    room = inner - len(name) - 2
+    if room >= 8:
+        head.append("  " + render.fit_left(str(state.run_dir), room))
+    commit = (git.get("commit") or "n/a")[:12] + (" (dirty)" if git.get("dirty") else "")
+    segments = [f"config {env.get('config_path') or 'n/a'}", f"profile {env.get('profile') or 'none'}",
+                f"commit {commit}", f"device {s.device or 'n/a'} {env.get('precision') or ''}".rstrip(),
+                f"world {s.world_size}"]
+    if s.host:
+        segments.append(f"host {s.host} pid {s.pid}")
+    header = [head] + [line(x) for x in render.pack(segments, inner)]
 
     status_style = {"running": "cyan", "completed": "green", "halted": "yellow"}.get(s.status, "red")
     total = s.steps_total or 0
-    frac = (s.steps_done / total) if total else 0.0
-    bar_w = 30
-    bar = "█" * int(frac * bar_w) + "░" * (bar_w - int(frac * bar_w))
-    prog = Text()
-    prog.append(f"{s.status.upper()}", style=f"bold {status_style}")
-    prog.append(f"  step {s.steps_done}/{total or '?'} {bar} {frac:5.1%}  elapsed {render.fmt_duration(s.elapsed_s)}"
-                f"  ETA {render.fmt_duration(s.eta_s) if s.status == 'running' else '-'}")
+    frac = min(1.0, s.steps_done / total) if total else 0.0
+    running = s.status in ("running", "stale")
+    tail = (f"  elapsed {render.fmt_duration(s.elapsed_s)}"
+            f"  ETA {render.fmt_duration(s.eta_s) if running else '-'}")
+    left = f"{s.status.upper()}  step {s.steps_done}/{total or '?'} "
+    pct = f" {frac:5.1%}"
+    bar_w = min(30, inner - len(left) - len(pct) - len(tail))
+    prog = Text(no_wrap=True, overflow="ellipsis")
+    prog.append(s.status.upper(), style=f"bold {status_style}")
+    prog.append(left[len(s.status):])
+    if bar_w >= 6:
+        filled = int(frac * bar_w)
+        prog.append("█" * filled + "░" * (bar_w - filled) + pct)
+    prog.append(tail)
 
+    detail_w = max(8, inner - METRIC_W - NOW_W - 4)
+    t = Table(show_header=True, box=None, pad_edge=False, padding=(0, 1), expand=False)
+    t.add_column("metric", style="bold", width=METRIC_W, no_wrap=True, overflow="ellipsis")
+    t.add_column("now", justify="right", width=NOW_W, no_wrap=True, overflow="ellipsis")
+    t.add_column("trend", width=detail_w, no_wrap=True, overflow="ellipsis")
     series = state.series()
-    losses = [p.get("loss") for p in series]
-    tps = [p.get("tokens_per_s") for p in series]
-    t = Table(show_header=True, box=None, pad_edge=False)
-    t.add_column("metric", style="bold")
-    t.add_column("now", justify="right")
-    t.add_column("trend")
-    t.add_row("loss", render.fmt_num(s.last_loss, ".4f"), render.sparkline([v for v in losses if v is not None]))
-    t.add_row("tokens/s", render.fmt_num(s.tokens_per_s_last, ",.0f"), render.sparkline([v for v in tps if v is not None]))
+    _spark_row(t, "loss", render.fmt_num(s.last_loss, ".4f"), [p.get("loss") for p in series], detail_w)
+    _spark_row(t, "tokens/s", render.fmt_num(s.tokens_per_s_last, ",.0f"),
+               [p.get("tokens_per_s") for p in series], detail_w)
+    _spark_row(t, "lr/grad norm", f"{render.fmt_num(s.lr, '.2e')} / {render.fmt_num(s.grad_norm, '.3g')}",
+               [p.get("grad_norm") for p in (state.progress or series)], detail_w)
     t.add_row("fetch p50/p95", f"{render.fmt_num(s.fetch_p50_ms, '.1f')}/{render.fmt_num(s.fetch_p95_ms, '.1f')} ms", "")
-    if s.mem_peak_mib is not None:
-        t.add_row("GPU memory", f"peak {render.fmt_num(s.mem_peak_mib, ',.0f')} MiB, reserved "
-                  f"{render.fmt_num(s.mem_reserved_mib, ',.0f')} MiB", "")
+    if s.mem_reserved_mib is not None or s.mem_peak_mib is not None:
+        t.add_row("GPU memory", f"{render.fmt_num(s.mem_reserved_mib, ',.0f')} MiB res.",
+                  f"peak {render.fmt_num(s.mem_peak_mib, ',.0f')} MiB")
     if s.rss_mib is not None:
-        t.add_row("host RSS", f"{render.fmt_num(s.rss_mib, ',.0f')} MiB", "")
+        rss = [p.get("rss_mib") for p in state.progress]
+        last_rss = next((v for v in reversed(rss) if isinstance(v, int | float)), s.rss_mib)
+        _spark_row(t, "host RSS", f"{render.fmt_num(last_rss, ',.0f')} MiB", rss, detail_w)
     shares = s.gate_branch_shares
-    t.add_row("gates", f"entropy {render.fmt_num(s.gate_entropy_mean, '.3f')}, collapse "
+    t.add_row("gates", f"H {render.fmt_num(s.gate_entropy_mean, '.3f')} coll "
               f"{render.fmt_num(s.gate_collapse_fraction, '.2f')}",
               "cmp/sel/win " + ("/".join(f"{x:.2f}" for x in shares) if shares else "n/a"))
-    t.add_row("fallbacks", str(s.fallback_total), ", ".join(f"{k}: {v}" for k, v in sorted(s.fallback.items()))[:80])
+    t.add_row("fallbacks", str(s.fallback_total), ", ".join(f"{k}: {v}" for k, v in sorted(s.fallback.items())))
     if s.val_loss is not None:
         t.add_row("val loss", render.fmt_num(s.val_loss, ".4f"), "")
-    if gpus is not None and gpus.available:
+    ck = s.last_checkpoint
+    if ck:
+        age = now - float(ck["ts"]) if isinstance(ck.get("ts"), int | float) else None
+        where = f"{render.fmt_duration(age)} ago  " if age is not None else ""
+        t.add_row("checkpoint", f"step {ck.get('step')} {ck.get('reason') or ''}".rstrip(),
+                  where + render.fit_left(Path(str(ck.get("path") or "")).name, detail_w - len(where)))
+    else:
+        t.add_row("checkpoint", "none yet", "")
+    if gpus is not None and getattr(gpus, "available", False):
         for g in gpus.gpus:
-            t.add_row(f"GPU{g.index}", f"{render.fmt_num(g.utilization_pct, '.0f')}% util, "
-                      f"{render.fmt_num(g.temperature_c, '.0f')} C, {render.fmt_num(g.power_w, '.0f')} W",
-                      f"{(g.memory_total_mib - g.memory_free_mib):,.0f}/{g.memory_total_mib:,.0f} MiB")
+            used = g.memory_total_mib - g.memory_free_mib
+            t.add_row(f"GPU{g.index}", f"{render.fmt_num(g.utilization_pct, '.0f')}% "
+                      f"{render.fmt_num(g.temperature_c, '.0f')}C {render.fmt_num(g.power_w, '.0f')}W",
+                      f"{used:,.0f}/{g.memory_total_mib:,.0f} MiB {g.name}")
+
     ages = s.heartbeat_age_s
-    hb = Text()
-    hb.append("heartbeat age: ")
-    for r, age in sorted(ages.items()):
-        stale = any(a.rule == "stale" for a in alarms)
-        ended = state.ranks[r].end is not None
-        hb.append(f"rank{r} {render.fmt_duration(age)}{' (ended)' if ended else ''}  ",
-                  style="bold red" if stale and not ended and age > 60 else "")
-    if not ages:
-        hb.append("no heartbeat yet", style="yellow")
+    stale = any(a.rule == "stale" for a in alarms)
+    hb_parts = [f"rank{r} {render.fmt_duration(age)}{' (ended)' if state.ranks[r].end is not None else ''}"
+                for r, age in sorted(ages.items())]
+    hb_lines = render.pack(hb_parts, inner - len("heartbeat: "), sep="  ")
+    hb = [line(("heartbeat: " if i == 0 else "           ") + x, "bold red" if stale else "")
+          for i, x in enumerate(hb_lines)] or [line("heartbeat: none yet", "yellow")]
     if s.corrupt_lines or s.truncated_lines:
-        hb.append(f"\n{s.corrupt_lines} corrupt / {s.truncated_lines} truncated line(s) skipped", style="yellow")
+        hb.append(line(f"{s.corrupt_lines} corrupt / {s.truncated_lines} truncated line(s) skipped", "yellow"))
+
     events = Text()
     if s.anomalies:
         a = s.anomalies[-1]
         events.append(f"last anomaly: {a.get('kind')} at step {a.get('step')} (value {a.get('value')})\n", style="red")
     if s.halts:
         h = s.halts[-1]
-        events.append(f"last halt: step {h.get('step')} {h.get('reason')} (checkpoint {h.get('checkpoint')})\n", style="yellow")
+        events.append(f"last halt: step {h.get('step')} {h.get('reason')} (checkpoint {h.get('checkpoint')})\n",
+                      style="yellow")
     if s.pending_halt:
         events.append(f"pending .HALT: {s.pending_halt.get('reason')}\n", style="yellow")
     if s.end and s.end.get("error"):
         events.append(f"error: {s.end.get('error')}\n", style="red")
     for a in alarms:
         events.append(f"ALARM {a.rule}: {a.message}\n", style="bold red")
-    parts: list[Any] = [head, prog, t, hb]
+    if log is not None:
+        from nsa.runs.rules import now_iso
+
+        for old in [x for x in log.history if x.cleared is not None][-3:]:
+            events.append(f"cleared {old.rule} at {now_iso(old.cleared)[11:]} (since {now_iso(old.since)[11:]})\n",
+                          style="dim")
+    events.rstrip()
+    parts: list[Any] = [*header, prog, t, *hb]
     if events.plain:
         parts.append(events)
-    return Panel(Group(*parts), title="nsa watch", title_align="left")
+    return Panel(Group(*parts), title="nsa watch", title_align="left", width=width)
+
+
+def status_line(summary: Any, alarms: list[Any], now: float) -> str:
+    """One plain line: time, status, step/total, loss, tokens/s, ETA, alarms."""
+    from nsa.runs.rules import now_iso
+    from nsa_cli import render
+
+    s = summary
+    eta = render.fmt_duration(s.eta_s) if s.status in ("running", "stale") else "-"
+    return (f"{now_iso(now)} {s.status.upper()} step {s.steps_done}/{s.steps_total or '?'} "
+            f"loss {render.fmt_num(s.last_loss, '.4f')} tok/s {render.fmt_num(s.tokens_per_s_last, ',.0f')} "
+            f"ETA {eta} alarms {','.join(a.rule for a in alarms) or '-'}")
 
 
 def watch(
     run_dir: Annotated[str, typer.Argument(help="Run directory (train.out_dir).")],
     once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
-    halt_on: Annotated[str | None, typer.Option("--halt-on", help="Watchdog rules that write .HALT (e.g. all, stale=600,nonfinite).")] = None,
-    refresh: Annotated[float, typer.Option("--refresh", help="Seconds between reads.", min=0.1)] = 2.0,
-    stale_after: Annotated[float, typer.Option("--stale-after", help="Heartbeat age (s) shown as an alarm.", min=1)] = 300.0,
-    as_json: Annotated[bool, typer.Option("--json", help="With --once: print the snapshot as JSON.")] = False,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Stop watching after this many seconds.")] = None,
+    wait: Annotated[bool | None, typer.Option(
+        "--wait/--no-wait", help="Wait for a run directory that does not exist yet or has no heartbeat yet "
+        "(default: wait in live mode, not with --once).")] = None,
+    alert_on: Annotated[str | None, typer.Option(
+        "--alert-on", help="Rules that raise an alarm (default all; thresholds from the run's monitor config), "
+        "e.g. all,stale=60 or none.")] = None,
+    halt_on: Annotated[str | None, typer.Option(
+        "--halt-on", help="Watchdog rules that write .HALT (e.g. all, stale=600,nonfinite).")] = None,
+    notify: Annotated[str | None, typer.Option(
+        "--notify", help="Shell command run once per new alarm with the alarm as JSON on stdin (default: the "
+        "run's monitor.notify in live mode; '' for none).")] = None,
+    notify_timeout: Annotated[float, typer.Option("--notify-timeout", help="Seconds a --notify command may run.",
+                                                  min=0.1)] = 10.0,
+    refresh: Annotated[float, typer.Option("--refresh", help="Seconds between reads.", min=0.01)] = 2.0,
+    stale_after: Annotated[float | None, typer.Option(
+        "--stale-after", help="Heartbeat age (s) for the stale status and rule (default: monitor.stale_s).",
+        min=1)] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="JSON: one object with --once, else one object per refresh (JSON lines).")] = False,
+    timeout: Annotated[float | None, typer.Option(
+        "--timeout", help="Stop after this many seconds (waiting included).", min=0)] = None,
 ) -> None:
-    """Live dashboard: identity, progress/ETA, loss and tokens/s sparklines, fetch p50/p95, memory, GPU
-    utilisation, gate health, fallbacks, heartbeat age, anomalies and halts. Reads files incrementally."""
+    """Live dashboard: identity, progress/ETA, loss, tokens/s and grad-norm sparklines, lr, fetch p50/p95,
+    memory, per-GPU utilisation/memory/temperature/power (NVML), gate health, fallbacks, last checkpoint,
+    heartbeat age, anomalies, halts and alarms. Exits when the run ends or crashes."""
     from nsa_cli import render
 
     with user_errors():
         from nsa.checks.gpu import query_gpus
         from nsa.errors import NSAError
         from nsa.runs.halt import who_am_i, write_halt
-        from nsa.runs.reader import RunReader
-        from nsa.runs.rules import Rule, default_rules, evaluate, parse_rules
+        from nsa.runs.reader import RunReader, check_run_dir, run_started, wait_for_run
+        from nsa.runs.rules import AlarmLog, Rule, evaluate, monitor_config, now_iso, parse_rules, resolve
+        from nsa.runs.rules import notify as run_notify
         from nsa.runs.summary import summarize
 
         halt_rules = parse_rules(halt_on)
-        reader = RunReader(run_dir)
-    shown_rules = {r.name: r for r in default_rules()}
-    shown_rules["stale"] = Rule("stale", stale_after)
-    shown_rules.update({r.name: r for r in halt_rules})
-    local = None
+        alert_rules = parse_rules("all" if alert_on is None else alert_on)
+    start = time.monotonic()
+    path = Path(run_dir)
+
+    # ---- wait for the run to start
+    if (not once if wait is None else wait) and not run_started(path):
+        with user_errors():
+            if path.exists() and not path.is_dir():
+                check_run_dir(path)
+        what = "to appear" if not path.exists() else "to start (no heartbeat yet)"
+        bound = f" (up to {timeout:g} s)" if timeout is not None else ""
+        typer.echo(f"{now_iso()} waiting for run directory {path} {what}{bound}", err=as_json)
+        try:
+            with user_errors():
+                started = wait_for_run(path, timeout, poll_s=min(refresh, 0.5))
+        except KeyboardInterrupt:
+            raise typer.Exit(EXIT_OK) from None
+        if not started:
+            raise fail(f"run directory {path} did not start within {timeout:g} s",
+                       hint="check the trainer's --out-dir, or give a longer --timeout")
+    with user_errors():
+        reader = RunReader(path)
+
+    log = AlarmLog()
+    halted_by_us: list[dict[str, Any]] = []
+    alert_names = {r.name for r in alert_rules}
+    notify_cmd: str | None = notify
+    gpu_local: bool | None = None
 
     def gpus() -> Any:
-        nonlocal local
-        boot = reader.state.boot or {}
-        import socket
+        nonlocal gpu_local
+        if gpu_local is None and reader.state.boot is not None:
+            gpu_local = (reader.state.boot.get("host") in (None, socket.gethostname())
+                         and str((reader.state.env or {}).get("device", "")).startswith("cuda"))
+        return query_gpus(details=False) if gpu_local else None
 
-        if local is None:
-            local = boot.get("host") in (None, socket.gethostname())
-        return query_gpus() if local and str((reader.state.env or {}).get("device", "")).startswith("cuda") else None
-
-    halted_by_us: list[dict[str, Any]] = []
-
-    def step() -> tuple[Any, Any, list[Any]]:
+    def step(final: bool = False) -> tuple[Any, Any, list[Any], Any]:
         now = time.time()
-        st = reader.poll(final=once)
-        summ = summarize(st, now, stale_after)
-        hits = evaluate(list(shown_rules.values()), st, now)
-        if halt_rules and not halted_by_us and st.end is None and st.halt_file is None:
-            names = {r.name for r in halt_rules}
-            firing = [h for h in hits if h.rule in names]
+        st = reader.poll(final=final)
+        if st.end is None and st.process_alive() is False:
+            st = reader.poll(final=True)  # the trainer is gone: take a last line written without newline
+        with user_errors():
+            mon = monitor_config(st)
+        if stale_after is not None:
+            mon = mon.model_copy(update={"stale_s": stale_after})
+        summ = summarize(st, now, mon.stale_s)
+        hits = evaluate(alert_rules + [r for r in halt_rules if r.name not in alert_names], st, now, mon)
+        if halt_rules and not halted_by_us and st.end is None and st.halt_file is None and summ.status != "crashed":
+            firing = [h for h in evaluate(halt_rules, st, now, mon) if h.rule != "crashed"]
             if firing:
                 h = firing[0]
                 try:
@@ -170,44 +290,118 @@ def watch(
                     raise fail(f"watchdog rule {h.rule} fired but {exc.message}", hint=exc.hint) from None
                 halted_by_us.append(rec)
                 st.halt_file = rec
-        return st, summ, hits
+                if h.rule not in {x.rule for x in hits}:
+                    hits.append(h)
+        return st, summ, hits, mon
+
+    def act(st: Any, summ: Any, hits: list[Any], mon: Any, now: float, cmd: str | None) -> tuple[list[Any], list[Any]]:
+        """Record the alarms; notify the new ones (a failing command is one warning line)."""
+        new, cleared = log.update(hits, now)
+        for a in new:
+            if cmd:
+                err = run_notify(cmd, a.payload(st.run_name, summ.host), notify_timeout)
+                if err is not None:
+                    typer.echo(f"warning: notify command for alarm {a.rule} failed: {err}", err=True)
+        return new, cleared
+
+    def payload(st: Any, summ: Any, hits: list[Any], mon: Any) -> dict[str, Any]:
+        return {"summary": summ.to_dict(), "alarms": [h.to_dict() for h in hits],
+                "rules": [r.describe() for r in resolve(alert_rules, mon)],
+                "halt_rules": [r.describe() for r in resolve(halt_rules, mon)],
+                "halt_written": halted_by_us[0] if halted_by_us else None}
 
     if once:
-        st, summ, hits = step()
+        st, summ, hits, mon = step(final=True)
+        act(st, summ, hits, mon, time.time(), notify or None)
         if as_json:
-            render.print_json(render.jsonable({
-                "summary": summ.to_dict(),
-                "alarms": [h.to_dict() for h in hits],
-                "halt_written": halted_by_us[0] if halted_by_us else None,
-                "config": st.config, "env": st.env,
-            }))
+            render.print_json(render.jsonable({**payload(st, summ, hits, mon), "config": st.config, "env": st.env}))
         else:
-            render.console().print(_snapshot(st, summ, hits, gpus(), time.time()))
+            con = render.console()
+            con.print(dashboard(st, summ, hits, gpus(), width=con.width, log=log))
             if halted_by_us:
-                render.console().print(f"[bold red]watchdog wrote .HALT[/]: {halted_by_us[0]['reason']}")
+                con.print(f"[bold red]watchdog wrote .HALT[/]: {halted_by_us[0]['reason']}")
         raise typer.Exit(EXIT_FAILED if hits or summ.status in ("failed", "crashed") else EXIT_OK)
 
-    from rich.live import Live
-
     con = render.console()
-    start = time.monotonic()
-    st, summ, hits = step()
+    mode = "json" if as_json else ("live" if con.is_terminal else "lines")
+    announced_halt: list[Any] = []  # the .HALT times already reported (lines mode)
+
+    def finished(st: Any, summ: Any, now: float) -> bool:
+        if summ.status == "crashed":
+            return True
+        end = st.end
+        if end is None:
+            return False
+        if all(r.end is not None for r in st.ranks.values()):
+            return True
+        return isinstance(end.get("ts"), int | float) and now - float(end["ts"]) > ENDED_GRACE_S
+
+    def emit(st: Any, summ: Any, hits: list[Any], mon: Any, new: list[Any], cleared: list[Any], now: float,
+             wrote: bool) -> None:
+        if mode == "json":
+            obj = {"time": now, "status": summ.status, "step": summ.steps_done, "steps_total": summ.steps_total,
+                   "loss": summ.last_loss, "tokens_per_s": summ.tokens_per_s_last, "eta_s": summ.eta_s,
+                   "new_alarms": [a.rule for a in new], "cleared_alarms": [a.rule for a in cleared],
+                   **payload(st, summ, hits, mon)}
+            typer.echo(json.dumps(render.jsonable(obj), default=str))
+            return
+        stamp = now_iso(now)
+        typer.echo(status_line(summ, hits, now))
+        for a in new:
+            typer.echo(f"{stamp} ALARM {a.rule}: {a.message}")
+        for a in cleared:
+            typer.echo(f"{stamp} cleared {a.rule} (since {now_iso(a.since)})")
+        if wrote:
+            typer.echo(f"{stamp} watchdog wrote .HALT: {halted_by_us[0]['reason']}")
+        ph = summ.pending_halt
+        if ph is not None and ph.get("time") not in announced_halt:
+            announced_halt.append(ph.get("time"))
+            typer.echo(f"{stamp} pending .HALT: {ph.get('reason')} ({ph.get('who') or 'unknown'})")
+        elif ph is None and st.halt_file is not None and st.halt_file.get("time") in announced_halt:
+            announced_halt.remove(st.halt_file.get("time"))
+            h = st.halts[-1] if st.halts else st.end or {}
+            typer.echo(f"{stamp} .HALT acted on at step {h.get('step')}")
+
+    def cycle(first: bool) -> tuple[Any, Any, list[Any], bool]:
+        if not first:
+            time.sleep(refresh)
+        had = bool(halted_by_us)
+        st, summ, hits, mon = step()
+        now = time.time()
+        new, cleared = act(st, summ, hits, mon, now, notify_cmd_for(st, mon))
+        if mode != "live":
+            emit(st, summ, hits, mon, new, cleared, now, wrote=bool(halted_by_us) and not had)
+        return st, summ, hits, finished(st, summ, now)
+
+    def notify_cmd_for(st: Any, mon: Any) -> str | None:
+        return (notify_cmd if notify_cmd is not None else mon.notify) or None
+
+    def timed_out() -> bool:
+        return timeout is not None and time.monotonic() - start > timeout
+
     try:
-        with Live(_snapshot(st, summ, hits, gpus(), time.time()), console=con, auto_refresh=False,
-                  transient=False) as live:
-            while True:
-                if st.end is not None and all(r.end is not None for r in st.ranks.values()):
-                    break
-                if timeout is not None and time.monotonic() - start > timeout:
-                    break
-                time.sleep(refresh)
-                st, summ, hits = step()
-                live.update(_snapshot(st, summ, hits, gpus(), time.time()), refresh=True)
+        st, summ, hits, done = cycle(first=True)
+        if mode == "live":
+            from rich.live import Live
+
+            with Live(dashboard(st, summ, hits, gpus(), width=con.width, log=log), console=con,
+                      auto_refresh=False, transient=False) as live:
+                while not done and not timed_out():
+                    st, summ, hits, done = cycle(first=False)
+                    live.update(dashboard(st, summ, hits, gpus(), width=con.width, log=log), refresh=True)
+        else:
+            while not done and not timed_out():
+                st, summ, hits, done = cycle(first=False)
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_OK) from None
-    if not con.is_terminal:
-        con.print()
-    if halted_by_us:
+    if summ.status == "crashed":
+        crash = next((h for h in hits if h.rule == "crashed"), None)
+        if crash is None:
+            crash = next(iter(evaluate([Rule("crashed")], st, time.time(), monitor_config(st))), None)
+        if crash is not None and (mode == "live" or "crashed" not in alert_names):
+            line = f"ALARM crashed: {crash.message}"
+            typer.echo(line if mode == "live" else f"{now_iso()} {line}", err=mode == "json")
+    if mode == "live" and halted_by_us:
         con.print(f"[bold red]watchdog wrote .HALT[/]: {halted_by_us[0]['reason']}")
     raise typer.Exit(EXIT_FAILED if summ.status in ("failed", "crashed") else EXIT_OK)
 

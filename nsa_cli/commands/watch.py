@@ -31,8 +31,7 @@ Examples:
 
   nsa watch artifacts/m7c-125m --alert-on all,stale=60 --halt-on nonfinite,stale=600
 
-  nsa watch artifacts/m7c-125m --notify 'curl -fsS -X POST -H "Content-Type: application/json" \\
-      --data-binary @- https://hooks.example.com/nsa'
+  nsa watch artifacts/m7c-125m --notify 'curl -fsS --data-binary @- https://hooks.example.com/nsa'
 
 Rules (thresholds default to the run's monitor config): crashed, stale=S, nonfinite, gate-entropy=NATS,
 gate-collapse=FRACTION, grad-spike=RATIO, loss-plateau=DROP, memory-creep=RATIO, throughput-drop=RATIO,

@@ -110,7 +110,8 @@ class RuntimeConfig(_Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     attn_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
     window_backend: Literal["auto", "triton", "flex", "flash", "torch"] = "auto"
-    compile: bool = False
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the model; auto: on CUDA (where it is faster), not on CPU")
     gradient_checkpointing: bool = False
     deterministic: bool = False
     tf32: bool = True

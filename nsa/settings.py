@@ -80,7 +80,7 @@ class NSASettings(BaseSettings):
     window_backend: Literal["auto", "triton", "flex", "flash", "torch"] | None = Field(
         None, description="sliding-window branch backend on GPU"
     )
-    compile: bool | None = None
+    compile: bool | Literal["auto"] | None = None
     grad_ckpt: bool | None = Field(None, description="gradient checkpointing")
     deterministic: bool | None = None
     tf32: bool | None = None

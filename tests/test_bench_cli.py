@@ -41,13 +41,16 @@ def test_bench_train_tiny(tmp_path: Path) -> None:
     for r in rows.values():
         assert r["seq_len"] == 64 and r["tokens_per_s"] > 0 and r["step_ms"] > 0
     assert rows["nsa"]["params_m"] > rows["dense"]["params_m"]  # separate branch projections and gates
-    assert data["nsa_over_dense"]["64"] > 0
+    assert data["nsa_over_dense"]["S=64 b=2 eager"] > 0
+    assert all(r["compiled"] is False and r["error"] is None and r["flops_per_token"] > 0 for r in rows.values())
+    assert "MFU: mfu = tokens_per_s" in res.output and "nsa eager S=64 b=2:" in res.output  # progress lines
 
 
 def test_bench_flag_errors_are_one_line() -> None:
     for args in (["bench", "attention", "--tiny", "--seq-lens", "abc"],
                  ["bench", "attention", "--tiny", "--shape", "5,2,16"],
                  ["bench", "attention", "--tiny", "--tune", "sel_bm"],
+                 ["bench", "train", "--tiny", "--modes", "fast"],
                  ["bench", "train", "--tiny", "--attention", "sparse"]):
         res = runner.invoke(app, args)
         assert res.exit_code == 2, (args, res.output)

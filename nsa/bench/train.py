@@ -1,11 +1,15 @@
-"""Training-step benchmark: tokens/s and peak memory of the NSA model and the same model with dense
-attention (``model.attention = "dense"``), on random tokens, bf16 autocast on CUDA, fused AdamW.
+"""Training-step benchmark: tokens/s, MFU and peak memory of the NSA model and the same model with dense
+attention (``model.attention = "dense"``), eager and/or under ``torch.compile``, on random tokens, bf16
+autocast on CUDA, fused AdamW. MFU follows :data:`nsa.train.telemetry.MFU_FORMULA` (the model's own
+``flops_per_token(seq_len)``: 6 x parameters plus the attention products each variant really computes,
+over the device's bf16 datasheet peak).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,6 +33,14 @@ class TrainRow:
     backend: str
     compiled: bool = False
     fallbacks: dict[str, int] = field(default_factory=dict)
+    mfu: float | None = None
+    flops_per_token: float | None = None
+    compile_s: float | None = None  # the first warm-up step under torch.compile (tracing + Inductor)
+    error: str | None = None  # "out of memory" when the batch does not fit; the figures are then 0
+
+    @property
+    def mode(self) -> str:
+        return "compiled" if self.compiled else "eager"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -36,18 +48,37 @@ class TrainRow:
 
 def bench_train_step(
     run_cfg: RunConfig, *, attention: str, seq_len: int, batch_size: int, steps: int = 10,
-    warmup: int = 3, device: str | torch.device | None = None,
+    warmup: int = 3, device: str | torch.device | None = None, compiled: bool | None = None,
 ) -> TrainRow:
     """Median step time of forward + backward + optimizer step for one model variant.
 
     With ``runtime.compile`` the model is wrapped in ``torch.compile`` (the warm-up steps absorb the
-    compilation), for NSA and dense alike, so the ratio compares like with like.
+    compilation), for NSA and dense alike, so the ratio compares like with like; ``compiled`` overrides
+    the config's ``runtime.compile``. A batch that does not fit gives a row with ``error="out of memory"``.
     """
-    from nsa.model import build_model
-    from nsa.ops import fallback_counts, reset_fallback_counts
-
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = run_cfg.model_copy(deep=True)
+    if compiled is not None:
+        cfg.runtime.compile = compiled
+    use_compile = cfg.runtime.compile is True or (cfg.runtime.compile == "auto" and dev.type == "cuda")
+    try:
+        return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile)
+    except torch.OutOfMemoryError:
+        torch._dynamo.reset()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        return TrainRow(attention=attention, seq_len=seq_len, batch_size=batch_size, params_m=0.0, step_ms=0.0,
+                        tokens_per_s=0.0, peak_mib=None, device=name, backend=cfg.runtime.attn_backend,
+                        compiled=use_compile, error="out of memory")
+
+
+def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, steps: int, warmup: int,
+                dev: torch.device, use_compile: bool) -> TrainRow:
+    from nsa.model import build_model
+    from nsa.ops import fallback_counts, reset_fallback_counts
+    from nsa.train.telemetry import peak_flops
+
     cfg.model.attention = attention  # type: ignore[assignment]
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq_len)
     if dev.type == "cuda" and cfg.runtime.attn_backend == "auto":
@@ -55,7 +86,9 @@ def bench_train_step(
     torch.manual_seed(0)
     model = build_model(cfg).to(dev)
     model.train()
-    forward = torch.compile(model) if cfg.runtime.compile else model
+    if use_compile:
+        torch._dynamo.reset()  # a fresh graph per row: shapes differ, never the recompile limit
+    forward = torch.compile(model) if use_compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (batch_size, seq_len + 1), generator=gen).to(dev)
@@ -71,8 +104,14 @@ def bench_train_step(
         opt.zero_grad(set_to_none=True)
 
     reset_fallback_counts()
-    for _ in range(warmup):
+    compile_s = None
+    for i in range(max(warmup, 1 if use_compile else 0)):
+        t0 = time.perf_counter()
         step()
+        if i == 0 and use_compile:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            compile_s = time.perf_counter() - t0
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -92,11 +131,13 @@ def bench_train_step(
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    tps = batch_size * seq_len / (ms / 1e3)
+    fpt = float(model.flops_per_token(seq_len))
+    peak_fl = peak_flops(name, None)[0] if dev.type == "cuda" else None
     row = TrainRow(attention=attention, seq_len=seq_len, batch_size=batch_size,
-                   params_m=model.num_params() / 1e6, step_ms=ms,
-                   tokens_per_s=batch_size * seq_len / (ms / 1e3), peak_mib=peak, device=name,
-                   backend=cfg.runtime.attn_backend, compiled=cfg.runtime.compile,
-                   fallbacks=fallback_counts())
+                   params_m=model.num_params() / 1e6, step_ms=ms, tokens_per_s=tps, peak_mib=peak, device=name,
+                   backend=cfg.runtime.attn_backend, compiled=use_compile, fallbacks=fallback_counts(),
+                   mfu=tps * fpt / peak_fl if peak_fl else None, flops_per_token=fpt, compile_s=compile_s)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -104,20 +145,26 @@ def bench_train_step(
 
 def bench_train(
     run_cfg: RunConfig, seq_lens: list[int], batch_sizes: list[int], *, attentions: tuple[str, ...] = ("nsa", "dense"),
-    steps: int = 10, warmup: int = 3, device: str | None = None,
+    steps: int = 10, warmup: int = 3, device: str | None = None, modes: tuple[bool | None, ...] = (None,),
+    on_row: Callable[[TrainRow], None] | None = None,
 ) -> list[TrainRow]:
-    """Rows for each sequence length (with its batch size) and each attention variant."""
+    """Rows for each sequence length (with its batch size), each mode (``False`` eager, ``True`` compiled,
+    ``None`` the config's ``runtime.compile``) and each attention variant; ``on_row`` sees each as it ends."""
     rows = []
     for S, bs in zip(seq_lens, batch_sizes, strict=True):
-        for att in attentions:
-            rows.append(bench_train_step(run_cfg, attention=att, seq_len=S, batch_size=bs, steps=steps,
-                                         warmup=warmup, device=device))
+        for mode in modes:
+            for att in attentions:
+                rows.append(bench_train_step(run_cfg, attention=att, seq_len=S, batch_size=bs, steps=steps,
+                                             warmup=warmup, device=device, compiled=mode))
+                if on_row is not None:
+                    on_row(rows[-1])
     return rows
 
 
-def speedups(rows: list[TrainRow]) -> dict[int, float]:
-    """NSA tokens/s over dense tokens/s per sequence length (where both were measured)."""
-    by: dict[int, dict[str, float]] = {}
+def speedups(rows: list[TrainRow]) -> dict[str, float]:
+    """NSA tokens/s over dense tokens/s per ``"S=<len> b=<batch> <mode>"`` (where both were measured)."""
+    by: dict[str, dict[str, float]] = {}
     for r in rows:
-        by.setdefault(r.seq_len, {})[r.attention] = r.tokens_per_s
-    return {S: v["nsa"] / v["dense"] for S, v in by.items() if "nsa" in v and "dense" in v}
+        if r.error is None:
+            by.setdefault(f"S={r.seq_len} b={r.batch_size} {r.mode}", {})[r.attention] = r.tokens_per_s
+    return {k: v["nsa"] / v["dense"] for k, v in by.items() if "nsa" in v and "dense" in v}

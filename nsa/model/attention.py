@@ -115,9 +115,10 @@ class NSAAttention(nn.Module):
     def op_kwargs(self) -> dict[str, int]:
         return {"l": self.l, "d": self.d, "l_sel": self.l_sel, "n_sel": self.n_sel, "w": self.w}
 
-    def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def gate_logits(self, x: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
         """``gate_bias + gate_scale * gate_mlp(x)``: a constant offset per branch plus the learned MLP,
-        scaled (docs/design.md, "Gates").
+        scaled (docs/design.md, "Gates"). ``pre``: ``x @ fc1.weight.T`` already computed (the fused
+        input projection of :meth:`project`).
 
         For a few rows (a decode step) as products and sums, which a compiled step fuses into two
         small kernels instead of two GEMM launches and their epilogues.
@@ -126,20 +127,36 @@ class NSAAttention(nn.Module):
         assert isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)
         offset = self.gate_offset
         assert isinstance(offset, torch.Tensor)
-        if x.shape[0] * x.shape[1] > 8:
-            hid = F.silu(fc1(x))
+        if pre is not None or x.shape[0] * x.shape[1] > 8:
+            hid = F.silu(fc1(x) if pre is None else pre + fc1.bias.to(pre.dtype))
             const = offset.to(hid.dtype) + self.gate_scale * fc2.bias.to(hid.dtype)
             return torch.addmm(const, hid.reshape(-1, hid.shape[-1]), fc2.weight.to(hid.dtype).t(),
                                alpha=self.gate_scale).view(*hid.shape[:-1], -1)
         hid = F.silu((x[..., None, :] * fc1.weight).sum(-1) + fc1.bias)
         return offset + self.gate_scale * ((hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias)
 
+    def in_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(q, kv, gate pre-activation)`` of ``x``: one GEMM over the concatenated weights of ``q_proj``,
+        ``kv_proj`` and the gate MLP's first layer when ``x`` has more than a few rows (one launch and one
+        read of ``x`` instead of three), else the separate layers (a decode step)."""
+        fc1 = self.gate_mlp[0]
+        assert isinstance(fc1, nn.Linear)
+        gate = self.fixed_gates is None
+        if x.shape[0] * x.shape[1] <= 8:
+            return self.q_proj(x), self.kv_proj(x), None
+        ws = [self.q_proj.weight, self.kv_proj.weight, *([fc1.weight] if gate else [])]
+        y = F.linear(x, torch.cat(ws))
+        sizes = [w.shape[0] for w in ws]
+        parts = torch.split(y, sizes, dim=-1)
+        return parts[0], parts[1], parts[2] if gate else None
+
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> Projected:
         """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``."""
         B, S, _ = x.shape
         H, Dk, Dv = self.n_kv_groups, self.d_k, self.d_v
-        q = self.rope(self.q_proj(x).view(B, S, self.n_heads, Dk), positions)
-        kv = self.kv_proj(x).view(B, S, self.n_kv_branches, H * (Dk + Dv))
+        q_lin, kv_lin, gate_pre = self.in_proj(x)
+        q = self.rope(q_lin.view(B, S, self.n_heads, Dk), positions)
+        kv = kv_lin.view(B, S, self.n_kv_branches, H * (Dk + Dv))
         ks, vs = [], []
         for i in range(self.n_kv_branches):
             k = kv[:, :, i, : H * Dk].reshape(B, S, H, Dk)
@@ -150,7 +167,7 @@ class NSAAttention(nn.Module):
         if self.fixed_gates is not None:  # ablation: constant gates, the gate MLP unused
             gates = torch.tensor(self.fixed_gates, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads, 3)
         else:
-            g = self.gate_logits(x).view(B, S, self.n_heads, 3)
+            g = self.gate_logits(x, gate_pre).view(B, S, self.n_heads, 3)
             gates = torch.sigmoid(g) if self.gate == "sigmoid" else torch.softmax(g, dim=-1)
         return Projected(
             q=q, k_cmp_raw=ks[0], v_cmp_raw=vs[0], k_sel=ks[1], v_sel=vs[1], k_win=ks[2], v_win=vs[2],

@@ -50,11 +50,20 @@ def record_fallback(reason: str) -> None:
     _fallbacks[reason] += 1
 
 
-def _module(name: str) -> ModuleType | None:
+def _load(name: str) -> ModuleType | None:
     try:
         return importlib.import_module(_MODULES[name])
     except ImportError:
         return None
+
+
+# loaded once at import (none of them imports triton itself), so ``resolve`` is a dict lookup that
+# torch.compile traces without a graph break
+_LOADED: dict[str, ModuleType | None] = {name: _load(name) for name in BACKENDS}
+
+
+def _module(name: str) -> ModuleType | None:
+    return _LOADED[name]
 
 
 def _triton_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:

@@ -80,59 +80,125 @@ def select_blocks(
         return top_blocks(P, B=B, H=H, S=S, l_sel=l_sel, n_sel=n_sel)
 
 
-class _NSAFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
-        v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
-        block_idx: torch.Tensor | None, hp: dict[str, Any],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        from nsa.ops._triton.combine import combine_fwd
-        from nsa.ops._triton.range_attn import range_fwd
-        from nsa.ops._triton.scores import block_scores, top_blocks
-        from nsa.ops._triton.selection import sel_fwd
+# ---------------------------------------------------------------------------------------------------
+# The kernels as PyTorch custom operators (torch.library): opaque to torch.compile, with fake (meta)
+# implementations for tracing and a registered autograd formula, so a whole compiled NSA model keeps
+# one graph (fullgraph=True) and Inductor fuses the projection / RoPE / gate / combine glue around them.
 
-        B, S, HQ, _ = q.shape
-        H = k_sel.shape[2]
-        Dv = v_sel.shape[-1]
-        scale = hp["scale"]
-        o3 = torch.empty(B, S, HQ, 3, Dv, device=q.device, dtype=q.dtype)
-        lse_c = range_fwd(q, k_cmp, v_cmp, o3[:, :, :, 0], scale=scale, **_cmp_geometry(hp["l"], hp["d"]))
-        if block_idx is None:
-            P = block_scores(q, k_cmp, lse_c, l=hp["l"], d=hp["d"], l_sel=hp["l_sel"], scale=scale)
-            block_idx = top_blocks(P, B=B, H=H, S=S, l_sel=hp["l_sel"], n_sel=hp["n_sel"])
-            del P
-        lse_s, tiles = sel_fwd(q, k_sel, v_sel, block_idx, o3[:, :, :, 1], l_sel=hp["l_sel"], scale=scale)
-        lse_w = range_fwd(q, k_win, v_win, o3[:, :, :, 2], scale=scale, stride=1, off=0, win=hp["w"])
-        out = combine_fwd(o3, gates, q.dtype)
-        ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_idx, o3,
-                              lse_c, lse_s, lse_w, tiles[1], tiles[2])
-        ctx.tile_bt = tiles[0]
-        ctx.hp = hp
-        ctx.mark_non_differentiable(block_idx)
-        return out, block_idx
+_FWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 torch.Tensor, torch.Tensor]
 
-    @staticmethod
-    def backward(ctx: Any, do: torch.Tensor, _didx: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        from nsa.ops._triton.combine import combine_bwd
-        from nsa.ops._triton.range_attn import range_bwd
-        from nsa.ops._triton.selection import sel_bwd
 
-        (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, ul,
-         cnt) = ctx.saved_tensors
-        hp = ctx.hp
-        scale = hp["scale"]
-        do = do.contiguous()
-        dg = combine_bwd(o3, do)
-        dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        dk_c, dv_c = range_bwd(q, k_cmp, v_cmp, do, lse_c, gates, dg, dq, branch=0, accum=False,
-                               scale=scale, **_cmp_geometry(hp["l"], hp["d"]))
-        dk_s, dv_s = sel_bwd(q, k_sel, v_sel, idx, do, lse_s, gates, dg, dq, branch=1, accum=True,
-                             l_sel=hp["l_sel"], scale=scale, tiles=(ctx.tile_bt, ul, cnt))
-        dk_w, dv_w = range_bwd(q, k_win, v_win, do, lse_w, gates, dg, dq, branch=2, accum=True,
-                               scale=scale, stride=1, off=0, win=hp["w"])
-        return (dq.to(q.dtype), dk_c, dv_c, dk_s.to(k_sel.dtype), dv_s.to(v_sel.dtype), dk_w, dv_w,
-                dg.to(gates.dtype), None, None)
+@torch.library.custom_op("nsa::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
+    k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
+    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
+) -> _FWD_OUT:
+    """Forward kernels: ``(out, block_idx, o3, lse_cmp, lse_sel, lse_win, tile_blocks, tile_counts)``;
+    everything after ``block_idx`` is kept for the backward."""
+    from nsa.ops._triton.combine import combine_fwd
+    from nsa.ops._triton.range_attn import range_fwd
+    from nsa.ops._triton.scores import block_scores, top_blocks
+    from nsa.ops._triton.selection import sel_fwd
+
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (_dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win,
+                                                                                v_win))
+    B, S, HQ, _ = q.shape
+    H = k_sel.shape[2]
+    Dv = v_sel.shape[-1]
+    o3 = torch.empty(B, S, HQ, 3, Dv, device=q.device, dtype=q.dtype)
+    lse_c = range_fwd(q, k_cmp, v_cmp, o3[:, :, :, 0], scale=scale, **_cmp_geometry(l, d))
+    if block_idx is None:
+        P = block_scores(q, k_cmp, lse_c, l=l, d=d, l_sel=l_sel, scale=scale)
+        idx = top_blocks(P, B=B, H=H, S=S, l_sel=l_sel, n_sel=n_sel)
+        del P
+    else:
+        idx = block_idx.contiguous().clone()  # an output may not alias an input
+    lse_s, (_, ul, cnt) = sel_fwd(q, k_sel, v_sel, idx, o3[:, :, :, 1], l_sel=l_sel, scale=scale)
+    lse_w = range_fwd(q, k_win, v_win, o3[:, :, :, 2], scale=scale, stride=1, off=0, win=w)
+    out = combine_fwd(o3, gates.contiguous(), q.dtype)
+    return out, idx, o3, lse_c, lse_s, lse_w, ul, cnt
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(
+    q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
+    k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
+    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
+) -> _FWD_OUT:
+    from nsa.ops._triton.selection import sel_tile_positions
+
+    B, S, HQ, _ = q.shape
+    H, Dv = k_sel.shape[2], v_sel.shape[-1]
+    bt = sel_tile_positions(q, k_sel, v_sel, l_sel, n_sel)
+    T = -(-S // bt)
+    f32, i32 = torch.float32, torch.int32
+    return (q.new_empty(B, S, HQ, Dv), q.new_empty(B, S, H, n_sel, dtype=i32), q.new_empty(B, S, HQ, 3, Dv),
+            q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32),
+            q.new_empty(B * H * T, bt * n_sel, dtype=i32), q.new_empty(B * H * T, dtype=i32))
+
+
+_BWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                 torch.Tensor, torch.Tensor]
+
+
+@torch.library.custom_op("nsa::attention_bwd", mutates_args=())
+def attention_bwd(
+    do: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
+    v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
+    o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, ul: torch.Tensor,
+    cnt: torch.Tensor, l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
+) -> _BWD_OUT:
+    """Backward kernels: ``(dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates)``."""
+    from nsa.ops._triton.combine import combine_bwd
+    from nsa.ops._triton.range_attn import range_bwd
+    from nsa.ops._triton.selection import sel_bwd, sel_tile_positions
+
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (_dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win,
+                                                                                v_win))
+    gates = gates.contiguous()
+    do = do.contiguous()
+    dg = combine_bwd(o3, do)
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dk_c, dv_c = range_bwd(q, k_cmp, v_cmp, do, lse_c, gates, dg, dq, branch=0, accum=False,
+                           scale=scale, **_cmp_geometry(l, d))
+    bt = sel_tile_positions(q, k_sel, v_sel, l_sel, n_sel)
+    dk_s, dv_s = sel_bwd(q, k_sel, v_sel, idx, do, lse_s, gates, dg, dq, branch=1, accum=True,
+                         l_sel=l_sel, scale=scale, tiles=(bt, ul, cnt))
+    dk_w, dv_w = range_bwd(q, k_win, v_win, do, lse_w, gates, dg, dq, branch=2, accum=True,
+                           scale=scale, stride=1, off=0, win=w)
+    return (dq.to(q.dtype), dk_c, dv_c, dk_s.to(k_sel.dtype), dv_s.to(v_sel.dtype), dk_w, dv_w,
+            dg.to(gates.dtype))
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(
+    do: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
+    v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
+    o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, ul: torch.Tensor,
+    cnt: torch.Tensor, l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
+) -> _BWD_OUT:
+    return tuple(t.new_empty(t.shape) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))  # type: ignore[return-value]
+
+
+_HP = ("l", "d", "l_sel", "n_sel", "w", "scale")
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: _FWD_OUT) -> None:
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, _block_idx, *hp = inputs
+    _, idx, o3, lse_c, lse_s, lse_w, ul, cnt = output
+    ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, ul, cnt)
+    ctx.hp = dict(zip(_HP, hp, strict=True))
+    ctx.mark_non_differentiable(idx, o3, lse_c, lse_s, lse_w, ul, cnt)
+
+
+def _backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
+    grads = attention_bwd(do, *ctx.saved_tensors, **ctx.hp)
+    return (*grads, None, None, None, None, None, None, None)
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _dense_last(t: torch.Tensor) -> torch.Tensor:
@@ -167,25 +233,12 @@ def nsa_attention(
                          f"got {k_cmp.shape[1]} and {v_cmp.shape[1]}")
     if -(-S // l_sel) > MAX_BLOCKS:
         raise ValueError(f"S={S} gives more than {MAX_BLOCKS} selection blocks of l_sel={l_sel}")
-    hp = {"l": l, "d": d, "l_sel": l_sel, "n_sel": n_sel, "w": w,
-          "scale": q.shape[-1] ** -0.5 if scale is None else float(scale)}
+    sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if block_idx is not None:
         block_idx = block_idx.to(device=q.device, dtype=torch.int32).contiguous()
     # kernels take strides for [B, S, heads]; only the feature dim must be contiguous (views of a fused
     # projection pass as they are); gates are read as contiguous rows of 3
     args = [_dense_last(t.to(q.dtype)) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)]
-    args.append(gates.to(q.dtype).contiguous())
-    out, idx = _apply(*args, block_idx, hp)
+    gates = gates.to(q.dtype).contiguous()
+    out, idx, *_ = attention_fwd(*args, gates, block_idx, l, d, l_sel, n_sel, w, sc)
     return (out, idx) if return_block_idx else out
-
-
-@torch.compiler.disable
-def _apply(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernels outside any ``torch.compile`` graph (compiled models graph-break here).
-
-    Traced into a whole compiled NSA model, the kernels' writes into strided views of one output
-    buffer met an illegal memory access during inductor's autotuning (H200, torch 2.11); kept opaque,
-    the kernels run exactly as in eager mode and everything around them still compiles.
-    """
-    out: tuple[torch.Tensor, torch.Tensor] = _NSAFunction.apply(*args)
-    return out

@@ -282,7 +282,9 @@ class Trainer:
         loaded = self._load_checkpoint() if self.resume_from is not None else None
 
         self.train_model: Any = self.model
-        if cfg.runtime.compile:
+        self.compiled = cfg.runtime.compile is True or (cfg.runtime.compile == "auto" and self.rt.device_type == "cuda")
+        self.compile_s: float | None = None  # the first step's time when compiled: tracing + Inductor + autotuning
+        if self.compiled:
             self.train_model = torch.compile(self.model)
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -454,6 +456,9 @@ class Trainer:
             self._t_last_step_end = time.perf_counter()
             if self._t_first_step_end is None:
                 self._t_first_step_end = self._t_last_step_end
+                if self.compiled:
+                    self.compile_s = dt
+                    self.display.print(f"torch.compile: first step (compilation included) took {dt:.1f} s")
             else:
                 self._tokens_after_first += self.tokens_per_step
             win_steps, win_time, win_fetch = win_steps + 1, win_time + dt, win_fetch + fetch_s
@@ -736,6 +741,8 @@ class Trainer:
             "mean_step_time_s": self._train_time_s / done_here if done_here else None,
             "elapsed_s": self._elapsed(),
             "startup_s": (self._t_first_step_end or now) - self._t_boot,
+            "compiled": self.compiled,
+            "compile_s": self.compile_s,
             "num_params": self.num_params,
             "flops_per_token": self.flops_per_token,
             "mfu": mfu,

@@ -125,9 +125,12 @@ def train(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value; repeatable.")] = None,
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run: tiny config, seq 64, batch 2, 2 steps.")] = False,
     tune: Annotated[list[str] | None, typer.Option("--tune", help="Triton tile override key=value (sweeps).")] = None,
+    modes: Annotated[str | None, typer.Option(
+        "--modes", help="eager and/or compiled, comma-separated (default: both on CUDA, eager on CPU).")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write rows and environment here.")] = None,
 ) -> None:
-    """Training-step tokens/s and peak memory: NSA model vs the same model with dense attention."""
+    """Training-step tokens/s, MFU and peak memory: NSA model vs the same model with dense attention,
+    eager and compiled."""
     with user_errors():
         tuned = _apply_tune(tune)
         from rich.console import Console
@@ -136,6 +139,7 @@ def train(
         from nsa.bench.attention import environment
         from nsa.bench.train import bench_train, speedups
         from nsa.config import load_run_config
+        from nsa.train.telemetry import MFU_FORMULA
 
         atts = tuple(attention or ["nsa", "dense"])
         if any(a not in ("nsa", "dense") for a in atts):
@@ -150,18 +154,32 @@ def train(
         import torch
 
         device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
-        rows = bench_train(resolved.config, lens, bss, attentions=atts, steps=steps, warmup=warmup, device=device)
-        mode = "torch.compile" if rows[0].compiled else "eager"
-        table = Table(title=f"training step ({rows[0].device}, config {config}, {mode})")
-        for col in ("attention", "S", "batch", "params M", "step ms", "tokens/s", "peak MiB"):
+        names = [m.strip() for m in (modes or ("eager,compiled" if device == "cuda" else "eager")).split(",") if m.strip()]
+        if not names or any(m not in ("eager", "compiled") for m in names):
+            raise fail(f"--modes {modes!r} must be eager and/or compiled")
+        flags = tuple(m == "compiled" for m in dict.fromkeys(names))
+        def progress(r: Any) -> None:
+            what = r.error or f"{r.tokens_per_s:,.0f} tokens/s, {r.step_ms:.1f} ms/step, peak {_fmt(r.peak_mib, '.0f')} MiB"
+            typer.echo(f"{r.attention} {r.mode} S={r.seq_len} b={r.batch_size}: {what}", err=True)
+
+        rows = bench_train(resolved.config, lens, bss, attentions=atts, steps=steps, warmup=warmup, device=device,
+                           modes=flags, on_row=progress)
+        table = Table(title=f"training step ({rows[0].device}, config {config})")
+        for col in ("attention", "mode", "S", "batch", "params M", "step ms", "tokens/s", "MFU", "peak MiB",
+                    "compile s"):
             table.add_column(col, justify="right")
         for r in rows:
-            table.add_row(r.attention, str(r.seq_len), str(r.batch_size), f"{r.params_m:.1f}", f"{r.step_ms:.1f}",
-                          f"{r.tokens_per_s:,.0f}", _fmt(r.peak_mib, ".0f"))
+            if r.error:
+                table.add_row(r.attention, r.mode, str(r.seq_len), str(r.batch_size), "", r.error, "", "", "", "")
+                continue
+            table.add_row(r.attention, r.mode, str(r.seq_len), str(r.batch_size), f"{r.params_m:.1f}",
+                          f"{r.step_ms:.1f}", f"{r.tokens_per_s:,.0f}", _fmt(r.mfu, ".1%") if r.mfu else "-",
+                          _fmt(r.peak_mib, ".0f"), _fmt(r.compile_s, ".0f") if r.compile_s else "-")
         Console(width=200).print(table)
+        typer.echo(f"MFU: {MFU_FORMULA} (world_size 1)")
         ratio = speedups(rows)
-        for S, x in ratio.items():
-            typer.echo(f"S={S}: NSA/dense tokens/s = {x:.2f}")
+        for key, x in ratio.items():
+            typer.echo(f"{key}: NSA/dense tokens/s = {x:.2f}")
         for r in rows:
             if r.fallbacks:
                 typer.echo(f"fallbacks ({r.attention}, S={r.seq_len}): {r.fallbacks}")

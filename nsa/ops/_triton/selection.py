@@ -225,6 +225,12 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l_sel: int, n_sel
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def sel_tile_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l_sel: int, n_sel: int) -> int:
+    """Positions per query tile of the selected forward (shapes only: also under fake tensors)."""
+    c = _common(q, k, v, l_sel, n_sel)
+    return int(c["BM"] // c["HG"])
+
+
 def sel_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, o: torch.Tensor, *,
     l_sel: int, scale: float,
@@ -235,7 +241,7 @@ def sel_fwd(
     H, n_sel = k.shape[2], idx.shape[-1]
     c = _common(q, k, v, l_sel, n_sel)
     lse = torch.empty(B, S, HQ, device=q.device, dtype=torch.float32)
-    bt = c["BM"] // c["HG"]
+    bt = sel_tile_positions(q, k, v, l_sel, n_sel)
     ul, cnt = tile_blocks(idx, bt)
     nt = triton.cdiv(S, bt)
     _sel_fwd_kernel[(nt, B * H)](

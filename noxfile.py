@@ -16,8 +16,9 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
-    """ruff lint and format check."""
+    """ruff lint and the layer contracts (tests/test_layers.py)."""
     session.run("uv", "run", "ruff", "check", "nsa", "nsa_cli", "tests", "noxfile.py", external=True)
+    session.run("uv", "run", "pytest", "-q", "tests/test_layers.py", external=True)
 
 
 @nox.session(venv_backend="none")

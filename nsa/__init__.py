@@ -28,7 +28,7 @@ _EXPORTS = {
     "run_smoke": "nsa.checks.smoke",
     "build_report": "nsa.runs.report",
     "halt_run": "nsa.runs.halt",
-    "load_profile": "nsa.profiles",
+    "load_profile": "nsa.config.profiles",
 }
 
 

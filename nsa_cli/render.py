@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from nsa.fileio import json_safe
+
 STATUS_STYLE = {"PASS": "bold green", "WARN": "bold yellow", "FAIL": "bold red", "RUNNING": "bold cyan",
                 "INCOMPLETE": "bold yellow", "acknowledged": "green", "written": "green", "timeout": "red",
                 "crashed": "red", "ended": "yellow", "already-ended": "yellow"}
@@ -41,15 +43,7 @@ def _default(obj: Any) -> Any:
     return str(obj)
 
 
-def jsonable(obj: Any) -> Any:
-    """Replace non-finite floats by None (JSON has no NaN)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [jsonable(v) for v in obj]
-    return obj
+jsonable = json_safe  # non-finite floats -> None, paths -> str (nsa.fileio.json_safe)
 
 
 def checks_table(report: Any, title: str) -> Table:

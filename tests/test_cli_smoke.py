@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from nsa.checks.result import Status
 from nsa.checks.smoke import detect_profile, parity_checks, verdict_checks
-from nsa.profiles import load_profile
+from nsa.config.profiles import load_profile
 from nsa.runs.reader import read_run
 from nsa.runs.summary import summarize
 from nsa_cli.app import app

@@ -290,7 +290,7 @@ def test_first_fetch_timeout_gives_up() -> None:
 
 # packaging -------------------------------------------------------------------------------------------
 def test_importing_data_config_does_not_import_torch() -> None:
-    code = "import sys, nsa.config, nsa.data, nsa.data.config; assert 'torch' not in sys.modules"
+    code = "import sys, nsa.config, nsa.data, nsa.config.data; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

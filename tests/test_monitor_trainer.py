@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from nsa.config import load_run_config
-from nsa.settings import LEGACY_VARS, describe_unknown
+from nsa.config.settings import LEGACY_VARS, describe_unknown
 from nsa.train import Trainer
 from nsa.train.runtime import long_run_warnings
 from tests.test_train_run import csv_rows, events, quiet, resolve

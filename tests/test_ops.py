@@ -304,21 +304,22 @@ def test_invalid_hyperparameters_name_the_field(bad: dict, message: str) -> None
             ops.nsa_attention(*x.args(), backend=name, **hp)
 
 
-def test_dispatch_setting_context_and_fallback_counter(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nsa import settings
-
+def test_dispatch_default_context_and_fallback_counter(monkeypatch: pytest.MonkeyPatch) -> None:
     x = make_inputs(1, 20, 2, 1, 8, 8, l=4, d=2, dtype=torch.float32)
     hp = dict(l=4, d=2, l_sel=4, n_sel=2, w=3)
-    monkeypatch.setenv("NSA_ATTN_BACKEND", "reference")
-    settings.reload_settings()
+    monkeypatch.setenv("NSA_ATTN_BACKEND", "reference")  # a run setting: the ops never read it
+    assert ops.requested_backend() == "auto"
+    ops.set_default_backend("reference")
     try:
         assert ops.requested_backend() == "reference"
         with ops.use_backend("torch"):
             assert ops.requested_backend() == "torch"
         assert ops.requested_backend("triton") == "triton"
+        with pytest.raises(ValueError, match="unknown NSA backend"):
+            ops.set_default_backend("cuda-magic")
     finally:
-        monkeypatch.delenv("NSA_ATTN_BACKEND")
-        settings.reload_settings()
+        ops.set_default_backend(None)
+    assert ops.requested_backend() == "auto"
     ops.reset_fallback_counts()
     if not torch.cuda.is_available():
         out = ops.nsa_attention(*x.args(), backend="triton", **hp)  # cannot serve CPU tensors here

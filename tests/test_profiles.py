@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from nsa.config import load_run_config
+from nsa.config.profiles import list_profiles, load_profile, profile_names
+from nsa.config.settings import ENV_TO_CONFIG
 from nsa.errors import ConfigError
-from nsa.profiles import list_profiles, load_profile, profile_names
-from nsa.settings import ENV_TO_CONFIG
 
 REQUIRED = {"cpu", "a100-40g", "a100-80g", "h100-80g", "h200-141g", "rtx4090-24g", "rtx3090-24g"}
 

@@ -18,10 +18,10 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from nsa.config import ModelConfig, NSAConfig, RunConfig, RuntimeConfig, load_run_config
-from nsa.data.config import DataConfig
+from nsa.config.data import DataConfig
+from nsa.config.settings import NSASettings, read_settings
+from nsa.config.train import TrainConfig
 from nsa.errors import ConfigError
-from nsa.settings import NSASettings, read_settings
-from nsa.train.config import TrainConfig
 from nsa_cli.app import app
 from tests.test_runs import dead_pid, write_run
 

@@ -128,7 +128,7 @@ def test_command_parses(book: str, line: int, env: dict[str, str], argv: list[st
     assert path, argv
     for k in env:
         if k.startswith("NSA_"):
-            from nsa.settings import KNOWN
+            from nsa.config.settings import KNOWN
 
             assert k in KNOWN, f"{book}:{line}: unknown setting {k}"
 

@@ -62,7 +62,7 @@ def _check_profile(ctx: _Context, name: str | None, error: NSAError | None) -> C
     if error is not None:
         return failed("profile", error.message, error.hint or "")
     if ctx.profile is None:
-        from nsa.profiles import profile_names
+        from nsa.config.profiles import profile_names
 
         return warned(
             "profile",
@@ -91,7 +91,7 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
 
 
 def _check_env(ctx: _Context) -> Check:
-    from nsa.settings import describe_unknown, settings_table, unknown_variables
+    from nsa.config.settings import describe_unknown, settings_table, unknown_variables
 
     unknown = unknown_variables(ctx.environ)
     try:
@@ -411,7 +411,7 @@ def run_preflight(
 ) -> CheckReport:
     """Run every check; a problem becomes a FAIL or WARN in the report, never an exception."""
     from nsa.config import find_config, load_run_config
-    from nsa.profiles import find_profile, load_profile
+    from nsa.config.profiles import find_profile, load_profile
 
     report = CheckReport("preflight")
     # a profile or config that does not exist is a usage error (ConfigError, exit 2); an invalid one is a FAIL

@@ -18,7 +18,7 @@ def detect_profile() -> str:
     """The shipped profile that fits this machine: ``cpu`` without CUDA, else the first whose GPU name
     pattern and memory match GPU 0 (``cpu`` when none does)."""
     from nsa.checks.gpu import query_gpus
-    from nsa.profiles import list_profiles
+    from nsa.config.profiles import list_profiles
 
     try:
         import torch
@@ -148,7 +148,7 @@ def run_smoke(
     """Run the smoke test; the result's checks hold preflight (prefixed), parity and the criteria."""
     from nsa.checks.preflight import run_preflight
     from nsa.config import load_run_config
-    from nsa.profiles import load_profile
+    from nsa.config.profiles import load_profile
     from nsa.runs.reader import read_run
     from nsa.runs.summary import summarize
 

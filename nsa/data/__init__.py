@@ -1,6 +1,6 @@
 """Data: tokenizers, sources, packing and the prefetch loader.
 
-Attributes are imported lazily: ``nsa.config`` imports ``nsa.data.config``, and that must not import torch.
+Attributes are imported lazily: ``nsa.config`` imports ``nsa.config.data``, and that must not import torch.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DataConfig": "nsa.data.config",
+    "DataConfig": "nsa.config.data",
     "Loader": "nsa.data.loader",
     "build_loader": "nsa.data.loader",
     "Tokenizer": "nsa.data.tokenizers",

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nsa.data.config import DataConfig
+from nsa.config.data import DataConfig
 from nsa.data.packing import DocumentStream, Position, SequencePacker
 from nsa.data.sources import Source, open_source
 from nsa.data.split import belongs

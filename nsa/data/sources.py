@@ -24,7 +24,7 @@ from typing import IO, Any, BinaryIO, Protocol, cast
 
 import numpy as np
 
-from nsa.data.config import DataConfig
+from nsa.config.data import DataConfig
 from nsa.data.records import Malformed
 from nsa.errors import DataError
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from nsa.errors import RunDirError
-from nsa.fileio import write_atomic
+from nsa.fileio import json_safe, write_atomic
 from nsa.runs.reader import is_run_dir
 
 
@@ -24,18 +23,6 @@ def run_dir_of(path: str | Path) -> Path:
     return folder
 
 
-def _jsonable(obj: Any) -> Any:
-    """Non-finite floats become None (JSON has no NaN)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
-
 
 def build_payload(task: str, rows: list[dict[str, Any]], *, run: str | Path | None, checkpoint: str | Path | None,
                   settings: dict[str, Any], env: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -48,12 +35,12 @@ def build_payload(task: str, rows: list[dict[str, Any]], *, run: str | Path | No
     payload = {"task": task, "run": None if run is None else str(run),
                "checkpoint": None if checkpoint is None else str(checkpoint),
                "results": rows, "settings": settings, "env": env}
-    return dict(_jsonable(payload))
+    return dict(json_safe(payload))
 
 
 def to_json(payload: dict[str, Any]) -> str:
     """The payload as indented JSON text (ends with a newline)."""
-    return json.dumps(_jsonable(payload), indent=2, allow_nan=False) + "\n"
+    return json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n"
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:

@@ -3,7 +3,8 @@
 ``compress_avg(x, l, d)``, ``select_blocks(q, k_cmp, *, l, d, l_sel, n_sel, scale=None)`` and
 ``nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, l, d, l_sel, n_sel, w,
 scale=None, block_idx=None)``; see ``docs/nsa-semantics.md`` for what they compute. Each also takes
-``backend=`` (``auto``, ``reference``, ``torch``, ``triton``) to override the ``NSA_ATTN_BACKEND`` setting.
+``backend=`` (``auto``, ``reference``, ``torch``, ``triton``) to override the process default
+(``set_default_backend``, ``use_backend``; ``auto`` unless set).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from nsa.ops.dispatch import (
     requested_backend,
     reset_fallback_counts,
     resolve,
+    set_default_backend,
     use_backend,
 )
 
@@ -86,5 +88,6 @@ __all__ = [
     "requested_backend",
     "reset_fallback_counts",
     "select_blocks",
+    "set_default_backend",
     "use_backend",
 ]

@@ -1,7 +1,8 @@
 """One dispatch point for the NSA ops: picks a backend per call and counts fallbacks.
 
 Order of choice: the call's ``backend=`` argument, then an active ``use_backend(...)`` block, then the
-``NSA_ATTN_BACKEND`` setting (``auto`` by default). ``auto`` means Triton for CUDA tensors when it can
+process default (``set_default_backend``; ``auto`` unless set). The ops read no settings: the model is built
+with the run's ``runtime.attn_backend`` (which ``NSA_ATTN_BACKEND`` sets) and passes it on every call. ``auto`` means Triton for CUDA tensors when it can
 serve the call, else the vectorised torch path. A backend that cannot serve a call falls back to the
 torch path and increments ``fallback_counts()[reason]`` (host-side counters, no device sync).
 """
@@ -22,6 +23,16 @@ _MODULES = {"reference": "nsa.ops.reference", "torch": "nsa.ops.torch_path", "tr
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("nsa_ops_backend", default=None)
 _fallbacks: Counter[str] = Counter()
+_default = "auto"
+
+
+def set_default_backend(name: str | None) -> None:
+    """The backend of calls that name none, outside ``use_backend`` blocks (``None``: back to ``auto``)."""
+    global _default
+    name = name or "auto"
+    if name not in (*BACKENDS, "auto"):
+        raise ValueError(f"unknown NSA backend '{name}': choose one of auto, {', '.join(BACKENDS)}")
+    _default = name
 
 
 @contextlib.contextmanager
@@ -80,9 +91,7 @@ def requested_backend(backend: str | None = None) -> str:
     elif _override.get() is not None:
         name = _override.get() or "auto"
     else:
-        from nsa.settings import get_settings
-
-        name = get_settings().attn_backend or "auto"
+        name = _default
     if name not in (*BACKENDS, "auto"):
         raise ValueError(f"unknown NSA backend '{name}': choose one of auto, {', '.join(BACKENDS)}")
     return name

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from nsa.errors import NSAError
+from nsa.runs.layout import HALT_FILE
 from nsa.runs.reader import RunReader, check_run_dir
-
-HALT_FILE = ".HALT"
 
 
 def who_am_i(tool: str = "nsa halt") -> str:

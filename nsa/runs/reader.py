@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from nsa.errors import RunDirError
+from nsa.runs.layout import HALT_FILE, parse_halt
 
 HEARTBEAT_RE = re.compile(r"^heartbeat_rank(\d+)\.jsonl$")
 RUN_MARKERS = ("config.yaml", "env.json", "training.csv", "metrics.json")
@@ -364,7 +365,7 @@ class RunReader:
                     setattr(st, attr, data if isinstance(data, dict) else None)
                 except (OSError, ValueError):
                     setattr(st, attr, None)
-        if self._changed(".HALT"):
+        if self._changed(HALT_FILE):
             st.halt_file = read_halt_file(self.run_dir)
         st.files_missing = [n for n in ("config.yaml", "env.json", "training.csv") if not (self.run_dir / n).exists()]
         if not self._hb:
@@ -447,19 +448,18 @@ def parse_sources(config_text: str) -> dict[str, str]:
 def read_halt_file(run_dir: str | Path) -> dict[str, Any] | None:
     """The ``.HALT`` file as a dict (plain-text files become ``{"reason": text}``; ``time`` defaults to the
     file's mtime), or None."""
-    p = Path(run_dir) / ".HALT"
+    p = Path(run_dir) / HALT_FILE
     try:
         text = p.read_text(errors="replace")
         mtime = p.stat().st_mtime
     except OSError:
         return None
-    with contextlib.suppress(ValueError):  # plain text is a valid .HALT too
-        data = json.loads(text)
-        if isinstance(data, dict):
-            if not isinstance(data.get("time"), int | float) or isinstance(data.get("time"), bool):
-                data["time"] = mtime
-            return data
-    return {"reason": text.strip() or "(empty .HALT)", "time": mtime}
+    data, _ = parse_halt(text)
+    if not data.get("reason") and set(data) == {"reason"}:
+        data["reason"] = "(empty .HALT)"
+    if not isinstance(data.get("time"), int | float) or isinstance(data.get("time"), bool):
+        data["time"] = mtime
+    return data
 
 
 def pid_alive(boot: dict[str, Any] | None) -> bool | None:

@@ -26,13 +26,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nsa.config.monitor import MonitorConfig
 from nsa.errors import ConfigError, NSAError, RunDirError
 from nsa.fileio import write_atomic
 from nsa.runs.charts import Chart, RunSeries, combined_charts, run_charts
-from nsa.runs.config import MonitorConfig
+from nsa.runs.env import REDACTED, is_secret
+from nsa.runs.layout import HALTS_DIR, parse_halt
 from nsa.runs.reader import RunState, is_run_dir, read_halt_file, read_run
 from nsa.runs.summary import RunSummary, step_ranges, summarize
-from nsa.train.telemetry import REDACTED, is_secret
 
 DEFAULT_OUT = Path("Documentation") / "Reports"
 EVAL_TASKS = ("needle", "mqar", "loss")  # RUN/eval/<task>.json written by `nsa eval`, in report order
@@ -200,7 +201,7 @@ def run_limits(config: dict[str, Any] | None, sources: dict[str, str] | None = N
 
 def profile_limits(name_or_path: str | Path) -> tuple[dict[str, Any], str]:
     """``(monitor block, label)`` of a hardware profile, for ``--limits``; ``ConfigError`` when it has none."""
-    from nsa.profiles import load_profile
+    from nsa.config.profiles import load_profile
 
     prof = load_profile(name_or_path)
     if not prof.monitor:
@@ -223,11 +224,10 @@ def _read_halt_record(path: Path) -> dict[str, Any] | None:
         text = path.read_text(errors="replace")
     except OSError:
         return None
-    with contextlib.suppress(ValueError):
-        data = json.loads(text)
-        if isinstance(data, dict):
-            return data
-    return {"reason": text.strip() or "(empty .HALT)"}
+    data, _ = parse_halt(text)
+    if not data.get("reason") and set(data) == {"reason"}:
+        data["reason"] = "(empty .HALT)"
+    return data
 
 
 def classify_halts(s: RunSummary) -> list[HaltRecord]:
@@ -236,7 +236,7 @@ def classify_halts(s: RunSummary) -> list[HaltRecord]:
     event acted on."""
     records: list[tuple[str, dict[str, Any]]] = []  # oldest first, as the halt events
     with contextlib.suppress(OSError):
-        for p in sorted((Path(s.run_dir) / "halts").glob("HALT-*")):
+        for p in sorted((Path(s.run_dir) / HALTS_DIR).glob("HALT-*")):
             archived = _read_halt_record(p)
             if archived is not None:
                 records.append((f"halts/{p.name}", archived))

@@ -2,7 +2,7 @@
 
 Spec syntax (``nsa watch --alert-on / --halt-on``): comma-separated ``name`` or ``name=threshold``;
 ``all`` means every rule, ``none`` no rule. A rule without ``=threshold`` takes its threshold from the
-run's own ``monitor`` section (``config.yaml``, ``nsa.runs.config.MonitorConfig``; its defaults when
+run's own ``monitor`` section (``config.yaml``, ``nsa.config.monitor.MonitorConfig``; its defaults when
 absent); ``RULES`` lists each rule's monitor field. Rules (monitor field, default):
 
 - ``crashed``: the trainer process (rank 0, this host) is gone and the heartbeat has no ``end`` event;
@@ -42,8 +42,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from nsa.config.monitor import MonitorConfig
 from nsa.errors import ConfigError
-from nsa.runs.config import MonitorConfig
+from nsa.fileio import json_safe
 from nsa.runs.reader import RunState
 from nsa.runs.summary import finite
 
@@ -434,7 +435,7 @@ def notify(command: str, payload: dict[str, Any], timeout_s: float = 10.0) -> st
     """Run ``command`` through the shell with ``payload`` as one JSON line on stdin; None when it exited 0,
     else why not (non-zero exit with its stderr's last line, timeout, cannot start). Never raises; on a
     timeout the command's whole process group is killed."""
-    data = json.dumps(_jsonable(payload), default=str) + "\n"
+    data = json.dumps(json_safe(payload), default=str) + "\n"
     try:
         proc = subprocess.Popen(command, shell=True, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -457,16 +458,6 @@ def notify(command: str, payload: dict[str, Any], timeout_s: float = 10.0) -> st
         return f"exit status {proc.returncode}" + (f": {tail[-1][:200]}" if tail else "")
     return None
 
-
-def _jsonable(obj: Any) -> Any:
-    """Non-finite floats -> None (JSON has no NaN)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    return obj
 
 
 def now_iso(t: float | None = None) -> str:

@@ -16,11 +16,10 @@ from typing import Any
 
 from nsa.config import ResolvedConfig
 from nsa.errors import ConfigError, RunDirError
+from nsa.runs.layout import HALT_FILE, HALTS_DIR, parse_halt
 from nsa.train.checkpoint import list_checkpoints
 from nsa.train.telemetry import write_json_atomic
 
-HALT_FILE = ".HALT"
-HALTS_DIR = "halts"
 LOCK_FILE = ".lock"
 
 
@@ -122,16 +121,12 @@ def read_halt(run_dir: Path, settle_s: float = 0.25) -> str | None:
             return None
         except OSError:
             return "halt file (unreadable)"
-        data: Any = None
-        with contextlib.suppress(ValueError):  # plain text is a valid .HALT too
-            data = json.loads(text)
-        partial = not text.strip() or (text.lstrip().startswith("{") and data is None)
+        record, partial = parse_halt(text)
         if not partial or time.monotonic() >= deadline:
             break
         time.sleep(0.02)
-    if isinstance(data, dict) and data.get("reason"):
-        return str(data["reason"])
-    return text.strip()[:500] or "halt file"
+    reason = str(record.get("reason") or "").strip()
+    return reason[:500] or text.strip()[:500] or "halt file"
 
 
 def archive_stale_halt(run_dir: Path) -> Path | None:

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nsa.fileio import write_atomic
+from nsa.fileio import json_safe, write_atomic
+from nsa.runs.env import recorded_environment, redact_env
 
 HEARTBEAT_SCHEMA = 1
 COMMON_FIELDS = ("schema", "event", "ts", "rank", "pid", "step")
@@ -48,29 +49,10 @@ TRAIN_CSV_HEADER = (
 )
 VAL_CSV_HEADER = ("step", "val_loss", "val_ppl")
 
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
-REDACTED = "<redacted>"
-# non-NSA variables worth recording (exact names or prefixes ending in "_")
-ENV_RECORDED = (
-    "CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "HF_", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "MASTER_ADDR",
-    "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_JOB_ID", "CUBLAS_WORKSPACE_CONFIG",
-)
-
-
-def _clean(value: Any) -> Any:
-    """JSON-safe: non-finite floats become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    return value
-
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON atomically (``nsa.fileio.write_atomic``): on any error ``path`` keeps its content."""
-    text = json.dumps(_clean(data), indent=2, default=str) + "\n"
+    text = json.dumps(json_safe(data), indent=2, default=str) + "\n"
     write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
@@ -124,7 +106,7 @@ class Heartbeat:
             "schema": HEARTBEAT_SCHEMA, "event": event, "ts": time.time(), "rank": self.rank,
             "pid": os.getpid(), "step": step, **fields,
         }
-        self._f.append(json.dumps(_clean(record)) + "\n")
+        self._f.append(json.dumps(json_safe(record)) + "\n")
         return record
 
     def close(self) -> None:
@@ -197,26 +179,6 @@ class TensorBoard:
 
 # ------------------------------------------------------------------------------------------------
 # env.json
-
-
-def is_secret(name: str) -> bool:
-    upper = name.upper()
-    return any(m in upper for m in SECRET_MARKERS)
-
-
-def redact_env(env: dict[str, str]) -> dict[str, str]:
-    """Values of names containing TOKEN, KEY, SECRET, PASSWORD, ... replaced by ``<redacted>``."""
-    return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
-
-
-def recorded_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The non-``NSA_*`` variables that shape a run (CUDA_*, NCCL_*, HF_*, ...), secrets redacted."""
-    env = dict(os.environ) if environ is None else environ
-    picked = {
-        k: v for k, v in env.items()
-        if any(k.startswith(p) if p.endswith("_") else k == p for p in ENV_RECORDED)
-    }
-    return redact_env(dict(sorted(picked.items())))
 
 
 def _version(dist: str) -> str | None:

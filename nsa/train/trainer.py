@@ -267,7 +267,7 @@ class Trainer:
         for concern in long_run_warnings(cfg):
             self.display.warn(concern)
         if self.resolved.unknown_env:
-            from nsa.settings import describe_unknown
+            from nsa.config.settings import describe_unknown
 
             names = "; ".join(describe_unknown(n) for n in self.resolved.unknown_env)
             self.display.warn(f"unknown NSA_* variables ignored: {names} (see docs/migrating.md)")
@@ -370,7 +370,7 @@ class Trainer:
         return state
 
     def _write_env(self) -> None:
-        from nsa.settings import read_settings
+        from nsa.config.settings import read_settings
 
         name = self.device_name
         settings = {f"NSA_{k.upper()}": v for k, v in read_settings().model_dump(exclude_none=True).items()}

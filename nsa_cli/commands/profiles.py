@@ -35,7 +35,7 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Print as JSON
     from nsa_cli import render
 
     with user_errors():
-        from nsa.profiles import list_profiles
+        from nsa.config.profiles import list_profiles
 
         profs = list_profiles()
     if as_json:
@@ -69,13 +69,13 @@ def show_cmd(
     from nsa_cli import render
 
     with user_errors():
-        from nsa.config import _leaves, load_run_config
-        from nsa.profiles import load_profile
-        from nsa.settings import settings_table
+        from nsa.config import leaves, load_run_config
+        from nsa.config.profiles import load_profile
+        from nsa.config.settings import settings_table
 
         prof = load_profile(name)
         resolved = load_run_config(config, profile=name)
-        values = _leaves(resolved.config.model_dump(mode="json"))
+        values = leaves(resolved.config.model_dump(mode="json"))
         env_rows = [r for r in settings_table() if r["value"] is not None]
     rows = [
         {"key": k, "value": v, "source": resolved.source_of(k)}
@@ -114,12 +114,12 @@ def show_cmd(
         t.add_row(r["key"], str(r["value"]), f"[{style}]{r['source']}[/]" if style else r["source"])
     con.print(t)
     if resolved.unknown_env:
-        from nsa.settings import describe_unknown
+        from nsa.config.settings import describe_unknown
 
         render.console(stderr=True).print(
             f"[bold yellow]warning[/]: unknown NSA_* variable(s) ignored: "
             f"{'; '.join(describe_unknown(n) for n in resolved.unknown_env)} "
-            "(hint: docs/migrating.md maps the older system's knobs; known names are in nsa/settings.py)",
+            "(hint: docs/migrating.md maps the older system's knobs; known names are in nsa/config/settings.py)",
             highlight=False,
         )
 

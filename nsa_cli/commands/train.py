@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from typing import Annotated, Any
 
@@ -35,64 +34,16 @@ def flags_to_keys(**values: Any) -> dict[str, Any]:
 
 def strip_nproc(argv: list[str]) -> list[str]:
     """``argv`` without ``--nproc-per-node N`` / ``--nproc-per-node=N``."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg == "--nproc-per-node":
-            skip = True
-            continue
-        if arg.startswith("--nproc-per-node="):
-            continue
-        out.append(arg)
-    return out
+    from nsa.train.launch import strip_option
+
+    return strip_option(argv, "--nproc-per-node")
 
 
 def torchrun_argv(nproc: int, argv: list[str]) -> list[str]:
     """The command that runs ``nsa <argv>`` on ``nproc`` local ranks through torchrun."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "nsa_cli", *strip_nproc(argv)]
+    from nsa.train.launch import torchrun_argv as launcher_argv
 
-
-def launch(argv: list[str]) -> int:
-    """Run torchrun as a child; SIGTERM/SIGINT here halt the ranks gracefully; return its exit code.
-
-    The first signal is passed as SIGTERM to the rank processes only (each checkpoints and exits 0, so
-    torchrun exits 0); a second one terminates torchrun itself. torchrun runs in its own session so
-    that Ctrl-C on the terminal reaches this launcher only.
-    """
-    import signal
-    import subprocess
-
-    import psutil
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    proc = subprocess.Popen(argv, start_new_session=True)
-    received: list[str] = []
-
-    def forward(signum: int, frame: Any) -> None:
-        received.append(signal.Signals(signum).name)
-        if len(received) > 1:
-            proc.terminate()
-            return
-        try:
-            ranks = psutil.Process(proc.pid).children()  # the rank processes torchrun started
-        except psutil.NoSuchProcess:
-            return
-        for child in ranks:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.send_signal(signal.SIGTERM)
-        print(f"{received[0]}: asked {len(ranks)} rank(s) to halt; send it again to stop at once",
-              file=sys.stderr, flush=True)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return launcher_argv(nproc, ["-m", "nsa_cli", *strip_nproc(argv)])
 
 
 def train(
@@ -145,6 +96,8 @@ def train(
             assert nproc_per_node is not None
             argv = torchrun_argv(nproc_per_node, sys.argv[1:])
             typer.echo(f"launching: {' '.join(argv[1:])}", err=True)
+            from nsa.train.launch import launch
+
             code = launch(argv)
             if code:
                 raise typer.Exit(code)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from nsa.config_section import reject_bool
+from nsa.config.section import reject_bool
 from nsa.errors import ConfigError
 
 PREFIX = "NSA_"

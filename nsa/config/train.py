@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from nsa.config_section import ConfigSection
+from nsa.config.section import ConfigSection
 
 
 class TrainConfig(ConfigSection):

@@ -5,7 +5,7 @@ A profile has four parts:
 - ``expect``: the hardware preflight compares against (GPU name pattern, memory, compute capability,
   GPU count, flash-attn, bf16);
 - ``settings``: runtime settings written as ``NSA_*`` names (or their field names), validated by the
-  ``NSASettings`` model of :mod:`nsa.settings` and mapped to run-config keys through ``ENV_TO_CONFIG``;
+  ``NSASettings`` model of :mod:`nsa.config.settings` and mapped to run-config keys through ``ENV_TO_CONFIG``;
 - ``train``: training defaults (batch size, accumulation, sequence length);
 - ``smoke``: the criteria and run size of ``nsa smoke``.
 
@@ -21,11 +21,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nsa.config import format_validation_error, read_yaml
+from nsa.config.run import format_validation_error, read_yaml
+from nsa.config.settings import ENV_TO_CONFIG, PREFIX, NSASettings
 from nsa.errors import ConfigError
-from nsa.settings import ENV_TO_CONFIG, PREFIX, NSASettings
 
-PROFILE_DIRS = [Path(__file__).resolve().parent.parent / "profiles", Path(__file__).parent / "_profiles"]
+PROFILE_DIRS = [Path(__file__).resolve().parents[2] / "profiles", Path(__file__).resolve().parents[1] / "_profiles"]
 
 
 class _Strict(BaseModel):
@@ -95,7 +95,7 @@ class Profile(_Strict):
     @field_validator("monitor", mode="before")
     @classmethod
     def _monitor(cls, value: Any) -> dict[str, Any]:
-        from nsa.runs.config import MonitorConfig
+        from nsa.config.monitor import MonitorConfig
 
         if value is None:
             return {}

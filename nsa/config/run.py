@@ -15,13 +15,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from nsa.config_section import ConfigSection
-from nsa.data.config import DataConfig
+from nsa.config.data import DataConfig
+from nsa.config.monitor import MonitorConfig
+from nsa.config.section import ConfigSection
+from nsa.config.train import TrainConfig
 from nsa.errors import ConfigError
-from nsa.runs.config import MonitorConfig
-from nsa.train.config import TrainConfig
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 class _Section(ConfigSection):
@@ -191,12 +191,12 @@ def read_yaml(path: Path, what: str = "config") -> dict[str, Any]:
     return data
 
 
-def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(_leaves(v, key + "."))
+            out.update(leaves(v, key + "."))
         else:
             out[key] = v
     return out
@@ -216,7 +216,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def _check_keys(tree: dict[str, Any], origin: str) -> None:
     """Reject unknown sections/keys with the dotted name and where it came from."""
     sections = RunConfig.model_fields
-    for dotted in _leaves(tree):
+    for dotted in leaves(tree):
         parts = dotted.split(".")
         if parts[0] not in sections:
             raise ConfigError(
@@ -299,15 +299,15 @@ def load_run_config(
     sets: list[str] | None = None,
 ) -> ResolvedConfig:
     """Resolve a run config from its sources (see module docstring for precedence)."""
-    from nsa.profiles import load_profile
-    from nsa.settings import env_overlay
+    from nsa.config.profiles import load_profile
+    from nsa.config.settings import env_overlay
 
     tree: dict[str, Any] = {}
     sources: dict[str, str] = {}
 
     def apply(layer: dict[str, Any], origin: str) -> None:
         _check_keys(layer, origin)
-        for dotted, value in _leaves(layer).items():
+        for dotted, value in leaves(layer).items():
             _set_dotted(tree, dotted, copy.deepcopy(value))
             sources[dotted] = origin
 
@@ -324,7 +324,7 @@ def load_run_config(
         prof = load_profile(profile)
         profile_name = prof.name
         apply(prof.config_overlay(), f"profile {prof.name}")
-    for dotted, (value, var) in _leaves_with_vars(env_layer).items():
+    for dotted, (value, var) in leaves_with_vars(env_layer).items():
         apply(_nest(dotted, value), f"env {var}")
     for dotted, value in (flags or {}).items():
         if value is not None:
@@ -342,7 +342,7 @@ def _nest(dotted: str, value: Any) -> dict[str, Any]:
     return out
 
 
-def _leaves_with_vars(env_layer: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+def leaves_with_vars(env_layer: dict[str, Any]) -> dict[str, tuple[Any, str]]:
     """``env_overlay`` returns ``{dotted: (value, VAR_NAME)}`` leaves nested by section."""
     out: dict[str, tuple[Any, str]] = {}
     for section, keys in env_layer.items():

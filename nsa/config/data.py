@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from nsa.config_section import ConfigSection
+from nsa.config.section import ConfigSection
 
 
 class DataConfig(ConfigSection):

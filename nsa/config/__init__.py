@@ -1,0 +1,65 @@
+"""Run configuration: one pydantic section per component, the ``NSA_*`` settings and hardware profiles.
+
+Layer rule: this package imports nothing of ``nsa`` above it (only ``nsa.errors`` and ``nsa.fileio``), so the
+model, ops callers, trainer, run readers and CLI can all depend on it.
+
+- :mod:`nsa.config.section`: the strict base class of every section (no bools for numbers).
+- :mod:`nsa.config.run`: ``ModelConfig``, ``NSAConfig``, ``RuntimeConfig``, ``RunConfig``; reading,
+  layering (defaults < config < profile < ``NSA_*`` < flags < ``--set``) and validating them.
+- :mod:`nsa.config.train`, :mod:`nsa.config.data`, :mod:`nsa.config.monitor`: the trainer's, the data
+  loaders' and the watch/report sections.
+- :mod:`nsa.config.settings`: every ``NSA_*`` variable as a field; :mod:`nsa.config.profiles`: hardware
+  profiles (``profiles/*.yaml``).
+"""
+
+from __future__ import annotations
+
+from nsa.config.data import DataConfig
+from nsa.config.monitor import MonitorConfig
+from nsa.config.run import (
+    CONFIG_DIR,
+    LEGACY_DEFAULTS,
+    ModelConfig,
+    NSAConfig,
+    ResolvedConfig,
+    RunConfig,
+    RuntimeConfig,
+    fill_legacy,
+    find_config,
+    format_validation_error,
+    leaves,
+    load_named,
+    load_run_config,
+    named_configs,
+    parse_set,
+    read_yaml,
+    saved_run_config,
+    validate_run_config,
+)
+from nsa.config.section import ConfigSection
+from nsa.config.train import TrainConfig
+
+__all__ = [
+    "CONFIG_DIR",
+    "LEGACY_DEFAULTS",
+    "ConfigSection",
+    "DataConfig",
+    "ModelConfig",
+    "MonitorConfig",
+    "NSAConfig",
+    "ResolvedConfig",
+    "RunConfig",
+    "RuntimeConfig",
+    "TrainConfig",
+    "fill_legacy",
+    "find_config",
+    "format_validation_error",
+    "leaves",
+    "load_named",
+    "load_run_config",
+    "named_configs",
+    "parse_set",
+    "read_yaml",
+    "saved_run_config",
+    "validate_run_config",
+]

@@ -1,0 +1,36 @@
+"""``nsa.runs.layout.parse_halt``: the one reader of the ``.HALT`` format (trainer, watch, report)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nsa.runs.layout import HALT_FILE, parse_halt
+from nsa.runs.reader import read_halt_file
+from nsa.train.rundir import read_halt
+
+
+@pytest.mark.parametrize(
+    ("text", "record", "partial"),
+    [
+        ('{"reason": "watchdog: stale", "rule": "stale"}', {"reason": "watchdog: stale", "rule": "stale"}, False),
+        ("please stop\n", {"reason": "please stop"}, False),
+        ("", {"reason": ""}, True),
+        ('{"reason": "cut sh', {"reason": '{"reason": "cut sh'}, True),
+        ("[1, 2]", {"reason": "[1, 2]"}, False),  # JSON but not an object: its text is the reason
+    ],
+)
+def test_parse_halt(text: str, record: dict[str, str], partial: bool) -> None:
+    assert parse_halt(text) == (record, partial)
+
+
+def test_trainer_and_reader_agree_on_a_halt_file(tmp_path: Path) -> None:
+    (tmp_path / HALT_FILE).write_text('{"reason": "operator: maintenance", "who": "ops"}')
+    assert read_halt(tmp_path, settle_s=0) == "operator: maintenance"
+    rec = read_halt_file(tmp_path)
+    assert rec is not None and rec["reason"] == "operator: maintenance" and rec["who"] == "ops" and rec["time"] > 0
+    (tmp_path / HALT_FILE).write_text("")
+    assert read_halt(tmp_path, settle_s=0) == "halt file"
+    rec = read_halt_file(tmp_path)
+    assert rec is not None and rec["reason"] == "(empty .HALT)"

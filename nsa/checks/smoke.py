@@ -70,9 +70,14 @@ def parity_checks(device: str, atol: float | None = None, seed: int | None = Non
     return out
 
 
-def verdict_checks(summary: Any, smoke: Any, run_status: str, now: float) -> list[Check]:
-    """The explicit criteria, each a check."""
+def verdict_checks(summary: Any, smoke: Any, run_status: str, now: float,
+                   metrics: dict[str, Any] | None = None) -> list[Check]:
+    """The explicit criteria, each a check (``metrics``: the run's metrics.json, for the compile mode)."""
     s = summary
+    m = metrics or {}
+    mode = ("" if "compiled" not in m else
+            f" (torch.compile, compiled in {m['compile_s']:.0f} s)" if m.get("compiled") and isinstance(m.get("compile_s"), int | float)
+            else " (torch.compile)" if m.get("compiled") else " (eager)")
     out = []
     if run_status != "completed":
         err = (s.end or {}).get("error")
@@ -96,9 +101,9 @@ def verdict_checks(summary: Any, smoke: Any, run_status: str, now: float) -> lis
     if tps is None:
         out.append(failed("tokens-per-s", "no throughput recorded", "check the heartbeat"))
     elif tps >= smoke.min_tokens_per_s:
-        out.append(passed("tokens-per-s", f"median {tps:,.0f} tokens/s >= floor {smoke.min_tokens_per_s:,.0f}"))
+        out.append(passed("tokens-per-s", f"median {tps:,.0f} tokens/s{mode} >= floor {smoke.min_tokens_per_s:,.0f}"))
     else:
-        out.append(failed("tokens-per-s", f"median {tps:,.0f} tokens/s < floor {smoke.min_tokens_per_s:,.0f}",
+        out.append(failed("tokens-per-s", f"median {tps:,.0f} tokens/s{mode} < floor {smoke.min_tokens_per_s:,.0f}",
                           "check GPU clocks/other processes, the backend (fallbacks) and the profile"))
     p95 = s.fetch_p95_ms
     if p95 is None:
@@ -220,6 +225,6 @@ def run_smoke(
     if run_status == "crashed" and summary.status != "running":
         run_status = summary.status
     report.facts["summary"] = summary.to_dict()
-    for c in verdict_checks(summary, smoke, run_status, time.time()):
+    for c in verdict_checks(summary, smoke, run_status, time.time(), state.metrics):
         report.add(c)
     return report

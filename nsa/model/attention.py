@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,7 @@ from torch import nn
 
 from nsa.model.compress import Compressor
 from nsa.model.rope import RotaryEmbedding
-from nsa.model.stats import gate_sums, selection_sums, summarise
+from nsa.model.stats import N_FIELDS, gate_sums, selection_sums, summarise
 from nsa.ops import nsa_attention
 from nsa.ops.indexing import check_hparams
 
@@ -106,7 +106,10 @@ class NSAAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * d_v, dim, bias=False)
         self.rope = RotaryEmbedding(d_k, rope_theta)
 
-        self._stat_acc: torch.Tensor | None = None
+        # float64 running sums (nsa.model.stats.FIELDS): a plain attribute, not a buffer (DDP would broadcast
+        # rank 0's sums over the others'), allocated here and moved by _apply, so a compiled forward never
+        # meets it missing or on another device (each would be a guard failure and a recompilation)
+        self._stat_acc = torch.zeros(N_FIELDS, dtype=torch.float64)
         self._suppress_stats = False
 
     # ------------------------------------------------------------------------------------------
@@ -258,16 +261,21 @@ class NSAAttention(nn.Module):
     @torch.no_grad()
     def _accumulate(self, gates: torch.Tensor, block_idx: torch.Tensor) -> None:
         add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.l_sel)])
-        if self._stat_acc is None or self._stat_acc.device != add.device:
+        if self._stat_acc.device != add.device:  # a module used on a device it was not moved to
             self._stat_acc = torch.zeros_like(add)
-        # in place, and the attribute is never reset to None: torch.compile keeps one graph
+        # in place: torch.compile keeps one graph
         self._stat_acc.add_(add)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> NSAAttention:
+        """``.to()``/``.cuda()``: the statistics follow the module's device (zeroed), staying float64."""
+        super()._apply(fn, recurse)
+        device = self.gate_offset.device if isinstance(self.gate_offset, torch.Tensor) else self._stat_acc.device
+        self._stat_acc = torch.zeros(N_FIELDS, dtype=torch.float64, device=device)
+        return self
+
     def take_stat_sums(self) -> torch.Tensor | None:
-        """A copy of the device-side running sums (``nsa.model.stats.FIELDS``), then zero them in place;
-        ``None`` if no training forward ever ran. No host sync."""
-        if self._stat_acc is None:
-            return None
+        """A copy of the device-side running sums (``nsa.model.stats.FIELDS``; zeros when no training forward
+        ran since the last call), then zero them in place. No host sync."""
         out = self._stat_acc.clone()
         self._stat_acc.zero_()
         return out

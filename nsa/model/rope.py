@@ -23,12 +23,16 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def inv_freq(self, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a constant Inductor folds; a cache lookup would add a guard on
+            return self._compute(device, dtype)  # the dict's keys and recompile once the cache is filled
         f = self._inv_freq.get((device, dtype))
         if f is None:
-            exps = torch.arange(0, self.head_dim, 2, dtype=dtype, device=device) / self.head_dim
-            f = self.theta ** (-exps)
-            self._inv_freq[(device, dtype)] = f
+            f = self._inv_freq[(device, dtype)] = self._compute(device, dtype)
         return f
+
+    def _compute(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        exps = torch.arange(0, self.head_dim, 2, dtype=dtype, device=device) / self.head_dim
+        return self.theta ** (-exps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32

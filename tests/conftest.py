@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,7 +76,8 @@ def make_inputs(
     B: int, S: int, HQ: int, H: int, Dk: int, Dv: int, *, l: int, d: int,  # noqa: E741
     dtype: torch.dtype = torch.float64, device: str = "cpu", seed: int | None = None,
 ) -> Inputs:
-    """Fresh random inputs (never zeros); gates are positive like sigmoid outputs."""
+    """Random inputs (never zeros); gates are positive like sigmoid outputs. ``seed=None`` draws the seed
+    from torch's generator, which the autouse ``_fixed_seed`` seeded from the test's id."""
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))) if seed is None else seed)
 
@@ -86,6 +91,54 @@ def make_inputs(
     )
 
 
+def seed_of(nodeid: str) -> int:
+    """The fixed seed of a test: CRC-32 of its id (``tests/x.py::test_y[param]``), the same on every run."""
+    return zlib.crc32(nodeid.encode()) % (2**31 - 1)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Seed torch and ``random`` from the test's id before it runs (``make_inputs(seed=None)`` and any other
+    unseeded draw are then replayable); a failing test's report names its seed."""
+    seed = seed_of(request.node.nodeid)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("seed", f"torch and random seeded with {seed_of(item.nodeid)} (CRC-32 of the test id)"))
+
+
 @pytest.fixture(params=backends_under_test())
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+# --- fault injection into a training run (``Trainer(step_hook=...)``) ---------------------------------
+
+
+def halt_at(run_dir: Path, step: int, payload: str | bytes) -> Callable[[int], None]:
+    """A ``step_hook`` that writes ``payload`` to ``RUN/.HALT`` at the end of ``step``: the trainer reads
+    it during ``step + 1`` and halts after that step (no polling thread, no race)."""
+
+    def hook(s: int) -> None:
+        if s == step:
+            (Path(run_dir) / ".HALT").write_bytes(payload if isinstance(payload, bytes) else payload.encode())
+
+    return hook
+
+
+def signal_at(step: int, signum: int) -> Callable[[int], None]:
+    """A ``step_hook`` that sends ``signum`` to this process at the end of ``step``."""
+
+    def hook(s: int) -> None:
+        if s == step:
+            os.kill(os.getpid(), signum)
+
+    return hook

@@ -23,8 +23,9 @@ from nsa.train import Trainer, rundir
 from nsa.train import checkpoint as ckpt
 from nsa.train.schedule import lr_multiplier
 from nsa_cli.app import app
+from tests.conftest import halt_at
 from tests.test_cli_preflight import clean_env, nsa
-from tests.test_train_run import _write_halt_when, csv_rows, events, quiet, resolve
+from tests.test_train_run import csv_rows, events, quiet, resolve
 
 runner = CliRunner()
 
@@ -118,10 +119,9 @@ def test_halt_file_of_any_shape_gives_a_reason(tmp_path: Path, payload: bytes, r
 
 def test_a_non_utf8_halt_file_halts_with_a_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    watcher = _write_halt_when(run, 2, b"\xff\xfe stop \x80")
-    result = _train(run, 40, train__save_every=0)
-    watcher.join()
-    assert result.status == "halted"
+    result = Trainer(resolve(run, 40, train__eval_every=0, train__save_every=0), console=quiet(),
+                     step_hook=halt_at(run, 2, b"\xff\xfe stop \x80")).fit()
+    assert result.status == "halted" and result.steps_done == 3
     halt = next(e for e in events(run) if e["event"] == "halt")
     assert "stop" in halt["reason"] and verify(Path(halt["checkpoint"])).ok
 

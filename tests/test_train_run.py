@@ -8,8 +8,6 @@ import io
 import json
 import math
 import re
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from nsa.config import ResolvedConfig, load_run_config
 from nsa.train import Trainer
 from nsa.train.checkpoint import latest_checkpoint, list_checkpoints, load_state
 from nsa.train.telemetry import COMMON_FIELDS, EVENT_FIELDS, TRAIN_CSV_HEADER, VAL_CSV_HEADER
+from tests.conftest import halt_at, signal_at
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "run-directory.md"
 SMALL = {
@@ -144,28 +143,11 @@ def test_loss_falls(full_run: Path) -> None:
     assert sum(losses[-4:]) / 4 < sum(losses[:3]) / 3 - 0.5, losses
 
 
-def _write_halt_when(run: Path, step: int, payload: str | bytes) -> threading.Thread:
-    def watch() -> None:
-        hb = run / "heartbeat_rank0.jsonl"
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if hb.exists() and any(e["event"] == "progress" and e["step"] >= step for e in events(run)):
-                data = payload if isinstance(payload, bytes) else payload.encode()
-                (run / ".HALT").write_bytes(data)
-                return
-            time.sleep(0.05)
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    return t
-
-
 def test_halt_file_then_resume_archives_stale_halt(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    watcher = _write_halt_when(run, 2, json.dumps({"reason": "operator test", "who": "pytest"}))
-    result = Trainer(resolve(run, 40, train__save_every=0), console=quiet()).fit()
-    watcher.join()
-    assert result.status == "halted" and 2 <= result.steps_done < 40
+    hook = halt_at(run, 2, json.dumps({"reason": "operator test", "who": "pytest"}))
+    result = Trainer(resolve(run, 40, train__save_every=0), console=quiet(), step_hook=hook).fit()
+    assert result.status == "halted" and result.steps_done == 3  # written after step 2, read during step 3
     evs = events(run)
     halt = next(e for e in evs if e["event"] == "halt")
     assert halt["source"] == "file" and halt["reason"] == "operator test"
@@ -310,27 +292,14 @@ def test_resume_checks_the_number_of_ranks_before_launch(tmp_path: Path) -> None
 
 def test_sigterm_halts_like_the_halt_file(tmp_path: Path) -> None:
     """SIGTERM (sent to this process while it trains in the main thread) checkpoints and halts."""
-    import os
     import signal
 
     run = tmp_path / "run"
-
-    def watch() -> None:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            hb = run / "heartbeat_rank0.jsonl"
-            if hb.exists() and any(e["event"] == "progress" and e["step"] >= 2 for e in events(run)):
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.05)
-
     previous = signal.getsignal(signal.SIGTERM)
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    result = Trainer(resolve(run, 40, train__save_every=0, train__eval_every=0), console=quiet()).fit()
-    watcher.join()
+    result = Trainer(resolve(run, 40, train__save_every=0, train__eval_every=0), console=quiet(),
+                     step_hook=signal_at(2, signal.SIGTERM)).fit()
     assert signal.getsignal(signal.SIGTERM) is previous  # handlers are removed after the run
-    assert result.status == "halted" and 2 <= result.steps_done < 40
+    assert result.status == "halted" and result.steps_done == 3  # sent after step 2, acted on in step 3
     evs = events(run)
     assert [e["event"] for e in evs[-3:]] == ["checkpoint", "halt", "end"]
     assert evs[-2]["source"] == "SIGTERM" and evs[-3]["reason"] == "halt"

@@ -13,6 +13,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from contextlib import nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -120,10 +121,14 @@ class Trainer:
     """Train the model of ``resolved`` into ``train.out_dir`` (see module docstring)."""
 
     def __init__(
-        self, resolved: ResolvedConfig, *, console: Console | None = None, world_size: int | None = None
+        self, resolved: ResolvedConfig, *, console: Console | None = None, world_size: int | None = None,
+        step_hook: Callable[[int], None] | None = None,
     ) -> None:
         """``world_size``: ranks the run will have, for validation before launching torchrun
-        (default: this process's torchrun environment, 1 without one)."""
+        (default: this process's torchrun environment, 1 without one). ``step_hook(step)`` runs at the end
+        of every step, after its logging and before its halt decision: the fault-injection point of the
+        tests (write ``.HALT`` or send a signal at an exact step; the trainer acts on it at the next step)."""
+        self.step_hook = step_hook
         self.resolved = resolved
         self.cfg = resolved.config
         self.console = console
@@ -473,6 +478,8 @@ class Trainer:
                 self.display.step(step)
             if self.val_loader is not None and (step % tr.eval_every == 0 or step == tr.steps):
                 self._evaluate(step)
+            if self.step_hook is not None:
+                self.step_hook(step)
             if halt_any:
                 source, reason = self._agree_halt(halt_local)
                 path = self._save("halt")

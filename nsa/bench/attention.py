@@ -244,23 +244,15 @@ def environment() -> dict[str, Any]:
     import datetime
     import platform
 
+    from nsa.envinfo import package_version
+
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__, "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
     }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    try:
-        import fla
-
-        env["fla_core"] = getattr(fla, "__version__", "installed")
-    except Exception:
-        env["fla_core"] = None
+    env["triton"] = package_version("triton")
+    env["fla_core"] = package_version("fla-core") or package_version("fla")
     return env
 
 

@@ -7,7 +7,6 @@ short dataset timeout).
 
 from __future__ import annotations
 
-import importlib
 import platform
 import re
 import sys
@@ -16,17 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from nsa.checks.result import Check, CheckReport, failed, passed, warned
+from nsa.envinfo import library_versions, package_version
 from nsa.errors import NSAError
 
 GIB = 1024**3
-
-
-def _version(module: str) -> str | None:
-    try:
-        mod = importlib.import_module(module)
-    except Exception:
-        return None
-    return str(getattr(mod, "__version__", "unknown"))
 
 
 class _Context:
@@ -132,7 +124,7 @@ def _check_torch(ctx: _Context) -> Check:
 
 
 def _check_triton(ctx: _Context) -> Check:
-    version = _version("triton")
+    version = package_version("triton")
     required = ctx.expect is not None and ctx.expect.requires_triton
     if version is None:
         if required:
@@ -142,7 +134,7 @@ def _check_triton(ctx: _Context) -> Check:
 
 
 def _check_flash_attn(ctx: _Context) -> Check:
-    version = _version("flash_attn")
+    version = package_version("flash_attn")
     required = ctx.expect is not None and ctx.expect.requires_flash_attn
     if version is None:
         if required:
@@ -372,7 +364,7 @@ def _check_tokenizer(ctx: _Context) -> Check:
 
 
 def _check_git(facts: dict[str, Any]) -> Check:
-    from nsa.checks.gitinfo import git_snapshot
+    from nsa.envinfo import git_snapshot
 
     snap = git_snapshot()
     facts["git"] = snap
@@ -387,17 +379,9 @@ def _check_git(facts: dict[str, Any]) -> Check:
 
 def versions() -> dict[str, Any]:
     """Python/torch/CUDA/triton/flash-attn versions (imports torch)."""
-    out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
-    try:
-        import torch
-
-        out["torch"] = torch.__version__
-        out["cuda"] = torch.version.cuda
-    except Exception:
-        out["torch"] = None
-    out["triton"] = _version("triton")
-    out["flash_attn"] = _version("flash_attn")
-    return out
+    v = library_versions()
+    return {"python": v["python"], "platform": platform.platform(), "torch": v["torch"], "cuda": v["cuda"],
+            "triton": v["triton"], "flash_attn": v["flash_attn"]}
 
 
 def run_preflight(

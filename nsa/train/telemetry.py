@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import importlib.metadata
 import io
 import json
 import math
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nsa.envinfo import git_info, gpu_info, library_versions
 from nsa.fileio import json_safe, write_atomic
 from nsa.runs.env import recorded_environment, redact_env
 
@@ -181,60 +181,11 @@ class TensorBoard:
 # env.json
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def git_info(start: Path | None = None) -> dict[str, Any]:
-    """Commit, branch and dirty flag of the checkout that holds the code (nulls outside a checkout)."""
-    try:
-        import git
-
-        repo = git.Repo(start or Path(__file__).resolve().parent, search_parent_directories=True)
-        try:
-            branch = repo.active_branch.name
-        except TypeError:
-            branch = "DETACHED"
-        return {
-            "commit": repo.head.commit.hexsha,
-            "branch": branch,
-            "dirty": repo.is_dirty(untracked_files=False),
-        }
-    except Exception as exc:  # not a checkout, no git binary, empty repo
-        return {"commit": None, "branch": None, "dirty": None, "error": type(exc).__name__}
-
-
-def gpu_info() -> dict[str, Any]:
-    """Driver version and GPU names via NVML (nulls where there is no NVIDIA driver)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            driver = pynvml.nvmlSystemGetDriverVersion()
-            names = [
-                pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                for i in range(pynvml.nvmlDeviceGetCount())
-            ]
-        finally:
-            pynvml.nvmlShutdown()
-        as_str = [n.decode() if isinstance(n, bytes) else n for n in names]
-        return {"driver": driver.decode() if isinstance(driver, bytes) else driver, "gpus": as_str}
-    except Exception:
-        return {"driver": None, "gpus": []}
-
-
 def environment_record(
     *, device: str, device_name: str, precision: str, world_size: int, backend: str | None,
     profile: str | None, config_path: str | None, nsa_settings: dict[str, Any], unknown_nsa: list[str],
 ) -> dict[str, Any]:
     """The content of ``env.json`` (versions, device, driver, git, settings)."""
-    import torch
-
-    cuda = torch.version.cuda if torch.cuda.is_available() else None
     return {
         "schema": 1,
         "time": time.time(),
@@ -243,17 +194,7 @@ def environment_record(
         "cpu_count": os.cpu_count(),
         "argv": sys.argv,
         "cwd": os.getcwd(),
-        "versions": {
-            "python": platform.python_version(),
-            "nsa": _version("nsa"),
-            "torch": torch.__version__,
-            "cuda": cuda,
-            "cudnn": torch.backends.cudnn.version() if cuda else None,
-            "triton": _version("triton"),
-            "flash_attn": _version("flash-attn") or _version("flash_attn"),
-            "numpy": _version("numpy"),
-            "datasets": _version("datasets"),
-        },
+        "versions": library_versions(),
         "device": device,
         "device_name": device_name,
         "precision": precision,

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
+import json
 import os
 import random
+import socket
+import subprocess
+import sys
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import yaml
+from rich.console import Console
+
+from nsa.config import ResolvedConfig, load_run_config
 
 # Tests must never reach the network (HF datasets/hub, tiktoken downloads).
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -142,3 +154,164 @@ def signal_at(step: int, signum: int) -> Callable[[int], None]:
             os.kill(os.getpid(), signum)
 
     return hook
+
+
+# --- run directories, trainer and CLI helpers shared by the test modules ------------------------------
+
+
+CSV_HEADER = "step,loss,lr,grad_norm,tokens_per_s,step_time_s,fetch_ms,tokens_seen,elapsed_s"
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (so a run 'owned' by it looks crashed)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def write_run(
+    run_dir: Path,
+    *,
+    steps: int = 40,
+    steps_total: int = 100,
+    log_every: int = 5,
+    ranks: int = 1,
+    end: str | None = "completed",
+    pid: int | None = None,
+    ts0: float | None = None,
+    dt_s: float = 1.0,
+    seed: int | None = None,
+    nonfinite_at: int | None = None,
+    collapse: float = 0.0,
+    tokens_per_s: float = 1000.0,
+    tps_drop_after: int | None = None,
+    fetch_p95_ms: float = 12.0,
+    corrupt: bool = False,
+    truncated: bool = False,
+    fallback: dict[str, int] | None = None,
+    halt_reason: str | None = None,
+    run_name: str | None = None,
+    seq_len: int = 128,
+    backend: str = "torch",
+) -> Path:
+    """A run directory as ``nsa train`` writes it; numbers come from a seeded random walk."""
+    rng = random.Random(seed if seed is not None else random.randrange(1 << 30))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pid = os.getpid() if pid is None else pid
+    ts0 = time.time() - steps * dt_s - 5 if ts0 is None else ts0
+    name = run_name or run_dir.name
+    cfg = {"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_groups": 2},
+           "nsa": {"l": 8, "d": 4, "l_sel": 8, "n_sel": 4, "w": 32},
+           "runtime": {"device": "cpu", "attn_backend": backend},
+           "train": {"steps": steps_total, "seq_len": seq_len, "batch_size": 8, "accum": 1, "run_name": name}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg) + "# _sources\n#   train.steps: flag --steps\n")
+    (run_dir / "env.json").write_text(json.dumps({
+        "schema": 1, "device": "cpu", "device_name": "cpu", "precision": "fp32", "world_size": ranks,
+        "versions": {"python": "3.11.7", "torch": "2.x", "cuda": None, "triton": None, "flash_attn": None},
+        "driver": None, "gpus": [], "git": {"commit": "ab" * 20, "branch": "main", "dirty": True},
+        "profile": "cpu", "config_path": "nsa/configs/tiny.yaml", "nsa_settings": {"NSA_ATTN_BACKEND": backend},
+        "nsa_unknown_variables": [],
+    }))
+    csv_lines = [CSV_HEADER]
+    loss = 5.5 + rng.random() * 0.2
+    for r in range(ranks):
+        lines: list[str] = []
+
+        def ev(event: str, step: int, ts: float, _lines: list[str] = lines, _r: int = r, **f: Any) -> None:
+            _lines.append(json.dumps({"schema": 1, "event": event, "ts": ts, "rank": _r, "pid": pid, "step": step, **f}))
+
+        ev("boot", 0, ts0, run_name=name, world_size=ranks, local_rank=r, host=socket.gethostname(),
+           device="cpu", resumed_from=None, steps_total=steps_total)
+        ev("loader-ready", 0, ts0 + 0.5, source="embedded", tokenizer="byte", first_batch_s=0.05, warnings=[])
+        l_r = loss
+        for step in range(log_every, steps + 1, log_every):
+            l_r = l_r * (0.97 + 0.01 * rng.random())
+            value: float | None = l_r
+            if nonfinite_at is not None and step >= nonfinite_at:
+                value = None  # the heartbeat writes non-finite values as null
+            tps = tokens_per_s * (0.9 + 0.2 * rng.random())
+            if tps_drop_after is not None and step > tps_drop_after:
+                tps *= 0.2
+            ts = ts0 + 1 + step * dt_s
+            ev("progress", step, ts, steps_total=steps_total, loss=value, lr=1e-3, grad_norm=1.0 + rng.random(),
+               tokens_per_s=tps, step_time_s=1024 / tps, fetch_p50_ms=fetch_p95_ms / 4, fetch_p95_ms=fetch_p95_ms,
+               tokens_seen=step * 1024, elapsed_s=step * dt_s, eta_s=(steps_total - step) * dt_s,
+               mem_allocated_mib=None, mem_reserved_mib=None, mem_peak_mib=None, rss_mib=700 + rng.random() * 50,
+               gate_entropy_mean=1.09 - collapse, gate_branch_shares=[0.33, 0.33, 0.34],
+               gate_collapse_fraction=collapse, sel_keys_mean=25.5, fallback=dict(fallback or {}), mfu=None,
+               data_skipped={"total": 0}, data_warnings=[])
+            if r == 0:
+                csv_lines.append(",".join(str(x) for x in (step, "" if value is None else repr(value), 1e-3, 1.0,
+                                                           tps, 1024 / tps, 3.0, step * 1024, step * dt_s)))
+            if r == 0 and corrupt and step == log_every * 2:
+                lines.append('{"schema": 1, "event": "progress", "ts": garbage')
+                lines.append("[1, 2, 3]")
+                csv_lines.append("1,2")
+        t_end = ts0 + 2 + steps * dt_s
+        if nonfinite_at is not None and r == 0:
+            ev("anomaly", nonfinite_at, t_end - 0.5, kind="nonfinite_loss", value="nan", record=f"anomalies/step_{nonfinite_at}.json")
+        if halt_reason is not None:
+            ev("checkpoint", steps, t_end - 0.2, path=str(run_dir / "checkpoints" / f"step_{steps:08d}"), seconds=0.1, reason="halt")
+            ev("halt", steps, t_end - 0.1, reason=halt_reason, source="file", checkpoint=str(run_dir / "checkpoints" / f"step_{steps:08d}"))
+        if end is not None:
+            if end == "completed":
+                ev("checkpoint", steps, t_end - 0.1, path=str(run_dir / "checkpoints" / f"step_{steps:08d}"), seconds=0.1, reason="final")
+            ev("end", steps, t_end, status=end, error="RuntimeError: boom" if end == "failed" else None)
+        text = "\n".join(lines) + "\n"
+        if truncated and r == 0:
+            text += '{"schema": 1, "event": "progress", "ts": 1'  # a line still being written
+        (run_dir / f"heartbeat_rank{r}.jsonl").write_text(text)
+    (run_dir / "training.csv").write_text("\n".join(csv_lines) + "\n")
+    if end is not None:
+        (run_dir / "metrics.json").write_text(json.dumps({"status": end, "steps_done": steps}))
+        (run_dir / "checkpoints" / f"step_{steps:08d}").mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+SMALL = {
+    "train.seq_len": 32, "train.batch_size": 2, "train.log_every": 1, "train.warmup_steps": 2,
+    "train.eval_batches": 2, "runtime.deterministic": True,
+}
+
+
+def resolve(out: Path, steps: int, **extra: Any) -> ResolvedConfig:
+    flags = {**SMALL, "train.steps": steps, "train.out_dir": str(out)}
+    flags.update({k.replace("__", "."): v for k, v in extra.items()})
+    return load_run_config("tiny", environ={}, flags=flags)
+
+
+def quiet() -> Console:
+    return Console(file=io.StringIO(), width=200)
+
+
+def events(run: Path, rank: int = 0) -> list[dict[str, Any]]:
+    """Heartbeat events; a last line still being written (no newline yet) is left out, any other is parsed."""
+    text = (run / f"heartbeat_rank{rank}.jsonl").read_text()
+    lines = text.split("\n")
+    return [json.loads(line) for line in lines[:-1] if line]
+
+
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("NSA_")}
+    env.update(extra)
+    return env
+
+
+def nsa(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nsa_cli", *args], capture_output=True, text=True,
+                          env=env or clean_env(), timeout=timeout)
+
+
+def in_triton_interpreter(code: str) -> None:
+    """Run ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (torch imported, one thread): Triton
+    fixes the mode at import time, so the interpreter cannot be switched on inside this test process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    prelude = "import torch; torch.set_num_threads(1)\n"
+    proc = subprocess.run([sys.executable, "-c", prelude + code], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -12,8 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nsa_cli.app import app
-from tests.test_cli_preflight import clean_env, nsa
-from tests.test_runs import dead_pid, write_run
+from tests.conftest import clean_env, dead_pid, nsa, write_run
 
 runner = CliRunner()
 

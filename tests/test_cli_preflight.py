@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner
 
 from nsa_cli.app import app
+from tests.conftest import nsa
 
 runner = CliRunner()
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("NSA_")}
-    env.update(extra)
-    return env
-
-
-def nsa(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "nsa_cli", *args], capture_output=True, text=True,
-                          env=env or clean_env(), timeout=timeout)
 
 
 def test_preflight_cpu_profile_passes_with_warnings(tmp_path) -> None:

@@ -8,7 +8,7 @@ import random
 from typer.testing import CliRunner
 
 from nsa_cli.app import app
-from tests.test_cli_preflight import clean_env, nsa
+from tests.conftest import clean_env, nsa
 
 runner = CliRunner()
 

@@ -7,8 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from nsa_cli.app import app
-from tests.test_cli_preflight import nsa
-from tests.test_runs import dead_pid, write_run
+from tests.conftest import dead_pid, nsa, write_run
 
 runner = CliRunner()
 

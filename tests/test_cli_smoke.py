@@ -14,8 +14,7 @@ from nsa.config.profiles import load_profile
 from nsa.runs.reader import read_run
 from nsa.runs.summary import summarize
 from nsa_cli.app import app
-from tests.test_cli_preflight import nsa
-from tests.test_runs import write_run
+from tests.conftest import nsa, write_run
 
 runner = CliRunner()
 

@@ -7,8 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from nsa_cli.app import app
-from tests.test_cli_preflight import nsa
-from tests.test_runs import write_run
+from tests.conftest import nsa, write_run
 
 runner = CliRunner()
 

@@ -12,7 +12,7 @@ import torch
 
 from nsa.config import RunConfig, find_config, read_yaml
 from nsa.model import build_model
-from tests.test_triton_kernels import _in_interpreter
+from tests.conftest import in_triton_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -63,7 +63,7 @@ def test_compiled_model_equals_eager_on_cpu() -> None:
 def test_custom_ops_pass_opcheck_in_the_interpreter() -> None:
     """Schema, fake (meta) implementations, autograd registration and the fwd/bwd ops against their
     fake tensors: ``torch.library.opcheck`` on tiny random inputs (seed 0)."""
-    _in_interpreter("""
+    in_triton_interpreter("""
 from tests.conftest import make_inputs
 import nsa.ops.triton_path as tp
 torch.manual_seed(0)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from nsa.runs.halt import write_halt
 from nsa.runs.report import Check, build_report
 from nsa_cli.app import app
-from tests.test_runs import write_run
+from tests.conftest import write_run
 
 runner = CliRunner()
 PNG = b"\x89PNG\r\n\x1a\n"

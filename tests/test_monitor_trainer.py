@@ -10,7 +10,7 @@ from nsa.config import load_run_config
 from nsa.config.settings import LEGACY_VARS, describe_unknown
 from nsa.train import Trainer
 from nsa.train.runtime import long_run_warnings
-from tests.test_train_run import csv_rows, events, quiet, resolve
+from tests.conftest import csv_rows, events, quiet, resolve
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

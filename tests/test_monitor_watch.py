@@ -29,7 +29,7 @@ from nsa.runs.rules import AlarmLog, RuleHit, evaluate, monitor_config, notify, 
 from nsa.runs.summary import summarize
 from nsa_cli.app import app
 from nsa_cli.commands.watch import dashboard
-from tests.test_runs import dead_pid, write_run
+from tests.conftest import dead_pid, write_run
 
 runner = CliRunner()
 LINE_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d [A-Z-]+ step \d+/\S+ loss \S+ tok/s \S+ ETA \S+ alarms \S+$")

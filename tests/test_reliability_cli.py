@@ -23,7 +23,7 @@ from nsa.config.settings import NSASettings, read_settings
 from nsa.config.train import TrainConfig
 from nsa.errors import ConfigError
 from nsa_cli.app import app
-from tests.test_runs import dead_pid, write_run
+from tests.conftest import dead_pid, write_run
 
 runner = CliRunner()
 

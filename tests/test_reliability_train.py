@@ -23,9 +23,7 @@ from nsa.train import Trainer, rundir
 from nsa.train import checkpoint as ckpt
 from nsa.train.schedule import lr_multiplier
 from nsa_cli.app import app
-from tests.conftest import halt_at
-from tests.test_cli_preflight import clean_env, nsa
-from tests.test_train_run import csv_rows, events, quiet, resolve
+from tests.conftest import clean_env, csv_rows, events, halt_at, nsa, quiet, resolve
 
 runner = CliRunner()
 

@@ -18,7 +18,7 @@ import typer
 from typer.testing import CliRunner
 
 from nsa_cli.app import app
-from tests.test_runs import write_run
+from tests.conftest import write_run
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNBOOKS = sorted((ROOT / "runbooks").glob("*.md"))

@@ -106,7 +106,7 @@ def _rows(run: Path) -> list[dict[str, str]]:
 
 def test_the_trainer_reports_answer_loss_and_accuracy(tmp_path: Path) -> None:
     from nsa.train import Trainer
-    from tests.test_train_run import events, quiet, resolve
+    from tests.conftest import events, quiet, resolve
 
     run = tmp_path / "needle"
     Trainer(resolve(run, 3, train__eval_every=0, data__source="synthetic", data__synthetic_task="needle"),

@@ -4,52 +4,23 @@ position and bad-record accounting. Tiny shapes (seq 32, batch 2) so each run ta
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import yaml
-from rich.console import Console
 from typer.testing import CliRunner
 
-from nsa.config import ResolvedConfig, load_run_config
+from nsa.config import load_run_config
 from nsa.train import Trainer
 from nsa.train.checkpoint import latest_checkpoint, list_checkpoints, load_state
 from nsa.train.telemetry import COMMON_FIELDS, EVENT_FIELDS, TRAIN_CSV_HEADER, VAL_CSV_HEADER
-from tests.conftest import halt_at, signal_at
+from tests.conftest import csv_rows, events, halt_at, quiet, resolve, signal_at
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "run-directory.md"
-SMALL = {
-    "train.seq_len": 32, "train.batch_size": 2, "train.log_every": 1, "train.warmup_steps": 2,
-    "train.eval_batches": 2, "runtime.deterministic": True,
-}
-
-
-def resolve(out: Path, steps: int, **extra: Any) -> ResolvedConfig:
-    flags = {**SMALL, "train.steps": steps, "train.out_dir": str(out)}
-    flags.update({k.replace("__", "."): v for k, v in extra.items()})
-    return load_run_config("tiny", environ={}, flags=flags)
-
-
-def quiet() -> Console:
-    return Console(file=io.StringIO(), width=200)
-
-
-def events(run: Path, rank: int = 0) -> list[dict[str, Any]]:
-    """Heartbeat events; a last line still being written (no newline yet) is left out, any other is parsed."""
-    text = (run / f"heartbeat_rank{rank}.jsonl").read_text()
-    lines = text.split("\n")
-    return [json.loads(line) for line in lines[:-1] if line]
-
-
-def csv_rows(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def documented_events() -> dict[str, set[str]]:

@@ -8,30 +8,18 @@ Outputs are poisoned (NaN-filled allocator memory on GPU) before each call; inpu
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import make_inputs
+from tests.conftest import in_triton_interpreter, make_inputs
 
 HAS_CUDA = torch.cuda.is_available()
 triton = pytest.importorskip("triton")
 NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _in_interpreter(code: str) -> None:
-    """Run ``code`` in a fresh Python with ``TRITON_INTERPRET=1``: Triton fixes the mode at import time,
-    so the interpreter cannot be switched on inside this already-running test process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    prelude = "import torch; torch.set_num_threads(1); from tests.test_triton_kernels import _cpu_case, _dispatcher_case\n"
-    proc = subprocess.run([sys.executable, "-c", prelude + code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,7 +103,7 @@ def test_interpreter_matches_reference() -> None:
               "assert triton_path.supports(torch.zeros(1, 8, 1, 16)) is None\n"
               "assert triton_path.supports(torch.zeros(1, 8, 1, 512)) == 'head dim 512'\n"
               "_dispatcher_case()\n")
-    _in_interpreter(checks + calls)
+    in_triton_interpreter("from tests.test_triton_kernels import _cpu_case, _dispatcher_case\n" + checks + calls)
 
 
 def test_supports_reasons() -> None:

@@ -5,6 +5,7 @@ only by :func:`library_versions`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import platform
@@ -15,10 +16,8 @@ from typing import Any
 def package_version(dist: str) -> str | None:
     """Installed version of a distribution (``flash-attn``), else of an importable module's
     ``__version__`` (``fla``), else None."""
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # no metadata: the module's own version
         return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        pass
     try:
         mod = importlib.import_module(dist.replace("-", "_"))
     except Exception:

@@ -31,6 +31,15 @@ def test_bench_attention_tiny(tmp_path: Path) -> None:
     assert row["speedup_fwd"] > 0 and row["nsa_fwd_gflop"] > 0
 
 
+def test_bench_attention_cuda_graph_flag_is_recorded(tmp_path: Path) -> None:
+    """``--cuda-graph`` times CUDA-graph replays; on a CPU it is recorded as off and the times are plain."""
+    out = tmp_path / "attn.json"
+    res = runner.invoke(app, ["bench", "attention", "--tiny", "--seq-lens", "64", "--cuda-graph", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["cuda_graph"] is False and row["nsa_fwdbwd_ms"] > 0 and "CUDA graphs" not in res.output
+
+
 def test_bench_train_tiny(tmp_path: Path) -> None:
     out = tmp_path / "train.json"
     res = runner.invoke(app, ["bench", "train", "--tiny", "--json", str(out)])

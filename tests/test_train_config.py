@@ -87,6 +87,7 @@ BAD = [
     (["--profile", "no-such-profile"], {}, "profile"),
     (["--set", "train.fault_nan_at_step=99"], {}, "train.fault_nan_at_step"),
     (["--set", "train.lr=-1"], {}, "train.lr"),
+    ([], {"NSA_COMPILE_MODE": "fastest"}, "NSA_COMPILE_MODE"),
 ]
 
 

@@ -50,6 +50,7 @@ class AttentionRow:
     dtype: str
     device: str
     backend: str
+    cuda_graph: bool = False  # each timed call replays a captured CUDA graph (no Python/launch overhead)
     nsa_fwd_ms: float | None = None
     nsa_fwdbwd_ms: float | None = None
     dense_fwd_ms: float | None = None
@@ -131,6 +132,28 @@ def _fwdbwd(fn: Callable[[], torch.Tensor], grad: torch.Tensor, leaves: list[tor
     return run
 
 
+def _graphed(fn: Callable[[], Any], *, grad: bool) -> Callable[[], None]:
+    """``fn`` captured once as a CUDA graph (after warm-up on a side stream); the result replays it.
+
+    What the GPU does per call is unchanged; the Python and kernel-launch overhead of the op's many
+    small launches is gone, as under ``torch.compile(mode="reduce-overhead")``."""
+
+    def call() -> None:
+        with torch.set_grad_enabled(grad):
+            fn()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
 def _peer() -> Callable[..., torch.Tensor] | None:
     try:
         from fla.ops.nsa import parallel_nsa
@@ -144,8 +167,10 @@ def bench_one(
     shape: str, S: int, HQ: int, H: int, D: int, *, batch: int = 1, params: NSAParams | None = None,
     device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
     peer: bool = True, dense: bool = True, warmup_ms: int = 25, rep_ms: int = 100, seed: int = 0,
+    cuda_graph: bool = False,
 ) -> AttentionRow:
-    """Time NSA and dense attention on the same random inputs of one shape."""
+    """Time NSA and dense attention on the same random inputs of one shape (``cuda_graph``: every side,
+    NSA, dense and peer alike, timed as replays of a captured CUDA graph; CUDA only)."""
     import torch.nn.functional as F
 
     from nsa.ops import compress_avg, nsa_attention, use_backend
@@ -154,7 +179,8 @@ def bench_one(
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
     row = AttentionRow(shape=shape, batch=batch, seq_len=S, heads=HQ, kv_heads=H, head_dim=D,
-                       dtype=str(dtype).removeprefix("torch."), device=_device_name(dev), backend=backend)
+                       dtype=str(dtype).removeprefix("torch."), device=_device_name(dev), backend=backend,
+                       cuda_graph=cuda_graph and dev.type == "cuda")
 
     def rnd(*s: int) -> torch.Tensor:
         return torch.randn(*s, generator=gen, device=dev, dtype=dtype).requires_grad_(True)
@@ -165,7 +191,10 @@ def bench_one(
     gates = torch.rand(batch, S, HQ, 3, generator=gen, device=dev, dtype=dtype).requires_grad_(True)
     grad = torch.randn(batch, S, HQ, D, generator=gen, device=dev, dtype=dtype)
     leaves = [q, k_raw, v_raw, k_sel, v_sel, k_win, v_win, gates]
-    timer = make_timer(dev, warmup_ms, rep_ms, cpu_reps=3)
+    base_timer = make_timer(dev, warmup_ms, rep_ms, cpu_reps=3)
+
+    def timer(fn: Callable[[], Any], *, grad: bool = True) -> float:
+        return base_timer(_graphed(fn, grad=grad) if row.cuda_graph else fn)
 
     def nsa() -> torch.Tensor:
         with use_backend(backend):
@@ -178,7 +207,7 @@ def bench_one(
     row.nsa_fwd_gflop = nsa_fwd_flops(S, HQ, D, D, p, batch) / 1e9
     row.dense_fwd_gflop = dense_fwd_flops(S, HQ, D, D, batch) / 1e9
     with torch.no_grad():
-        row.nsa_fwd_ms = timer(nsa)
+        row.nsa_fwd_ms = timer(nsa, grad=False)
     row.nsa_fwdbwd_ms = timer(_fwdbwd(nsa, grad, leaves))
     row.nsa_peak_mib = _peak_mib(dev, _fwdbwd(nsa, grad, leaves))
 
@@ -191,7 +220,7 @@ def bench_one(
             return out
 
         with torch.no_grad():
-            row.dense_fwd_ms = timer(sdpa)
+            row.dense_fwd_ms = timer(sdpa, grad=False)
         row.dense_fwdbwd_ms = timer(_fwdbwd(sdpa, gt, [qt, kt, vt]))
         row.dense_peak_mib = _peak_mib(dev, _fwdbwd(sdpa, gt, [qt, kt, vt]))
 
@@ -209,7 +238,7 @@ def bench_one(
 
             try:
                 with torch.no_grad():
-                    row.peer_fwd_ms = timer(fla)
+                    row.peer_fwd_ms = timer(fla, grad=False)
                 row.peer_fwdbwd_ms = timer(_fwdbwd(fla, grad, [q, k_sel, v_sel, g_c, g_s]))
             except Exception as exc:  # a peer failure must not hide our numbers
                 row.notes.append(f"fla parallel_nsa failed: {type(exc).__name__}: {exc}"[:200])

@@ -88,7 +88,7 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
     model.train()
     if use_compile:
         torch._dynamo.reset()  # a fresh graph per row: shapes differ, never the recompile limit
-    forward = torch.compile(model) if use_compile else model
+    forward = torch.compile(model, mode=cfg.runtime.compile_mode) if use_compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (batch_size, seq_len + 1), generator=gen).to(dev)

@@ -112,6 +112,8 @@ class RuntimeConfig(_Section):
     window_backend: Literal["auto", "triton", "flex", "flash", "torch"] = "auto"
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile the model; auto: on CUDA (where it is faster), not on CPU")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode; reduce-overhead replays each step as CUDA graphs")
     gradient_checkpointing: bool = False
     deterministic: bool = False
     tf32: bool = True

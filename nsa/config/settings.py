@@ -26,6 +26,7 @@ ENV_TO_CONFIG: dict[str, str] = {
     "attn_backend": "runtime.attn_backend",
     "window_backend": "runtime.window_backend",
     "compile": "runtime.compile",
+    "compile_mode": "runtime.compile_mode",
     "grad_ckpt": "runtime.gradient_checkpointing",
     "deterministic": "runtime.deterministic",
     "tf32": "runtime.tf32",
@@ -81,6 +82,9 @@ class NSASettings(BaseSettings):
         None, description="sliding-window branch backend on GPU"
     )
     compile: bool | Literal["auto"] | None = None
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] | None = Field(
+        None, description="torch.compile mode (reduce-overhead: CUDA graphs)"
+    )
     grad_ckpt: bool | None = Field(None, description="gradient checkpointing")
     deterministic: bool | None = None
     tf32: bool | None = None

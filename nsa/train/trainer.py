@@ -290,7 +290,7 @@ class Trainer:
         self.compiled = cfg.runtime.compile is True or (cfg.runtime.compile == "auto" and self.rt.device_type == "cuda")
         self.compile_s: float | None = None  # the first step's time when compiled: tracing + Inductor + autotuning
         if self.compiled:
-            self.train_model = torch.compile(self.model)
+            self.train_model = torch.compile(self.model, mode=cfg.runtime.compile_mode)
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 

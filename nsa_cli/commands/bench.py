@@ -63,6 +63,7 @@ def attention(
     rep_ms: Annotated[int, typer.Option("--rep-ms", min=1)] = 100,
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (seq 64,128; tiny shape; small NSA blocks).")] = False,
     tune: Annotated[list[str] | None, typer.Option("--tune", help="Triton tile override key=value (sweeps), e.g. sel_bm=16.")] = None,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Time every side as CUDA-graph replays (no launch overhead).")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write rows and environment here.")] = None,
 ) -> None:
     """Forward and forward+backward time and peak memory: NSA vs dense causal SDPA (and fla-core)."""
@@ -95,8 +96,9 @@ def attention(
         if not tiny and not torch.cuda.is_available():
             raise fail("no CUDA device for bench attention", hint="use --tiny on a CPU machine")
         rows = bench_attention(shapes, lens, tiny=tiny, batch=batch, backend=backend, peer=peer, dense=dense,
-                               warmup_ms=warmup_ms, rep_ms=rep_ms)
-        table = Table(title=f"NSA vs dense attention ({rows[0].device}, {rows[0].dtype}, batch {batch})")
+                               warmup_ms=warmup_ms, rep_ms=rep_ms, cuda_graph=cuda_graph)
+        graphed = ", CUDA graphs" if rows[0].cuda_graph else ""
+        table = Table(title=f"NSA vs dense attention ({rows[0].device}, {rows[0].dtype}, batch {batch}{graphed})")
         for col in ("shape", "S", "nsa fwd ms", "dense fwd ms", "fwd x", "nsa f+b ms", "dense f+b ms", "f+b x",
                     "peer f+b ms", "vs peer", "nsa TFLOP/s", "nsa MiB", "dense MiB"):
             table.add_column(col, justify="right")

@@ -67,7 +67,6 @@ def check_backend(
         "g": torch.sigmoid(rnd(B, S, HQ, 3)),
     }
     upstream = rnd(B, S, HQ, D)
-    kw = {"l": l, "d": d, "l_sel": l_sel, "n_sel": n_sel, "w": w}
 
     def run(
         name: str, dev: str, dt: torch.dtype, block_idx: torch.Tensor | None
@@ -78,7 +77,7 @@ def check_backend(
         out = ops.nsa_attention(
             leaves["q"], k_cmp, v_cmp, leaves["ks"], leaves["vs"], leaves["kw"], leaves["vw"], leaves["g"],
             backend=name, block_idx=None if block_idx is None else block_idx.to(dev),
-            return_block_idx=True, **kw,
+            return_block_idx=True, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w,
         )
         assert isinstance(out, tuple)
         o, idx = out

@@ -30,6 +30,8 @@ class DataConfig(ConfigSection):
     prefetch_depth: int = Field(4, ge=0, description="batches prepared ahead; 0 loads inline")
     val_fraction: float = Field(0.02, ge=0, lt=1, description="share of documents held out")
     max_doc_chars: int = Field(1_000_000, ge=1, description="longer documents are skipped and counted")
+    document_mask: bool = Field(
+        False, description="attention stays inside each packed document (boundaries after every separator)")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nsa.model import documents
 from nsa.model.compress import Compressor
 from nsa.model.rope import RotaryEmbedding
 from nsa.model.stats import N_FIELDS, gate_sums, selection_sums, summarise
@@ -191,11 +192,31 @@ class NSAAttention(nn.Module):
         self._accumulate(p.gates, idx)
         return o
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend_documents(self, p: Projected, cu_seqlens: torch.Tensor, collect: bool) -> torch.Tensor:
+        """:meth:`attend` for packed documents (``cu_seqlens`` over the flattened batch)."""
+
+        def one_batch(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                      kw: torch.Tensor, vw: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            k_cmp, v_cmp = self.compress(kc, vc)
+            res = nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, g, l=self.l, d=self.d, l_sel=self.l_sel,
+                                n_sel=self.n_sel, w=self.w, scale=self.scale, return_block_idx=True,
+                                backend=self.backend)
+            assert isinstance(res, tuple)
+            return res
+
+        o, idx = documents.attend(one_batch, [p.q, p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win,
+                                              p.gates], cu_seqlens)
+        if collect:
+            self._accumulate(p.gates, idx)
+        return o
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, S, dim]`` -> ``[B, S, dim]``; ``cu_seqlens``: packed documents (:mod:`nsa.model.documents`)."""
         B, S, _ = x.shape
-        p = self.project(x, torch.arange(S, device=x.device))
+        pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
+        p = self.project(x, pos)
         collect = self.training and not self._suppress_stats
-        o = self.attend(p, collect)
+        o = self.attend(p, collect) if cu_seqlens is None else self.attend_documents(p, cu_seqlens, collect)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
     # ------------------------------------------------------------------------------------------

@@ -38,6 +38,6 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(model_cfg.dim, model_cfg.norm_eps)
         self.mlp = SwiGLU(model_cfg.dim, model_cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cu_seqlens)
         return x + self.mlp(self.mlp_norm(x))

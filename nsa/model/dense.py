@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nsa.model import documents
 from nsa.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -32,6 +33,11 @@ def sdpa_gqa(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True)
     k, v = k.repeat_interleave(h, dim=1), v.repeat_interleave(h, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention of ``[B, S, heads, D]`` tensors, ``[B, S, HQ, Dv]`` out."""
+    return sdpa_gqa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
 
 
 class DenseAttention(nn.Module):
@@ -59,11 +65,16 @@ class DenseAttention(nn.Module):
         v = kv[..., H * self.d_k :].reshape(B, S, H, self.d_v)
         return q, k, v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, S, dim]`` -> ``[B, S, dim]``; ``cu_seqlens``: packed documents (:mod:`nsa.model.documents`)."""
         B, S, _ = x.shape
-        q, k, v = self.project(x, torch.arange(S, device=x.device))
-        o = sdpa_gqa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.o_proj(o.transpose(1, 2).reshape(B, S, self.n_heads * self.d_v))
+        pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
+        q, k, v = self.project(x, pos)
+        if cu_seqlens is None:
+            o = _causal(q, k, v)
+        else:
+            (o,) = documents.attend(_causal, [q, k, v], cu_seqlens)
+        return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
     # decode with a plain KV cache (nsa.model.cache.DenseLayerCache)
 
@@ -82,8 +93,8 @@ class DenseAttention(nn.Module):
         q, k, v = self.project(x, torch.arange(S, device=x.device))
         layer.k[:, :, :S] = k.transpose(1, 2)
         layer.v[:, :, :S] = v.transpose(1, 2)
-        o = sdpa_gqa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.o_proj(o.transpose(1, 2).reshape(B, S, self.n_heads * self.d_v))
+        o = _causal(q, k, v)
+        return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
     def decode(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
         """One query per sequence at ``cache.lengths`` over cached positions ``<= t`` (explicit mask)."""

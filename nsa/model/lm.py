@@ -29,13 +29,13 @@ class LMOutput(NamedTuple):
     loss: torch.Tensor | None = None
 
 
-def _run_block(block: Block, calls: list[int], x: torch.Tensor) -> torch.Tensor:
+def _run_block(block: Block, calls: list[int], x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """Run ``block``; calls after the first are checkpoint recomputes and add no statistics."""
     calls[0] += 1
     if calls[0] > 1 and isinstance(block.attn, NSAAttention):
         with block.attn.suppress_stats():
-            return block(x)
-    return block(x)
+            return block(x, cu_seqlens)
+    return block(x, cu_seqlens)
 
 
 def _block_decode(block: Block, x: torch.Tensor, layer: Any, cache: ModelCache) -> torch.Tensor:
@@ -71,14 +71,20 @@ class NSALM(nn.Module):
     # ------------------------------------------------------------------------------------------
     # training forward
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> LMOutput:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> LMOutput:
+        """Logits (and the mean loss over ``labels``, ``-100`` ignored) of ``input_ids [B, S]``.
+
+        ``cu_seqlens``: packed documents, int32 boundaries over the flattened ``B*S`` rows including every
+        row start (:func:`nsa.model.documents.from_separators`); each document attends only to itself
+        and its positions restart at 0."""
         x = self.tok_emb(input_ids)
         use_ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.block_list():
             if use_ckpt:
-                x = checkpoint(functools.partial(_run_block, block, [0]), x, use_reentrant=False)
+                x = checkpoint(functools.partial(_run_block, block, [0]), x, cu_seqlens, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, cu_seqlens)
         logits = self.head(self.norm(x))
         loss = None
         if labels is not None:

@@ -9,8 +9,11 @@ scale=None, block_idx=None)``; see ``docs/nsa-semantics.md`` for what they compu
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
+from nsa.ops import varlen
 from nsa.ops.dispatch import (
     BACKENDS,
     available_backends,
@@ -24,9 +27,21 @@ from nsa.ops.dispatch import (
 )
 
 
-def compress_avg(x: torch.Tensor, l: int, d: int, *, backend: str | None = None) -> torch.Tensor:  # noqa: E741
+def _packed(mod: ModuleType, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[list[int], bool]:
+    if x.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs a batch-1 packed row, got batch {x.shape[0]}")
+    return varlen.host_offsets(cu_seqlens, x.shape[1]), mod.__name__.endswith("reference")
+
+
+def compress_avg(
+    x: torch.Tensor, l: int, d: int, *, backend: str | None = None, cu_seqlens: torch.Tensor | None = None,  # noqa: E741
+) -> torch.Tensor:
     """Mean-pool raw ``x [B, S, H, D]`` into compressed tokens ``[B, S_cmp, H, D]`` (block ``l``, stride ``d``)."""
-    out: torch.Tensor = resolve(backend, (x,), "compress_avg").compress_avg(x, l, d)
+    mod = resolve(backend, (x,), "compress_avg")
+    if cu_seqlens is not None:
+        cu, one = _packed(mod, x, cu_seqlens)
+        return varlen.compress_packed(lambda t: mod.compress_avg(t, l, d), x, cu, l, d, per_document=one)
+    out: torch.Tensor = mod.compress_avg(x, l, d)
     return out
 
 
@@ -40,12 +55,19 @@ def select_blocks(
     n_sel: int,
     scale: float | None = None,
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Selection blocks per query and group: int32 ``[B, S, H, n_sel]``, ascending, ``-1`` padded."""
-    out: torch.Tensor = resolve(backend, (q, k_cmp), "select_blocks").select_blocks(
-        q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale
-    )
-    return out
+    """Selection blocks per query and group: int32 ``[B, S, H, n_sel]``, ascending, ``-1`` padded (with
+    ``cu_seqlens``: block indices local to each document)."""
+    mod = resolve(backend, (q, k_cmp), "select_blocks")
+    if cu_seqlens is not None:
+        cu, one = _packed(mod, q, cu_seqlens)
+        (out,) = varlen.run_packed(
+            lambda q_, k_: mod.select_blocks(q_, k_, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale),
+            [q], cu, cmp_rows=[k_cmp], l=l, d=d, per_document=one)
+        return out
+    res: torch.Tensor = mod.select_blocks(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
+    return res
 
 
 def nsa_attention(
@@ -67,10 +89,25 @@ def nsa_attention(
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Gated NSA attention ``[B, S, HQ, Dv]``; with ``return_block_idx`` also the blocks used."""
     tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
     mod = resolve(backend, tensors, "nsa_attention")
+    if cu_seqlens is not None:
+        cu, one = _packed(mod, q, cu_seqlens)
+        rows = [q, k_sel, v_sel, k_win, v_win, gates, *([] if block_idx is None else [block_idx])]
+
+        def call(q_: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor,
+                 g: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            idx, (kc, vc) = (rest[0], rest[1:]) if block_idx is not None else (None, rest)
+            r: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = mod.nsa_attention(
+                q_, kc, vc, ks, vs, kw, vw, g, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale,
+                block_idx=idx, return_block_idx=return_block_idx)
+            return r
+
+        outs = varlen.run_packed(call, rows, cu, cmp_rows=[k_cmp, v_cmp], l=l, d=d, per_document=one)
+        return (outs[0], outs[1]) if return_block_idx else outs[0]
     out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = mod.nsa_attention(
         *tensors, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale, block_idx=block_idx,
         return_block_idx=return_block_idx,

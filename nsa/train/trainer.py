@@ -419,7 +419,7 @@ class Trainer:
                 sync = self.train_model.no_sync() if (self.dist.enabled and not last) else nullcontext()
                 with sync:
                     with self.rt.autocast():
-                        out = self.train_model(x, labels=y)
+                        out = self.train_model(x, labels=y, cu_seqlens=self._documents(x))
                     loss = out.loss.float() / tr.accum
                     if tr.fault_nan_at_step == step:
                         loss = loss * float("nan")  # fault injection (tests only)
@@ -499,6 +499,14 @@ class Trainer:
             self.display.stop()
             self.display.print(f"exported {path}")
         return self._finish("completed", None)
+
+    def _documents(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``cu_seqlens`` of a batch with ``data.document_mask`` (a document ends at each separator)."""
+        if not self.cfg.data.document_mask:
+            return None
+        from nsa.model.documents import from_separators
+
+        return from_separators(x, self.tokenizer.eot_id)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._pending is not None:
@@ -627,7 +635,7 @@ class Trainer:
             for _ in range(tr.eval_batches):
                 x, y = next(self.val_loader)
                 with self.rt.autocast():
-                    total += self.model(x, labels=y).loss.float()
+                    total += self.model(x, labels=y, cu_seqlens=self._documents(x)).loss.float()
         D.all_reduce_sum(total, self.dist)
         val_loss = total.item() / (tr.eval_batches * self.dist.world_size)
         self.model.consume_stats()  # gate statistics of evaluation do not belong to training

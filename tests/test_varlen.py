@@ -6,6 +6,7 @@ lengths include documents shorter than ``l`` and than ``l_sel``. Fixed seeds; th
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ def _check(backend: str, lengths: list[int], seed: int, dtype: torch.dtype, devi
     o, idx, k_cmp = _run(x, backend, cu)
     ref64 = {n: t.detach().double().cpu().requires_grad_(True) for n, t in x.items()}
     bounds = cu.tolist()
-    parts = [_run(ref64, "reference", None, slice(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+    parts = [_run(ref64, "reference", None, slice(a, b)) for a, b in itertools.pairwise(bounds)]
     o_ref = torch.cat([p[0] for p in parts], 1)
     assert torch.equal(idx.cpu().long(), torch.cat([p[1] for p in parts], 1).long())
     assert torch.allclose(k_cmp.double().cpu(), torch.cat([p[2] for p in parts], 1), atol=tol, rtol=0)

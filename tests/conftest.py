@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from rich.console import Console
 
 from nsa.config import ResolvedConfig, load_run_config
+from nsa.train.events import PlainReporter
 
 # Tests must never reach the network (HF datasets/hub, tiktoken downloads).
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -280,8 +280,9 @@ def resolve(out: Path, steps: int, **extra: Any) -> ResolvedConfig:
     return load_run_config("tiny", environ={}, flags=flags)
 
 
-def quiet() -> Console:
-    return Console(file=io.StringIO(), width=200)
+def quiet() -> PlainReporter:
+    """A reporter that keeps the trainer's lines (``.text()``) instead of printing them."""
+    return PlainReporter(io.StringIO())
 
 
 def events(run: Path, rank: int = 0) -> list[dict[str, Any]]:

@@ -154,7 +154,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.conftest import quiet, resolve
 
     run = tmp_path_factory.mktemp("eval") / "run"
-    result = Trainer(resolve(run, 3), console=quiet()).fit()
+    result = Trainer(resolve(run, 3), reporter=quiet()).fit()
     assert result.status == "completed"
     return run
 

@@ -4,7 +4,8 @@ module-level or inside a function, of every module under ``nsa/`` and ``nsa_cli/
 - ``nsa.ops`` (kernels and their references) knows nothing of config, model, training, runs or the CLI;
 - ``nsa.config`` imports nothing of ``nsa`` above it (only ``nsa.errors`` and ``nsa.fileio``);
 - ``nsa.model`` knows nothing of training, checks, benchmarks, evaluation or the CLI;
-- the library (``nsa``) never imports the CLI (``nsa_cli``);
+- the library (``nsa``) never imports the CLI (``nsa_cli``) nor Rich: it returns results and emits
+  structured events (``nsa.train.events``), the CLI renders them;
 - reading a run (``nsa.runs``) needs no torch and nothing of training, model or ops (also checked by
   importing every run module in a fresh interpreter).
 """
@@ -55,7 +56,7 @@ CONTRACTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
                  "nsa.bench", "nsa_cli"), ()),
     ("nsa.config", ("nsa", "nsa_cli"), ("nsa.config", "nsa.errors", "nsa.fileio")),
     ("nsa.model", ("nsa.train", "nsa.checks", "nsa.bench", "nsa.eval", "nsa_cli"), ()),
-    ("nsa", ("nsa_cli",), ()),
+    ("nsa", ("nsa_cli", "rich"), ()),
     ("nsa.runs", ("torch", "triton", "nsa.train", "nsa.model", "nsa.ops", "nsa_cli"), ()),
 )
 

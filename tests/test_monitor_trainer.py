@@ -17,13 +17,13 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 def test_train_log_holds_every_printed_line_with_fetch_latency(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    Trainer(resolve(run, 6, train__eval_every=0, train__log_every=2), console=quiet()).fit()
+    Trainer(resolve(run, 6, train__eval_every=0, train__log_every=2), reporter=quiet()).fit()
     log = (run / "train.log").read_text()
     assert "nsa train run" in log and "resolved config" in log and "done 6 steps" in log
     steps = [line for line in log.splitlines() if " step " in line and "fetch p50/p95" in line]
     assert len(steps) == 4  # steps 1, 2, 4, 6
     assert all(line[:4].isdigit() for line in steps)  # time-stamped
-    Trainer(resolve(run, 8, train__eval_every=0, train__log_every=2, train__resume="auto"), console=quiet()).fit()
+    Trainer(resolve(run, 8, train__eval_every=0, train__log_every=2, train__resume="auto"), reporter=quiet()).fit()
     again = (run / "train.log").read_text()
     assert again.startswith(log) and "resumed from" in again  # appended on resume
 
@@ -31,7 +31,7 @@ def test_train_log_holds_every_printed_line_with_fetch_latency(tmp_path: Path) -
 def test_heartbeat_every_step_without_extra_csv_rows(tmp_path: Path) -> None:
     run = tmp_path / "run"
     Trainer(resolve(run, 8, train__eval_every=0, train__log_every=4, train__heartbeat_every=1),
-            console=quiet()).fit()
+            reporter=quiet()).fit()
     progress = [e["step"] for e in events(run) if e["event"] == "progress"]
     assert progress == list(range(1, 9))
     assert [int(r["step"]) for r in csv_rows(run / "training.csv")] == [1, 4, 8]
@@ -46,7 +46,7 @@ def test_long_run_warnings_name_the_keys(tmp_path: Path) -> None:
     assert long_run_warnings(load_run_config("tiny", environ={}).config) == []
     run = tmp_path / "run"
     console = quiet()
-    Trainer(resolve(run, 3, train__eval_every=0, data__synthetic_on_fail=True), console=console).fit()
+    Trainer(resolve(run, 3, train__eval_every=0, data__synthetic_on_fail=True), reporter=console).fit()
     assert "data.synthetic_on_fail=true" in (run / "train.log").read_text()
 
 
@@ -72,6 +72,6 @@ def test_old_knobs_are_named_with_their_replacement(tmp_path: Path) -> None:
     resolved = load_run_config("tiny", environ={"NSA_USE_SEL_PACK": "1"},
                                flags={"train.steps": 2, "train.out_dir": str(run), "train.seq_len": 32,
                                       "train.batch_size": 2, "train.eval_every": 0})
-    Trainer(resolved, console=quiet()).fit()
+    Trainer(resolved, reporter=quiet()).fit()
     assert "NSA_USE_SEL_PACK (older system: replaced by NSA_ATTN_BACKEND" in (run / "train.log").read_text()
     assert json.loads((run / "env.json").read_text())["nsa_unknown_variables"] == ["NSA_USE_SEL_PACK"]

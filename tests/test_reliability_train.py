@@ -29,7 +29,7 @@ runner = CliRunner()
 
 
 def _train(run: Path, steps: int, **extra: object):
-    return Trainer(resolve(run, steps, train__eval_every=0, **extra), console=quiet()).fit()
+    return Trainer(resolve(run, steps, train__eval_every=0, **extra), reporter=quiet()).fit()
 
 
 def _corrupt_same_size(path: Path) -> None:
@@ -117,7 +117,7 @@ def test_halt_file_of_any_shape_gives_a_reason(tmp_path: Path, payload: bytes, r
 
 def test_a_non_utf8_halt_file_halts_with_a_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    result = Trainer(resolve(run, 40, train__eval_every=0, train__save_every=0), console=quiet(),
+    result = Trainer(resolve(run, 40, train__eval_every=0, train__save_every=0), reporter=quiet(),
                      step_hook=halt_at(run, 2, b"\xff\xfe stop \x80")).fit()
     assert result.status == "halted" and result.steps_done == 3
     halt = next(e for e in events(run) if e["event"] == "halt")
@@ -153,12 +153,12 @@ def test_a_checkpoint_corrupted_in_place_is_skipped_by_resume_and_loaders(tmp_pa
         find_weights(newest)
     # an explicit resume of the corrupted one is refused; auto walks back and says so
     with pytest.raises(CheckpointError, match="checksum mismatch"):
-        Trainer(resolve(run, 8, train__resume=str(newest)), console=quiet())
-    out = Trainer(resolve(run, 8, train__resume="auto", train__eval_every=0), console=quiet())
+        Trainer(resolve(run, 8, train__resume=str(newest)), reporter=quiet())
+    out = Trainer(resolve(run, 8, train__resume="auto", train__eval_every=0), reporter=quiet())
     assert out.resume_from == run / "checkpoints" / "step_00000004"
     result = out.fit()
     assert result.status == "completed" and result.steps_done == 8 and math_finite(result.final_loss)
-    assert "skipped checkpoint step_00000006" in out.console.file.getvalue()  # type: ignore[union-attr]
+    assert "skipped checkpoint step_00000006" in out.reporter.text()  # type: ignore[union-attr]
 
 
 def math_finite(x: float | None) -> bool:
@@ -195,14 +195,14 @@ def test_an_unwritable_out_dir_is_one_line_before_any_work(tmp_path: Path, monke
     monkeypatch.setattr(rundir.os, "access", lambda p, m: False if Path(p) == ro else real_access(p, m))
     monkeypatch.setattr(rundir, "_read_only_fs", lambda p: Path(p) == ro)
     with pytest.raises(RunDirError, match="read-only filesystem"):
-        Trainer(resolve(ro / "run", 3), console=quiet())
+        Trainer(resolve(ro / "run", 3), reporter=quiet())
     res = runner.invoke(app, ["train", "--config", "tiny", "--steps", "3", "--out-dir", str(ro / "run")], env={})
     assert res.exit_code == 2 and "cannot be written (read-only filesystem" in res.output
     assert len(res.output.strip().splitlines()) == 1 and not (ro / "run").exists()
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(RunDirError, match="is a file"):
-        Trainer(resolve(blocker / "run", 3), console=quiet())
+        Trainer(resolve(blocker / "run", 3), reporter=quiet())
 
 
 def _full_disk_after(monkeypatch: pytest.MonkeyPatch, module: object, n_ok: int) -> None:
@@ -304,7 +304,7 @@ def test_resume_with_fewer_steps_than_done_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _train(run, 6)
     with pytest.raises(ConfigError, match=r"train\.steps=4 is below the step of checkpoint .* \(6\)"):
-        Trainer(resolve(run, 4, train__resume="auto"), console=quiet())
+        Trainer(resolve(run, 4, train__resume="auto"), reporter=quiet())
     res = runner.invoke(app, ["train", "--config", "tiny", "--steps", "4", "--out-dir", str(run), "--resume", "auto"],
                         env={})
     assert res.exit_code == 2 and "--steps above 6" in res.output
@@ -325,10 +325,10 @@ def test_alloc_conf_is_set_before_the_runtime_looks_at_cuda(tmp_path: Path, monk
         return real(cfg, local_rank)  # type: ignore[arg-type]
 
     monkeypatch.setattr(trainer_mod, "resolve_runtime", spy)
-    t = Trainer(resolve(tmp_path / "run", 2, runtime__alloc_conf="expandable_segments:True"), console=quiet())
+    t = Trainer(resolve(tmp_path / "run", 2, runtime__alloc_conf="expandable_segments:True"), reporter=quiet())
     assert seen["conf"] == "expandable_segments:True" and t.alloc_conf_note is None
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
-    t = Trainer(resolve(tmp_path / "run", 2, runtime__alloc_conf="expandable_segments:True"), console=quiet())
+    t = Trainer(resolve(tmp_path / "run", 2, runtime__alloc_conf="expandable_segments:True"), reporter=quiet())
     assert t.alloc_conf_note is not None and "max_split_size_mb:64" in t.alloc_conf_note
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"  # the user's explicit value stays
 

@@ -39,7 +39,7 @@ def documented_events() -> dict[str, set[str]]:
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("full") / "run"
     r = resolve(out, 16, train__save_every=8, train__eval_every=8, train__keep_last=1)
-    result = Trainer(r, console=quiet()).fit()
+    result = Trainer(r, reporter=quiet()).fit()
     assert result.status == "completed" and result.steps_done == 16 and result.run_dir == out
     return out
 
@@ -117,7 +117,7 @@ def test_loss_falls(full_run: Path) -> None:
 def test_halt_file_then_resume_archives_stale_halt(tmp_path: Path) -> None:
     run = tmp_path / "run"
     hook = halt_at(run, 2, json.dumps({"reason": "operator test", "who": "pytest"}))
-    result = Trainer(resolve(run, 40, train__save_every=0), console=quiet(), step_hook=hook).fit()
+    result = Trainer(resolve(run, 40, train__save_every=0), reporter=quiet(), step_hook=hook).fit()
     assert result.status == "halted" and result.steps_done == 3  # written after step 2, read during step 3
     evs = events(run)
     halt = next(e for e in evs if e["event"] == "halt")
@@ -129,7 +129,7 @@ def test_halt_file_then_resume_archives_stale_halt(tmp_path: Path) -> None:
     assert (run / ".HALT").exists()
 
     # resume: the .HALT from before is archived, not obeyed
-    resumed = Trainer(resolve(run, result.steps_done + 2, train__resume="auto", train__save_every=0), console=quiet()).fit()
+    resumed = Trainer(resolve(run, result.steps_done + 2, train__resume="auto", train__save_every=0), reporter=quiet()).fit()
     assert resumed.status == "completed" and resumed.steps_done == result.steps_done + 2
     assert not (run / ".HALT").exists()
     archived = list((run / "halts").iterdir())
@@ -137,7 +137,7 @@ def test_halt_file_then_resume_archives_stale_halt(tmp_path: Path) -> None:
     steps = [int(r["step"]) for r in csv_rows(run / "training.csv")]
     assert steps == list(range(1, result.steps_done + 3))
     # resuming a finished run changes nothing and completes at once
-    again = Trainer(resolve(run, result.steps_done + 2, train__resume="auto"), console=quiet()).fit()
+    again = Trainer(resolve(run, result.steps_done + 2, train__resume="auto"), reporter=quiet()).fit()
     assert again.status == "completed" and again.steps_done == result.steps_done + 2
     assert again.metrics["steps_this_session"] == 0
 
@@ -172,7 +172,7 @@ def test_loader_position_round_trip(tmp_path: Path) -> None:
 
     run = tmp_path / "run"
     r = resolve(run, 3, train__accum=2, train__save_every=3, train__eval_every=0)
-    Trainer(r, console=quiet()).fit()
+    Trainer(r, reporter=quiet()).fit()
     state = load_state(latest_checkpoint(run))
     assert len(state["loader"]) == 1 and state["loader"][0]["batches"] == 6
     cfg = r.config
@@ -197,7 +197,7 @@ def test_bad_records_are_counted(tmp_path: Path) -> None:
     run = tmp_path / "run"
     r = resolve(run, 4, data__source="local", data__path=str(data), data__val_fraction=0.0,
                 train__eval_every=0, train__save_every=0)
-    assert Trainer(r, console=quiet()).fit().status == "completed"
+    assert Trainer(r, reporter=quiet()).fit().status == "completed"
     skipped = json.loads((run / "metrics.json").read_text())["data"]["skipped"]
     assert skipped.get("empty", 0) >= 1 and skipped.get("not_str", 0) >= 1 and skipped.get("missing_field", 0) >= 1
     last = [e for e in events(run) if e["event"] == "progress"][-1]
@@ -209,7 +209,7 @@ def test_resume_with_another_model_is_refused_before_work(full_run: Path) -> Non
 
     before = (full_run / "heartbeat_rank0.jsonl").read_text()
     with pytest.raises(CheckpointError, match=r"model\.dim"):
-        Trainer(resolve(full_run, 20, train__resume="auto", model__dim=32), console=quiet())
+        Trainer(resolve(full_run, 20, train__resume="auto", model__dim=32), reporter=quiet())
     assert (full_run / "heartbeat_rank0.jsonl").read_text() == before
 
 
@@ -217,7 +217,7 @@ def test_resume_with_another_model_is_refused_before_work(full_run: Path) -> Non
 def test_gpu_bf16_run_reports_memory_and_mfu(tmp_path: Path) -> None:
     r = resolve(tmp_path / "run", 6, runtime__device="cuda", runtime__precision="auto",
                 runtime__deterministic=False, train__save_every=3, train__eval_every=3)
-    result = Trainer(r, console=quiet()).fit()
+    result = Trainer(r, reporter=quiet()).fit()
     assert result.status == "completed"
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert m["precision"] == "bf16" and m["memory"]["mem_peak_mib"] > 0
@@ -239,8 +239,8 @@ def test_synthetic_fallback_is_recorded_loudly(tmp_path: Path, monkeypatch: pyte
     r = resolve(run, 2, data__source="fineweb_edu", data__hf_dataset="nsa-test/not-a-dataset",
                 data__synthetic_on_fail=True, data__timeout_s=30, train__eval_every=0, train__save_every=0)
     console = quiet()
-    assert Trainer(r, console=console).fit().status == "completed"
-    assert "WARNING" in console.file.getvalue() and "SYNTHETIC" in console.file.getvalue()
+    assert Trainer(r, reporter=console).fit().status == "completed"
+    assert "WARNING" in console.text() and "SYNTHETIC" in console.text()
     ready = next(e for e in events(run) if e["event"] == "loader-ready")
     assert ready["warnings"] and "SYNTHETIC" in ready["warnings"][0]
     assert [e for e in events(run) if e["event"] == "progress"][-1]["data_warnings"] == ready["warnings"]
@@ -256,9 +256,9 @@ def test_resume_checks_the_number_of_ranks_before_launch(tmp_path: Path) -> None
     r = resolve(run, 4, train__resume="auto")
     sections = r.config.model_dump(mode="json")
     save_checkpoint(run, 2, {"w": torch.randn(2)}, {"world_size": 2, "model": sections["model"], "nsa": sections["nsa"]})
-    Trainer(r, console=quiet(), world_size=2)  # what `nsa train --nproc-per-node 2` checks before torchrun
+    Trainer(r, reporter=quiet(), world_size=2)  # what `nsa train --nproc-per-node 2` checks before torchrun
     with pytest.raises(CheckpointError, match="2 ranks"):
-        Trainer(r, console=quiet())
+        Trainer(r, reporter=quiet())
 
 
 def test_sigterm_halts_like_the_halt_file(tmp_path: Path) -> None:
@@ -267,7 +267,7 @@ def test_sigterm_halts_like_the_halt_file(tmp_path: Path) -> None:
 
     run = tmp_path / "run"
     previous = signal.getsignal(signal.SIGTERM)
-    result = Trainer(resolve(run, 40, train__save_every=0, train__eval_every=0), console=quiet(),
+    result = Trainer(resolve(run, 40, train__save_every=0, train__eval_every=0), reporter=quiet(),
                      step_hook=signal_at(2, signal.SIGTERM)).fit()
     assert signal.getsignal(signal.SIGTERM) is previous  # handlers are removed after the run
     assert result.status == "halted" and result.steps_done == 3  # sent after step 2, acted on in step 3
@@ -289,8 +289,8 @@ def test_resume_of_a_checkpoint_from_before_the_gate_fields_names_the_sets(tmp_p
     old_nsa = {k: v for k, v in sections["nsa"].items() if k not in ("gate_bias", "gate_scale")}
     save_checkpoint(run, 2, {"w": torch.randn(2)}, {"world_size": 1, "model": sections["model"], "nsa": old_nsa})
     with pytest.raises(CheckpointError, match=r"nsa\.gate_bias, nsa\.gate_scale") as err:
-        Trainer(r, console=quiet())
+        Trainer(r, reporter=quiet())
     assert err.value.hint is not None
     assert "--set nsa.gate_bias=[0.0,0.0,0.0]" in err.value.hint and "--set nsa.gate_scale=1.0" in err.value.hint
     legacy = resolve(run, 4, train__resume="auto", nsa__gate_bias=[0.0, 0.0, 0.0], nsa__gate_scale=1.0)
-    Trainer(legacy, console=quiet())  # the old gates: accepted
+    Trainer(legacy, reporter=quiet())  # the old gates: accepted

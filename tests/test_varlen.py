@@ -82,6 +82,7 @@ def test_single_document_is_the_plain_call() -> None:
     assert torch.equal(idx, idx0) and torch.allclose(o, o0, atol=1e-12, rtol=0)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU")
 def test_triton_packed_in_the_interpreter() -> None:
     """Seed 5, float32 under TRITON_INTERPRET=1: the Triton kernels on packed documents, no fallback."""
     in_triton_interpreter(
@@ -212,6 +213,6 @@ def test_training_with_document_mask(tmp_path: Path) -> None:
     from tests.conftest import quiet, resolve
 
     out = tmp_path / "run"
-    result = Trainer(resolve(out, 6, data__document_mask=True), console=quiet()).fit()
+    result = Trainer(resolve(out, 6, data__document_mask=True), reporter=quiet()).fit()
     assert result.status == "completed" and result.steps_done == 6
     assert "document_mask: true" in (out / "config.yaml").read_text()

@@ -146,7 +146,7 @@ def run_smoke(
     config: str | None = None,
     out_dir: str | Path | None = None,
     environ: dict[str, str] | None = None,
-    console: Any = None,
+    reporter: Callable[[Any], None] | None = None,
     on_stage: Callable[[str, CheckReport], None] | None = None,
     skip_preflight: bool = False,
 ) -> CheckReport:
@@ -206,7 +206,7 @@ def run_smoke(
     try:
         from nsa.train import Trainer
 
-        result = Trainer(resolved, console=console).fit()
+        result = Trainer(resolved, reporter=reporter).fit()
         run_status = str(getattr(result.status, "value", result.status))
     except NSAError as exc:
         report.add(failed("train", f"training could not start: {exc.message}", exc.hint or ""))

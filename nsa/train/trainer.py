@@ -20,14 +20,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from rich.console import Console
 
 from nsa.config import ResolvedConfig, fill_legacy
 from nsa.errors import CheckpointError, ConfigError, RunDirError
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import rundir
-from nsa.train.display import Display
+from nsa.train.events import Output, Reporter
 from nsa.train.runtime import (
     Runtime,
     apply_alloc_conf,
@@ -121,17 +120,18 @@ class Trainer:
     """Train the model of ``resolved`` into ``train.out_dir`` (see module docstring)."""
 
     def __init__(
-        self, resolved: ResolvedConfig, *, console: Console | None = None, world_size: int | None = None,
+        self, resolved: ResolvedConfig, *, reporter: Reporter | None = None, world_size: int | None = None,
         step_hook: Callable[[int], None] | None = None,
     ) -> None:
-        """``world_size``: ranks the run will have, for validation before launching torchrun
+        """``reporter`` receives the run's events (:mod:`nsa.train.events`; default: plain lines on stdout).
+        ``world_size``: ranks the run will have, for validation before launching torchrun
         (default: this process's torchrun environment, 1 without one). ``step_hook(step)`` runs at the end
         of every step, after its logging and before its halt decision: the fault-injection point of the
         tests (write ``.HALT`` or send a signal at an exact step; the trainer acts on it at the next step)."""
         self.step_hook = step_hook
         self.resolved = resolved
         self.cfg = resolved.config
-        self.console = console
+        self.reporter = reporter
         tr = self.cfg.train
         check_training_config(self.cfg)
         _check_data_inputs(self.cfg)  # missing or empty local data: one line, before any directory is made
@@ -224,7 +224,7 @@ class Trainer:
         cuda = self.rt.device_type == "cuda"
         self.device_name = torch.cuda.get_device_name(self.rt.device) if cuda else "cpu"
         seed_everything(tr.seed)
-        self.display = Display(self.console, tr.steps, enabled=self.dist.is_main)
+        self.out = Output(self.reporter, tr.steps, enabled=self.dist.is_main)
 
         archived = None
         refused: tuple[str, str | None] | None = None
@@ -247,8 +247,8 @@ class Trainer:
             archived = rundir.archive_stale_halt(self.run_dir)
         D.barrier(self.dist)
         log_name = "train.log" if self.dist.rank == 0 else f"train_rank{self.dist.rank}.log"
-        self.display.attach_log(self.run_dir / log_name)
-        self._opened.append(self.display)
+        self.out.attach_log(self.run_dir / log_name)
+        self._opened.append(self.out)
         self.hb = Heartbeat(self.run_dir, self.dist.rank)
         self._opened.append(self.hb)
         self.hb.emit(
@@ -256,26 +256,26 @@ class Trainer:
             local_rank=self.dist.local_rank, host=socket.gethostname(), device=str(self.rt.device),
             resumed_from=str(self.resume_from) if self.resume_from else None, steps_total=tr.steps,
         )
-        self.display.print(
-            f"[bold cyan]nsa train[/] run [bold]{self.run_name}[/] -> {self.run_dir} | "
-            f"{self.rt.device} {self.rt.precision} | {self.dist.world_size} rank(s)"
+        self.out.message(
+            f"nsa train run {self.run_name} -> {self.run_dir} | "
+            f"{self.rt.device} {self.rt.precision} | {self.dist.world_size} rank(s)", tone="headline"
         )
-        self.display.print("resolved config (saved as config.yaml):")
+        self.out.message("resolved config (saved as config.yaml):")
         for line in rundir.config_summary(self.resolved):
-            self.display.print(line, highlight=False, markup=False)
+            self.out.message(line)
         if archived is not None:
-            self.display.warn(f"a stale .HALT from before this start was archived to {archived} (not obeyed)")
+            self.out.warn(f"a stale .HALT from before this start was archived to {archived} (not obeyed)")
         for verdict in self.skipped_checkpoints:
-            self.display.warn(f"skipped checkpoint {verdict.path.name}: {verdict.reason}")
+            self.out.warn(f"skipped checkpoint {verdict.path.name}: {verdict.reason}")
         if self.alloc_conf_note:
-            self.display.warn(self.alloc_conf_note)
+            self.out.warn(self.alloc_conf_note)
         for concern in long_run_warnings(cfg):
-            self.display.warn(concern)
+            self.out.warn(concern)
         if self.resolved.unknown_env:
             from nsa.config.settings import describe_unknown
 
             names = "; ".join(describe_unknown(n) for n in self.resolved.unknown_env)
-            self.display.warn(f"unknown NSA_* variables ignored: {names} (see docs/migrating.md)")
+            self.out.warn(f"unknown NSA_* variables ignored: {names} (see docs/migrating.md)")
 
         # model, optimizer, schedule
         self.model: Any = _build_model(cfg).to(self.rt.device)
@@ -338,8 +338,8 @@ class Trainer:
             self._opened += [self.csv, self.val_csv, self.tb]
         self.signals.install(self.run_dir / f"stackdump_rank{self.dist.rank}.txt")
         if self.resume_from is not None:
-            self.display.print(f"resumed from {self.resume_from} at step {self.state.step}")
-        self.display.print(
+            self.out.message(f"resumed from {self.resume_from} at step {self.state.step}")
+        self.out.message(
             f"model {self.num_params / 1e6:.2f}M params | {self.tokens_per_step} tokens/step | "
             f"{tr.steps} steps | first batch in {first_batch_s:.2f}s"
         )
@@ -400,7 +400,7 @@ class Trainer:
         self._tokens_after_first = 0
         self._train_time_s = 0.0
         win_steps, win_time, win_fetch = 0, 0.0, 0.0
-        self.display.start(self.state.step)
+        self.out.start(self.state.step)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = tr.grad_clip if tr.grad_clip > 0 else float("inf")
         self.train_model.train()
@@ -463,7 +463,7 @@ class Trainer:
                 self._t_first_step_end = self._t_last_step_end
                 if self.compiled:
                     self.compile_s = dt
-                    self.display.print(f"torch.compile: first step (compilation included) took {dt:.1f} s")
+                    self.out.message(f"torch.compile: first step (compilation included) took {dt:.1f} s")
             else:
                 self._tokens_after_first += self.tokens_per_step
             win_steps, win_time, win_fetch = win_steps + 1, win_time + dt, win_fetch + fetch_s
@@ -475,7 +475,7 @@ class Trainer:
                 self._log(step, loss_value, lr, norm_value, win_steps, win_time, win_fetch, answers,
                           heartbeat_only=True)
             else:
-                self.display.step(step)
+                self.out.step(step)
             if self.val_loader is not None and (step % tr.eval_every == 0 or step == tr.steps):
                 self._evaluate(step)
             if self.step_hook is not None:
@@ -484,8 +484,8 @@ class Trainer:
                 source, reason = self._agree_halt(halt_local)
                 path = self._save("halt")
                 self.hb.emit("halt", step, reason=reason, source=source, checkpoint=str(path))
-                self.display.stop()
-                self.display.print(f"[bold yellow]halted[/] at step {step} ({source}: {reason}); checkpoint {path}")
+                self.out.stop()
+                self.out.message(f"halted at step {step} ({source}: {reason}); checkpoint {path}", tone="caution")
                 return self._finish("halted", None)
             if save_any:
                 self.signals.save_now = False
@@ -496,8 +496,8 @@ class Trainer:
         self._save("final")
         if self.dist.is_main:
             path = rundir.export_model(self.run_dir, self.model, self.resolved, self.tokenizer)
-            self.display.stop()
-            self.display.print(f"exported {path}")
+            self.out.stop()
+            self.out.message(f"exported {path}")
         return self._finish("completed", None)
 
     def _documents(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -564,10 +564,10 @@ class Trainer:
             answer_loss=row["answer_loss"], answer_acc=row["answer_acc"],
         )
         if heartbeat_only:
-            self.display.step(step)
+            self.out.step(step)
             return
         if not self.dist.is_main:
-            self.display.log(row)  # into this rank's log file
+            self.out.log(row)  # into this rank's log file
             return
         assert self.csv is not None and self.tb is not None
         self.csv.row(row)
@@ -584,8 +584,8 @@ class Trainer:
         if shares is not None:
             scalars.update({f"gate/share_{b}": float(s) for b, s in zip(("cmp", "sel", "win"), shares, strict=False)})
         self.tb.scalars(scalars, step)
-        self.display.step(step, loss, tps, eta)
-        self.display.log(row)
+        self.out.step(step, row)
+        self.out.log(row)
 
     def _new_data_warnings(self) -> list[str]:
         """Loader warnings (e.g. a failed source replaced by synthetic tokens), shown loudly once each."""
@@ -594,7 +594,7 @@ class Trainer:
         for w in new:
             self._seen_warnings.append(w)
             if self.dist.is_main:
-                self.display.warn(f"data: {w}")
+                self.out.warn(f"data: {w}")
                 if (self.run_dir / "env.json").exists():
                     self._write_env()
         return new
@@ -650,7 +650,7 @@ class Trainer:
             assert self.val_csv is not None and self.tb is not None
             self.val_csv.row({"step": step, "val_loss": val_loss, "val_ppl": ppl})
             self.tb.scalars({"val/loss": val_loss, "val/ppl": ppl}, step)
-            self.display.print(f"eval step {step}: val_loss {val_loss:.4f} | ppl {ppl:.2f}")
+            self.out.message(f"eval step {step}: val_loss {val_loss:.4f} | ppl {ppl:.2f}")
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _save(self, reason: str) -> Path:
@@ -683,7 +683,7 @@ class Trainer:
         seconds = time.perf_counter() - t0
         self.hb.emit("checkpoint", self.state.step, path=str(path), seconds=seconds, reason=reason)
         if reason in ("periodic", "signal"):
-            self.display.print(f"checkpoint {path.name} ({reason}, {seconds:.2f}s)")
+            self.out.message(f"checkpoint {path.name} ({reason}, {seconds:.2f}s)")
         return path
 
     # -- endings ---------------------------------------------------------------------------------------
@@ -702,10 +702,10 @@ class Trainer:
         self.hb.emit("anomaly", step, kind=kind, value=value, record=str(record_path))
         self.hb.emit("halt", step - 1, reason=f"{kind} at step {step}", source="anomaly",
                      checkpoint=str(last_good) if last_good else None)
-        self.display.stop()
-        self.display.print(
-            f"[bold red]anomaly[/] {kind} at step {step} (value {value}); step not applied; "
-            f"record {record_path}; last good checkpoint {last_good}"
+        self.out.stop()
+        self.out.message(
+            f"anomaly {kind} at step {step} (value {value}); step not applied; "
+            f"record {record_path}; last good checkpoint {last_good}", tone="bad"
         )
         return self._finish("failed", f"{kind} at step {step}")
 
@@ -715,11 +715,11 @@ class Trainer:
         if self.dist.is_main:
             write_json_atomic(self.run_dir / "metrics.json", metrics)
         self.hb.emit("end", self.state.step, status=status, error=error)
-        self.display.stop()
+        self.out.stop()
         if status == "completed":
-            self.display.print(
-                f"[bold green]done[/] {self.state.step} steps | final loss {self.state.last_loss:.4f} | "
-                f"{metrics['tokens_per_s'] or 0:.0f} tok/s | run dir {self.run_dir}"
+            self.out.message(
+                f"done {self.state.step} steps | final loss {self.state.last_loss:.4f} | "
+                f"{metrics['tokens_per_s'] or 0:.0f} tok/s | run dir {self.run_dir}", tone="good"
             )
         self._ended = True
         return TrainResult(status, self.run_dir, self.state.step, self.state.last_loss, metrics)
@@ -789,8 +789,8 @@ class Trainer:
 
     def _teardown(self) -> None:
         self.signals.uninstall()
-        if hasattr(self, "display"):
-            self.display.stop()
+        if hasattr(self, "out"):
+            self.out.stop()
         for obj in reversed(self._opened):
             with suppress(Exception):
                 obj.close()

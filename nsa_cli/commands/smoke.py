@@ -42,9 +42,10 @@ def smoke(
 
     with user_errors():
         from nsa.checks.smoke import run_smoke
+        from nsa_cli.train_view import RichReporter
 
         report = run_smoke(profile, steps, config=config, out_dir=out_dir, skip_preflight=skip_preflight,
-                           console=con, on_stage=stage)
+                           reporter=RichReporter(con), on_stage=stage)
     if as_json:
         render.print_json(render.jsonable(report.to_dict()))
     else:

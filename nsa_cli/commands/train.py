@@ -88,10 +88,11 @@ def train(
 
         from nsa.train import Trainer
         from nsa.train.distributed import launched_by_torchrun
+        from nsa_cli.train_view import RichReporter
 
         launching = nproc_per_node is not None and not launched_by_torchrun()
         # validates everything before any work (and before torchrun starts)
-        trainer = Trainer(resolved, console=Console(), world_size=nproc_per_node if launching else None)
+        trainer = Trainer(resolved, reporter=RichReporter(Console()), world_size=nproc_per_node if launching else None)
         if launching:
             assert nproc_per_node is not None
             argv = torchrun_argv(nproc_per_node, sys.argv[1:])

@@ -1,0 +1,270 @@
+"""Everything a training run holds while it runs, built in one place and closed in reverse order.
+
+:func:`open_session` does the set-up in the order that matters: process group -> run-directory lock
+(before any write) -> log file and heartbeat -> banner and warnings -> model, optimizer, schedule ->
+loaders -> restore from a checkpoint (one :class:`~nsa.train.state.Checkpointable` path, random streams
+last) -> ``torch.compile`` / DDP wrappers -> the first batch -> rank 0's files -> signal handlers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nsa.config import ResolvedConfig, RunConfig
+from nsa.errors import RunDirError
+from nsa.train import checkpoint as ckpt
+from nsa.train import distributed as D
+from nsa.train import rundir
+from nsa.train.events import Output, Reporter
+from nsa.train.runtime import (
+    Runtime,
+    apply_runtime_settings,
+    long_run_warnings,
+    restore_runtime_settings,
+    seed_everything,
+)
+from nsa.train.schedule import build_scheduler
+from nsa.train.signals import SignalFlags
+from nsa.train.state import Checkpointable, OptimizerLR, PerRank, RandomStreams, TrainState
+from nsa.train.telemetry import TRAIN_CSV_HEADER, VAL_CSV_HEADER, CsvLog, Heartbeat, TensorBoard
+
+
+@dataclass
+class Plan:
+    """What the trainer validated before any work (``Trainer.__init__``)."""
+
+    resolved: ResolvedConfig
+    rt: Runtime
+    run_dir: Path
+    run_name: str
+    resume_from: Path | None
+    skipped: list[Any]
+    tokenizer: Any
+    alloc_conf_note: str | None
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.resolved.config
+
+
+@dataclass
+class Session:
+    """The live run: components, files and the state that checkpoints carry."""
+
+    plan: Plan
+    dist: D.DistInfo
+    out: Output
+    hb: Heartbeat
+    signals: SignalFlags
+    device_name: str
+    model: Any
+    train_model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: Any
+    val_loader: Any
+    val_start: Any
+    state: TrainState
+    checkpointable: Checkpointable
+    compiled: bool
+    first_batch: tuple[torch.Tensor, torch.Tensor] | None
+    answer_mask: torch.Tensor | None
+    first_batch_s: float
+    csv: CsvLog | None = None
+    val_csv: CsvLog | None = None
+    tb: TensorBoard | None = None
+    ended: bool = False  # metrics.json and the end event are written
+    closers: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.plan.cfg
+
+    @property
+    def tokens_per_step(self) -> int:
+        tr = self.cfg.train
+        return tr.batch_size * tr.seq_len * tr.accum * self.dist.world_size
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first batch (read during set-up), then the loader's."""
+        if self.first_batch is not None:
+            batch, self.first_batch = self.first_batch, None
+            return batch
+        batch = next(self.loader)
+        return batch  # type: ignore[no-any-return]
+
+    def documents(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``cu_seqlens`` of a batch with ``data.document_mask`` (a document ends at each separator)."""
+        if not self.cfg.data.document_mask:
+            return None
+        from nsa.model.documents import from_separators
+
+        return from_separators(x, self.plan.tokenizer.eot_id)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str) -> torch.optim.Optimizer:
+    """AdamW, weight decay on matrices only, fused on CUDA."""
+    tr = cfg.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": tr.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    extra = {"fused": True} if device_type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=tr.lr, betas=(tr.beta1, tr.beta2), **extra)
+
+
+def _lock_run_dir(plan: Plan, dist: D.DistInfo, closers: contextlib.ExitStack) -> Path | None:
+    """Rank 0 takes the run directory (one writer), cleans partial checkpoints and archives a stale
+    ``.HALT``; every rank learns whether that worked. Returns the archived ``.HALT``."""
+    refused: tuple[str, str | None] | None = None
+    if dist.is_main:
+        try:
+            plan.run_dir.mkdir(parents=True, exist_ok=True)
+            lock = rundir.RunLock(plan.run_dir)
+            lock.acquire()
+            _on_close(closers, lock.close)
+        except RunDirError as exc:
+            refused = (exc.message, exc.hint)
+        except OSError as exc:
+            refused = (f"cannot write run directory {plan.run_dir}: {exc.strerror or exc}", "choose a writable --out-dir")
+    refused = D.broadcast_object(refused, dist)
+    if refused is not None:
+        raise RunDirError(*refused)
+    archived = None
+    if dist.is_main:
+        ckpt.clean_partials(plan.run_dir)
+        archived = rundir.archive_stale_halt(plan.run_dir)
+    D.barrier(dist)
+    return archived
+
+
+def _announce(plan: Plan, dist: D.DistInfo, out: Output, archived: Path | None) -> None:
+    out.message(f"nsa train run {plan.run_name} -> {plan.run_dir} | {plan.rt.device} {plan.rt.precision} | "
+                f"{dist.world_size} rank(s)", tone="headline")
+    out.message("resolved config (saved as config.yaml):")
+    for line in rundir.config_summary(plan.resolved):
+        out.message(line)
+    if archived is not None:
+        out.warn(f"a stale .HALT from before this start was archived to {archived} (not obeyed)")
+    for verdict in plan.skipped:
+        out.warn(f"skipped checkpoint {verdict.path.name}: {verdict.reason}")
+    if plan.alloc_conf_note:
+        out.warn(plan.alloc_conf_note)
+    for concern in long_run_warnings(plan.cfg):
+        out.warn(concern)
+    if plan.resolved.unknown_env:
+        from nsa.config.settings import describe_unknown
+
+        names = "; ".join(describe_unknown(n) for n in plan.resolved.unknown_env)
+        out.warn(f"unknown NSA_* variables ignored: {names} (see docs/migrating.md)")
+
+
+def _on_close(closers: contextlib.ExitStack, fn: Any, *args: Any) -> None:
+    """Close ``fn(*args)`` with the session; a failure to close never hides the run's own outcome."""
+
+    def quietly() -> None:
+        with contextlib.suppress(Exception):
+            fn(*args)
+
+    closers.callback(quietly)
+
+
+def open_session(plan: Plan, reporter: Reporter | None, closers: contextlib.ExitStack) -> Session:
+    """Set the run up (module docstring); everything opened is registered on ``closers``."""
+    from torch import distributed as tdist
+
+    cfg, tr, rt = plan.cfg, plan.cfg.train, plan.rt
+    already = tdist.is_available() and tdist.is_initialized()
+    dist = D.init(rt.device_type)
+    if dist.enabled and not already:
+        _on_close(closers, D.shutdown)
+    previous = apply_runtime_settings(cfg, rt)
+    _on_close(closers, restore_runtime_settings, previous)
+    device_name = torch.cuda.get_device_name(rt.device) if rt.device_type == "cuda" else "cpu"
+    seed_everything(tr.seed)
+    out = Output(reporter, tr.steps, enabled=dist.is_main)
+    _on_close(closers, out.stop)
+
+    archived = _lock_run_dir(plan, dist, closers)
+    out.attach_log(plan.run_dir / ("train.log" if dist.rank == 0 else f"train_rank{dist.rank}.log"))
+    _on_close(closers, out.close)
+    hb = Heartbeat(plan.run_dir, dist.rank)
+    _on_close(closers, hb.close)
+    hb.emit("boot", 0, run_name=plan.run_name, world_size=dist.world_size, local_rank=dist.local_rank,
+            host=socket.gethostname(), device=str(rt.device),
+            resumed_from=str(plan.resume_from) if plan.resume_from else None, steps_total=tr.steps)
+    try:
+        _announce(plan, dist, out, archived)
+        return _build(plan, dist, out, hb, device_name, closers)
+    except BaseException as exc:  # set-up failed after the heartbeat opened: say so there
+        with contextlib.suppress(Exception):
+            hb.emit("end", 0, status="failed", error=f"{type(exc).__name__}: {exc}"[:1000])
+        raise
+
+
+def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name: str,
+           closers: contextlib.ExitStack) -> Session:
+    """Model, optimizer, schedule, loaders, restored state, wrappers, first batch, files, signals."""
+    from nsa.data.loader import build_loader
+    from nsa.model import build_model
+
+    cfg, tr, rt = plan.cfg, plan.cfg.train, plan.rt
+    model: Any = build_model(cfg).to(rt.device)
+    model.set_gradient_checkpointing(cfg.runtime.gradient_checkpointing)
+    optimizer = build_optimizer(model, cfg, rt.device_type)
+    scheduler = build_scheduler(optimizer, tr.steps, tr.warmup_steps, tr.min_lr_ratio)
+
+    t_loader = time.perf_counter()
+    common: dict[str, Any] = dict(seq_len=tr.seq_len, batch_size=tr.batch_size, seed=tr.seed, rank=dist.rank,
+                  world_size=dist.world_size, device=rt.device)
+    loader = build_loader(cfg.data, plan.tokenizer, split="train", **common)
+    _on_close(closers, loader.close)
+    val_loader = val_start = None
+    if tr.eval_every > 0:
+        val_loader = build_loader(cfg.data, plan.tokenizer, split="val", **common)
+        _on_close(closers, val_loader.close)
+        val_start = val_loader.state_dict()
+
+    state = TrainState()
+    checkpointable = Checkpointable(
+        model=model, optimizer=optimizer, scheduler=OptimizerLR(optimizer, scheduler), train_state=state,
+        loader=PerRank(loader, dist), rng=PerRank(RandomStreams(), dist),
+    )
+    if plan.resume_from is not None:
+        checkpointable.load_state_dict(ckpt.load_state(plan.resume_from))
+
+    compiled = cfg.runtime.compile is True or (cfg.runtime.compile == "auto" and rt.device_type == "cuda")
+    train_model: Any = torch.compile(model, mode=cfg.runtime.compile_mode) if compiled else model
+    if dist.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        train_model = DDP(train_model, device_ids=[dist.local_rank] if rt.device_type == "cuda" else None)
+
+    first_batch = next(loader)  # used by the first step, not discarded
+    mask = getattr(loader, "answer_mask", None)
+    s = Session(plan=plan, dist=dist, out=out, hb=hb, signals=SignalFlags(), device_name=device_name, model=model,
+                train_model=train_model, optimizer=optimizer, scheduler=scheduler, loader=loader,
+                val_loader=val_loader, val_start=val_start, state=state, checkpointable=checkpointable,
+                compiled=compiled, first_batch=first_batch,
+                answer_mask=mask.to(rt.device) if mask is not None else None,
+                first_batch_s=time.perf_counter() - t_loader, closers=closers)
+
+    if dist.is_main:
+        keep = state.step if plan.resume_from is not None else None
+        rundir.write_config(plan.run_dir, plan.resolved)
+        s.csv = CsvLog(plan.run_dir / "training.csv", TRAIN_CSV_HEADER, keep)
+        s.val_csv = CsvLog(plan.run_dir / "val.csv", VAL_CSV_HEADER, keep)
+        s.tb = TensorBoard(plan.run_dir, purge_step=state.step + 1 if keep is not None else None)
+        for f in (s.csv, s.val_csv, s.tb):
+            _on_close(closers, f.close)
+    s.signals.install(plan.run_dir / f"stackdump_rank{dist.rank}.txt")
+    _on_close(closers, s.signals.uninstall)
+    return s

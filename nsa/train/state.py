@@ -1,0 +1,106 @@
+"""The run's checkpointable state: ``Stateful`` components (the ``torch.distributed.checkpoint`` protocol,
+``state_dict()`` / ``load_state_dict()``) saved and loaded through one path, :class:`Checkpointable`.
+
+Components and their keys in a checkpoint (format 1, ``nsa.train.checkpoint``): ``model``, ``optimizer``,
+``scheduler``, ``train_state`` (the counters), ``loader`` and ``rng`` (one entry per rank: every rank
+keeps its own data position and random streams). Loading restores them in that order, the random
+streams last, so nothing drawn while restoring shifts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol
+
+import torch
+
+from nsa.errors import CheckpointError
+from nsa.train import distributed as D
+from nsa.train.runtime import rng_state, set_rng_state
+from nsa.train.schedule import schedule_lrs
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """Counters of the run (model/optimizer/loader/RNG travel beside them)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0
+    last_loss: float | None = None
+    last_val_loss: float | None = None
+    best_val_loss: float | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in fields(self):
+            setattr(self, f.name, state.get(f.name, f.default))
+
+
+class OptimizerLR:
+    """The LR schedule; after loading, the optimizer takes the new schedule's rates (they differ from the
+    saved ones when the run's total steps changed on resume)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.scheduler.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, schedule_lrs(self.scheduler), strict=True):
+            group["lr"] = lr
+
+
+class RandomStreams:
+    """Python, NumPy and torch (CPU and CUDA) random states of this process."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_rng_state(state)
+
+
+class PerRank:
+    """A component whose state differs per rank: saved as the list of every rank's state (a collective),
+    loaded from this rank's entry."""
+
+    def __init__(self, inner: Stateful, dist: D.DistInfo) -> None:
+        self.inner, self.dist = inner, dist
+
+    def state_dict(self) -> list[Any]:
+        return D.gather_objects(self.inner.state_dict(), self.dist)
+
+    def load_state_dict(self, state: list[Any]) -> None:
+        if len(state) != self.dist.world_size:
+            raise CheckpointError(f"the checkpoint was written by {len(state)} ranks, this run has "
+                                  f"{self.dist.world_size}", hint="resume with the same number of ranks")
+        self.inner.load_state_dict(state[self.dist.rank])
+
+
+class Checkpointable:
+    """Every component of the run, in load order; ``state_dict`` is a collective (all ranks call it)."""
+
+    def __init__(self, **components: Stateful) -> None:
+        self.components = components
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: c.state_dict() for name, c in self.components.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [name for name in self.components if name not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint lacks {', '.join(missing)}", hint="resume from a complete checkpoint")
+        for name, c in self.components.items():
+            c.load_state_dict(state[name])

@@ -2,7 +2,7 @@
 
 python3 scripts/decode_profile.py OUT.json [attention[:BACKEND]] [sweep] [model[:gemm-gates]]
 - attention: the NSA decode op at 64k, batch 1 and 32, paper and m7c shapes: kernels by device time;
-- sweep: CUDA-graph time of the fused step under tuning overrides (``nsa.ops._triton.TUNE``);
+- sweep: CUDA-graph time of the fused step under tuning overrides (``nsa.ops.tile_overrides``);
 - model: one compiled ``NSALM.decode_step`` of m7c-125m (NSA and dense) at 2k and 64k, batch 1:
   CUDA-graph time and kernels (``model:gemm-gates``: the gate MLP as plain Linear layers).
 """
@@ -74,7 +74,7 @@ def attention_rows(out: dict[str, Any], backend: str) -> None:
 def sweep(out: dict[str, Any]) -> None:
     from nsa.bench.decode import _graph
     from nsa.bench.timing import make_timer
-    from nsa.ops._triton import TUNE
+    from nsa.ops import tile_overrides
 
     timer = make_timer(torch.device("cuda"), 25, 100)
     variants: list[dict[str, int | str]] = [{}, {"dec_rank_block": 16}, {"dec_score_warps": 8},
@@ -84,13 +84,11 @@ def sweep(out: dict[str, Any]) -> None:
             args = step_args(HQ, H, D, B)
             line = []
             for var in variants:
-                TUNE.clear()
-                TUNE.update(var)
-                g = _graph(functools.partial(_op, args, "triton"), torch.device("cuda"))
+                with tile_overrides(var):  # the graph captures the kernels launched with these tiles
+                    g = _graph(functools.partial(_op, args, "triton"), torch.device("cuda"))
                 ms = timer(g) if g is not None else float("nan")
                 out[f"sweep-{shape}-b{B}-{var}"] = ms
                 line.append(f"{var or 'base'}={ms * 1000:.1f}us")
-            TUNE.clear()
             print(shape, B, " ".join(line), flush=True)
 
 

@@ -30,7 +30,6 @@ PY
     sweep)
       timeout 300 python3 - <<'PY' 2>&1 | tee "$OUT/sweep.log"
 import torch
-from nsa.ops._triton import TUNE
 from nsa.bench.attention import kernel_breakdown
 variants = [
     ("base", {}, None),
@@ -39,14 +38,12 @@ variants = [
 ]
 for shape, S, HQ, H, D in [("paper", 65536, 64, 4, 128), ("m7c", 32768, 12, 2, 64), ("m7c", 2048, 12, 2, 64)]:
     for name, tune, only in (variants if S > 2048 else variants[:1]):
-        TUNE.clear(); TUNE.update(tune)
         try:
-            r = kernel_breakdown(S, HQ, H, D, only=only)
+            r = kernel_breakdown(S, HQ, H, D, only=only, tune=tune)
             print(shape, S, name, " ".join(f"{k}={v:.3f}" for k, v in r.items()), flush=True)
         except Exception as exc:
             print(shape, S, name, "FAILED", type(exc).__name__, str(exc)[:300], flush=True)
         torch.cuda.empty_cache()
-TUNE.clear()
 PY
       ;;
     profile)

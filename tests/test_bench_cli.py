@@ -59,6 +59,7 @@ def test_bench_flag_errors_are_one_line() -> None:
     for args in (["bench", "attention", "--tiny", "--seq-lens", "abc"],
                  ["bench", "attention", "--tiny", "--shape", "5,2,16"],
                  ["bench", "attention", "--tiny", "--tune", "sel_bm"],
+                 ["bench", "attention", "--tiny", "--tune", "sel_bmx=16"],
                  ["bench", "train", "--tiny", "--modes", "fast"],
                  ["bench", "train", "--tiny", "--attention", "sparse"]):
         res = runner.invoke(app, args)

@@ -356,10 +356,10 @@ def test_triton_decode_kernel_in_interpreter() -> None:
     # default tiles, then several block chunks per group (chunk-local candidates); then a fallback case
     _run_interpreted(
         "from tests.test_decode import _triton_vs_torch_decode\n"
-        "from nsa.ops._triton import TUNE\n"
+        "from nsa.ops import tile_overrides\n"
         "for tune in ({}, {'dec_score_cols': 16}):\n"
-        "    TUNE.clear(); TUNE.update(tune)\n"
-        "    _triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
+        "    with tile_overrides(tune):\n"
+        "        _triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
         "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
         "from nsa.ops.decode import nsa_decode\n"
         "q, g = torch.randn(1, 2, 8), torch.rand(1, 2, 3)\n"

@@ -350,3 +350,19 @@ def test_triton_backend_under_torch_compile_matches_eager() -> None:
         results.append([out.float()] + [a.grad.float() for a in args])
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, atol=3e-2, rtol=3e-2)
+
+
+def test_tile_overrides_are_scoped_and_checked() -> None:
+    """Block-shape overrides hold inside their block only (nested blocks merge); unknown keys are refused."""
+    from nsa.ops import tile_overrides
+    from nsa.ops._triton import tuned
+
+    assert tuned("sel_bm", 64) == 64
+    with tile_overrides({"sel_bm": 16}):
+        assert tuned("sel_bm", 64) == 16
+        with tile_overrides({"dec_waves": 3}):
+            assert (tuned("sel_bm", 64), tuned("dec_waves", 2)) == (16, 3)
+        assert tuned("dec_waves", 2) == 2
+    assert tuned("sel_bm", 64) == 64
+    with pytest.raises(ValueError, match="unknown tile override sel_bmx"), tile_overrides({"sel_bmx": 1}):
+        pass

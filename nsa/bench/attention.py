@@ -9,7 +9,7 @@ column times its ``parallel_nsa`` (compression + top-n + selection, no window) w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -252,17 +252,22 @@ def _device_name(dev: torch.device) -> str:
 
 
 def bench_attention(
-    shapes: list[tuple[str, int, int, int]], seq_lens: list[int], *, tiny: bool = False, **kwargs: Any,
+    shapes: list[tuple[str, int, int, int]], seq_lens: list[int], *, tiny: bool = False,
+    tune: Mapping[str, int | str] | None = None, **kwargs: Any,
 ) -> list[AttentionRow]:
-    """Rows for every ``(name, HQ, H, D)`` shape and sequence length (``tiny``: CPU-sized settings)."""
+    """Rows for every ``(name, HQ, H, D)`` shape and sequence length (``tiny``: CPU-sized settings;
+    ``tune``: Triton block-shape overrides, :func:`nsa.ops.tile_overrides`)."""
     if tiny:
         kwargs.setdefault("params", NSAParams.tiny())
         kwargs.setdefault("device", "cpu")
         kwargs.setdefault("dtype", torch.float32)
+    from nsa.ops import tile_overrides
+
     rows = []
     for name, HQ, H, D in shapes:
         for S in seq_lens:
-            rows.append(bench_one(name, S, HQ, H, D, **kwargs))
+            with tile_overrides(tune):
+                rows.append(bench_one(name, S, HQ, H, D, **kwargs))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return rows
@@ -288,9 +293,18 @@ def environment() -> dict[str, Any]:
 def kernel_breakdown(
     S: int, HQ: int, H: int, D: int, *, params: NSAParams | None = None, batch: int = 1,
     dtype: torch.dtype = torch.bfloat16, warmup_ms: int = 10, rep_ms: int = 50, seed: int = 0,
-    only: tuple[str, ...] | None = None,
+    only: tuple[str, ...] | None = None, tune: Mapping[str, int | str] | None = None,
 ) -> dict[str, float]:
-    """Median milliseconds of each Triton stage of the NSA forward and backward (CUDA only)."""
+    """Median milliseconds of each Triton stage of the NSA forward and backward (CUDA only; ``tune``:
+    block-shape overrides, :func:`nsa.ops.tile_overrides`)."""
+    from nsa.ops import tile_overrides
+
+    with tile_overrides(tune):
+        return _kernel_breakdown(S, HQ, H, D, params or NSAParams(), batch, dtype, warmup_ms, rep_ms, seed, only)
+
+
+def _kernel_breakdown(S: int, HQ: int, H: int, D: int, p: NSAParams, batch: int, dtype: torch.dtype,
+                      warmup_ms: int, rep_ms: int, seed: int, only: tuple[str, ...] | None) -> dict[str, float]:
     import triton.testing
 
     from nsa.ops._triton.combine import combine_bwd, combine_fwd
@@ -299,7 +313,6 @@ def kernel_breakdown(
     from nsa.ops._triton.selection import sel_bwd, sel_fwd
     from nsa.ops.torch_path import compress_avg
 
-    p = params or NSAParams()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
 

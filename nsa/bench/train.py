@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ class TrainRow:
 def bench_train_step(
     run_cfg: RunConfig, *, attention: str, seq_len: int, batch_size: int, steps: int = 10,
     warmup: int = 3, device: str | torch.device | None = None, compiled: bool | None = None,
+    tune: Mapping[str, int | str] | None = None,
 ) -> TrainRow:
     """Median step time of forward + backward + optimizer step for one model variant.
 
@@ -61,8 +62,11 @@ def bench_train_step(
     if compiled is not None:
         cfg.runtime.compile = compiled
     use_compile = cfg.runtime.compile is True or (cfg.runtime.compile == "auto" and dev.type == "cuda")
+    from nsa.ops import tile_overrides
+
     try:
-        return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile)
+        with tile_overrides(tune):
+            return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile)
     except torch.OutOfMemoryError:
         torch._dynamo.reset()
         if dev.type == "cuda":
@@ -146,7 +150,7 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
 def bench_train(
     run_cfg: RunConfig, seq_lens: list[int], batch_sizes: list[int], *, attentions: tuple[str, ...] = ("nsa", "dense"),
     steps: int = 10, warmup: int = 3, device: str | None = None, modes: tuple[bool | None, ...] = (None,),
-    on_row: Callable[[TrainRow], None] | None = None,
+    on_row: Callable[[TrainRow], None] | None = None, tune: Mapping[str, int | str] | None = None,
 ) -> list[TrainRow]:
     """Rows for each sequence length (with its batch size), each mode (``False`` eager, ``True`` compiled,
     ``None`` the config's ``runtime.compile``) and each attention variant; ``on_row`` sees each as it ends."""
@@ -155,7 +159,7 @@ def bench_train(
         for mode in modes:
             for att in attentions:
                 rows.append(bench_train_step(run_cfg, attention=att, seq_len=S, batch_size=bs, steps=steps,
-                                             warmup=warmup, device=device, compiled=mode))
+                                             warmup=warmup, device=device, compiled=mode, tune=tune))
                 if on_row is not None:
                     on_row(rows[-1])
     return rows

@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 
 from nsa.ops import varlen
+from nsa.ops._triton import TUNE_KEYS, tile_overrides
 from nsa.ops.dispatch import (
     BACKENDS,
     available_backends,
@@ -117,6 +118,7 @@ def nsa_attention(
 
 __all__ = [
     "BACKENDS",
+    "TUNE_KEYS",
     "available_backends",
     "compress_avg",
     "fallback_counts",
@@ -126,5 +128,6 @@ __all__ = [
     "reset_fallback_counts",
     "select_blocks",
     "set_default_backend",
+    "tile_overrides",
     "use_backend",
 ]

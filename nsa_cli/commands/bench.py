@@ -28,18 +28,19 @@ def _fmt(x: float | None, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _apply_tune(items: list[str] | None) -> dict[str, int | str]:
-    """``--tune key=value`` overrides of the Triton block shapes (tuning sweeps)."""
+def _parse_tune(items: list[str] | None) -> dict[str, int | str]:
+    """``--tune key=value`` overrides of the Triton block shapes (tuning sweeps), checked against
+    :data:`nsa.ops.TUNE_KEYS` and passed to the benchmark (nothing global is changed)."""
+    from nsa.ops import TUNE_KEYS
+
     out: dict[str, int | str] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise fail(f"--tune {item!r} must be key=value", hint="e.g. --tune sel_bm=16")
+        if key not in TUNE_KEYS:
+            raise fail(f"--tune {key} is not a tile setting", hint=f"one of {', '.join(sorted(TUNE_KEYS))}")
         out[key] = int(value) if value.lstrip("-").isdigit() else value
-    if out:
-        from nsa.ops._triton import TUNE
-
-        TUNE.update(out)
     return out
 
 
@@ -68,7 +69,7 @@ def attention(
 ) -> None:
     """Forward and forward+backward time and peak memory: NSA vs dense causal SDPA (and fla-core)."""
     with user_errors():
-        tuned = _apply_tune(tune)
+        tuned = _parse_tune(tune)
         from rich.console import Console
         from rich.table import Table
 
@@ -96,7 +97,7 @@ def attention(
         if not tiny and not torch.cuda.is_available():
             raise fail("no CUDA device for bench attention", hint="use --tiny on a CPU machine")
         rows = bench_attention(shapes, lens, tiny=tiny, batch=batch, backend=backend, peer=peer, dense=dense,
-                               warmup_ms=warmup_ms, rep_ms=rep_ms, cuda_graph=cuda_graph)
+                               warmup_ms=warmup_ms, rep_ms=rep_ms, cuda_graph=cuda_graph, tune=tuned)
         graphed = ", CUDA graphs" if rows[0].cuda_graph else ""
         table = Table(title=f"NSA vs dense attention ({rows[0].device}, {rows[0].dtype}, batch {batch}{graphed})")
         for col in ("shape", "S", "nsa fwd ms", "dense fwd ms", "fwd x", "nsa f+b ms", "dense f+b ms", "f+b x",
@@ -134,7 +135,7 @@ def train(
     """Training-step tokens/s, MFU and peak memory: NSA model vs the same model with dense attention,
     eager and compiled."""
     with user_errors():
-        tuned = _apply_tune(tune)
+        tuned = _parse_tune(tune)
         from rich.console import Console
         from rich.table import Table
 
@@ -165,7 +166,7 @@ def train(
             typer.echo(f"{r.attention} {r.mode} S={r.seq_len} b={r.batch_size}: {what}", err=True)
 
         rows = bench_train(resolved.config, lens, bss, attentions=atts, steps=steps, warmup=warmup, device=device,
-                           modes=flags, on_row=progress)
+                           modes=flags, on_row=progress, tune=tuned)
         table = Table(title=f"training step ({rows[0].device}, config {config})")
         for col in ("attention", "mode", "S", "batch", "params M", "step ms", "tokens/s", "MFU", "peak MiB",
                     "compile s"):

@@ -7,8 +7,12 @@ of a group read the same keys, so a small group is never padded to 16 heads of w
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -62,8 +66,43 @@ class TileConfig:
     num_stages: int
 
 
-# Overrides for tuning sweeps (``{"sel_bm": 128, ...}``); empty in normal use.
-TUNE: dict[str, int | str] = {}
+# Block-shape keys a tuning sweep may override: ``<kind>_{bm,bn,warps,stages}`` of the attention kernels
+# and the named knobs of the compressed backward, the scoring and the decode step.
+TILE_KINDS = ("range", "sel", "seldq", "seldkdv", "score")
+TUNE_KEYS = frozenset(
+    [f"{k}_{x}" for k in TILE_KINDS for x in ("bm", "bn", "warps", "stages")]
+    + ["cmp_qch", "score_prec", "score_reshape", "topn_elems", "dec_waves", "dec_cmp_min_tiles",
+       "dec_win_min_tiles", "dec_part_prec", "dec_cmp_warps", "dec_cmp_stages", "dec_score_cols",
+       "dec_rank_block", "dec_score_warps", "dec_sel_min_tiles", "dec_sel_warps", "dec_sel_stages",
+       "dec_combine_cols", "dec_combine_warps"]
+)
+_OVERRIDES: contextvars.ContextVar[Mapping[str, int | str]] = contextvars.ContextVar(
+    "nsa_tile_overrides", default=MappingProxyType({}))
+
+
+@contextlib.contextmanager
+def tile_overrides(overrides: Mapping[str, int | str] | None) -> Iterator[None]:
+    """Kernel block shapes for the calls inside this block (tuning sweeps; nothing is changed globally).
+
+    Keys are :data:`TUNE_KEYS` (``{"sel_bm": 16, "dec_waves": 3}``); an unknown key is a ``ValueError``."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - TUNE_KEYS)
+    if unknown:
+        raise ValueError(f"unknown tile override {', '.join(unknown)}: choose from {', '.join(sorted(TUNE_KEYS))}")
+    token = _OVERRIDES.set({**_OVERRIDES.get(), **overrides})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def tuned(key: str, default: int | str) -> int | str:
+    """The override of ``key`` in the current :func:`tile_overrides` block, else ``default``."""
+    return _OVERRIDES.get().get(key, default)
+
+
+def is_tuned(key: str) -> bool:
+    return key in _OVERRIDES.get()
 
 
 def tile_config(device: torch.device, h: int, dk: int, dv: int, kind: str = "range") -> TileConfig:
@@ -75,9 +114,9 @@ def tile_config(device: torch.device, h: int, dk: int, dv: int, kind: str = "ran
     # block scoring of large groups, which also prefers 128-row tiles
     big_score = kind == "score" and h >= 16 and dmax <= 128
     # selection forward of a large group: one position per tile (no union of several positions' blocks)
-    bm = int(TUNE.get(f"{kind}_bm", 128 if big_score else 16 if kind == "sel" and h >= 16 else 64))
+    bm = int(tuned(f"{kind}_bm", 128 if big_score else 16 if kind == "sel" and h >= 16 else 64))
     bm = max(bm, next_pow2(h))
-    bn = int(TUNE.get(f"{kind}_bn", 64 if dmax <= 128 else 32))
-    warps = int(TUNE.get(f"{kind}_warps", 8 if big_score or dmax > 128 else 4))
-    stages = int(TUNE.get(f"{kind}_stages", 2))
+    bn = int(tuned(f"{kind}_bn", 64 if dmax <= 128 else 32))
+    warps = int(tuned(f"{kind}_warps", 8 if big_score or dmax > 128 else 4))
+    stages = int(tuned(f"{kind}_stages", 2))
     return TileConfig(bm=bm, bn=bn, num_warps=warps, num_stages=stages)

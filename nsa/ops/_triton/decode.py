@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops._triton import TUNE, cc_major, interpreting, next_pow2, sm_count
+from nsa.ops._triton import cc_major, interpreting, next_pow2, sm_count, tuned
 
 LOG2E = 1.4426950408889634
 
@@ -342,7 +342,7 @@ def _splits(work_tiles: int, groups: int, device: torch.device, min_tiles: int =
     programs in all, each with at least ``min_tiles`` tiles (CPU interpreter: 2)."""
     if device.type != "cuda":
         return max(1, min(2, work_tiles))
-    want = -(-int(TUNE.get("dec_waves", 2)) * sm_count(device) // max(1, groups))
+    want = -(-int(tuned("dec_waves", 2)) * sm_count(device) // max(1, groups))
     return max(1, min(want, -(-work_tiles // min_tiles)))
 
 
@@ -401,8 +401,8 @@ def nsa_decode_triton(
     NB = -(-T // l_sel)
     NT_C, NT_W = -(-C // BC), -(-R // BC)
     G = B * H
-    ns_c = _splits(NT_C, G, dev, int(TUNE.get("dec_cmp_min_tiles", 1)))
-    ns_w = _splits(NT_W, G, dev, int(TUNE.get("dec_win_min_tiles", 2)))
+    ns_c = _splits(NT_C, G, dev, int(tuned("dec_cmp_min_tiles", 1)))
+    ns_w = _splits(NT_W, G, dev, int(tuned("dec_win_min_tiles", 2)))
     ns1 = ns_c + ns_w
     qc = q.contiguous()
     k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (x if x.stride(-1) == 1 else x.contiguous()
@@ -427,19 +427,19 @@ def nsa_decode_triton(
         C, R, NB, scale_log2,
         H=H, HG=h, HP=HP, NS_C=ns_c, NS_W=ns_w, NT_C=NT_C, NT_W=NT_W, L=l, D=d, LSEL=l_sel, W=w,
         NBT=NBT, NBT2=NBT2, X=X, DK=Dk, DV=Dv, BDK=BDK, BDV=BDV, BC=BC, PREC=prec,
-        PREC_W=str(TUNE.get("dec_part_prec", "tf32x3")) if cuda else "ieee", num_warps=int(TUNE.get("dec_cmp_warps", 4)),
-        num_stages=int(TUNE.get("dec_cmp_stages", 3 if BDK <= 64 else 2)) if cuda else 1,
+        PREC_W=str(tuned("dec_part_prec", "tf32x3")) if cuda else "ieee", num_warps=int(tuned("dec_cmp_warps", 4)),
+        num_stages=int(tuned("dec_cmp_stages", 3 if BDK <= 64 else 2)) if cuda else 1,
     )
     block_idx = torch.empty(B, H, n_sel, dtype=torch.int32, device=dev)
     reads = torch.empty(B, H, dtype=torch.int64, device=dev)
     NBP = max(16, next_pow2(NB))
     HGP = next_pow2(h)
-    NBC = min(NBP, int(TUNE.get("dec_score_cols", 128)))
+    NBC = min(NBP, int(tuned("dec_score_cols", 128)))
     KC = max(2, next_pow2(min(n_sel, NBC)))
     NCAND = NBP // NBC * KC
     # sub-blocks of 32 keys per comparison (measured on an H100: a square 128 x 128 comparison spills
     # and makes the step twice as slow)
-    JB = min(int(TUNE.get("dec_rank_block", 32)), NBC, NCAND)
+    JB = min(int(tuned("dec_rank_block", 32)), NBC, NCAND)
     k_scr = torch.empty(G * NBP, dtype=torch.int32, device=dev)
     cand_v = torch.empty(G * NCAND, dtype=torch.int32, device=dev)
     cand_b = torch.empty_like(cand_v)
@@ -447,12 +447,12 @@ def nsa_decode_triton(
         m1, l1, part, spill, mt, t, k_scr, cand_v, cand_b, NB,
         H=H, HG=h, HGP=HGP, NS_C=ns_c, NS1=ns1, NSP=max(2, next_pow2(ns_c)), NT_C=NT_C, L=l, D=d, LSEL=l_sel,
         NBT=NBT, X=X, BC=BC, NBP=NBP, NBC=NBC, KC=KC, NCAND=NCAND, JB=JB,
-        num_warps=int(TUNE.get("dec_score_warps", 4)),
+        num_warps=int(tuned("dec_score_warps", 4)),
     )
     BN = max(16, min(64, next_pow2(l_sel)))
     tpb_s = -(-l_sel // BN)
     nt_s = n_sel * tpb_s
-    ns_s = _splits(nt_s, G, dev, int(TUNE.get("dec_sel_min_tiles", 1)))
+    ns_s = _splits(nt_s, G, dev, int(tuned("dec_sel_min_tiles", 1)))
     m2 = f32(G * ns_s * h)
     l2 = torch.empty_like(m2)
     a2 = f32(G * ns_s * h * Dv)
@@ -463,15 +463,15 @@ def nsa_decode_triton(
         v_sel.stride(0), v_sel.stride(1), v_sel.stride(2), scale_log2, NB, R,
         H=H, HG=h, HP=HP, NS=ns_s, NTILES=nt_s, L=l, D=d, W=w, NSEL=n_sel, NSELP=max(2, next_pow2(n_sel)),
         LSEL=l_sel, TPB=tpb_s, NBP=NBP, NCAND=NCAND, JB=JB, DK=Dk, DV=Dv, BDK=BDK, BDV=BDV, BN=BN, PREC=prec,
-        num_warps=int(TUNE.get("dec_sel_warps", 8)), num_stages=int(TUNE.get("dec_sel_stages", 2)) if cuda else 1,
+        num_warps=int(tuned("dec_sel_warps", 8)), num_stages=int(tuned("dec_sel_stages", 2)) if cuda else 1,
     )
     o = torch.empty(B, HQ, Dv, dtype=v_sel.dtype, device=dev)
-    DVC = min(BDV, int(TUNE.get("dec_combine_cols", 64)))
+    DVC = min(BDV, int(tuned("dec_combine_cols", 64)))
     _combine_kernel[(G * h, -(-Dv // DVC))](
         m1, l1, a1, m2, l2, a2, gates, o,
         gates.stride(0), gates.stride(1), gates.stride(2), o.stride(0), o.stride(1),
         H=H, HG=h, NS_C=ns_c, NS_W=ns_w, NS_S=ns_s, NSPC=max(2, next_pow2(ns_c)),
         NSPW=max(2, next_pow2(ns_w)), NSPS=max(2, next_pow2(ns_s)), DV=Dv, DVC=DVC,
-        num_warps=int(TUNE.get("dec_combine_warps", 2)),
+        num_warps=int(tuned("dec_combine_warps", 2)),
     )
     return o, block_idx, reads

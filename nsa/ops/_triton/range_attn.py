@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops._triton import TUNE, next_pow2, sm_count, tile_config
+from nsa.ops._triton import is_tuned, next_pow2, sm_count, tile_config, tuned
 
 LOG2E = 1.4426950408889634
 
@@ -224,8 +224,8 @@ def _range_bwd_dkdv_kernel(
 def _query_chunk(S: int, programs: int, device: torch.device) -> int:
     """Queries per dk/dv program of the compressed branch: at most 4096 (balances the triangle),
     and small enough that the grid holds about 4 programs per multiprocessor."""
-    if "cmp_qch" in TUNE:
-        return int(TUNE["cmp_qch"])
+    if is_tuned("cmp_qch"):
+        return int(tuned("cmp_qch", 0))
     if device.type != "cuda":
         return 32
     sms = sm_count(device)

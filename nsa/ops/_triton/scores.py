@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops._triton import TUNE, next_pow2, tile_config
+from nsa.ops._triton import next_pow2, tile_config, tuned
 from nsa.ops._triton.range_attn import LOG2E
 
 
@@ -141,8 +141,8 @@ def block_scores(
         q, k_cmp, lse, P, *q.stride()[:3], *k_cmp.stride()[:3], S, NK, NB, HQ, scale * LOG2E,
         HG=h, H=H, L=l, D=d, LS=l_sel, DK=DK, BDK=max(16, next_pow2(DK)), BM=cfg.bm, BJ=bj,
         NBC=nbc, NBCP=max(16, next_pow2(nbc)), BTP=max(16, next_pow2(bt)),
-        PREC=str(TUNE.get("score_prec", "tf32")) if q.is_cuda else "ieee",
-        RESHAPE=bool(TUNE.get("score_reshape", 1)) and q.is_cuda and h & (h - 1) == 0 and cfg.bm == bt * h,
+        PREC=str(tuned("score_prec", "tf32")) if q.is_cuda else "ieee",
+        RESHAPE=bool(tuned("score_reshape", 1)) and q.is_cuda and h & (h - 1) == 0 and cfg.bm == bt * h,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return P
@@ -152,7 +152,7 @@ def top_blocks(P: torch.Tensor, *, B: int, H: int, S: int, l_sel: int, n_sel: in
     """Spec top-n over ``P``: int32 ``[B, S, H, n_sel]``, ascending, ``-1`` padded."""
     NB = P.shape[-1]
     nbp = max(16, next_pow2(NB))
-    br = max(1, min(64, int(TUNE.get("topn_elems", 1024)) // nbp))
+    br = max(1, min(64, int(tuned("topn_elems", 1024)) // nbp))
     idx = torch.empty(B, S, H, n_sel, device=P.device, dtype=torch.int32)
     _top_blocks_kernel[(triton.cdiv(S, br), B * H)](
         P, idx, S, NB, H, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)), BR=br,

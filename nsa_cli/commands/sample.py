@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from nsa_cli.errors import fail, user_errors
+from nsa_cli.errors import user_errors
 
 
 def sample(
@@ -29,49 +29,15 @@ def sample(
     Example: nsa sample artifacts/tiny --prompt "Once upon a time" --max-new-tokens 100 --seed 1
     """
     with user_errors():
-        import torch
+        from nsa.eval.sampler import Sampler
 
-        from nsa.data.tokenizers import get_tokenizer
-        from nsa.model.generate import generate_stream
-        from nsa.model.load import load_model
-
-        if device not in ("auto", "cpu", "cuda"):
-            raise fail(f"--device {device!r} must be auto, cpu or cuda")
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise fail("--device cuda but no CUDA device is visible", hint="use --device cpu")
-        loaded = load_model(path, device="cpu")
-        cfg = loaded.config
-        if device == "cuda":  # the run's precision on GPU; float32 on CPU
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.runtime.precision, torch.float32)
-            loaded.model.to(device=device, dtype=dtype)
-        tok = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-        ids = tok.encode(prompt) or [tok.eot_id]
-        limit = cfg.model.max_seq_len
-        if len(ids) + max_new_tokens > limit:
-            raise fail(f"prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds "
-                       f"model.max_seq_len={limit}")
-        if any(i >= cfg.model.vocab_size for i in ids):
-            raise fail(f"the tokenizer '{cfg.data.tokenizer}' produced ids beyond model.vocab_size="
-                       f"{cfg.model.vocab_size}")
-        typer.echo(f"[{loaded.source}, {device}, {len(ids)} prompt tokens]", err=True)
-        prompt_ids = torch.tensor([ids], dtype=torch.long, device=device)
-        new: list[int] = []
-        printed = ""
-        for t in generate_stream(loaded.model, prompt_ids, max_new_tokens, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, seed=seed, cuda_graph=cuda_graph):
-            token = int(t[0])
-            if stop_at_eot and token == tok.eot_id:
-                break
-            new.append(token)
-            text = tok.decode(new)
-            if text.endswith("\ufffd") or not text.startswith(printed):
-                continue  # an incomplete multi-byte character: wait for the rest
-            typer.echo(text[len(printed) :], nl=False)
-            printed = text
-        text = tok.decode(new)
-        typer.echo(text[len(printed) :] if text.startswith(printed) else "\n" + text)
+        sampler = Sampler.open(path, device)
+        ids = sampler.encode(prompt, max_new_tokens)
+        typer.echo(f"[{sampler.source}, {sampler.device}, {len(ids)} prompt tokens]", err=True)
+        for piece in sampler.stream(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    seed=seed, stop_at_eot=stop_at_eot, cuda_graph=cuda_graph):
+            typer.echo(piece, nl=False)
+        typer.echo("")
 
 
 def register(app: typer.Typer) -> None:

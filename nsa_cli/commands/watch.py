@@ -40,7 +40,6 @@ Exit code: live: 1 when the run crashed or failed, else 0; --once: 1 when an ala
 failed/crashed; 2 bad input (or the run did not start within --timeout).
 """
 
-ENDED_GRACE_S = 30.0  # after rank 0's end event, how long to wait for the other ranks' end events
 METRIC_W, NOW_W = 13, 20  # dashboard table columns; the third (trend/detail) takes the rest
 
 
@@ -223,12 +222,9 @@ def watch(
 
     with user_errors():
         from nsa.checks.gpu import query_gpus
-        from nsa.errors import NSAError
-        from nsa.runs.halt import who_am_i, write_halt
         from nsa.runs.reader import RunReader, check_run_dir, run_started, wait_for_run
-        from nsa.runs.rules import AlarmLog, Rule, evaluate, monitor_config, now_iso, parse_rules, resolve
-        from nsa.runs.rules import notify as run_notify
-        from nsa.runs.summary import summarize
+        from nsa.runs.rules import now_iso, parse_rules
+        from nsa.runs.watchdog import Snapshot, Watchdog, finished
 
         halt_rules = parse_rules(halt_on)
         alert_rules = parse_rules("all" if alert_on is None else alert_on)
@@ -253,11 +249,9 @@ def watch(
                        hint="check the trainer's --out-dir, or give a longer --timeout")
     with user_errors():
         reader = RunReader(path)
-
-    log = AlarmLog()
-    halted_by_us: list[dict[str, Any]] = []
-    alert_names = {r.name for r in alert_rules}
-    notify_cmd: str | None = notify
+    dog = Watchdog(reader, alert_rules, halt_rules, notify_cmd=(notify or "") if once else notify,
+                   notify_timeout=notify_timeout, stale_after=stale_after,
+                   on_warning=lambda msg: typer.echo(f"warning: {msg}", err=True))
     gpu_local: bool | None = None
 
     def gpus() -> Any:
@@ -267,91 +261,45 @@ def watch(
                          and str((reader.state.env or {}).get("device", "")).startswith("cuda"))
         return query_gpus(details=False) if gpu_local else None
 
-    def step(final: bool = False) -> tuple[Any, Any, list[Any], Any]:
-        now = time.time()
-        st = reader.poll(final=final)
-        if st.end is None and st.process_alive() is False:
-            st = reader.poll(final=True)  # the trainer is gone: take a last line written without newline
-        with user_errors():
-            mon = monitor_config(st)
-        if stale_after is not None:
-            mon = mon.model_copy(update={"stale_s": stale_after})
-        summ = summarize(st, now, mon.stale_s)
-        hits = evaluate(alert_rules + [r for r in halt_rules if r.name not in alert_names], st, now, mon)
-        if halt_rules and not halted_by_us and st.end is None and st.halt_file is None and summ.status != "crashed":
-            firing = [h for h in evaluate(halt_rules, st, now, mon) if h.rule != "crashed"]
-            if firing:
-                h = firing[0]
-                try:
-                    rec = write_halt(reader.run_dir, f"watchdog: {h.message}", who=who_am_i("nsa watch"),
-                                     rule=h.rule, evidence=h.evidence)
-                except NSAError as exc:  # a read-only run directory: say so in one line, stop watching
-                    raise fail(f"watchdog rule {h.rule} fired but {exc.message}", hint=exc.hint) from None
-                halted_by_us.append(rec)
-                st.halt_file = rec
-                if h.rule not in {x.rule for x in hits}:
-                    hits.append(h)
-        return st, summ, hits, mon
+    def poll(final: bool = False) -> Snapshot:
+        with user_errors():  # a bad monitor config or an unwritable .HALT: one line
+            return dog.poll(final=final)
 
-    def act(st: Any, summ: Any, hits: list[Any], mon: Any, now: float, cmd: str | None) -> tuple[list[Any], list[Any]]:
-        """Record the alarms; notify the new ones (a failing command is one warning line)."""
-        new, cleared = log.update(hits, now)
-        for a in new:
-            if cmd:
-                err = run_notify(cmd, a.payload(st.run_name, summ.host), notify_timeout)
-                if err is not None:
-                    typer.echo(f"warning: notify command for alarm {a.rule} failed: {err}", err=True)
-        return new, cleared
-
-    def payload(st: Any, summ: Any, hits: list[Any], mon: Any) -> dict[str, Any]:
-        return {"summary": summ.to_dict(), "alarms": [h.to_dict() for h in hits],
-                "rules": [r.describe() for r in resolve(alert_rules, mon)],
-                "halt_rules": [r.describe() for r in resolve(halt_rules, mon)],
-                "halt_written": halted_by_us[0] if halted_by_us else None}
+    def view(snap: Snapshot) -> Any:
+        return dashboard(snap.state, snap.summary, snap.alarms, gpus(), width=con.width, log=dog.log)
 
     if once:
-        st, summ, hits, mon = step(final=True)
-        act(st, summ, hits, mon, time.time(), notify or None)
+        snap = poll(final=True)
         if as_json:
-            render.print_json(render.jsonable({**payload(st, summ, hits, mon), "config": st.config, "env": st.env}))
+            render.print_json(render.jsonable({**dog.payload(snap), "config": snap.state.config, "env": snap.state.env}))
         else:
             con = render.console()
-            con.print(dashboard(st, summ, hits, gpus(), width=con.width, log=log))
-            if halted_by_us:
-                con.print(f"[bold red]watchdog wrote .HALT[/]: {halted_by_us[0]['reason']}")
-        raise typer.Exit(EXIT_FAILED if hits or summ.status in ("failed", "crashed") else EXIT_OK)
+            con.print(view(snap))
+            if dog.halted:
+                con.print(f"[bold red]watchdog wrote .HALT[/]: {dog.halted[0]['reason']}")
+        raise typer.Exit(EXIT_FAILED if snap.alarms or snap.summary.status in ("failed", "crashed") else EXIT_OK)
 
     con = render.console()
     mode = "json" if as_json else ("live" if con.is_terminal else "lines")
     announced_halt: list[Any] = []  # the .HALT times already reported (lines mode)
 
-    def finished(st: Any, summ: Any, now: float) -> bool:
-        if summ.status == "crashed":
-            return True
-        end = st.end
-        if end is None:
-            return False
-        if all(r.end is not None for r in st.ranks.values()):
-            return True
-        return isinstance(end.get("ts"), int | float) and now - float(end["ts"]) > ENDED_GRACE_S
-
-    def emit(st: Any, summ: Any, hits: list[Any], mon: Any, new: list[Any], cleared: list[Any], now: float,
-             wrote: bool) -> None:
+    def emit(snap: Snapshot) -> None:
+        st, summ, now = snap.state, snap.summary, snap.time
         if mode == "json":
             obj = {"time": now, "status": summ.status, "step": summ.steps_done, "steps_total": summ.steps_total,
                    "loss": summ.last_loss, "tokens_per_s": summ.tokens_per_s_last, "eta_s": summ.eta_s,
-                   "new_alarms": [a.rule for a in new], "cleared_alarms": [a.rule for a in cleared],
-                   **payload(st, summ, hits, mon)}
+                   "new_alarms": [a.rule for a in snap.new], "cleared_alarms": [a.rule for a in snap.cleared],
+                   **dog.payload(snap)}
             typer.echo(json.dumps(render.jsonable(obj), default=str))
             return
         stamp = now_iso(now)
-        typer.echo(status_line(summ, hits, now))
-        for a in new:
+        typer.echo(status_line(summ, snap.alarms, now))
+        for a in snap.new:
             typer.echo(f"{stamp} ALARM {a.rule}: {a.message}")
-        for a in cleared:
+        for a in snap.cleared:
             typer.echo(f"{stamp} cleared {a.rule} (since {now_iso(a.since)})")
-        if wrote:
-            typer.echo(f"{stamp} watchdog wrote .HALT: {halted_by_us[0]['reason']}")
+        if snap.wrote_halt:
+            typer.echo(f"{stamp} watchdog wrote .HALT: {dog.halted[0]['reason']}")
         ph = summ.pending_halt
         if ph is not None and ph.get("time") not in announced_halt:
             announced_halt.append(ph.get("time"))
@@ -361,48 +309,39 @@ def watch(
             h = st.halts[-1] if st.halts else st.end or {}
             typer.echo(f"{stamp} .HALT acted on at step {h.get('step')}")
 
-    def cycle(first: bool) -> tuple[Any, Any, list[Any], bool]:
+    def cycle(first: bool) -> tuple[Snapshot, bool]:
         if not first:
             time.sleep(refresh)
-        had = bool(halted_by_us)
-        st, summ, hits, mon = step()
-        now = time.time()
-        new, cleared = act(st, summ, hits, mon, now, notify_cmd_for(st, mon))
+        snap = poll()
         if mode != "live":
-            emit(st, summ, hits, mon, new, cleared, now, wrote=bool(halted_by_us) and not had)
-        return st, summ, hits, finished(st, summ, now)
-
-    def notify_cmd_for(st: Any, mon: Any) -> str | None:
-        return (notify_cmd if notify_cmd is not None else mon.notify) or None
+            emit(snap)
+        return snap, finished(snap, snap.time)
 
     def timed_out() -> bool:
         return timeout is not None and time.monotonic() - start > timeout
 
     try:
-        st, summ, hits, done = cycle(first=True)
+        snap, done = cycle(first=True)
         if mode == "live":
             from rich.live import Live
 
-            with Live(dashboard(st, summ, hits, gpus(), width=con.width, log=log), console=con,
-                      auto_refresh=False, transient=False) as live:
+            with Live(view(snap), console=con, auto_refresh=False, transient=False) as live:
                 while not done and not timed_out():
-                    st, summ, hits, done = cycle(first=False)
-                    live.update(dashboard(st, summ, hits, gpus(), width=con.width, log=log), refresh=True)
+                    snap, done = cycle(first=False)
+                    live.update(view(snap), refresh=True)
         else:
             while not done and not timed_out():
-                st, summ, hits, done = cycle(first=False)
+                snap, done = cycle(first=False)
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_OK) from None
-    if summ.status == "crashed":
-        crash = next((h for h in hits if h.rule == "crashed"), None)
-        if crash is None:
-            crash = next(iter(evaluate([Rule("crashed")], st, time.time(), monitor_config(st))), None)
-        if crash is not None and (mode == "live" or "crashed" not in alert_names):
+    if snap.summary.status == "crashed":
+        crash = dog.crash(snap)
+        if crash is not None and (mode == "live" or not dog.alerts_on_crash):
             line = f"ALARM crashed: {crash.message}"
             typer.echo(line if mode == "live" else f"{now_iso()} {line}", err=mode == "json")
-    if mode == "live" and halted_by_us:
-        con.print(f"[bold red]watchdog wrote .HALT[/]: {halted_by_us[0]['reason']}")
-    raise typer.Exit(EXIT_FAILED if summ.status in ("failed", "crashed") else EXIT_OK)
+    if mode == "live" and dog.halted:
+        con.print(f"[bold red]watchdog wrote .HALT[/]: {dog.halted[0]['reason']}")
+    raise typer.Exit(EXIT_FAILED if snap.summary.status in ("failed", "crashed") else EXIT_OK)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,122 @@
+"""The watchdog over a run directory: read the newest state, evaluate the alert and halt rules, write
+``.HALT`` once when a halt rule fires, record alarms (new / cleared) and notify each new one.
+
+``nsa watch`` renders what :meth:`Watchdog.poll` returns; the policy lives here (no torch, no Rich).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nsa.config import MonitorConfig
+from nsa.errors import NSAError, RunDirError
+from nsa.runs.halt import who_am_i, write_halt
+from nsa.runs.reader import RunReader, RunState
+from nsa.runs.rules import Alarm, AlarmLog, Rule, RuleHit, evaluate, monitor_config, notify, resolve
+from nsa.runs.summary import RunSummary, summarize
+
+ENDED_GRACE_S = 30.0  # after rank 0's end event, how long to wait for the other ranks' end events
+
+
+@dataclass
+class Snapshot:
+    """One poll: the run's state and summary, the firing alarms, what changed since the last poll."""
+
+    state: RunState
+    summary: RunSummary
+    alarms: list[RuleHit]
+    monitor: MonitorConfig
+    time: float
+    new: list[Alarm] = field(default_factory=list)
+    cleared: list[Alarm] = field(default_factory=list)
+    wrote_halt: bool = False  # this poll wrote .HALT
+
+
+class Watchdog:
+    """``alert_rules`` raise alarms; ``halt_rules`` also write ``.HALT`` (once). ``notify``: a shell command
+    per new alarm (``None``: the run's ``monitor.notify``; ``""``: none); ``on_warning`` hears a failed
+    notification."""
+
+    def __init__(self, reader: RunReader, alert_rules: list[Rule], halt_rules: list[Rule], *,
+                 notify_cmd: str | None = None, notify_timeout: float = 10.0, stale_after: float | None = None,
+                 on_warning: Callable[[str], None] | None = None) -> None:
+        self.reader, self.alert_rules, self.halt_rules = reader, alert_rules, halt_rules
+        self.notify_cmd, self.notify_timeout, self.stale_after = notify_cmd, notify_timeout, stale_after
+        self.on_warning = on_warning or (lambda _: None)
+        self.log = AlarmLog()
+        self.halted: list[dict[str, Any]] = []  # the .HALT this watchdog wrote
+        self._alert_names = {r.name for r in alert_rules}
+
+    def poll(self, final: bool = False) -> Snapshot:
+        now = time.time()
+        st = self.reader.poll(final=final)
+        if st.end is None and st.process_alive() is False:
+            st = self.reader.poll(final=True)  # the trainer is gone: take a last line written without newline
+        mon = monitor_config(st)
+        if self.stale_after is not None:
+            mon = mon.model_copy(update={"stale_s": self.stale_after})
+        summ = summarize(st, now, mon.stale_s)
+        hits = evaluate(self.alert_rules + [r for r in self.halt_rules if r.name not in self._alert_names], st, now, mon)
+        had = bool(self.halted)
+        self._maybe_halt(st, summ, hits, now, mon)
+        snap = Snapshot(st, summ, hits, mon, now, wrote_halt=bool(self.halted) and not had)
+        snap.new, snap.cleared = self.log.update(hits, now)
+        cmd = (self.notify_cmd if self.notify_cmd is not None else mon.notify) or None
+        if cmd:
+            for a in snap.new:
+                err = notify(cmd, a.payload(st.run_name, summ.host), self.notify_timeout)
+                if err is not None:
+                    self.on_warning(f"notify command for alarm {a.rule} failed: {err}")
+        return snap
+
+    def _maybe_halt(self, st: RunState, summ: RunSummary, hits: list[RuleHit], now: float, mon: MonitorConfig) -> None:
+        if not self.halt_rules or self.halted or st.end is not None or st.halt_file is not None:
+            return
+        if summ.status == "crashed":
+            return
+        firing = [h for h in evaluate(self.halt_rules, st, now, mon) if h.rule != "crashed"]
+        if not firing:
+            return
+        h = firing[0]
+        try:
+            rec = write_halt(self.reader.run_dir, f"watchdog: {h.message}", who=who_am_i("nsa watch"), rule=h.rule,
+                             evidence=h.evidence)
+        except NSAError as exc:  # a read-only run directory: one line, and the watch stops
+            raise RunDirError(f"watchdog rule {h.rule} fired but {exc.message}", exc.hint) from None
+        self.halted.append(rec)
+        st.halt_file = rec
+        if h.rule not in {x.rule for x in hits}:
+            hits.append(h)
+
+    def payload(self, snap: Snapshot) -> dict[str, Any]:
+        """The machine-readable view of a snapshot (``--json``)."""
+        return {"summary": snap.summary.to_dict(), "alarms": [h.to_dict() for h in snap.alarms],
+                "rules": [r.describe() for r in resolve(self.alert_rules, snap.monitor)],
+                "halt_rules": [r.describe() for r in resolve(self.halt_rules, snap.monitor)],
+                "halt_written": self.halted[0] if self.halted else None}
+
+    def crash(self, snap: Snapshot) -> RuleHit | None:
+        """The crash alarm of a crashed run (evaluated even when ``crashed`` is not an alert rule)."""
+        hit = next((h for h in snap.alarms if h.rule == "crashed"), None)
+        if hit is None:
+            hit = next(iter(evaluate([Rule("crashed")], snap.state, time.time(), monitor_config(snap.state))), None)
+        return hit
+
+    @property
+    def alerts_on_crash(self) -> bool:
+        return "crashed" in self._alert_names
+
+
+def finished(snap: Snapshot, now: float) -> bool:
+    """The run is over: crashed, or every rank wrote its end event (or rank 0 did long enough ago)."""
+    if snap.summary.status == "crashed":
+        return True
+    end = snap.state.end
+    if end is None:
+        return False
+    if all(r.end is not None for r in snap.state.ranks.values()):
+        return True
+    return isinstance(end.get("ts"), int | float) and now - float(end["ts"]) > ENDED_GRACE_S

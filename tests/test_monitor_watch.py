@@ -393,3 +393,24 @@ def test_eta_is_smoothed(tmp_path: Path) -> None:
     assert s.eta_s is not None and remaining * 1.0 <= s.eta_s <= remaining * 1.15
     steady = [e for e in etas[5:] if e is not None]
     assert all(abs(b - a) / a < 0.1 for a, b in itertools.pairwise(steady))
+
+
+def test_watchdog_writes_one_halt_and_tracks_alarms(tmp_path: Path) -> None:
+    """The library watchdog on a live run whose loss turned non-finite (seed 9): the halt rule fires,
+    ``.HALT`` is written once naming the rule, the alarm is new once and stays active on the next poll."""
+    from nsa.runs.reader import RunReader
+    from nsa.runs.rules import parse_rules
+    from nsa.runs.watchdog import Watchdog, finished
+
+    run = write_run(tmp_path / "run", end=None, nonfinite_at=30, seed=9, ts0=time.time() - 40)
+    warnings: list[str] = []
+    dog = Watchdog(RunReader(run), parse_rules("nonfinite"), parse_rules("nonfinite"), notify_cmd="exit 3",
+                   on_warning=warnings.append)
+    first = dog.poll()
+    assert first.wrote_halt and [a.rule for a in first.new] == ["nonfinite"]
+    assert (run / ".HALT").exists() and "nonfinite" in (run / ".HALT").read_text()
+    assert warnings and "notify command for alarm nonfinite failed" in warnings[0]
+    again = dog.poll()
+    assert not again.wrote_halt and again.new == [] and [h.rule for h in again.alarms] == ["nonfinite"]
+    assert len(dog.halted) == 1 and dog.payload(again)["halt_written"]["rule"] == "nonfinite"
+    assert not finished(again, time.time())

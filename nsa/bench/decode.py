@@ -132,8 +132,8 @@ def bench_attention_step(
     """One query per sequence at position ``context`` (so ``context + 1`` keys in the dense cache);
     ``backend`` is ``nsa_decode``'s (``torch`` or ``triton``); ``compile``: through ``torch.compile``."""
     from nsa.model.dense import sdpa_gqa
-    from nsa.ops.decode import cmp_block_table, compiled_nsa_decode, nsa_decode
-    from nsa.ops.indexing import num_cmp
+    from nsa.ops.decode import compiled_nsa_decode, nsa_decode
+    from nsa.ops.indexing import cmp_block_table, num_cmp
 
     row = DecodeRow("attention", shape, context, batch, str(device), str(dtype).removeprefix("torch."), backend,
                     compile)

@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from nsa.errors import NSAError
-from nsa.ops.decode import cmp_block_table
 from nsa.ops.decode_cache import DecodeCaches, NewToken, append_token, block_in_order, emit
-from nsa.ops.indexing import num_cmp
+from nsa.ops.indexing import cmp_block_table, num_cmp
 
 if TYPE_CHECKING:
     from nsa.model.lm import NSALM

@@ -20,9 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from nsa.ops.indexing import check_hparams
-
-_FORCED = (3.0e6, 2.0e6, 1.0e6)  # priorities of the current, initial and previous block
+from nsa.ops.indexing import check_hparams, cmp_block_table, masked_softmax, top_n_blocks, visible_cmp
 
 
 class DecodeOutput(NamedTuple):
@@ -33,27 +31,12 @@ class DecodeOutput(NamedTuple):
     reads: torch.Tensor
 
 
-def visible_cmp(t: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
-    """``N_c(t) = max(0, floor((t + 1 - l) / d) + 1)`` elementwise (int64)."""
-    return torch.clamp(torch.div(t + 1 - l, d, rounding_mode="floor") + 1, min=0)
-
-
-def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Softmax over ``mask``-ed entries of the last dim; rows with none give zeros (never NaN)."""
-    scores = scores.masked_fill(~mask, float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(scores - m).masked_fill(~mask, 0.0)
-    denom = e.sum(dim=-1, keepdim=True)
-    return e / torch.where(denom > 0, denom, torch.ones_like(denom))
-
-
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
             acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, H, h, Dk]`` over ``k/v [B, H, n, D]`` with ``mask [B, H|1, n]``: (out, probabilities)."""
     # scores in fp32 (the Triton kernels' accumulator): they rank the selection blocks
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # [B, H, h, n]
-    p = _masked_softmax(s, mask[:, :, None, :])
+    p = masked_softmax(s, mask[:, :, None, :])
     return torch.matmul(p.to(v.dtype), v), p
 
 
@@ -63,39 +46,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, None, :], scale=scale)
 
 
-def cmp_block_table(n_cmp: int, n_blocks: int, l: int, d: int, l_sel: int,  # noqa: E741
-                    device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse form of the spec's overlap weights: compressed token ``j`` adds ``wt[j, k] * p_j`` to
-    block ``blk[j, k]`` (``k`` over the at most ``(l-1)//l_sel + 2`` blocks its span touches).
-    Unused entries point at the scratch block ``n_blocks`` with weight 0. Returns ``(blk, wt)``."""
-    K = (l - 1) // l_sel + 2
-    j = torch.arange(n_cmp, device=device)[:, None]
-    b = torch.div(j * d, l_sel, rounding_mode="floor") + torch.arange(K, device=device)[None, :]
-    lo = torch.maximum(j * d, b * l_sel)
-    hi = torch.minimum(j * d + l, (b + 1) * l_sel)
-    ov = (hi - lo).clamp(min=0)
-    ok = (ov > 0) & (b < n_blocks)
-    blk = torch.where(ok, b, torch.full_like(b, n_blocks))
-    return blk, torch.where(ok, ov, torch.zeros_like(ov)).to(torch.float32) / l
-
-
 def top_blocks(P: torch.Tensor, t: torch.Tensor, l_sel: int, n_sel: int) -> torch.Tensor:
     """Spec top-n for one query per sequence: ``P [B, H, nb]``, ``t [B]`` -> int32 ``[B, H, n_sel]``."""
-    B, H, nb = P.shape
-    blk = torch.arange(nb, device=P.device)
-    bt = torch.div(t, l_sel, rounding_mode="floor")[:, None, None]
-    cand = blk <= bt
-    key = P.masked_fill(~cand, float("-inf"))
-    for prio, hit in zip(_FORCED[::-1], (blk == bt - 1, blk == 0, blk == bt), strict=True):
-        key = torch.where(hit & cand, torch.full_like(key, prio), key)
-    vals, order = torch.sort(key, dim=-1, descending=True, stable=True)
-    k = min(n_sel, nb)
-    picked = torch.where(torch.isfinite(vals[..., :k]), order[..., :k], torch.full_like(order[..., :k], nb))
-    picked, _ = torch.sort(picked, dim=-1)
-    picked = torch.where(picked == nb, torch.full_like(picked, -1), picked)
-    if k < n_sel:
-        picked = torch.cat([picked, picked.new_full((B, H, n_sel - k), -1)], dim=-1)
-    return picked.to(torch.int32)
+    return top_n_blocks(P, torch.div(t, l_sel, rounding_mode="floor")[:, None, None], n_sel)
 
 
 def nsa_decode(
@@ -128,19 +81,31 @@ def nsa_decode(
     ``nsa.ops.fallback_counts()``.
     """
     check_hparams(l, d, l_sel, n_sel, w)
-    from nsa.ops.dispatch import record_fallback, requested_backend
+    from nsa.ops.dispatch import pick
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    name = requested_backend(backend)
-    if name == "triton" or (name == "auto" and q.is_cuda):
-        tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
-        reason = triton_decode_supported(*tensors, l=l, d=d, l_sel=l_sel)
-        if reason is None:
-            from nsa.ops._triton.decode import nsa_decode_triton
+    _, impl = pick("nsa_decode", backend, (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates), l=l, d=d, l_sel=l_sel)
+    out: DecodeOutput = impl(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, l=l, d=d, l_sel=l_sel,
+                             n_sel=n_sel, w=w, scale=scale, table=table)
+    return out
 
-            return DecodeOutput(*nsa_decode_triton(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
-                                                   l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale))
-        record_fallback(f"nsa_decode:{name}->torch:{reason}")
+
+def _decode_triton(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
+                   v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *, l: int,  # noqa: E741
+                   d: int, l_sel: int, n_sel: int, w: int, scale: float,
+                   table: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutput:
+    """The fused four-kernel step (``nsa.ops._triton.decode``); ``table`` is the torch path's."""
+    from nsa.ops._triton.decode import nsa_decode_triton
+
+    return DecodeOutput(*nsa_decode_triton(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
+                                           l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale))
+
+
+def _decode_torch(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
+                  v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *, l: int,  # noqa: E741
+                  d: int, l_sel: int, n_sel: int, w: int, scale: float,
+                  table: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutput:
+    """The vectorised torch step: the fused Triton step's reference (the index sets of the module doc)."""
     B, HQ, Dk = q.shape
     H, C, T, R = k_cmp.shape[1], k_cmp.shape[2], k_sel.shape[2], k_win.shape[2]
     h = HQ // H
@@ -204,3 +169,14 @@ def triton_decode_supported(*tensors: torch.Tensor, l: int = 1, d: int = 1, l_se
     except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
         return "triton not installed"
     return decode_unsupported(l, d, l_sel, *tensors)
+
+
+def _register() -> None:
+    from nsa.ops.dispatch import register
+
+    for name in ("reference", "torch"):  # the torch step is the decode reference
+        register("nsa_decode", name, _decode_torch)
+    register("nsa_decode", "triton", _decode_triton, unsupported=triton_decode_supported)
+
+
+_register()

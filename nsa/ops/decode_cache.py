@@ -100,15 +100,39 @@ def append_token(
     / ``reference`` the indexed writes above; a ``triton`` request the kernel cannot serve falls back,
     counted in ``nsa.ops.fallback_counts()``.
     """
-    from nsa.ops.dispatch import record_fallback, requested_backend
+    from nsa.ops.dispatch import pick
 
-    name = requested_backend(backend)
-    if name == "triton" or (name == "auto" and t.is_cuda):
-        from nsa.ops._triton.decode_cache import append_token_triton, append_unsupported
+    _, impl = pick("append_token", backend, (t, *new, *caches))
+    impl(t, new, caches, l=l, d=d, emit_mean=emit_mean)
 
-        reason = append_unsupported(t, new, caches)
-        if reason is None:
-            append_token_triton(t, new, caches, l=l, d=d, emit_mean=emit_mean)
-            return
-        record_fallback(f"append_token:{name}->torch:{reason}")
+
+def _append_reference(t: torch.Tensor, new: NewToken, caches: DecodeCaches, *, l: int, d: int,  # noqa: E741
+                      emit_mean: bool) -> None:
     _append_torch(t.to(torch.int64), new, caches, l, d, emit_mean)
+
+
+def _append_triton(t: torch.Tensor, new: NewToken, caches: DecodeCaches, *, l: int, d: int,  # noqa: E741
+                   emit_mean: bool) -> None:
+    from nsa.ops._triton.decode_cache import append_token_triton
+
+    append_token_triton(t, new, caches, l=l, d=d, emit_mean=emit_mean)
+
+
+def _append_unsupported(t: torch.Tensor, *tensors: torch.Tensor) -> str | None:
+    """Why the fused kernel cannot serve ``(t, *new, *caches)`` (``None``: it can)."""
+    try:
+        from nsa.ops._triton.decode_cache import append_unsupported
+    except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
+        return "triton not installed"
+    return append_unsupported(t, NewToken(*tensors[:6]), DecodeCaches(*tensors[6:]))
+
+
+def _register() -> None:
+    from nsa.ops.dispatch import register
+
+    for name in ("reference", "torch"):  # the indexed writes are the fused kernel's reference
+        register("append_token", name, _append_reference)
+    register("append_token", "triton", _append_triton, unsupported=_append_unsupported)
+
+
+_register()

@@ -1,4 +1,10 @@
-"""One dispatch point for the NSA ops: picks a backend per call and counts fallbacks.
+"""One dispatch point for every NSA op: a registry of ``op -> backend -> implementation``, a backend
+chosen per call, fallbacks counted.
+
+Ops: ``compress_avg``, ``select_blocks``, ``nsa_attention`` (training; implemented by the modules
+``reference``, ``torch_path`` and ``triton_path`` under the same names) and ``nsa_decode``,
+``append_token`` (decoding; the torch path is their reference, the fused Triton step their fast path),
+registered by :mod:`nsa.ops.decode` and :mod:`nsa.ops.decode_cache`.
 
 Order of choice: the call's ``backend=`` argument, then an active ``use_backend(...)`` block, then the
 process default (``set_default_backend``; ``auto`` unless set). The ops read no settings: the model is built
@@ -13,8 +19,9 @@ import contextlib
 import contextvars
 import importlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -97,20 +104,52 @@ def requested_backend(backend: str | None = None) -> str:
     return name
 
 
-def resolve(backend: str | None, tensors: tuple[torch.Tensor, ...], op: str) -> ModuleType:
-    """The backend module that runs ``op`` on ``tensors``."""
+Impl = Callable[..., Any]
+Unsupported = Callable[..., "str | None"]
+_REGISTRY: dict[str, dict[str, tuple[Impl, Unsupported | None]]] = {}
+
+
+def register(op: str, backend: str, fn: Impl, unsupported: Unsupported | None = None) -> None:
+    """``fn`` implements ``op`` on ``backend``; ``unsupported(*tensors, **hparams)`` says why it cannot
+    serve a call (``None``: it can)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown NSA backend '{backend}'")
+    _REGISTRY.setdefault(op, {})[backend] = (fn, unsupported)
+
+
+def pick(op: str, backend: str | None, tensors: tuple[torch.Tensor, ...], **hparams: int) -> tuple[str, Impl]:
+    """``(backend name, implementation)`` of ``op`` for ``tensors``: the requested backend, ``auto`` =
+    Triton for CUDA tensors and the torch path otherwise; a Triton request it cannot serve falls back to
+    the torch path, counted as ``"<op>:triton->torch:<reason>"``."""
+    impls = _REGISTRY[op]
     name = requested_backend(backend)
     if name == "auto":
-        # CPU tensors belong to the torch path; CUDA tensors that Triton cannot serve are a fallback
         name = "triton" if any(t.is_cuda for t in tensors) else "torch"
     if name == "triton":
-        reason = _triton_reason(tensors)
+        entry = impls.get("triton")
+        if entry is None:
+            reason: str | None = "triton unavailable"
+        else:  # the op's own check where it has one, else the training kernels' (dtype, head dim, device)
+            reason = entry[1](*tensors, **hparams) if entry[1] is not None else _triton_reason(tensors)
         if reason is not None:
             record_fallback(f"{op}:triton->torch:{reason}")
             name = "torch"
+    return name, impls[name][0]
+
+
+def resolve(backend: str | None, tensors: tuple[torch.Tensor, ...], op: str) -> ModuleType:
+    """The backend module that runs the training op ``op`` on ``tensors`` (see :func:`pick`)."""
+    name, _ = pick(op, backend, tensors)
     mod = _module(name)
     assert mod is not None, name
     return mod
+
+
+for _op in ("compress_avg", "select_blocks", "nsa_attention"):
+    for _name in BACKENDS:
+        _mod = _LOADED[_name]
+        if _mod is not None:
+            register(_op, _name, getattr(_mod, _op))
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:

@@ -22,10 +22,14 @@ def num_sel_blocks(S: int, l_sel: int) -> int:
     return math.ceil(S / l_sel)
 
 
+def visible_cmp(t: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
+    """``N_c(t) = max(0, floor((t + 1 - l) / d) + 1)`` elementwise (int64)."""
+    return torch.clamp(torch.div(t + 1 - l, d, rounding_mode="floor") + 1, min=0)
+
+
 def visible_cmp_counts(S: int, l: int, d: int, device: torch.device | str | None = None) -> torch.Tensor:  # noqa: E741
     """``N_c(t)`` for ``t = 0 .. S-1`` as an int64 tensor."""
-    t = torch.arange(S, device=device)
-    return torch.clamp(torch.div(t + 1 - l, d, rounding_mode="floor") + 1, min=0)
+    return visible_cmp(torch.arange(S, device=device), l, d)
 
 
 def overlap(j: int, b: int, l: int, d: int, l_sel: int) -> int:  # noqa: E741
@@ -51,6 +55,60 @@ def overlap_weights(
     lo = torch.maximum(j * d, b * l_sel)
     hi = torch.minimum(j * d + l, (b + 1) * l_sel)
     return (hi - lo).clamp(min=0).to(dtype) / l
+
+
+def cmp_block_table(n_cmp: int, n_blocks: int, l: int, d: int, l_sel: int,  # noqa: E741
+                    device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse form of :func:`overlap_weights`: compressed token ``j`` adds ``wt[j, k] * p_j`` to block
+    ``blk[j, k]`` (``k`` over the at most ``(l-1)//l_sel + 2`` blocks its span touches). Unused entries
+    point at the scratch block ``n_blocks`` with weight 0. Returns ``(blk, wt)``."""
+    K = (l - 1) // l_sel + 2
+    j = torch.arange(n_cmp, device=device)[:, None]
+    b = torch.div(j * d, l_sel, rounding_mode="floor") + torch.arange(K, device=device)[None, :]
+    lo = torch.maximum(j * d, b * l_sel)
+    hi = torch.minimum(j * d + l, (b + 1) * l_sel)
+    ov = (hi - lo).clamp(min=0)
+    ok = (ov > 0) & (b < n_blocks)
+    blk = torch.where(ok, b, torch.full_like(b, n_blocks))
+    return blk, torch.where(ok, ov, torch.zeros_like(ov)).to(torch.float32) / l
+
+
+FORCED_PRIORITY = (3.0e6, 2.0e6, 1.0e6)  # sort keys of the current, initial and previous block (above any P)
+
+
+def top_n_blocks(P: torch.Tensor, bt: torch.Tensor, n_sel: int) -> torch.Tensor:
+    """Spec top-n, vectorised: forced blocks (current ``bt``, 0, previous) first, then the highest ``P``
+    among the candidates ``b <= bt``, ties to the lower index; ascending, ``-1`` padded.
+
+    ``P [..., nb]`` block importance, ``bt`` each query's current block, shaped to broadcast against
+    ``P[..., :1]``. Returns int32 ``[..., n_sel]``."""
+    nb = P.shape[-1]
+    blk = torch.arange(nb, device=P.device)
+    cand = blk <= bt
+    key = P.to(torch.float64) if P.dtype == torch.float64 else P.float()
+    key = key.masked_fill(~cand, float("-inf"))
+    for prio, hit in zip(FORCED_PRIORITY[::-1], (blk == bt - 1, blk == 0, blk == bt), strict=True):
+        key = torch.where(hit & cand, torch.full_like(key, prio), key)
+    vals, order = torch.sort(key, dim=-1, descending=True, stable=True)
+    k = min(n_sel, nb)
+    picked = torch.where(torch.isfinite(vals[..., :k]), order[..., :k], torch.full_like(order[..., :k], nb))
+    picked, _ = torch.sort(picked, dim=-1)  # ascending, padding (nb) last
+    picked = torch.where(picked == nb, torch.full_like(picked, -1), picked)
+    if k < n_sel:
+        picked = torch.cat([picked, picked.new_full((*picked.shape[:-1], n_sel - k), -1)], dim=-1)
+    return picked.to(torch.int32)
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax over the ``mask``-ed entries of the last dim; a row with none gives zeros (never NaN)."""
+    if scores.shape[-1] == 0:
+        return scores
+    scores = scores.masked_fill(~mask, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(scores - m).masked_fill(~mask, 0.0)
+    denom = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
 def forced_blocks(t: int, l_sel: int) -> list[int]:

@@ -11,11 +11,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nsa.ops.indexing import check_hparams, check_shapes, num_cmp, overlap_weights, visible_cmp_counts
+from nsa.ops.indexing import (
+    check_hparams,
+    check_shapes,
+    masked_softmax,
+    num_cmp,
+    overlap_weights,
+    top_n_blocks,
+    visible_cmp_counts,
+)
 
 # Elements of one chunk's score matrix (rows x keys); bounds the working set of a chunk.
 CHUNK_ELEMENTS = 1 << 25
-_FORCED = (3.0e6, 2.0e6, 1.0e6)  # priorities of the current, initial and previous block
 
 
 def compress_avg(x: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
@@ -47,39 +54,9 @@ def _rows(mask: torch.Tensor, h: int) -> torch.Tensor:
     return mask[:, :, None].expand(B, H, h, C, K).reshape(B, H, h * C, K)
 
 
-def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Softmax over ``mask``-ed entries; rows with no entry give all-zero probabilities."""
-    if scores.shape[-1] == 0:
-        return scores
-    scores = scores.masked_fill(~mask, float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(scores - m).masked_fill(~mask, 0.0)
-    denom = e.sum(dim=-1, keepdim=True)
-    return e / torch.where(denom > 0, denom, torch.ones_like(denom))
-
-
 def _top_blocks(P: torch.Tensor, t: torch.Tensor, l_sel: int, n_sel: int) -> torch.Tensor:
-    """Spec top-n: forced (current, 0, previous) then highest ``P``, ties to the lower index.
-
-    ``P [B, H, C, nb]`` block importance, ``t [C]`` positions. Returns int32 ``[B, C, H, n_sel]``.
-    """
-    B, H, C, nb = P.shape
-    blk = torch.arange(nb, device=P.device)
-    bt = (t // l_sel)[:, None]
-    cand = blk[None, :] <= bt
-    key = P.to(torch.float64) if P.dtype == torch.float64 else P.float()
-    key = key.masked_fill(~cand, float("-inf"))
-    for prio, hit in zip(_FORCED[::-1], (blk == bt - 1, blk == 0, blk == bt), strict=True):
-        key = torch.where(hit & cand, torch.full_like(key, prio), key)
-    vals, order = torch.sort(key, dim=-1, descending=True, stable=True)
-    k = min(n_sel, nb)
-    picked = torch.where(torch.isfinite(vals[..., :k]), order[..., :k], torch.full_like(order[..., :k], nb))
-    picked, _ = torch.sort(picked, dim=-1)  # ascending, padding (nb) last
-    picked = torch.where(picked == nb, torch.full_like(picked, -1), picked)
-    if k < n_sel:
-        picked = torch.cat([picked, picked.new_full((B, H, C, n_sel - k), -1)], dim=-1)
-    return picked.permute(0, 2, 1, 3).to(torch.int32)
+    """``P [B, H, C, nb]`` block importance, ``t [C]`` positions -> int32 ``[B, C, H, n_sel]``."""
+    return top_n_blocks(P, (t // l_sel)[:, None], n_sel).permute(0, 2, 1, 3)
 
 
 def _chunk(S: int, rows_per_query: int, keys: int) -> int:
@@ -98,7 +75,7 @@ def _cmp_chunk(
     n = k_cmp_t.shape[2]
     vis = torch.arange(n, device=q_rows.device)[None, :] < n_vis[:, None]  # [C, n]
     mask = _rows(vis[None, None], h)
-    p = _masked_softmax(torch.matmul(q_rows, k_cmp_t.transpose(-1, -2)) * scale, mask)
+    p = masked_softmax(torch.matmul(q_rows, k_cmp_t.transpose(-1, -2)) * scale, mask)
     o = torch.matmul(p, v_cmp_t) if v_cmp_t is not None else None
     B, H = q_rows.shape[:2]
     C = vis.shape[0]

@@ -5,6 +5,8 @@ medians (``triton.testing.do_bench`` on CUDA, ``time.perf_counter`` medians on C
 FLOPs each side must do, achieved TFLOP/s and the speed-up ratios. With fla-core importable, a peer
 column times its ``parallel_nsa`` (compression + top-n + selection, no window) where it accepts the shape
 (16 or more query heads per KV head). No printing here: the CLI renders the rows.
+
+Size: one benchmark whose rows, FLOP/byte counts and per-stage kernel breakdown share one input setup.
 """
 
 from __future__ import annotations

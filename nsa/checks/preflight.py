@@ -3,6 +3,8 @@
 Every check returns PASS / WARN / FAIL with a one-line reason and a fix hint. Nothing here raises for a
 missing GPU, NVML library, git repository or network: those are reported. Runs in seconds (tiny shapes,
 short dataset timeout).
+
+Size: one small function per preflight check (about twenty), each independent and listed in one place.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ A source may also have ``warnings() -> list[str]`` (stable lines the loader adds
 
 :func:`check_local_inputs` is the cheap up-front check of ``data.source=local`` inputs (missing path, no
 files, empty files, no parseable record), meant to run before anything is created on disk.
+
+Size: every data source (embedded, local files, synthetic tasks, streamed Hugging Face) behind one protocol.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Each chart returns a :class:`Chart` record naming its file and what it drew (points per series, vertical
 markers per kind, panels), so the report and its tests can see the figure's content without reading the
 image. Charts without any data are skipped, except loss and tokens/s, which say "no data yet".
+
+Size: one chart builder per report figure, kept together so they share axes, styles and the data-free checks.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 ``RunReader(run_dir).poll()`` reads only what was appended since the last poll, keeps a truncated last
 line until it is completed, counts corrupt lines instead of failing, and tolerates missing files. It
 works for multi-rank runs (one ``heartbeat_rank{r}.jsonl`` per rank).
+
+Size: the incremental tail readers (JSONL, CSV) and the run state they fill, tested as one unit.
 """
 
 from __future__ import annotations

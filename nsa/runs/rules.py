@@ -23,6 +23,8 @@ absent); ``RULES`` lists each rule's monitor field. Rules (monitor field, defaul
 
 ``AlarmLog`` de-duplicates hits across refreshes (new / cleared) and ``notify`` runs a shell command with an
 alarm as JSON on stdin; both are what ``nsa watch`` builds its actions from.
+
+Size: the rule table: one short evaluator per watch rule plus their parsing, kept side by side.
 """
 
 from __future__ import annotations

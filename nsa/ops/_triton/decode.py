@@ -21,6 +21,8 @@ fills the GPU:
 4. ``_combine_kernel``: merges each branch's splits and applies the gates.
 
 No host sync; static shapes per cache size (CUDA graphs and ``torch.compile`` capture it).
+
+Size: the four kernels of one fused decode step and their launcher, which must agree on layouts.
 """
 
 from __future__ import annotations

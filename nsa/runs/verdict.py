@@ -1,0 +1,382 @@
+"""The report's judgement of a run: checks with figure and limit (the run's records, the ``monitor``
+limits saved in its ``config.yaml``, optionally a profile's), the halts classified, and the verdict."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from nsa.config.monitor import MonitorConfig
+from nsa.errors import ConfigError
+from nsa.runs.layout import HALTS_DIR, parse_halt
+from nsa.runs.reader import read_halt_file
+from nsa.runs.summary import RunSummary
+
+RETRIEVAL_TASKS = ("needle", "mqar")  # the tasks whose accuracy monitor.min_eval_accuracy judges
+# monitor.* keys that judge the report's verdict (MonitorConfig fields)
+LIMIT_KEYS = ("min_tokens_per_s", "max_fetch_p95_ms", "gate_entropy_min", "gate_collapse_max", "max_memory_gib",
+              "min_eval_accuracy")
+FETCH_SETTLED_STEP = 20  # fetch p95 windows from this step on hold >= 20 fetches: one slow first fetch is no p95
+WARN_MARGIN = 0.1  # a figure within 10% of its limit (still on the right side) is a WARN
+# watchdog reasons written by `nsa watch --halt-on` ("watchdog: <rule message>") -> rule, when .HALT is gone
+RULE_PATTERNS = (
+    ("stale", re.compile(r"heartbeat .*\bold\b|\bstale\b", re.I)),
+    ("nonfinite", re.compile(r"non-?finite|\banomaly\b|\bnan\b", re.I)),
+    ("gate-collapse", re.compile(r"collapse", re.I)),
+    ("throughput-drop", re.compile(r"tokens/s|throughput", re.I)),
+    ("fetch-stall", re.compile(r"\bfetch\b", re.I)),
+)
+
+
+def fmt_value(v: Any, spec: str = ".4g", unit: str = "") -> str:
+    """A figure as the report shows it (``n/a`` for a missing one)."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    try:
+        return f"{v:{spec}}{unit}"
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def context_label(c: Any) -> str:
+    """A context length as the report names it (``16K`` for 16384)."""
+    return f"{c // 1024}K" if isinstance(c, int) and c >= 1024 and c % 1024 == 0 else str(c)
+
+
+@dataclass
+class Check:
+    """One line of a run's verdict: what was measured, against what, and the result.
+
+    ``result``: ``PASS``, ``FAIL``, ``WARN`` (within 10% of the limit, or the figure cannot be trusted),
+    ``not set`` (no limit: not judged) or ``n/a`` (no figure: not judged)."""
+
+    name: str
+    figure: str
+    limit: str
+    result: str
+    why: str = ""  # the sentence the verdict quotes for FAIL / WARN
+    key: str | None = None  # the monitor.* key of a limit
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Limits:
+    """The report limits of one run (``monitor.*``) and where each value came from."""
+
+    values: dict[str, float | None]
+    sources: dict[str, str]
+
+
+@dataclass
+class HaltRecord:
+    """A halt of the run: a ``halt`` event (acted on) or a ``.HALT`` the trainer never acted on.
+
+    ``by``: ``watchdog`` (``nsa watch --halt-on``), ``operator`` (``nsa halt`` or a hand-written file),
+    ``signal`` (SIGTERM/SIGINT) or ``anomaly`` (non-finite loss/gradient)."""
+
+    reason: str
+    by: str
+    source: str
+    rule: str | None = None
+    step: int | None = None
+    checkpoint: str | None = None
+    acted: bool = True
+    where: str = "heartbeat"  # heartbeat, .HALT (pending) or halts/<file> (archived at a restart)
+
+    @property
+    def hung(self) -> bool:
+        return self.by == "watchdog" and self.rule == "stale"
+
+    def describe(self) -> str:
+        who = f"watchdog rule `{self.rule or '?'}`" if self.by == "watchdog" else self.by
+        at = f" at step {self.step}" if self.step is not None else ""
+        state = "" if self.acted else f" (not acted on: {self.where})"
+        return f"{who}{at}: {self.reason}{state}"
+
+
+# ------------------------------------------------------------------------------------------ limits
+
+
+def _limit_value(key: str, value: Any) -> float | None:
+    """``value`` validated as ``monitor.<key>`` (``ConfigError`` when invalid)."""
+    from pydantic import ValidationError
+
+    try:
+        return getattr(MonitorConfig.model_validate({key: value}), key)  # type: ignore[no-any-return]
+    except ValidationError as exc:
+        raise ConfigError(f"monitor.{key}={value!r}: {exc.errors()[0]['msg']}") from None
+
+
+def run_limits(config: dict[str, Any] | None, sources: dict[str, str] | None = None,
+               override: dict[str, Any] | None = None, override_label: str = "--limits") -> Limits:
+    """The report limits of a run: ``MonitorConfig`` defaults < the run's saved ``monitor`` section <
+    ``override`` (a profile's ``monitor:`` block). A saved value that does not validate is ignored."""
+    defaults = MonitorConfig()
+    saved = (config or {}).get("monitor")
+    saved = saved if isinstance(saved, dict) else {}
+    values: dict[str, float | None] = {}
+    where: dict[str, str] = {}
+    for key in LIMIT_KEYS:
+        values[key], where[key] = getattr(defaults, key), "default"
+        if key in saved:
+            try:
+                values[key] = _limit_value(key, saved[key])
+                origin = (sources or {}).get(f"monitor.{key}")
+                where[key] = f"config.yaml, from {origin}" if origin else "config.yaml"
+            except ConfigError:
+                where[key] = f"default (config.yaml's {saved[key]!r} is not valid)"
+        if override and key in override:
+            values[key], where[key] = _limit_value(key, override[key]), override_label
+    return Limits(values, where)
+
+
+def profile_limits(name_or_path: str | Path) -> tuple[dict[str, Any], str]:
+    """``(monitor block, label)`` of a hardware profile, for ``--limits``; ``ConfigError`` when it has none."""
+    from nsa.config.profiles import load_profile
+
+    prof = load_profile(name_or_path)
+    if not prof.monitor:
+        raise ConfigError(f"profile '{prof.name}' has no monitor: block, so --limits would change nothing",
+                          hint="add e.g. monitor: {min_tokens_per_s: 20000, max_memory_gib: 70} to it, or leave out --limits")
+    return dict(prof.monitor), f"--limits {prof.name}"
+
+
+# ------------------------------------------------------------------------------------------- halts
+
+
+def guess_rule(reason: str) -> str | None:
+    """The watch rule behind a ``watchdog: ...`` reason (when its ``.HALT`` with ``rule`` is gone)."""
+    text = reason.removeprefix("watchdog:")
+    return next((rule for rule, pat in RULE_PATTERNS if pat.search(text)), None)
+
+
+def _read_halt_record(path: Path) -> dict[str, Any] | None:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    data, _ = parse_halt(text)
+    if not data.get("reason") and set(data) == {"reason"}:
+        data["reason"] = "(empty .HALT)"
+    return data
+
+
+def classify_halts(s: RunSummary) -> list[HaltRecord]:
+    """Every halt of the run: its ``halt`` events, matched by reason to the ``.HALT`` records (those archived
+    in ``halts/`` at a restart, then the current file) for the watchdog's ``rule``, then the records that no
+    event acted on."""
+    records: list[tuple[str, dict[str, Any]]] = []  # oldest first, as the halt events
+    with contextlib.suppress(OSError):
+        for p in sorted((Path(s.run_dir) / HALTS_DIR).glob("HALT-*")):
+            archived = _read_halt_record(p)
+            if archived is not None:
+                records.append((f"halts/{p.name}", archived))
+    current = read_halt_file(s.run_dir)  # the file itself: the rule is wanted also once the trainer acted on it
+    if current is not None:
+        records.append((".HALT", current))
+    used: set[int] = set()
+    out: list[HaltRecord] = []
+
+    def by_of(reason: str, rule: Any) -> str:
+        return "watchdog" if rule or reason.startswith("watchdog:") else "operator"
+
+    for h in s.halts:
+        reason, source = str(h.get("reason") or ""), str(h.get("source") or "")
+        rec: dict[str, Any] = {}
+        if source == "file":
+            for i, (_, r) in enumerate(records):
+                if i not in used and str(r.get("reason") or "").strip()[:500] == reason.strip()[:500]:
+                    used.add(i)
+                    rec = r
+                    break
+        rule = rec.get("rule") if isinstance(rec.get("rule"), str) else None
+        by = ("anomaly" if source == "anomaly" else "signal" if source in ("SIGTERM", "SIGINT")
+              else by_of(reason, rule))
+        if by == "watchdog" and rule is None:
+            rule = guess_rule(reason)
+        step = h.get("step") if isinstance(h.get("step"), int) else None
+        ck = h.get("checkpoint")
+        out.append(HaltRecord(reason, by, source, rule, step, str(ck) if ck else None))
+    for i, (where, r) in enumerate(records):
+        if i in used:
+            continue
+        reason = str(r.get("reason") or "")
+        rule = r.get("rule") if isinstance(r.get("rule"), str) else None
+        by = by_of(reason, rule)
+        if by == "watchdog" and rule is None:
+            rule = guess_rule(reason)
+        ev: dict[str, Any] = r["evidence"] if isinstance(r.get("evidence"), dict) else {}
+        step = ev.get("step") if isinstance(ev.get("step"), int) else None
+        out.append(HaltRecord(reason, by, "file", rule, step, None, acted=False, where=where))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _g(v: float) -> str:
+    return f"{v:,g}" if abs(v) >= 1000 else f"{v:g}"
+
+
+def _judge(name: str, key: str, limits: Limits, figure: float | None, shown: str, unit: str, *, floor: bool,
+           strict: bool = False, margin: bool = True, missing: str = "no figure") -> Check:
+    """A limit check: ``floor`` (figure >= limit) or ceiling (figure <= limit; ``strict``: < limit)."""
+    lim = limits.values.get(key)
+    src = limits.sources.get(key, "default")
+    if lim is None:
+        return Check(name, shown if figure is not None else missing, f"not set (`monitor.{key}`)", "not set", key=key)
+    op = ">=" if floor else "<" if strict else "<="
+    limit_text = f"{op} {_g(lim)}{unit} (`monitor.{key}`, {src})"
+    if figure is None:
+        return Check(name, missing, limit_text, "n/a", key=key)
+    bad = figure < lim if floor else (figure >= lim if strict else figure > lim)
+    if bad:
+        side = "below the minimum" if floor else "at or above the maximum" if strict else "above the ceiling"
+        return Check(name, shown, limit_text, "FAIL", f"{name} {shown} {side} {_g(lim)}{unit}", key)
+    near = margin and (figure < lim * (1 + WARN_MARGIN) if floor else figure > lim * (1 - WARN_MARGIN))
+    if near:
+        return Check(name, shown, limit_text, "WARN", f"{name} {shown} within {WARN_MARGIN:.0%} of its limit {_g(lim)}{unit}", key)
+    return Check(name, shown, limit_text, "PASS", key=key)
+
+
+def eval_accuracy(evals: Sequence[tuple[str, dict[str, Any] | None]]) -> tuple[float | None, str, list[str]]:
+    """``(lowest needle/mqar accuracy, where, unreadable task files)`` of ``RUN/eval``."""
+    low: float | None = None
+    where = ""
+    bad: list[str] = []
+    for task, data in evals:
+        if task not in RETRIEVAL_TASKS:
+            continue
+        if data is None:
+            bad.append(f"eval/{task}.json")
+            continue
+        for r in data["results"]:
+            acc = r.get("accuracy")
+            if isinstance(acc, int | float) and not isinstance(acc, bool) and math.isfinite(acc) and (low is None or acc < low):
+                low = float(acc)
+                depth = f" depth {r['depth']:g}" if isinstance(r.get("depth"), int | float) else ""
+                where = f"{task} context {context_label(r.get('context'))}{depth}"
+    return low, where, bad
+
+
+def fetch_p95_worst(progress: Sequence[dict[str, Any]]) -> tuple[float, int] | None:
+    """``(worst fetch p95, its step)`` over the heartbeat's progress points from step
+    :data:`FETCH_SETTLED_STEP` on (earlier windows hold too few fetches for a p95 that one slow start-up
+    fetch does not set); the last point when none is that late."""
+    pts = [(float(p["fetch_p95_ms"]), int(p["step"])) for p in progress
+           if isinstance(p.get("fetch_p95_ms"), int | float) and isinstance(p.get("step"), int | float)
+           and math.isfinite(p["fetch_p95_ms"])]
+    settled = [x for x in pts if x[1] >= FETCH_SETTLED_STEP]
+    if settled:
+        return max(settled, key=lambda x: x[0])
+    return pts[-1] if pts else None
+
+
+def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tuple[str, dict[str, Any] | None]] = (),
+               halts: list[HaltRecord] | None = None, progress: Sequence[dict[str, Any]] = ()) -> list[Check]:
+    """Every check of the verdict, in report order (see :class:`Check`); ``progress``: the rank-0 heartbeat
+    points, for the worst fetch p95 (else the summary's last)."""
+    limits = limits or run_limits(None)
+    halts = classify_halts(s) if halts is None else halts
+    out: list[Check] = []
+    n_bad = s.nonfinite_losses + len(s.anomalies)
+    out.append(Check("non-finite values", f"{s.nonfinite_losses} loss(es), {len(s.anomalies)} anomaly record(s)", "none",
+                     "FAIL" if n_bad else "PASS",
+                     f"{s.nonfinite_losses} non-finite loss(es), {len(s.anomalies)} anomaly record(s)" if n_bad else ""))
+    out.append(Check("backend fallbacks", f"{s.fallback_total}", "none", "FAIL" if s.fallback_total else "PASS",
+                     f"{s.fallback_total} backend fallback(s)" if s.fallback_total else ""))
+    if s.first_loss is not None and s.last_loss is not None and s.steps_done > 1:
+        shown = f"{s.first_loss:.3f} -> {fmt_value(s.last_loss, '.3f')}"
+        out.append(Check("loss trend", shown, "last < first", "PASS" if s.loss_decreased else "FAIL",
+                         "" if s.loss_decreased else f"loss did not decrease ({shown})"))
+    else:
+        out.append(Check("loss trend", "fewer than 2 logged losses", "last < first", "n/a"))
+    wd = [h for h in halts if h.by == "watchdog"]
+    if wd:
+        h = wd[0]
+        what = "hung: the watchdog's stale-heartbeat rule" if h.hung else f"watchdog rule `{h.rule or '?'}`"
+        act = (f"halted the run at step {h.step}" if h.acted else "wrote .HALT, not acted on yet" if h.where == ".HALT"
+               else f"wrote a .HALT that a restart archived unobeyed ({h.where})")
+        more = f" (+{len(wd) - 1} more watchdog halt(s))" if len(wd) > 1 else ""
+        out.append(Check("halts", "; ".join(x.describe() for x in halts), "no watchdog halt", "FAIL",
+                         f"{what} {act}: {h.reason}{more}"))
+    else:
+        figure = "; ".join(x.describe() for x in halts) if halts else "none"
+        out.append(Check("halts", figure, "no watchdog halt", "PASS"))
+    tps = s.tokens_per_s_median
+    out.append(_judge("throughput", "min_tokens_per_s", limits, tps,
+                      f"median {fmt_value(tps, ',.0f')} tokens/s", " tokens/s", floor=True))
+    worst = fetch_p95_worst(progress)
+    fetch: float | None
+    if worst is not None:
+        fetch, fetch_text = worst[0], f"worst {worst[0]:,.1f} ms at step {worst[1]} (last {fmt_value(s.fetch_p95_ms, ',.1f')} ms)"
+    else:
+        fetch, fetch_text = s.fetch_p95_ms, f"{fmt_value(s.fetch_p95_ms, ',.1f')} ms"
+    out.append(_judge("fetch p95", "max_fetch_p95_ms", limits, fetch, fetch_text, " ms", floor=False))
+    out.append(_judge("gate entropy", "gate_entropy_min", limits, s.gate_entropy_mean,
+                      f"{fmt_value(s.gate_entropy_mean, '.3f')} nats (last)", " nats", floor=True,
+                      missing="no gate statistics (dense model or no progress yet)"))
+    out.append(_judge("gate collapse", "gate_collapse_max", limits, s.gate_collapse_fraction,
+                      f"{fmt_value(s.gate_collapse_fraction, '.3f')} (last)", "", floor=False, strict=True,
+                      missing="no gate statistics (dense model or no progress yet)"))
+    gib = s.mem_peak_mib / 1024 if s.mem_peak_mib is not None else None
+    out.append(_judge("peak GPU memory", "max_memory_gib", limits, gib, f"{fmt_value(gib, '.2f')} GiB", " GiB", floor=False,
+                      missing="no GPU memory figure (CPU run" + (f"; host RSS peak {s.rss_mib / 1024:.2f} GiB)"
+                                                                 if s.rss_mib is not None else ")")))
+    low, where, bad = eval_accuracy(evals)
+    if bad and limits.values.get("min_eval_accuracy") is not None:
+        out.append(Check("eval accuracy", f"{', '.join(bad)} unreadable", f">= {limits.values['min_eval_accuracy']:g}",
+                         "WARN", f"{', '.join(bad)} could not be read", "min_eval_accuracy"))
+    else:
+        out.append(_judge("eval accuracy", "min_eval_accuracy", limits, low,
+                          f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
+                          missing="no needle/mqar results in eval/"))
+    return out
+
+
+def verdict(s: RunSummary, checks: list[Check] | None = None) -> tuple[str, str]:
+    """``(PASS|FAIL|RUNNING|INCOMPLETE, why)`` from the run's status and its checks (:func:`run_checks`;
+    with ``checks=None`` the default limits and the halts found in the run directory)."""
+    checks = run_checks(s) if checks is None else checks
+    fails = [c.why for c in checks if c.result == "FAIL"]
+    warns = [c.why for c in checks if c.result == "WARN"]
+    progress = f"{s.steps_done}/{s.steps_total or '?'} steps"
+    extra = "".join(f"; {f}" for f in fails)
+    if s.status in ("failed", "crashed"):
+        err = (s.end or {}).get("error")
+        return "FAIL", f"run {s.status} at step {s.steps_done}" + (f": {err}" if err else "") + extra
+    if s.status == "stale":
+        return "FAIL", f"heartbeat stale at step {s.steps_done} (no end event)" + extra
+    if fails:
+        return "FAIL", "; ".join(fails) + f" ({progress})"
+    warned = f"; WARN: {'; '.join(warns)}" if warns else ""
+    if s.status == "running":
+        return "RUNNING", f"in progress, {progress}, no problems so far" + warned
+    if s.status == "halted":
+        why = (s.halts[-1].get("reason") if s.halts else None) or "halt"
+        return "PASS", f"halted on request ({why}) at {progress}, healthy until then" + warned
+    if s.status == "completed":
+        loss = f", loss {s.first_loss:.3f} -> {s.last_loss:.3f}" if s.first_loss is not None and s.last_loss is not None else ""
+        return "PASS", f"completed {progress}{loss}" + warned
+    return "INCOMPLETE", f"status {s.status}, {progress}" + warned
+
+
+def overall_verdict(verdicts: list[tuple[str, str]]) -> str:
+    """The report's overall verdict from the per-run ``(verdict, why)`` pairs."""
+    names = [v for v, _ in verdicts]
+    if "FAIL" in names:
+        return "FAIL"
+    if "RUNNING" in names:
+        return "RUNNING"
+    return "PASS" if all(v == "PASS" for v in names) else "INCOMPLETE"
+
+

@@ -8,6 +8,8 @@ import io
 import json
 import os
 import random
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -316,3 +318,55 @@ def in_triton_interpreter(code: str) -> None:
     proc = subprocess.run([sys.executable, "-c", prelude + code], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+# ---- parsing nsa command lines (runbooks, docs, --help examples) ----------------------------------------
+
+SHELL_OPS = {"|", "||", "&", "&&", ";", ">", ">>", "<", "2>", "2>&1"}
+ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def split_command(text: str) -> tuple[dict[str, str], list[str]]:
+    """``VAR=x nsa a b > f | tee`` -> ``({"VAR": "x"}, ["nsa", "a", "b"])``: env prefix and first command."""
+    lex = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    lex.commenters = "#"
+    tokens = []
+    for tok in lex:
+        if tok in SHELL_OPS or set(tok) <= set("|&;<>"):
+            break
+        tokens.append(tok)
+    env = {}
+    while tokens and ASSIGN.match(tokens[0]):
+        k, v = tokens.pop(0).split("=", 1)
+        env[k] = v
+    return env, tokens
+
+
+def parse_cli(argv: list[str]) -> list[str]:
+    """Parse ``argv`` with the real click command tree without running anything; the command path."""
+    import typer
+
+    from nsa_cli.app import app
+
+    group = typer.main.get_command(app)
+    ctx = group.make_context("nsa", list(argv), resilient_parsing=False)
+    path = []
+    cmd: Any = group
+    args = _rest(ctx)
+    while hasattr(cmd, "resolve_command"):  # a group (typer vendors its own click)
+        name, sub, rest = cmd.resolve_command(ctx, args)
+        assert sub is not None, f"unknown command {name}"
+        path.append(name)
+        ctx = sub.make_context(name, rest, parent=ctx, resilient_parsing=False)
+        cmd = sub
+        args = _rest(ctx)
+    return path
+
+
+def _rest(ctx: Any) -> list[str]:
+    """Arguments a group left for its subcommand (click keeps the command name apart)."""
+    protected = getattr(ctx, "_protected_args", None)
+    if protected is None:
+        protected = getattr(ctx, "protected_args", [])
+    return [*protected, *ctx.args]

@@ -36,7 +36,7 @@ def test_completion_is_available() -> None:
 def test_help_examples_parse(module: str) -> None:
     import importlib
 
-    from tests.test_runbooks import parse, split_command
+    from tests.conftest import parse_cli, split_command
 
     epilog = importlib.import_module(f"nsa_cli.commands.{module}").EPILOG
     examples = []
@@ -47,4 +47,4 @@ def test_help_examples_parse(module: str) -> None:
             examples.append(tokens[1:])
     assert examples
     for argv in examples:
-        assert parse(argv), argv
+        assert parse_cli(argv), argv

@@ -9,42 +9,19 @@ and report that do not exist yet are created as finished hand-written runs in a 
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
-from typing import Any
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from nsa_cli.app import app
-from tests.conftest import write_run
+from tests.conftest import parse_cli, split_command, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNBOOKS = sorted((ROOT / "runbooks").glob("*.md"))
-ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 RUN_FOR_REAL = {"profiles", "preflight", "watch", "halt", "report"}
 TINY_STEPS = "3"
 
-
-SHELL_OPS = {"|", "||", "&", "&&", ";", ">", ">>", "<", "2>", "2>&1"}
-
-
-def split_command(text: str) -> tuple[dict[str, str], list[str]]:
-    """``VAR=x nsa a b > f | tee`` -> ``({"VAR": "x"}, ["nsa", "a", "b"])``: env prefix and first command."""
-    lex = shlex.shlex(text, posix=True, punctuation_chars=True)
-    lex.whitespace_split = True
-    lex.commenters = "#"
-    tokens = []
-    for tok in lex:
-        if tok in SHELL_OPS or set(tok) <= set("|&;<>"):
-            break
-        tokens.append(tok)
-    env = {}
-    while tokens and ASSIGN.match(tokens[0]):
-        k, v = tokens.pop(0).split("=", 1)
-        env[k] = v
-    return env, tokens
 
 
 def extract(path: Path) -> list[tuple[int, dict[str, str], list[str], bool]]:
@@ -76,31 +53,6 @@ def extract(path: Path) -> list[tuple[int, dict[str, str], list[str], bool]]:
     return out
 
 
-def parse(argv: list[str]) -> list[str]:
-    """Parse ``argv`` with the real click command tree without running anything; the command path."""
-    group = typer.main.get_command(app)
-    ctx = group.make_context("nsa", list(argv), resilient_parsing=False)
-    path = []
-    cmd: Any = group
-    args = _rest(ctx)
-    while hasattr(cmd, "resolve_command"):  # a group (typer vendors its own click)
-        name, sub, rest = cmd.resolve_command(ctx, args)
-        assert sub is not None, f"unknown command {name}"
-        path.append(name)
-        ctx = sub.make_context(name, rest, parent=ctx, resilient_parsing=False)
-        cmd = sub
-        args = _rest(ctx)
-    return path
-
-
-def _rest(ctx: Any) -> list[str]:
-    """Arguments a group left for its subcommand (click keeps the command name apart)."""
-    protected = getattr(ctx, "_protected_args", None)
-    if protected is None:
-        protected = getattr(ctx, "protected_args", [])
-    return [*protected, *ctx.args]
-
-
 ALL = [(p.name, n, env, argv, fenced) for p in RUNBOOKS for n, env, argv, fenced in extract(p)]
 # the README and docs: commands in code blocks must parse too (their prose shows syntax like [--json])
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -120,7 +72,7 @@ def test_runbooks_exist_and_have_commands() -> None:
                          ids=[f"{b}:{n}" for b, n, _, _, _ in ALL])
 def test_command_parses(book: str, line: int, env: dict[str, str], argv: list[str], fenced: bool) -> None:
     try:
-        path = parse(argv)
+        path = parse_cli(argv)
     except Exception as exc:  # typer's vendored click UsageError and subclasses
         if not hasattr(exc, "format_message"):
             raise
@@ -177,9 +129,9 @@ def test_cpu_feasible_commands_run(book: str, tmp_path: Path, monkeypatch: pytes
 def test_checker_catches_rotten_commands() -> None:
     assert split_command('NSA_PREFETCH_DEPTH=16 nsa watch artifacts/x --once > snap.txt  # log it') == (
         {"NSA_PREFETCH_DEPTH": "16"}, ["nsa", "watch", "artifacts/x", "--once"])
-    assert parse(["profiles", "show", "cpu"]) == ["profiles", "show"]
+    assert parse_cli(["profiles", "show", "cpu"]) == ["profiles", "show"]
     for bad in (["preflight", "--gpu-profile", "x"], ["watch"], ["trian"], ["profiles", "shw", "cpu"],
                 ["halt", "run", "--wait", "--timeout", "soon"]):
         with pytest.raises(Exception) as info:
-            parse(bad)
+            parse_cli(bad)
         assert hasattr(info.value, "format_message"), bad

@@ -4,8 +4,9 @@ Layer rule: this package imports nothing of ``nsa`` above it (only ``nsa.errors`
 model, ops callers, trainer, run readers and CLI can all depend on it.
 
 - :mod:`nsa.config.section`: the strict base class of every section (no bools for numbers).
-- :mod:`nsa.config.run`: ``ModelConfig``, ``NSAConfig``, ``RuntimeConfig``, ``RunConfig``; reading,
-  layering (defaults < config < profile < ``NSA_*`` < flags < ``--set``) and validating them.
+- :mod:`nsa.config.run`: ``ModelConfig``, ``NSAConfig``, ``RuntimeConfig``, ``RunConfig``;
+  :mod:`nsa.config.resolve`: layering them (defaults < config < profile < ``NSA_*`` < flags < ``--set``)
+  with the origin of each value; :mod:`nsa.config.files`: reading YAML, describing validation errors.
 - :mod:`nsa.config.train`, :mod:`nsa.config.data`, :mod:`nsa.config.monitor`: the trainer's, the data
   loaders' and the watch/report sections.
 - :mod:`nsa.config.settings`: every ``NSA_*`` variable as a field; :mod:`nsa.config.profiles`: hardware
@@ -15,27 +16,22 @@ model, ops callers, trainer, run readers and CLI can all depend on it.
 from __future__ import annotations
 
 from nsa.config.data import DataConfig
+from nsa.config.files import format_validation_error, read_yaml
 from nsa.config.monitor import MonitorConfig
-from nsa.config.run import (
-    CONFIG_DIR,
+from nsa.config.resolve import (
     LEGACY_DEFAULTS,
-    ModelConfig,
-    NSAConfig,
     ResolvedConfig,
-    RunConfig,
-    RuntimeConfig,
     fill_legacy,
     find_config,
-    format_validation_error,
     leaves,
     load_named,
     load_run_config,
     named_configs,
     parse_set,
-    read_yaml,
     saved_run_config,
     validate_run_config,
 )
+from nsa.config.run import CONFIG_DIR, ModelConfig, NSAConfig, RunConfig, RuntimeConfig
 from nsa.config.section import ConfigSection
 from nsa.config.train import TrainConfig
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nsa.config.run import format_validation_error, read_yaml
+from nsa.config.files import format_validation_error, read_yaml
 from nsa.config.settings import ENV_TO_CONFIG, PREFIX, NSASettings
 from nsa.errors import ConfigError
 

@@ -112,6 +112,11 @@ class RuntimeConfig(_Section):
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile mode; reduce-overhead replays each step as CUDA graphs")
     gradient_checkpointing: bool = False
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="several ranks: ddp (replicas) or fsdp (FSDP2: parameters, gradients, optimizer sharded)")
+    fsdp_cpu_offload: bool = Field(False, description="fsdp: keep the sharded parameters and optimizer state in host memory")
+    fsdp_reshard_after_forward: bool = Field(
+        True, description="fsdp: free gathered parameters after each block's forward (less memory, one more gather)")
     deterministic: bool = False
     tf32: bool = True
     alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the run")

@@ -28,6 +28,7 @@ ENV_TO_CONFIG: dict[str, str] = {
     "compile": "runtime.compile",
     "compile_mode": "runtime.compile_mode",
     "grad_ckpt": "runtime.gradient_checkpointing",
+    "parallel": "runtime.parallel",
     "deterministic": "runtime.deterministic",
     "tf32": "runtime.tf32",
     "alloc_conf": "runtime.alloc_conf",
@@ -86,6 +87,7 @@ class NSASettings(BaseSettings):
         None, description="torch.compile mode (reduce-overhead: CUDA graphs)"
     )
     grad_ckpt: bool | None = Field(None, description="gradient checkpointing")
+    parallel: Literal["ddp", "fsdp"] | None = Field(None, description="data parallelism over several ranks")
     deterministic: bool | None = None
     tf32: bool | None = None
     alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the run")

@@ -30,16 +30,34 @@ from nsa.runs.checkpoints import (
     list_checkpoints,
     newest_verified,
     read_manifest,
+    sha256_file,
     step_dir_name,
     verify,
 )
 
 MANIFEST_SCHEMA = 2  # 2: per-file SHA-256 under "sha256"
+SHARDED_DIR = "sharded"  # a sharded model's DCP files (one per rank + .metadata), beside state.pt
 
 __all__ = [
-    "CKPT_DIR", "MANIFEST_FILE", "STATE_FILE", "Verdict", "clean_partials", "find_resume", "is_complete",
-    "latest_checkpoint", "list_checkpoints", "load_state", "newest_verified", "prune", "read_manifest",
-    "resolve_resume", "save_checkpoint", "step_dir_name", "verify",
+    "CKPT_DIR",
+    "MANIFEST_FILE",
+    "STATE_FILE",
+    "Verdict",
+    "clean_partials",
+    "find_resume",
+    "is_complete",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_sharded",
+    "load_state",
+    "newest_verified",
+    "prune",
+    "read_manifest",
+    "resolve_resume",
+    "save_checkpoint",
+    "save_sharded_checkpoint",
+    "step_dir_name",
+    "verify",
 ]
 
 
@@ -66,19 +84,22 @@ class _HashingWriter:
         self.f.flush()
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], extra: dict[str, Any] | None = None,
+                    tmp: Path | None = None) -> Path:
     """Write ``state`` atomically as the checkpoint of ``step``; return its folder.
 
-    On any error (``OSError`` such as a full disk included) the temporary folder is removed and the
-    error propagates; checkpoints already on disk are untouched.
+    ``tmp``: a temporary folder that already holds a sharded model's files (``SHARDED_DIR``), which the
+    manifest then covers too. On any error (``OSError`` such as a full disk included) the temporary
+    folder is removed and the error propagates; checkpoints already on disk are untouched.
     """
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    if is_complete(final) and verify(final).ok:
+    if tmp is None and is_complete(final) and verify(final).ok:
         return final
-    tmp = root / f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}"
-    tmp.mkdir()
+    if tmp is None:
+        tmp = root / f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}"
+        tmp.mkdir()
     try:
         state_path = tmp / STATE_FILE
         with open(state_path, "wb") as f:
@@ -86,12 +107,18 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], extra: dict
             torch.save(state, writer)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
+        files = {STATE_FILE: state_path.stat().st_size}
+        sums = {STATE_FILE: writer.h.hexdigest()}
+        for part in sorted((tmp / SHARDED_DIR).rglob("*")) if (tmp / SHARDED_DIR).is_dir() else []:
+            if part.is_file():
+                name = str(part.relative_to(tmp))
+                files[name], sums[name] = part.stat().st_size, sha256_file(part)
         manifest = {
             "schema": MANIFEST_SCHEMA,
             "step": step,
             "created": time.time(),
-            "files": {STATE_FILE: state_path.stat().st_size},
-            "sha256": {STATE_FILE: writer.h.hexdigest()},
+            "files": files,
+            "sha256": sums,
             **(extra or {}),
         }
         with open(tmp / MANIFEST_FILE, "w") as f:
@@ -107,6 +134,46 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], extra: dict
         raise
     _fsync_dir(root)
     return final
+
+
+def save_sharded_checkpoint(run_dir: Path, step: int, state: dict[str, Any] | None, sharded: dict[str, Any],
+                            extra: dict[str, Any] | None, dist: Any) -> Path:
+    """A collective: every rank writes its shards of ``sharded`` (``torch.distributed.checkpoint``) into one
+    temporary folder, then rank 0 adds ``state`` (the whole components) and the manifest over every file
+    and renames the folder into place (atomic as :func:`save_checkpoint`). Returns the final folder."""
+    import torch.distributed.checkpoint as dcp
+
+    from nsa.train import distributed as D
+
+    root = Path(run_dir) / CKPT_DIR
+    final = root / step_dir_name(step)
+    name = f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}" if dist.is_main else None
+    tmp = root / D.broadcast_object(name, dist)
+    if dist.is_main:
+        tmp.mkdir(parents=True)
+    D.barrier(dist)
+    try:
+        dcp.save(sharded, checkpoint_id=tmp / SHARDED_DIR)
+        D.barrier(dist)
+        if dist.is_main:
+            assert state is not None
+            save_checkpoint(run_dir, step, state, extra, tmp=tmp)
+    except BaseException:
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_sharded(path: Path, template: dict[str, Any]) -> None:
+    """Fill ``template`` (this rank's sharded state dicts) in place from a checkpoint's shards; the number
+    of ranks may differ from the run that wrote them (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (Path(path) / SHARDED_DIR).is_dir():
+        raise CheckpointError(f"checkpoint {path} holds no sharded model",
+                              hint="resume with the runtime.parallel setting the run was saved with")
+    dcp.load(template, checkpoint_id=Path(path) / SHARDED_DIR)
 
 
 def _remove(path: Path) -> None:

@@ -158,9 +158,19 @@ def write_anomaly(run_dir: Path, step: int, record: dict[str, Any]) -> Path:
     return path
 
 
-def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer: Any) -> Path:
-    """``export/``: ``model.safetensors`` (shared tensors stored once), ``config.yaml``, ``tokenizer.json``."""
+def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer: Any,
+                 full_state: dict[str, Any] | None = None) -> Path:
+    """``export/``: ``model.safetensors`` (shared tensors stored once), ``config.yaml``, ``tokenizer.json``.
+
+    ``full_state``: the whole model's weights gathered from a sharded model; they are loaded into a fresh
+    unsharded copy on the CPU, which is what is saved."""
     from safetensors.torch import save_model
+
+    if full_state is not None:
+        from nsa.model import build_model
+
+        model = build_model(resolved.config)
+        model.load_state_dict(full_state)
 
     out = run_dir / "export"
     tmp = run_dir / f".export-tmp-{os.getpid()}"

@@ -1,9 +1,10 @@
 """Everything a training run holds while it runs, built in one place and closed in reverse order.
 
 :func:`open_session` does the set-up in the order that matters: process group -> run-directory lock
-(before any write) -> log file and heartbeat -> banner and warnings -> model, optimizer, schedule ->
-loaders -> restore from a checkpoint (one :class:`~nsa.train.state.Checkpointable` path, random streams
-last) -> ``torch.compile`` / DDP wrappers -> the first batch -> rank 0's files -> signal handlers.
+(before any write) -> log file and heartbeat -> banner and warnings -> model ->
+``torch.compile`` / DDP or FSDP wrappers (:mod:`nsa.train.parallel`) -> optimizer, schedule -> loaders ->
+restore from a checkpoint (one :class:`~nsa.train.state.Checkpointable` path, random streams last) -> the
+first batch -> rank 0's files -> signal handlers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from nsa.config import ResolvedConfig, RunConfig
 from nsa.errors import RunDirError
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
-from nsa.train import rundir
+from nsa.train import parallel, rundir
 from nsa.train.events import Output, Reporter
 from nsa.train.runtime import (
     Runtime,
@@ -32,7 +33,7 @@ from nsa.train.runtime import (
 )
 from nsa.train.schedule import build_scheduler
 from nsa.train.signals import SignalFlags
-from nsa.train.state import Checkpointable, OptimizerLR, PerRank, RandomStreams, TrainState
+from nsa.train.state import Checkpointable, OptimizerLR, PerRank, RandomStreams, Stateful, TrainState
 from nsa.train.telemetry import TRAIN_CSV_HEADER, VAL_CSV_HEADER, CsvLog, Heartbeat, TensorBoard
 
 
@@ -212,13 +213,16 @@ def open_session(plan: Plan, reporter: Reporter | None, closers: contextlib.Exit
 
 def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name: str,
            closers: contextlib.ExitStack) -> Session:
-    """Model, optimizer, schedule, loaders, restored state, wrappers, first batch, files, signals."""
+    """Model, wrappers, optimizer, schedule, loaders, restored state, first batch, files, signals."""
     from nsa.data.loader import build_loader
     from nsa.model import build_model
 
     cfg, tr, rt = plan.cfg, plan.cfg.train, plan.rt
     model: Any = build_model(cfg).to(rt.device)
     model.set_gradient_checkpointing(cfg.runtime.gradient_checkpointing)
+    compiled = cfg.runtime.compile is True or (cfg.runtime.compile == "auto" and rt.device_type == "cuda")
+    # wrapped before the optimizer is built: FSDP replaces the parameters by their shards
+    train_model = parallel.wrap(model, cfg, dist, rt.precision, rt.device_type, compiled)
     optimizer = build_optimizer(model, cfg, rt.device_type)
     scheduler = build_scheduler(optimizer, tr.steps, tr.warmup_steps, tr.min_lr_ratio)
 
@@ -234,19 +238,17 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
         val_start = val_loader.state_dict()
 
     state = TrainState()
+    if parallel.sharded(cfg, dist):  # model and optimizer state as each rank's shards
+        weights: dict[str, Stateful] = {"sharded": parallel.ShardedState(model, optimizer)}
+    else:
+        weights = {"model": model, "optimizer": optimizer}
     checkpointable = Checkpointable(
-        model=model, optimizer=optimizer, scheduler=OptimizerLR(optimizer, scheduler), train_state=state,
+        **weights, scheduler=OptimizerLR(optimizer, scheduler), train_state=state,
         loader=PerRank(loader, dist), rng=PerRank(RandomStreams(), dist),
     )
     if plan.resume_from is not None:
-        checkpointable.load_state_dict(ckpt.load_state(plan.resume_from))
-
-    compiled = cfg.runtime.compile is True or (cfg.runtime.compile == "auto" and rt.device_type == "cuda")
-    train_model: Any = torch.compile(model, mode=cfg.runtime.compile_mode) if compiled else model
-    if dist.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        train_model = DDP(train_model, device_ids=[dist.local_rank] if rt.device_type == "cuda" else None)
+        path = plan.resume_from
+        checkpointable.load_state_dict(ckpt.load_state(path), lambda template: ckpt.load_sharded(path, template))
 
     first_batch = next(loader)  # used by the first step, not discarded
     mask = getattr(loader, "answer_mask", None)

@@ -9,6 +9,7 @@ streams last, so nothing drawn while restoring shifts them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
@@ -90,17 +91,39 @@ class PerRank:
 
 
 class Checkpointable:
-    """Every component of the run, in load order; ``state_dict`` is a collective (all ranks call it)."""
+    """Every component of the run, in load order; ``state_dict`` is a collective (all ranks call it).
+
+    A component with ``sharded = True`` (a sharded model and its optimizer) is saved apart, each rank
+    its own shards (``torch.distributed.checkpoint``): :meth:`sharded_state_dict` gives those states,
+    and :meth:`load_state_dict` fills them through ``load_sharded(template)``, which loads in place."""
 
     def __init__(self, **components: Stateful) -> None:
         self.components = components
 
-    def state_dict(self) -> dict[str, Any]:
-        return {name: c.state_dict() for name, c in self.components.items()}
+    @property
+    def is_sharded(self) -> bool:
+        return any(getattr(c, "sharded", False) for c in self.components.values())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = [name for name in self.components if name not in state]
+    def state_dict(self) -> dict[str, Any]:
+        """The components that every checkpoint holds whole (on rank 0)."""
+        return {name: c.state_dict() for name, c in self.components.items() if not getattr(c, "sharded", False)}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return {name: c.state_dict() for name, c in self.components.items() if getattr(c, "sharded", False)}
+
+    def load_state_dict(self, state: dict[str, Any],
+                        load_sharded: Callable[[dict[str, Any]], None] | None = None) -> None:
+        plain = [name for name, c in self.components.items() if not getattr(c, "sharded", False)]
+        missing = [name for name in plain if name not in state]
         if missing:
             raise CheckpointError(f"checkpoint lacks {', '.join(missing)}", hint="resume from a complete checkpoint")
         for name, c in self.components.items():
-            c.load_state_dict(state[name])
+            if getattr(c, "sharded", False):
+                if load_sharded is None:
+                    raise CheckpointError("this run shards its model but the checkpoint holds no shards",
+                                          hint="resume with the runtime.parallel setting the run was saved with")
+                template = {name: c.state_dict()}
+                load_sharded(template)  # in place, each rank its shards
+                c.load_state_dict(template[name])
+            else:
+                c.load_state_dict(state[name])

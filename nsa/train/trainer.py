@@ -28,7 +28,7 @@ from nsa.config import ResolvedConfig, fill_legacy
 from nsa.errors import CheckpointError, ConfigError
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
-from nsa.train import rundir
+from nsa.train import parallel, rundir
 from nsa.train.events import Reporter
 from nsa.train.metrics import Clock, Recorder
 from nsa.train.runtime import apply_alloc_conf, check_training_config, resolve_runtime
@@ -124,6 +124,15 @@ class Trainer:
                 f"train.steps={self.cfg.train.steps} is below the step of checkpoint {path} ({done})",
                 hint=f"pass --steps above {done} to train on (the schedule stretches to the new total)",
             )
+        shards = bool(manifest.get("sharded", False))
+        wants = self.cfg.runtime.parallel == "fsdp" and self._expected_world > 1
+        if shards != wants:
+            was = "fsdp" if shards else "ddp"
+            raise ConfigError(
+                f"checkpoint {path} holds a {'sharded' if shards else 'whole'} model (runtime.parallel={was}), "
+                f"this run {'shards' if wants else 'does not shard'} it",
+                hint=f"resume with --set runtime.parallel={was} on as many ranks as it was saved with",
+            )
         ws = manifest.get("world_size")
         if ws is not None and ws != self._expected_world:
             raise CheckpointError(
@@ -189,8 +198,9 @@ class Trainer:
                 self._save(s, clock, "periodic")
 
         self._save(s, clock, "final")
+        full = parallel.full_model_state(s.model, s.dist) if s.checkpointable.is_sharded else None  # a collective
         if s.dist.is_main:
-            path = rundir.export_model(s.plan.run_dir, s.model, s.plan.resolved, s.plan.tokenizer)
+            path = rundir.export_model(s.plan.run_dir, s.model, s.plan.resolved, s.plan.tokenizer, full_state=full)
             s.out.stop()
             s.out.message(f"exported {path}")
         return self._finish(s, rec, "completed", None)
@@ -207,7 +217,7 @@ class Trainer:
             x, y = s.next_batch()
             fetch_s += time.perf_counter() - tf
             last = micro == tr.accum - 1
-            with s.train_model.no_sync() if (s.dist.enabled and not last) else contextlib.nullcontext():
+            with parallel.gradient_sync(s.train_model, s.model, enabled=last or not s.dist.enabled):
                 with s.plan.rt.autocast():
                     out = s.train_model(x, labels=y, cu_seqlens=s.documents(x))
                 loss = out.loss.float() / tr.accum
@@ -218,13 +228,14 @@ class Trainer:
             if s.answer_mask is not None:
                 answer_sums += _answer_scores(out.logits.detach(), y, s.answer_mask) / tr.accum
         params = [p for p in s.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, tr.grad_clip if tr.grad_clip > 0 else float("inf"))
+        grad_norm = parallel.local_norm(
+            torch.nn.utils.clip_grad_norm_(params, tr.grad_clip if tr.grad_clip > 0 else float("inf")))
         halt = _local_halt_request(s)
         dev = s.plan.rt.device
         flags = torch.stack([
             loss_sum, (~torch.isfinite(loss_sum)).float(), (~torch.isfinite(grad_norm)).float(),
             torch.tensor(float(halt is not None), device=dev), torch.tensor(float(s.signals.save_now), device=dev),
-            grad_norm.float(),  # identical on all ranks after DDP's gradient all-reduce
+            grad_norm.float(),  # identical on all ranks after the gradient all-reduce (DDP) / reduce-scatter (FSDP)
             *answer_sums,
         ])
         D.all_reduce_sum(flags, s.dist)
@@ -265,15 +276,20 @@ class Trainer:
         t0 = time.perf_counter()
         s.state.elapsed_s = clock.elapsed()
         state = s.checkpointable.state_dict()
+        config = s.cfg.model_dump(mode="json")
+        state.update(format=1, config=config)
+        extra = {
+            "run_name": s.plan.run_name, "world_size": s.dist.world_size, "reason": reason,
+            "tokens_seen": s.state.tokens_seen, "loss": s.state.last_loss, "model": config["model"],
+            "nsa": config["nsa"], "sharded": s.checkpointable.is_sharded,
+        }
         path: Path | None = None
-        if s.dist.is_main:
-            state.update(format=1, config=s.cfg.model_dump(mode="json"))
-            extra = {
-                "run_name": s.plan.run_name, "world_size": s.dist.world_size, "reason": reason,
-                "tokens_seen": s.state.tokens_seen, "loss": s.state.last_loss,
-                "model": state["config"]["model"], "nsa": state["config"]["nsa"],
-            }
+        if s.checkpointable.is_sharded:  # every rank writes its shards
+            path = ckpt.save_sharded_checkpoint(s.plan.run_dir, s.state.step, state if s.dist.is_main else None,
+                                                s.checkpointable.sharded_state_dict(), extra, s.dist)
+        elif s.dist.is_main:
             path = ckpt.save_checkpoint(s.plan.run_dir, s.state.step, state, extra)
+        if s.dist.is_main:
             ckpt.prune(s.plan.run_dir, s.cfg.train.keep_last)
         path = Path(D.broadcast_object(str(path) if path else None, s.dist))
         seconds = time.perf_counter() - t0

@@ -1,0 +1,106 @@
+"""Data parallelism of the trainer: DDP (every rank holds the whole model) or FSDP2 (``fully_shard`` per
+block: parameters, gradients and optimizer state sharded over the ranks; ``runtime.parallel: fsdp``).
+
+FSDP: bf16 parameters with fp32 gradient reduction when the run trains in bf16 (fp16 likewise), full
+precision otherwise; ``runtime.fsdp_cpu_offload`` keeps the sharded parameters and optimizer state in
+host memory. ``torch.compile`` wraps the sharded model. A sharded model's checkpoint state is a
+``torch.distributed.checkpoint`` (DCP) state: every rank writes its own shards (:mod:`nsa.train.state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from nsa.config import RunConfig
+from nsa.train import distributed as D
+
+
+def sharded(cfg: RunConfig, dist: D.DistInfo) -> bool:
+    """FSDP is in use: requested and more than one process (a single process trains unwrapped)."""
+    return cfg.runtime.parallel == "fsdp" and dist.enabled
+
+
+def shard(model: Any, cfg: RunConfig, precision: str, device_type: str) -> None:
+    """``fully_shard`` each block, then the root (embedding, final norm, head), in place."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    kw: dict[str, Any] = {"reshard_after_forward": cfg.runtime.fsdp_reshard_after_forward}
+    if low is not None and device_type == "cuda":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    if cfg.runtime.fsdp_cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for block in model.block_list():
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+
+
+def wrap(model: Any, cfg: RunConfig, dist: D.DistInfo, precision: str, device_type: str, compiled: bool) -> Any:
+    """The module the training step calls: sharded (FSDP) or replicated (DDP), compiled when asked."""
+    if sharded(cfg, dist):
+        shard(model, cfg, precision, device_type)
+        return torch.compile(model, mode=cfg.runtime.compile_mode) if compiled else model
+    out: Any = torch.compile(model, mode=cfg.runtime.compile_mode) if compiled else model
+    if dist.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        out = DDP(out, device_ids=[dist.local_rank] if device_type == "cuda" else None)
+    return out
+
+
+@contextlib.contextmanager
+def gradient_sync(train_model: Any, model: Any, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce / reduce-scatter of a micro-batch that is not the last one."""
+    if enabled:
+        yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif hasattr(train_model, "no_sync"):  # DDP
+        with train_model.no_sync():
+            yield
+    else:
+        yield
+
+
+def local_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain tensor (FSDP returns a DTensor that every rank holds whole)."""
+    full = getattr(norm, "full_tensor", None)
+    return full() if callable(full) else norm
+
+
+class ShardedState:
+    """Model and optimizer state of a sharded model as DCP state dicts (each rank its shards)."""
+
+    sharded = True
+
+    def __init__(self, model: Any, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        return {"model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+
+
+def full_model_state(model: Any, dist: D.DistInfo) -> dict[str, Any] | None:
+    """The whole model's state on rank 0 (CPU), gathered from the shards (a collective: every rank calls
+    it); ``None`` on other ranks. Unsharded models: their own state dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return full if dist.is_main else None

@@ -1,12 +1,15 @@
 """Data parallelism on CPU (gloo, two ranks through ``nsa train --nproc-per-node 2``): FSDP2 gives the
 losses of DDP, its sharded checkpoints (``torch.distributed.checkpoint``, one file per rank, covered by
 the manifest's checksums) resume exactly, the export is one whole model, and a checkpoint is refused
-with one line by a run that would shard it differently."""
+with one line by a run that would shard it differently; two launchers as two nodes meeting at a c10d
+rendezvous train like two ranks of one node."""
 
 from __future__ import annotations
 
 import csv
 import json
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import pytest
 from nsa.config import load_run_config
 from nsa.errors import ConfigError
 from nsa.runs.checkpoints import verify
-from tests.test_train_process import cmd, run_ok
+from tests.test_train_process import _env, cmd, run_ok
 
 COMMON = ["--steps", "6", "--nproc-per-node", "2", "--set", "train.eval_every=0", "--set", "train.save_every=3"]
 
@@ -77,3 +80,44 @@ def test_a_sharded_checkpoint_needs_a_sharded_run(runs: dict[str, Path], tmp_pat
     with pytest.raises(ConfigError, match="holds a sharded model") as err:
         Trainer(resolved, world_size=2)
     assert "runtime.parallel=fsdp" in (err.value.hint or "")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_nodes_through_the_c10d_rendezvous_train_like_one(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Two launchers as two nodes on localhost (``--nnodes 2 --node-rank i --rdzv-endpoint``), one rank each,
+    give the losses of two ranks on one node; each rank writes its own heartbeat."""
+    run = tmp_path / "two-nodes"
+    endpoint = f"127.0.0.1:{_free_port()}"
+    base = [a for a in COMMON if a != "--nproc-per-node" and a != "2"]
+    nodes = [subprocess.Popen(cmd(*base, "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(i),
+                                  "--rdzv-endpoint", endpoint, "--rdzv-id", "test", "--out-dir", str(run)),
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert "--rdzv-backend=c10d" in outs[0] and "--nnodes=2" in outs[1]
+    assert (run / "heartbeat_rank0.jsonl").exists() and (run / "heartbeat_rank1.jsonl").exists()
+    for a, b in zip(_rows(runs["ddp"]), _rows(run), strict=True):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-6), (a, b)
+
+
+def test_multi_node_flags_are_checked_before_any_work(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from nsa_cli.app import app
+
+    base = ["train", "--config", "tiny", "--steps", "2", "--out-dir", str(tmp_path / "r")]
+    for extra, needle in ((["--nproc-per-node", "1", "--nnodes", "2"], "--rdzv-endpoint"),
+                          (["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"],
+                           "--node-rank 2"),
+                          (["--nnodes", "2", "--rdzv-endpoint", "h:1"], "--nproc-per-node"),
+                          (["--nproc-per-node", "1", "--rdzv-endpoint", "nohost"], "HOST:PORT")):
+        res = CliRunner().invoke(app, base + extra)
+        assert res.exit_code == 2 and needle in res.output, (extra, res.output)
+        assert not (tmp_path / "r").exists()

@@ -1,11 +1,15 @@
-"""Launching a run on several local ranks: torchrun as a child process, with graceful signal forwarding."""
+"""Launching a run on several ranks (of one node, or of several through torchrun's c10d rendezvous):
+torchrun as a child process, with graceful signal forwarding."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from nsa.errors import ConfigError
 
 
 def strip_option(argv: Sequence[str], option: str) -> list[str]:
@@ -24,10 +28,38 @@ def strip_option(argv: Sequence[str], option: str) -> list[str]:
     return out
 
 
-def torchrun_argv(nproc: int, program: Sequence[str]) -> list[str]:
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the nodes of a multi-node run meet: torchrun's c10d rendezvous at ``endpoint`` (host:port of
+    one node, reachable from all), ``nnodes`` nodes, this one ``node_rank``; ``run_id`` names the job."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: str | None = None
+    run_id: str = "nsa"
+
+    def check(self) -> None:
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes {self.nnodes} must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and not self.endpoint:
+            raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (the same on every node)",
+                              hint="e.g. --rdzv-endpoint node0.example:29500")
+        if self.endpoint and ":" not in self.endpoint:
+            raise ConfigError(f"--rdzv-endpoint {self.endpoint!r} must be HOST:PORT")
+
+
+def torchrun_argv(nproc: int, program: Sequence[str], rdzv: Rendezvous | None = None) -> list[str]:
     """The command that runs ``python <program>`` (e.g. ``["-m", "pkg", "train", ...]``) on ``nproc``
-    local ranks through torchrun (``--standalone``: a local rendezvous)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *program]
+    ranks of this node through torchrun: ``--standalone`` (a local rendezvous) for one node, else the c10d
+    rendezvous of ``rdzv``."""
+    head = [sys.executable, "-m", "torch.distributed.run"]
+    if rdzv is None or (rdzv.nnodes == 1 and rdzv.endpoint is None):
+        return [*head, "--standalone", f"--nproc-per-node={nproc}", *program]
+    rdzv.check()
+    return [*head, f"--nnodes={rdzv.nnodes}", f"--node-rank={rdzv.node_rank}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--nproc-per-node={nproc}", *program]
 
 
 def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None) -> int:

@@ -69,11 +69,12 @@ class Trainer:
 
     def __init__(
         self, resolved: ResolvedConfig, *, reporter: Reporter | None = None, world_size: int | None = None,
-        step_hook: Callable[[int], None] | None = None,
+        step_hook: Callable[[int], None] | None = None, local_ranks: int | None = None,
     ) -> None:
         """``reporter`` receives the run's events (:mod:`nsa.train.events`; default: plain lines on stdout).
         ``world_size``: ranks the run will have, for validation before launching torchrun (default: this
-        process's torchrun environment, 1 without one). ``step_hook(step)`` runs at the end of every step,
+        process's torchrun environment, 1 without one); ``local_ranks``: those on this node (default: as many,
+or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of every step,
         after its logging and before its halt decision: the fault-injection point of the tests (write
         ``.HALT`` or send a signal at an exact step; the trainer acts on it at the next step)."""
         self.reporter, self.step_hook, self.resolved = reporter, step_hook, resolved
@@ -88,7 +89,7 @@ class Trainer:
         self._expected_world = world_size or dist.world_size
         rt = resolve_runtime(cfg, dist.local_rank)
         if rt.device_type == "cuda":
-            local = world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            local = local_ranks or world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             if local > torch.cuda.device_count():
                 raise ConfigError(
                     f"{local} ranks per node but only {torch.cuda.device_count()} CUDA device(s) are visible",

@@ -32,18 +32,23 @@ def flags_to_keys(**values: Any) -> dict[str, Any]:
     return {FLAG_KEYS[name]: v for name, v in values.items() if v is not None}
 
 
+LAUNCH_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id")
+
+
 def strip_nproc(argv: list[str]) -> list[str]:
-    """``argv`` without ``--nproc-per-node N`` / ``--nproc-per-node=N``."""
+    """``argv`` without the launcher's own options (``--nproc-per-node N``, ``--nnodes=N``, ...)."""
     from nsa.train.launch import strip_option
 
-    return strip_option(argv, "--nproc-per-node")
+    for option in LAUNCH_OPTIONS:
+        argv = strip_option(argv, option)
+    return argv
 
 
-def torchrun_argv(nproc: int, argv: list[str]) -> list[str]:
-    """The command that runs ``nsa <argv>`` on ``nproc`` local ranks through torchrun."""
+def torchrun_argv(nproc: int, argv: list[str], rdzv: Any = None) -> list[str]:
+    """The command that runs ``nsa <argv>`` on ``nproc`` ranks of this node through torchrun."""
     from nsa.train.launch import torchrun_argv as launcher_argv
 
-    return launcher_argv(nproc, ["-m", "nsa_cli", *strip_nproc(argv)])
+    return launcher_argv(nproc, ["-m", "nsa_cli", *strip_nproc(argv)], rdzv)
 
 
 def train(
@@ -63,7 +68,11 @@ def train(
     attention: Annotated[str | None, typer.Option("--attention", help="nsa or dense.")] = None,
     compile_: Annotated[bool | None, typer.Option("--compile/--no-compile", help="torch.compile the model.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="section.key=value for any config key; repeatable.")] = None,
-    nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1, help="Launch torchrun with N local ranks (DDP).")] = None,
+    nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1, help="Launch torchrun with N ranks on this node (runtime.parallel: ddp or fsdp).")] = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Nodes of a multi-node run (with --nproc-per-node and --rdzv-endpoint).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's index, 0..nnodes-1.")] = 0,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT where the nodes meet (c10d rendezvous), the same on every node.")] = None,
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id shared by the nodes of one run.")] = "nsa",
 ) -> None:
     """Train a model; writes the run directory (checkpoints, heartbeats, CSV, TensorBoard, export).
 
@@ -88,14 +97,21 @@ def train(
 
         from nsa.train import Trainer
         from nsa.train.distributed import launched_by_torchrun
+        from nsa.train.launch import Rendezvous
         from nsa_cli.train_view import RichReporter
 
+        rdzv = Rendezvous(nnodes, node_rank, rdzv_endpoint, rdzv_id)
+        if nnodes > 1 and nproc_per_node is None:
+            raise fail("--nnodes needs --nproc-per-node (ranks on each node)")
+        rdzv.check()
         launching = nproc_per_node is not None and not launched_by_torchrun()
         # validates everything before any work (and before torchrun starts)
-        trainer = Trainer(resolved, reporter=RichReporter(Console()), world_size=nproc_per_node if launching else None)
+        world = nproc_per_node * nnodes if launching and nproc_per_node else None
+        trainer = Trainer(resolved, reporter=RichReporter(Console()), world_size=world,
+                          local_ranks=nproc_per_node if launching else None)
         if launching:
             assert nproc_per_node is not None
-            argv = torchrun_argv(nproc_per_node, sys.argv[1:])
+            argv = torchrun_argv(nproc_per_node, sys.argv[1:], rdzv)
             typer.echo(f"launching: {' '.join(argv[1:])}", err=True)
             from nsa.train.launch import launch
 

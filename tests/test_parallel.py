@@ -121,3 +121,16 @@ def test_multi_node_flags_are_checked_before_any_work(tmp_path: Path) -> None:
         res = CliRunner().invoke(app, base + extra)
         assert res.exit_code == 2 and needle in res.output, (extra, res.output)
         assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_user_error_in_the_ranks_is_one_line_through_the_launcher(tmp_path: Path) -> None:
+    """A mistake only the ranks can see (an unreachable dataset, offline) ends a torchrun launch with the
+    ranks' one-line error and exit 2, without torchrun's traceback."""
+    res = subprocess.run(cmd("--steps", "2", "--nproc-per-node", "2", "--dataset", "fineweb_edu",
+                             "--set", "data.timeout_s=5", "--out-dir", str(tmp_path / "r")),
+                         env=_env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "error: data source" in res.stderr and "unreachable" in res.stderr
+    assert "Traceback" not in res.stderr and "ChildFailedError" not in res.stderr
+    assert "a rank exited with code 2" in res.stderr

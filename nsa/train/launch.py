@@ -4,10 +4,11 @@ torchrun as a child process, with graceful signal forwarding."""
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from nsa.errors import ConfigError
 
@@ -62,23 +63,50 @@ def torchrun_argv(nproc: int, program: Sequence[str], rdzv: Rendezvous | None = 
             f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--nproc-per-node={nproc}", *program]
 
 
+_FAILED = re.compile(r"torch/distributed/elastic/multiprocessing/api\.py.*\bfailed \(exitcode: (-?\d+)\)")
+
+
+def _relay(stream: IO[str], say: Callable[[str], None], codes: list[int]) -> None:
+    """Copy torchrun's standard error (its own and the ranks') line by line, except torchrun's failure
+    report (a traceback and a summary block after a rank failed): the rank has said what went wrong in
+    one line already. The failed rank's exit code goes to ``codes``."""
+    quiet = False
+    for line in stream:
+        m = _FAILED.search(line)
+        if m:
+            quiet = True
+            codes.append(int(m.group(1)))
+        if not quiet:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    if codes:
+        say(f"error: a rank exited with code {codes[0]}; its own message is above (torchrun's report omitted)")
+
+
 def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None) -> int:
     """Run torchrun (``argv``) as a child; SIGTERM/SIGINT here halt the ranks gracefully; its exit code.
 
     The first signal is passed as SIGTERM to the rank processes only (each checkpoints and exits 0, so
     torchrun exits 0); a second one terminates torchrun itself. torchrun runs in its own session so
     that Ctrl-C on the terminal reaches this launcher only. ``notice`` receives one line per forwarded
-    signal (default: standard error).
+    signal (default: standard error). When a rank fails, its exit code is returned (2 for a user error,
+    which it reported in one line) and torchrun's own traceback is left out.
     """
     import signal
     import subprocess
+    import threading
 
     import psutil
 
     say = notice or (lambda line: print(line, file=sys.stderr, flush=True))
     sys.stdout.flush()
     sys.stderr.flush()
-    proc = subprocess.Popen(list(argv), start_new_session=True)
+    proc = subprocess.Popen(list(argv), start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1,
+                            errors="replace")
+    assert proc.stderr is not None
+    codes: list[int] = []
+    relay = threading.Thread(target=_relay, args=(proc.stderr, say, codes), daemon=True)
+    relay.start()
     received: list[str] = []
 
     def forward(signum: int, frame: Any) -> None:
@@ -97,7 +125,9 @@ def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None) -> 
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return proc.wait()
+        code = proc.wait()
+        relay.join(timeout=10)
+        return codes[0] if code and codes and codes[0] > 0 else code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

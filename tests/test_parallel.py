@@ -134,3 +134,17 @@ def test_a_user_error_in_the_ranks_is_one_line_through_the_launcher(tmp_path: Pa
     assert "error: data source" in res.stderr and "unreachable" in res.stderr
     assert "Traceback" not in res.stderr and "ChildFailedError" not in res.stderr
     assert "a rank exited with code 2" in res.stderr
+
+
+@pytest.mark.slow
+def test_nodes_that_resolve_different_configs_are_refused(tmp_path: Path) -> None:
+    """Two nodes started with different flags stop before any work with one line naming the key."""
+    run, endpoint = tmp_path / "r", f"127.0.0.1:{_free_port()}"
+    nodes = [subprocess.Popen(cmd("--steps", "2", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(i),
+                                  "--rdzv-endpoint", endpoint, "--out-dir", str(run), "--lr", lr),
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i, lr in ((0, "0.003"), (1, "0.001"))]
+    outs = [p.communicate(timeout=240)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [2, 2], outs
+    assert all("resolved another config than rank 0: train.lr" in o and "Traceback" not in o for o in outs), outs
+    assert not (run / "checkpoints").exists()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from nsa.config import ResolvedConfig, RunConfig
-from nsa.errors import RunDirError
+from nsa.errors import ConfigError, RunDirError
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
@@ -122,6 +122,21 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str) ->
     return torch.optim.AdamW(groups, lr=tr.lr, betas=(tr.beta1, tr.beta2), **extra)
 
 
+def _check_same_config(plan: Plan, dist: D.DistInfo) -> None:
+    """Every rank resolved the same config (nodes started with different flags or ``NSA_*`` variables
+    would train different things): one line naming the keys that differ, on every rank."""
+    from nsa.config import leaves
+
+    mine = leaves(plan.cfg.model_dump(mode="json"))
+    theirs = D.gather_objects(mine, dist)
+    for rank, other in enumerate(theirs):
+        diff = sorted(k for k in set(mine) | set(other) if other.get(k) != theirs[0].get(k))
+        if diff:
+            shown = ", ".join(f"{k} ({theirs[0].get(k)!r} on rank 0, {other.get(k)!r})" for k in diff[:4])
+            raise ConfigError(f"rank {rank} resolved another config than rank 0: {shown}",
+                              hint="start every node with the same command line and NSA_* environment")
+
+
 def _lock_run_dir(plan: Plan, dist: D.DistInfo, closers: contextlib.ExitStack) -> Path | None:
     """Rank 0 takes the run directory (one writer), cleans partial checkpoints and archives a stale
     ``.HALT``; every rank learns whether that worked. Returns the archived ``.HALT``."""
@@ -194,6 +209,7 @@ def open_session(plan: Plan, reporter: Reporter | None, closers: contextlib.Exit
     out = Output(reporter, tr.steps, enabled=dist.is_main)
     _on_close(closers, out.stop)
 
+    _check_same_config(plan, dist)
     archived = _lock_run_dir(plan, dist, closers)
     out.attach_log(plan.run_dir / ("train.log" if dist.rank == 0 else f"train_rank{dist.rank}.log"))
     _on_close(closers, out.close)

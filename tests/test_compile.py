@@ -60,6 +60,7 @@ def test_compiled_model_equals_eager_on_cpu() -> None:
     _compare("torch", "cpu", 128, amp=False, loss_tol=1e-5, grad_tol=1e-4)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU (the GPU opcheck runs there)")
 def test_custom_ops_pass_opcheck_in_the_interpreter() -> None:
     """Schema, fake (meta) implementations, autograd registration and the fwd/bwd ops against their
     fake tensors: ``torch.library.opcheck`` on tiny random inputs (seed 0)."""

@@ -115,6 +115,14 @@ def test_positions_restart_at_each_document() -> None:
     assert varlen.positions(cu, 9).tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
 
 
+def test_host_offsets_follow_in_place_writes() -> None:
+    """The host copy of ``cu_seqlens`` is reused across calls but never after the tensor changed."""
+    cu = torch.tensor([0, 3, 9])
+    assert varlen.host_offsets(cu, 9) == [0, 3, 9]
+    cu[1] = 5
+    assert varlen.host_offsets(cu, 9) == [0, 5, 9]
+
+
 def test_bucket_plan_pads_at_most_to_the_next_power_of_two() -> None:
     cu = [0, 5, 205, 305, 1305]
     buckets = varlen.plan(cu, torch.device("cpu"))

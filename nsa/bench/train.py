@@ -61,7 +61,7 @@ def bench_train_step(
     cfg = run_cfg.model_copy(deep=True)
     if compiled is not None:
         cfg.runtime.compile = compiled
-    use_compile = cfg.runtime.compile is True or (cfg.runtime.compile == "auto" and dev.type == "cuda")
+    use_compile = cfg.runtime.compiles(dev.type)
     from nsa.ops import tile_overrides
 
     try:

@@ -121,6 +121,10 @@ class RuntimeConfig(_Section):
     tf32: bool = True
     alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the run")
 
+    def compiles(self, device_type: str) -> bool:
+        """Whether the model runs under ``torch.compile`` on ``device_type`` (``auto``: on CUDA)."""
+        return self.compile is True or (self.compile == "auto" and device_type == "cuda")
+
 
 class RunConfig(_Section):
     """Everything a run needs; saved as ``config.yaml`` in the run directory."""

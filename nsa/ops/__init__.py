@@ -9,8 +9,6 @@ scale=None, block_idx=None)``; see ``docs/nsa-semantics.md`` for what they compu
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
 from nsa.ops import varlen
@@ -19,30 +17,31 @@ from nsa.ops.dispatch import (
     BACKENDS,
     available_backends,
     fallback_counts,
+    pick,
     record_fallback,
     requested_backend,
     reset_fallback_counts,
-    resolve,
     set_default_backend,
     use_backend,
 )
 
 
-def _packed(mod: ModuleType, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[list[int], bool]:
+def _packed(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[list[int], bool]:
+    """The host offsets, and whether each document runs alone (the reference: the definition itself)."""
     if x.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs a batch-1 packed row, got batch {x.shape[0]}")
-    return varlen.host_offsets(cu_seqlens, x.shape[1]), mod.__name__.endswith("reference")
+    return varlen.host_offsets(cu_seqlens, x.shape[1]), name == "reference"
 
 
 def compress_avg(
     x: torch.Tensor, l: int, d: int, *, backend: str | None = None, cu_seqlens: torch.Tensor | None = None,  # noqa: E741
 ) -> torch.Tensor:
     """Mean-pool raw ``x [B, S, H, D]`` into compressed tokens ``[B, S_cmp, H, D]`` (block ``l``, stride ``d``)."""
-    mod = resolve(backend, (x,), "compress_avg")
+    name, impl = pick("compress_avg", backend, (x,))
     if cu_seqlens is not None:
-        cu, one = _packed(mod, x, cu_seqlens)
-        return varlen.compress_packed(lambda t: mod.compress_avg(t, l, d), x, cu, l, d, per_document=one)
-    out: torch.Tensor = mod.compress_avg(x, l, d)
+        cu, one = _packed(name, x, cu_seqlens)
+        return varlen.compress_packed(lambda t: impl(t, l, d), x, cu, l, d, per_document=one)
+    out: torch.Tensor = impl(x, l, d)
     return out
 
 
@@ -60,14 +59,13 @@ def select_blocks(
 ) -> torch.Tensor:
     """Selection blocks per query and group: int32 ``[B, S, H, n_sel]``, ascending, ``-1`` padded (with
     ``cu_seqlens``: block indices local to each document)."""
-    mod = resolve(backend, (q, k_cmp), "select_blocks")
+    name, impl = pick("select_blocks", backend, (q, k_cmp))
     if cu_seqlens is not None:
-        cu, one = _packed(mod, q, cu_seqlens)
-        (out,) = varlen.run_packed(
-            lambda q_, k_: mod.select_blocks(q_, k_, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale),
-            [q], cu, cmp_rows=[k_cmp], l=l, d=d, per_document=one)
+        cu, one = _packed(name, q, cu_seqlens)
+        (out,) = varlen.run_packed(lambda q_, k_: impl(q_, k_, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale),
+                                   [q], cu, cmp_rows=[k_cmp], l=l, d=d, per_document=one)
         return out
-    res: torch.Tensor = mod.select_blocks(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
+    res: torch.Tensor = impl(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
     return res
 
 
@@ -94,22 +92,22 @@ def nsa_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Gated NSA attention ``[B, S, HQ, Dv]``; with ``return_block_idx`` also the blocks used."""
     tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
-    mod = resolve(backend, tensors, "nsa_attention")
+    name, impl = pick("nsa_attention", backend, tensors)
     if cu_seqlens is not None:
-        cu, one = _packed(mod, q, cu_seqlens)
+        cu, one = _packed(name, q, cu_seqlens)
         rows = [q, k_sel, v_sel, k_win, v_win, gates, *([] if block_idx is None else [block_idx])]
 
         def call(q_: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor,
                  g: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
             idx, (kc, vc) = (rest[0], rest[1:]) if block_idx is not None else (None, rest)
-            r: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = mod.nsa_attention(
+            r: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = impl(
                 q_, kc, vc, ks, vs, kw, vw, g, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale,
                 block_idx=idx, return_block_idx=return_block_idx)
             return r
 
         outs = varlen.run_packed(call, rows, cu, cmp_rows=[k_cmp, v_cmp], l=l, d=d, per_document=one)
         return (outs[0], outs[1]) if return_block_idx else outs[0]
-    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = mod.nsa_attention(
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = impl(
         *tensors, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale, block_idx=block_idx,
         return_block_idx=return_block_idx,
     )

@@ -75,17 +75,13 @@ def _load(name: str) -> ModuleType | None:
         return None
 
 
-# loaded once at import (none of them imports triton itself), so ``resolve`` is a dict lookup that
+# loaded once at import (none of them imports triton itself), so ``pick`` is a dict lookup that
 # torch.compile traces without a graph break
 _LOADED: dict[str, ModuleType | None] = {name: _load(name) for name in BACKENDS}
 
 
-def _module(name: str) -> ModuleType | None:
-    return _LOADED[name]
-
-
 def _triton_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
-    mod = _module("triton")
+    mod = _LOADED["triton"]
     if mod is None:
         return "triton unavailable"
     reason: str | None = mod.supports(*tensors)
@@ -135,14 +131,6 @@ def pick(op: str, backend: str | None, tensors: tuple[torch.Tensor, ...], **hpar
             record_fallback(f"{op}:triton->torch:{reason}")
             name = "torch"
     return name, impls[name][0]
-
-
-def resolve(backend: str | None, tensors: tuple[torch.Tensor, ...], op: str) -> ModuleType:
-    """The backend module that runs the training op ``op`` on ``tensors`` (see :func:`pick`)."""
-    name, _ = pick(op, backend, tensors)
-    mod = _module(name)
-    assert mod is not None, name
-    return mod
 
 
 for _op in ("compress_avg", "select_blocks", "nsa_attention"):

@@ -49,11 +49,15 @@ def host_offsets(cu_seqlens: torch.Tensor | Sequence[int], total: int | None = N
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cu_seqlens must be a 1-d int32/int64 tensor, got {tuple(cu_seqlens.shape)} "
                              f"{str(cu_seqlens.dtype).removeprefix('torch.')}")
+        # one device copy per tensor object however many layers read it; an in-place write (a new
+        # ``_version``) invalidates the copy
         cached = getattr(cu_seqlens, "_nsa_host", None)
-        cu = cached if cached is not None else [int(c) for c in cu_seqlens.tolist()]
-        if cached is None:
-            with contextlib.suppress(AttributeError, RuntimeError):  # one device copy per tensor object,
-                cu_seqlens._nsa_host = cu  # type: ignore[attr-defined]  # however many layers read it
+        if cached is not None and cached[0] == cu_seqlens._version:
+            cu = cached[1]
+        else:
+            cu = [int(c) for c in cu_seqlens.tolist()]
+            with contextlib.suppress(AttributeError, RuntimeError):
+                cu_seqlens._nsa_host = (cu_seqlens._version, cu)  # type: ignore[attr-defined]
     else:
         cu = [int(c) for c in cu_seqlens]
     if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in pairwise(cu)):
@@ -107,7 +111,7 @@ def scatter(parts: list[torch.Tensor], buckets: list[Bucket], total: int) -> tor
     return rows[order][None]
 
 
-def cmp_index(bucket: Bucket, cu: Sequence[int], cmp_cu: Sequence[int], l: int, d: int) -> torch.Tensor:  # noqa: E741
+def cmp_index(bucket: Bucket, cmp_cu: Sequence[int], l: int, d: int) -> torch.Tensor:  # noqa: E741
     """Rows of the packed compressed tokens for each document of ``bucket``, padded to ``N_c(length)``."""
     n_c = num_cmp(bucket.length, l, d)
     j = torch.arange(n_c)
@@ -139,7 +143,7 @@ def run_packed(
     for b in buckets:
         args = [gather(x, b.index) for x in rows]
         if cmp_rows:
-            ci = cmp_index(b, cu, cmp_cu, l, d)
+            ci = cmp_index(b, cmp_cu, l, d)
             args += [gather(x, ci) for x in cmp_rows]
         res = fn(*args)
         outs.append(list(res) if isinstance(res, tuple) else [res])

@@ -41,11 +41,11 @@ def shard(model: Any, cfg: RunConfig, precision: str, device_type: str) -> None:
 
 def wrap(model: Any, cfg: RunConfig, dist: D.DistInfo, precision: str, device_type: str, compiled: bool) -> Any:
     """The module the training step calls: sharded (FSDP) or replicated (DDP), compiled when asked."""
-    if sharded(cfg, dist):
+    shards = sharded(cfg, dist)
+    if shards:
         shard(model, cfg, precision, device_type)
-        return torch.compile(model, mode=cfg.runtime.compile_mode) if compiled else model
     out: Any = torch.compile(model, mode=cfg.runtime.compile_mode) if compiled else model
-    if dist.enabled:
+    if dist.enabled and not shards:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         out = DDP(out, device_ids=[dist.local_rank] if device_type == "cuda" else None)

@@ -236,7 +236,7 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     cfg, tr, rt = plan.cfg, plan.cfg.train, plan.rt
     model: Any = build_model(cfg).to(rt.device)
     model.set_gradient_checkpointing(cfg.runtime.gradient_checkpointing)
-    compiled = cfg.runtime.compile is True or (cfg.runtime.compile == "auto" and rt.device_type == "cuda")
+    compiled = cfg.runtime.compiles(rt.device_type)
     # wrapped before the optimizer is built: FSDP replaces the parameters by their shards
     train_model = parallel.wrap(model, cfg, dist, rt.precision, rt.device_type, compiled)
     optimizer = build_optimizer(model, cfg, rt.device_type)

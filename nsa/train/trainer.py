@@ -84,7 +84,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         from nsa.data import check_local_inputs
 
         check_local_inputs(cfg.data)  # missing or empty local data: one line, before any directory is made
-        self.alloc_conf_note = apply_alloc_conf(cfg)  # before anything below initialises CUDA
+        alloc_conf_note = apply_alloc_conf(cfg)  # before anything below initialises CUDA
         dist = D.env_info()
         self._expected_world = world_size or dist.world_size
         rt = resolve_runtime(cfg, dist.local_rank)
@@ -95,13 +95,13 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                     f"{local} ranks per node but only {torch.cuda.device_count()} CUDA device(s) are visible",
                     hint="lower --nproc-per-node (one GPU per rank) or check CUDA_VISIBLE_DEVICES",
                 )
-        self.run_dir = run_dir = Path(tr.out_dir)
+        run_dir = Path(tr.out_dir)
         rundir.check_writable(run_dir)
-        self.resume_from, skipped = ckpt.find_resume(run_dir, tr.resume)
+        resume_from, skipped = ckpt.find_resume(run_dir, tr.resume)
         if tr.resume is None:
             rundir.check_fresh(run_dir)
-        if self.resume_from is not None:
-            self._check_resume_manifest(self.resume_from)
+        if resume_from is not None:
+            self._check_resume_manifest(resume_from)
         from nsa.data.tokenizers import get_tokenizer
 
         tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
@@ -112,9 +112,23 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 hint=f"set model.vocab_size >= {tokenizer.vocab_size}",
             )
         self.plan = Plan(resolved=resolved, rt=rt, run_dir=run_dir, run_name=tr.run_name or run_dir.resolve().name,
-                         resume_from=self.resume_from, skipped=skipped, tokenizer=tokenizer,
-                         alloc_conf_note=self.alloc_conf_note)
+                         resume_from=resume_from, skipped=skipped, tokenizer=tokenizer,
+                         alloc_conf_note=alloc_conf_note)
         self.state = TrainState()  # replaced by the session's (restored) state in fit
+
+    @property
+    def run_dir(self) -> Path:
+        return self.plan.run_dir
+
+    @property
+    def resume_from(self) -> Path | None:
+        """The checkpoint this run resumes from (``None``: a fresh start)."""
+        return self.plan.resume_from
+
+    @property
+    def alloc_conf_note(self) -> str | None:
+        """Why ``runtime.alloc_conf`` was not applied (the user's own PYTORCH_CUDA_ALLOC_CONF wins)."""
+        return self.plan.alloc_conf_note
 
     def _check_resume_manifest(self, path: Path) -> None:
         manifest = fill_legacy(ckpt.read_manifest(path) or {})

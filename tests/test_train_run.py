@@ -294,3 +294,26 @@ def test_resume_of_a_checkpoint_from_before_the_gate_fields_names_the_sets(tmp_p
     assert "--set nsa.gate_bias=[0.0,0.0,0.0]" in err.value.hint and "--set nsa.gate_scale=1.0" in err.value.hint
     legacy = resolve(run, 4, train__resume="auto", nsa__gate_bias=[0.0, 0.0, 0.0], nsa__gate_scale=1.0)
     Trainer(legacy, reporter=quiet())  # the old gates: accepted
+
+
+def test_init_from_starts_from_the_weights(full_run: Path, tmp_path: Path) -> None:
+    """``train.init_from``: step 0 and a fresh optimizer, the weights of the given run (an lr of ~0 keeps
+    them); a model that does not fit, or a path that does not exist, is one line with exit code 2."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "b"
+    r = resolve(out, 1, train__save_every=0, train__init_from=str(full_run), train__lr=1e-12, train__seq_len=64)
+    result = Trainer(r, reporter=quiet()).fit()
+    assert result.status == "completed" and result.steps_done == 1
+    a, b = load_file(full_run / "export" / "model.safetensors"), load_file(out / "export" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    from nsa_cli.app import app
+
+    res = CliRunner().invoke(app, ["train", "--config", "tiny", "--steps", "1", "--out-dir", str(tmp_path / "c"),
+                                   "--set", f"train.init_from={full_run}", "--set", "model.n_layers=1"])
+    assert res.exit_code == 2 and "train.init_from:" in res.output and "do not fit" in res.output, res.output
+    assert "Traceback" not in res.output and not (tmp_path / "c").exists()
+    res = CliRunner().invoke(app, ["train", "--config", "tiny", "--steps", "1", "--out-dir", str(tmp_path / "d"),
+                                   "--set", f"train.init_from={tmp_path / 'nothere'}"])
+    assert res.exit_code == 2 and "does not exist" in res.output, res.output

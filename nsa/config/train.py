@@ -32,6 +32,10 @@ class TrainConfig(ConfigSection):
     )
     out_dir: str = "artifacts/run"
     resume: str | None = Field(None, description="'auto', a checkpoint path, or null")
+    init_from: str | None = Field(
+        None, description="start from these weights (a run directory, its export/ or a checkpoint): step 0, fresh "
+        "optimizer and data; the model config must match. Ignored when the run resumes"
+    )
     run_name: str | None = Field(None, description="name in reports; default: the out_dir folder name")
     mfu_peak_tflops: float | None = Field(
         None, gt=0, description="per-device peak for the MFU estimate; default: a table of known GPUs"

@@ -82,6 +82,41 @@ def find_weights(path: str | Path) -> tuple[Path, Path | None]:
     )
 
 
+def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The model weights at ``path`` (see :func:`find_weights`) as a state dict on the CPU, and their file."""
+    weights, _ = find_weights(path)
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(weights)), weights
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {weights}: {exc}") from None
+    try:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load checkpoint {weights}: {exc}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{weights} has no 'model' entry (a checkpoint saved with sharded weights?)",
+                              hint="give the run's export/ folder")
+    return _strip(state["model"]), weights
+
+
+def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    """A ``CheckpointError`` naming the first difference when ``state`` does not fit ``model`` exactly."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in state.items()}
+    missing, extra = sorted(own.keys() - theirs.keys()), sorted(theirs.keys() - own.keys())
+    hint = "train with the same model section as the run the weights come from"
+    if missing or extra:
+        what = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which this model does not"
+        raise CheckpointError(f"the weights of {source} do not fit this model: it {what}", hint=hint)
+    for k, shape in own.items():
+        if theirs[k] != shape:
+            raise CheckpointError(f"the weights of {source} do not fit this model: {k} is {list(theirs[k])} there, "
+                                  f"{list(shape)} here", hint=hint)
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Build the run's model and load its weights (eval mode, on ``device`` in ``dtype``)."""
     weights, cfg_path = find_weights(path)

@@ -49,6 +49,8 @@ class Plan:
     skipped: list[Any]
     tokenizer: Any
     alloc_conf_note: str | None
+    init_state: dict[str, torch.Tensor] | None = None  # train.init_from's weights (fresh starts only)
+    init_source: Path | None = None
 
     @property
     def cfg(self) -> RunConfig:
@@ -234,7 +236,12 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     from nsa.model import build_model
 
     cfg, tr, rt = plan.cfg, plan.cfg.train, plan.rt
-    model: Any = build_model(cfg).to(rt.device)
+    model: Any = build_model(cfg)
+    if plan.init_state is not None:
+        model.load_state_dict(plan.init_state)
+        plan.init_state = None  # the weights now live in the model
+        out.message(f"starting from the weights of {plan.init_source} (step 0, fresh optimizer)")
+    model = model.to(rt.device)
     model.set_gradient_checkpointing(cfg.runtime.gradient_checkpointing)
     compiled = cfg.runtime.compiles(rt.device_type)
     # wrapped before the optimizer is built: FSDP replaces the parameters by their shards

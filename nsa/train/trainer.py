@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from nsa.config import ResolvedConfig, fill_legacy
+from nsa.config import ResolvedConfig, RunConfig, fill_legacy
 from nsa.errors import CheckpointError, ConfigError
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
@@ -62,6 +62,21 @@ class StepOutcome:
     save_now: bool
     answers: tuple[float, float] | None
     fetch_s: float
+
+
+def _read_init_weights(cfg: RunConfig, path: str) -> tuple[dict[str, torch.Tensor], Path]:
+    """``train.init_from``'s weights, checked against this config's model (built on the meta device)."""
+    from nsa.errors import NSAError
+    from nsa.model import build_model
+    from nsa.model.load import check_fits, read_weights
+
+    try:
+        state, source = read_weights(path)
+        with torch.device("meta"):
+            check_fits(build_model(cfg), state, source)
+    except NSAError as exc:
+        raise type(exc)(f"train.init_from: {exc.message}", hint=exc.hint) from None
+    return state, source
 
 
 class Trainer:
@@ -102,6 +117,9 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             rundir.check_fresh(run_dir)
         if resume_from is not None:
             self._check_resume_manifest(resume_from)
+        init_state = init_source = None
+        if tr.init_from and resume_from is None:
+            init_state, init_source = _read_init_weights(cfg, tr.init_from)
         from nsa.data.tokenizers import get_tokenizer
 
         tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
@@ -113,7 +131,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             )
         self.plan = Plan(resolved=resolved, rt=rt, run_dir=run_dir, run_name=tr.run_name or run_dir.resolve().name,
                          resume_from=resume_from, skipped=skipped, tokenizer=tokenizer,
-                         alloc_conf_note=alloc_conf_note)
+                         alloc_conf_note=alloc_conf_note, init_state=init_state, init_source=init_source)
         self.state = TrainState()  # replaced by the session's (restored) state in fit
 
     @property

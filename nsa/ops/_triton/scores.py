@@ -98,27 +98,28 @@ def _top_blocks_kernel(
     bt = t // LS
     cand = (blk[None, :] <= bt[:, None]) & t_ok[:, None]
     pv = tl.load(P + (bh * S + t64[:, None]) * NB + blk[None, :], mask=cand, other=0.0)
-    key = tl.maximum(pv.to(tl.int32, bitcast=True), 0)  # P >= 0: int order == float order
-    key = tl.where(blk[None, :] == bt[:, None] - 1, 0x7F000001, key)
-    key = tl.where(blk[None, :] == 0, 0x7F000002, key)
-    key = tl.where(blk[None, :] == bt[:, None], 0x7F000003, key)
-    key = tl.where(cand, key, -1)
+    key32 = tl.maximum(pv.to(tl.int32, bitcast=True), 0)  # P >= 0: int order == float order
+    key32 = tl.where(blk[None, :] == bt[:, None] - 1, 0x7F000001, key32)
+    key32 = tl.where(blk[None, :] == 0, 0x7F000002, key32)
+    key32 = tl.where(blk[None, :] == bt[:, None], 0x7F000003, key32)
+    key32 = tl.where(cand, key32, -1)
+    # one unique 64-bit key per block: the score above, the reversed index below, so a single max per
+    # round picks the highest score with ties to the lower index; non-candidates and picks are negative
+    key = (key32.to(tl.int64) << 32) | (NBP - 1 - blk)[None, :].to(tl.int64)
     chosen = (blk[None, :] < 0) & t_ok[:, None]
     for _ in range(N_SEL):
         m = tl.max(key, 1)
-        pick = tl.min(tl.where(key == m[:, None], blk[None, :], NBP), 1)
-        hit = (blk[None, :] == pick[:, None]) & (m[:, None] >= 0)
+        hit = (key == m[:, None]) & (m[:, None] >= 0)
         chosen = chosen | hit
-        key = tl.where(hit, -2, key)
+        key = tl.where(hit, -1, key)
+    # ascending output: each chosen block goes to the slot given by the number chosen below it
+    n_chosen = tl.sum(chosen.to(tl.int32), 1)
+    rank = tl.cumsum(chosen.to(tl.int32), 1) - 1
+    row = ((b * S + t64) * H + g) * N_SEL
     ns = tl.arange(0, NSP)
-    out = tl.full([BR, NSP], -1, tl.int32)
-    for kk in range(N_SEL):
-        nxt = tl.min(tl.where(chosen, blk[None, :], NBP), 1)
-        val = tl.where(nxt < NBP, nxt, -1)
-        out = tl.where(ns[None, :] == kk, val[:, None], out)
-        chosen = chosen & (blk[None, :] != nxt[:, None])
-    tl.store(IDX + ((b * S + t64[:, None]) * H + g) * N_SEL + ns[None, :], out,
-             mask=t_ok[:, None] & (ns[None, :] < N_SEL))
+    tl.store(IDX + row[:, None] + ns[None, :], tl.full([BR, NSP], -1, tl.int32),
+             mask=t_ok[:, None] & (ns[None, :] < N_SEL) & (ns[None, :] >= n_chosen[:, None]))
+    tl.store(IDX + row[:, None] + rank, (blk[None, :] + 0 * rank).to(tl.int32), mask=chosen)
 
 
 def block_scores(
@@ -153,9 +154,10 @@ def top_blocks(P: torch.Tensor, *, B: int, H: int, S: int, l_sel: int, n_sel: in
     NB = P.shape[-1]
     nbp = max(16, next_pow2(NB))
     br = max(1, min(64, int(tuned("topn_elems", 1024)) // nbp))
+    warps = int(tuned("topn_warps", 4))
     idx = torch.empty(B, S, H, n_sel, device=P.device, dtype=torch.int32)
     _top_blocks_kernel[(triton.cdiv(S, br), B * H)](
         P, idx, S, NB, H, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)), BR=br,
-        num_warps=4,
+        num_warps=warps,
     )
     return idx

@@ -8,7 +8,8 @@ blocks and window. Nothing crosses a boundary.
 
 How it runs: the documents are grouped into length buckets (powers of two, at least ``MIN_BUCKET``),
 each bucket right-padded with zero rows to its longest document and run as one ordinary batched call of
-the chosen backend; the real rows are scattered back. Right padding is exact: every visibility rule of
+the chosen backend; the real rows are copied in and back by host-planned row lists (no gradient ever
+accumulates on a shared pad row, no device synchronisation). Right padding is exact: every visibility rule of
 NSA is causal, so a real query never sees a padded key, a compressed token that covers padding or a
 block past its own position. Gradients flow through the gather and the scatter (autograd). The
 reference backend runs each document alone (``per_document=True``): the definition itself.
@@ -21,6 +22,7 @@ walks documents natively is the faster route (docs/kernels.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -34,13 +36,17 @@ MIN_BUCKET = 64
 
 @dataclass(frozen=True)
 class Bucket:
-    """Documents run together: ``index [n, length]`` holds the global row of each padded position (``pad``
-    for padding, which points at an appended zero row); ``real`` masks the real positions."""
+    """Documents run together as an ``[n, length]`` batch: ``index [n, length]`` holds the packed row of each
+    padded position (``T`` for padding), ``real`` masks the real positions; ``src`` lists the packed rows of
+    the real positions and ``dst`` where each sits in the flattened ``[n * length]`` batch (host-built, so
+    moving rows in or out needs no device synchronisation and no gradient lands on a shared pad row)."""
 
     docs: tuple[int, ...]
     length: int
     index: torch.Tensor
     real: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
 
 
 def host_offsets(cu_seqlens: torch.Tensor | Sequence[int], total: int | None = None) -> list[int]:
@@ -75,51 +81,63 @@ def cmp_offsets(cu: Sequence[int], l: int, d: int) -> list[int]:  # noqa: E741
     return out
 
 
-def plan(cu: Sequence[int], device: torch.device, *, per_document: bool = False) -> list[Bucket]:
-    """Group the documents of ``cu`` into buckets (one per document with ``per_document``)."""
+def _bucket(docs: list[int], starts: list[int], lengths: list[int], length: int, total: int,
+            device: torch.device) -> Bucket:
+    pos = torch.arange(length)
+    st = torch.tensor(starts)[:, None]
+    ln = torch.tensor(lengths)[:, None]
+    real = pos[None] < ln
+    index = torch.where(real, st + pos[None], torch.full_like(pos[None], total))
+    flat = real.reshape(-1)
+    src = index.reshape(-1)[flat]
+    dst = torch.arange(flat.numel())[flat]
+    return Bucket(tuple(docs), length, index.to(device), real.to(device), src.to(device), dst.to(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(cu: tuple[int, ...], device: torch.device, per_document: bool) -> tuple[Bucket, ...]:
     lengths = [b - a for a, b in pairwise(cu)]
-    total = cu[-1]
     groups: dict[int, list[int]] = {}
     for n, L in enumerate(lengths):
         key = n if per_document else max(MIN_BUCKET, 1 << (L - 1).bit_length())
         groups.setdefault(key, []).append(n)
-    buckets = []
-    for key in sorted(groups):
-        docs = groups[key]
-        length = max(lengths[n] for n in docs)
-        pos = torch.arange(length)
-        starts = torch.tensor([cu[n] for n in docs])[:, None]
-        lens = torch.tensor([lengths[n] for n in docs])[:, None]
-        real = pos[None] < lens
-        index = torch.where(real, starts + pos[None], torch.full_like(pos[None], total))
-        buckets.append(Bucket(tuple(docs), length, index.to(device), real.to(device)))
-    return buckets
+    return tuple(_bucket(docs, [cu[n] for n in docs], [lengths[n] for n in docs],
+                         max(lengths[n] for n in docs), cu[-1], device)
+                 for docs in (groups[k] for k in sorted(groups)))
 
 
-def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows of packed ``x [1, T, ...]`` at ``index [n, L]`` (``T``: a zero row): ``[n, L, ...]``."""
-    flat = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
-    return flat[index]
+def plan(cu: Sequence[int], device: torch.device, *, per_document: bool = False) -> list[Bucket]:
+    """Group the documents of ``cu`` into buckets (one per document with ``per_document``); cached per
+    offsets, so the layers of one packed batch share one plan."""
+    return list(_plan(tuple(cu), device, per_document))
+
+
+def take(x: torch.Tensor, b: Bucket) -> torch.Tensor:
+    """Rows of packed ``x [1, T, ...]`` as the bucket's zero-padded batch ``[n, length, ...]``."""
+    n = len(b.docs)
+    out = x.new_zeros(n * b.length, *x.shape[2:])
+    return out.index_copy(0, b.dst, x[0].index_select(0, b.src)).view(n, b.length, *x.shape[2:])
 
 
 def scatter(parts: list[torch.Tensor], buckets: list[Bucket], total: int) -> torch.Tensor:
-    """Inverse of :func:`gather`: the real rows of each bucket's ``[n, L, ...]`` back in packed order ``[1, T, ...]``."""
-    rows = torch.cat([p[b.real] for p, b in zip(parts, buckets, strict=True)])
-    where = torch.cat([b.index[b.real] for b in buckets])
-    order = torch.empty_like(where)
-    order[where] = torch.arange(total, device=where.device)
-    return rows[order][None]
+    """Inverse of :func:`take`: the real rows of each bucket's ``[n, L, ...]`` back in packed order ``[1, T, ...]``."""
+    shape = parts[0].shape[2:]
+    out = parts[0].new_empty(total, *shape)
+    for p, b in zip(parts, buckets, strict=True):
+        out = out.index_copy(0, b.src, p.reshape(p.shape[0] * p.shape[1], *shape).index_select(0, b.dst))
+    return out[None]
 
 
-def cmp_index(bucket: Bucket, cmp_cu: Sequence[int], l: int, d: int) -> torch.Tensor:  # noqa: E741
-    """Rows of the packed compressed tokens for each document of ``bucket``, padded to ``N_c(length)``."""
-    n_c = num_cmp(bucket.length, l, d)
-    j = torch.arange(n_c)
-    rows = []
-    for n in bucket.docs:
-        have = cmp_cu[n + 1] - cmp_cu[n]
-        rows.append(torch.where(j < have, cmp_cu[n] + j, torch.full_like(j, cmp_cu[-1])))
-    return torch.stack(rows).to(bucket.index.device) if rows else bucket.index.new_zeros(0, n_c)
+def cmp_bucket(bucket: Bucket, cmp_cu: Sequence[int], l: int, d: int) -> Bucket:  # noqa: E741
+    """The bucket's documents over the packed compressed tokens, each padded to ``N_c(length)``."""
+    return _cmp_bucket(bucket.docs, bucket.length, bucket.index.device, tuple(cmp_cu), l, d)
+
+
+@functools.lru_cache(maxsize=64)
+def _cmp_bucket(docs: tuple[int, ...], length: int, device: torch.device, cmp_cu: tuple[int, ...], l: int,  # noqa: E741
+                d: int) -> Bucket:
+    return _bucket(list(docs), [cmp_cu[n] for n in docs], [cmp_cu[n + 1] - cmp_cu[n] for n in docs],
+                   num_cmp(length, l, d), cmp_cu[-1], device)
 
 
 def run_packed(
@@ -141,10 +159,10 @@ def run_packed(
     cmp_cu = cmp_offsets(cu, l, d) if cmp_rows else []
     outs: list[list[torch.Tensor]] = []
     for b in buckets:
-        args = [gather(x, b.index) for x in rows]
+        args = [take(x, b) for x in rows]
         if cmp_rows:
-            ci = cmp_index(b, cmp_cu, l, d)
-            args += [gather(x, ci) for x in cmp_rows]
+            cb = cmp_bucket(b, cmp_cu, l, d)
+            args += [take(x, cb) for x in cmp_rows]
         res = fn(*args)
         outs.append(list(res) if isinstance(res, tuple) else [res])
     return [scatter([o[i] for o in outs], buckets, total) for i in range(len(outs[0]))]
@@ -156,21 +174,11 @@ def compress_packed(
 ) -> torch.Tensor:
     """Packed compressed tokens ``[1, sum N_c(L_n), ...]`` of packed raw rows ``x [1, T, ...]``."""
     cmp_cu = cmp_offsets(cu, l, d)
-    buckets = plan(cu, x.device, per_document=per_document)
-    rows: list[torch.Tensor] = []
-    where: list[int] = []
-    for b in buckets:
-        c = compress(gather(x, b.index))  # [n, N_c(length), ...]
-        for i, n in enumerate(b.docs):
-            have = cmp_cu[n + 1] - cmp_cu[n]
-            rows.append(c[i, :have])
-            where.extend(range(cmp_cu[n], cmp_cu[n + 1]))
-    if not rows:
+    if cmp_cu[-1] == 0:
         return x.new_zeros(1, 0, *x.shape[2:])
-    out = torch.cat(rows)
-    order = torch.empty(len(where), dtype=torch.long)
-    order[torch.tensor(where, dtype=torch.long)] = torch.arange(len(where))
-    return out[order.to(x.device)][None]
+    buckets = plan(cu, x.device, per_document=per_document)
+    parts = [compress(take(x, b)) for b in buckets]  # [n, N_c(length), ...]
+    return scatter(parts, [cmp_bucket(b, cmp_cu, l, d) for b in buckets], cmp_cu[-1])
 
 
 def positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -80,9 +80,19 @@ def test_resume_with_more_steps_takes_the_new_schedules_rate() -> None:
     assert opt_long.param_groups[0]["lr"] > opt.param_groups[0]["lr"]  # early in a longer cosine
 
 
-def test_per_rank_state_refuses_another_world_size() -> None:
+def test_per_rank_state_reshards_or_refuses_another_world_size() -> None:
     with pytest.raises(CheckpointError, match="written by 2 ranks"):
         PerRank(_Position(), _one_rank()).load_state_dict([{"at": 1}, {"at": 2}])
+    pos = _Position()
+    per = PerRank(pos, _one_rank(), reshard=lambda states, rank, world: min(states, key=lambda s: s["at"]))
+    per.load_state_dict([{"at": 5}, {"at": 2}, {"at": 7}])
+    assert pos.state_dict() == {"at": 2} and per.saved_by == 3
+    from nsa.data.loader import slowest_position
+    from nsa.train.state import by_rank_modulo
+
+    states = [{"position": {"epoch": 0, "index": i, "offset": o}} for i, o in ((9, 3), (8, 50), (8, 7))]
+    assert slowest_position(states, 0, 1) is states[2]
+    assert [by_rank_modulo(["a", "b"], r, 3) for r in range(3)] == ["a", "b", "a"]
     with pytest.raises(CheckpointError, match="lacks rng"):
         _parts()[-1].load_state_dict({k: {} for k in ("model", "optimizer", "scheduler", "train_state", "loader")})
 

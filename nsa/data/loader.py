@@ -255,6 +255,13 @@ class Loader:
         self.close()
 
 
+def slowest_position(states: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+    """The loader state to resume from on another number of ranks: the saved rank furthest behind (lowest
+    epoch, document, offset). Every new rank continues its own shard from that document, so no document
+    is skipped; the faster ranks' last few documents are read again."""
+    return min(states, key=lambda s: (s["position"]["epoch"], s["position"]["index"], s["position"]["offset"]))
+
+
 def build_loader(
     data_cfg: DataConfig,
     tokenizer: Tokenizer,

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,11 @@ def save_sharded_checkpoint(run_dir: Path, step: int, state: dict[str, Any] | No
     return final
 
 
+def is_sharded(path: Path) -> bool:
+    """The checkpoint holds a sharded model (DCP files beside ``state.pt``)."""
+    return (Path(path) / SHARDED_DIR).is_dir()
+
+
 def load_sharded(path: Path, template: dict[str, Any]) -> None:
     """Fill ``template`` (this rank's sharded state dicts) in place from a checkpoint's shards; the number
     of ranks may differ from the run that wrote them (DCP reshards)."""
@@ -173,7 +179,9 @@ def load_sharded(path: Path, template: dict[str, Any]) -> None:
     if not (Path(path) / SHARDED_DIR).is_dir():
         raise CheckpointError(f"checkpoint {path} holds no sharded model",
                               hint="resume with the runtime.parallel setting the run was saved with")
-    dcp.load(template, checkpoint_id=Path(path) / SHARDED_DIR)
+    with warnings.catch_warnings():  # one process (no process group) loading whole tensors: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, checkpoint_id=Path(path) / SHARDED_DIR)
 
 
 def _remove(path: Path) -> None:

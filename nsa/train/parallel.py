@@ -97,6 +97,58 @@ class ShardedState:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
 
 
+class WholeIntoShards:
+    """Loads a whole checkpoint's ``model`` or ``optimizer`` entry into a sharded model: every rank reads the
+    whole state and keeps its shards (``set_*_state_dict(full_state_dict=True)``)."""
+
+    def __init__(self, model: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("a loading view: the run saves its own shards")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True)
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state, options=full)
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, by_name(self.model, self.optimizer, state),
+                                     options=full)
+
+
+def by_name(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A ``torch.optim`` state dict (parameters numbered in group order) keyed by parameter names instead,
+    the form of ``torch.distributed.checkpoint.state_dict``; ``optimizer`` was built as the one saved."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    ours = [p for g in optimizer.param_groups for p in g["params"]]
+    theirs = [i for g in state["param_groups"] for i in g["params"]]
+    if len(ours) != len(theirs):
+        from nsa.errors import CheckpointError
+
+        raise CheckpointError(f"the checkpoint's optimizer holds {len(theirs)} parameters, this model {len(ours)}")
+    name_of = {i: names[id(p)] for i, p in zip(theirs, ours, strict=True)}
+    return {"state": {name_of[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def load_views(model: Any, optimizer: torch.optim.Optimizer, *, run_sharded: bool,
+               ckpt_sharded: bool) -> dict[str, Any]:
+    """The components that load a checkpoint's weights into this run, whichever way each was sharded:
+    shards (DCP reshards to any number of ranks, or to whole tensors), a whole state into shards, or whole
+    into whole."""
+    if ckpt_sharded:
+        return {"sharded": ShardedState(model, optimizer)}
+    if run_sharded:
+        return {"model": WholeIntoShards(model), "optimizer": WholeIntoShards(model, optimizer)}
+    return {"model": model, "optimizer": optimizer}
+
+
 def full_model_state(model: Any, dist: D.DistInfo) -> dict[str, Any] | None:
     """The whole model's state on rank 0 (CPU), gathered from the shards (a collective: every rank calls
     it); ``None`` on other ranks. Unsharded models: their own state dict."""

@@ -33,7 +33,15 @@ from nsa.train.runtime import (
 )
 from nsa.train.schedule import build_scheduler
 from nsa.train.signals import SignalFlags
-from nsa.train.state import Checkpointable, OptimizerLR, PerRank, RandomStreams, Stateful, TrainState
+from nsa.train.state import (
+    Checkpointable,
+    OptimizerLR,
+    PerRank,
+    RandomStreams,
+    Stateful,
+    TrainState,
+    by_rank_modulo,
+)
 from nsa.train.telemetry import TRAIN_CSV_HEADER, VAL_CSV_HEADER, CsvLog, Heartbeat, TensorBoard
 
 
@@ -232,7 +240,7 @@ def open_session(plan: Plan, reporter: Reporter | None, closers: contextlib.Exit
 def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name: str,
            closers: contextlib.ExitStack) -> Session:
     """Model, wrappers, optimizer, schedule, loaders, restored state, first batch, files, signals."""
-    from nsa.data.loader import build_loader
+    from nsa.data.loader import build_loader, slowest_position
     from nsa.model import build_model
 
     cfg, tr, rt = plan.cfg, plan.cfg.train, plan.rt
@@ -261,17 +269,27 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
         val_start = val_loader.state_dict()
 
     state = TrainState()
-    if parallel.sharded(cfg, dist):  # model and optimizer state as each rank's shards
-        weights: dict[str, Stateful] = {"sharded": parallel.ShardedState(model, optimizer)}
-    else:
-        weights = {"model": model, "optimizer": optimizer}
-    checkpointable = Checkpointable(
-        **weights, scheduler=OptimizerLR(optimizer, scheduler), train_state=state,
-        loader=PerRank(loader, dist), rng=PerRank(RandomStreams(), dist),
-    )
-    if plan.resume_from is not None:
+    run_sharded = parallel.sharded(cfg, dist)
+
+    def components(weights: dict[str, Stateful]) -> Checkpointable:
+        return Checkpointable(
+            **weights, scheduler=OptimizerLR(optimizer, scheduler), train_state=state,
+            loader=PerRank(loader, dist, reshard=slowest_position),
+            rng=PerRank(RandomStreams(), dist, reshard=by_rank_modulo),
+        )
+
+    # saved as this run shards: each rank's shards (FSDP) or the whole model and optimizer
+    checkpointable = components({"sharded": parallel.ShardedState(model, optimizer)} if run_sharded
+                                else {"model": model, "optimizer": optimizer})
+    if plan.resume_from is not None:  # loaded as the checkpoint was written, on any number of ranks
         path = plan.resume_from
-        checkpointable.load_state_dict(ckpt.load_state(path), lambda template: ckpt.load_sharded(path, template))
+        loading = components(parallel.load_views(model, optimizer, run_sharded=run_sharded,
+                                                 ckpt_sharded=ckpt.is_sharded(path)))
+        loading.load_state_dict(ckpt.load_state(path), lambda template: ckpt.load_sharded(path, template))
+        saved_by = getattr(loading.components["loader"], "saved_by", dist.world_size)
+        if saved_by != dist.world_size:
+            out.warn(f"resumed a checkpoint of {saved_by} rank(s) on {dist.world_size}: model, optimizer, schedule "
+                     "and counters exactly; each rank's data continues from the slowest saved rank's document")
 
     first_batch = next(loader)  # used by the first step, not discarded
     mask = getattr(loader, "answer_mask", None)

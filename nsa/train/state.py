@@ -75,19 +75,31 @@ class RandomStreams:
 
 class PerRank:
     """A component whose state differs per rank: saved as the list of every rank's state (a collective),
-    loaded from this rank's entry."""
+    loaded from this rank's entry. A checkpoint of another number of ranks goes through ``reshard(states,
+    rank, world_size)`` (the state this rank continues from); without one it is refused."""
 
-    def __init__(self, inner: Stateful, dist: D.DistInfo) -> None:
-        self.inner, self.dist = inner, dist
+    def __init__(self, inner: Stateful, dist: D.DistInfo,
+                 reshard: Callable[[list[Any], int, int], Any] | None = None) -> None:
+        self.inner, self.dist, self.reshard = inner, dist, reshard
+        self.saved_by: int | None = None  # ranks of the checkpoint last loaded
 
     def state_dict(self) -> list[Any]:
         return D.gather_objects(self.inner.state_dict(), self.dist)
 
     def load_state_dict(self, state: list[Any]) -> None:
-        if len(state) != self.dist.world_size:
+        self.saved_by = len(state)
+        if len(state) == self.dist.world_size:
+            self.inner.load_state_dict(state[self.dist.rank])
+            return
+        if self.reshard is None:
             raise CheckpointError(f"the checkpoint was written by {len(state)} ranks, this run has "
                                   f"{self.dist.world_size}", hint="resume with the same number of ranks")
-        self.inner.load_state_dict(state[self.dist.rank])
+        self.inner.load_state_dict(self.reshard(state, self.dist.rank, self.dist.world_size))
+
+
+def by_rank_modulo(states: list[Any], rank: int, world_size: int) -> Any:
+    """Rank ``r`` of the new world continues rank ``r % n`` of the ``n`` saved (random streams)."""
+    return states[rank % len(states)]
 
 
 class Checkpointable:

@@ -157,21 +157,6 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 f"train.steps={self.cfg.train.steps} is below the step of checkpoint {path} ({done})",
                 hint=f"pass --steps above {done} to train on (the schedule stretches to the new total)",
             )
-        shards = bool(manifest.get("sharded", False))
-        wants = self.cfg.runtime.parallel == "fsdp" and self._expected_world > 1
-        if shards != wants:
-            was = "fsdp" if shards else "ddp"
-            raise ConfigError(
-                f"checkpoint {path} holds a {'sharded' if shards else 'whole'} model (runtime.parallel={was}), "
-                f"this run {'shards' if wants else 'does not shard'} it",
-                hint=f"resume with --set runtime.parallel={was} on as many ranks as it was saved with",
-            )
-        ws = manifest.get("world_size")
-        if ws is not None and ws != self._expected_world:
-            raise CheckpointError(
-                f"checkpoint {path} was written by {ws} ranks, this run has {self._expected_world}",
-                hint="resume with the same number of ranks (the data position is kept per rank)",
-            )
 
     # ================================================================================================
     def fit(self) -> TrainResult:

@@ -106,12 +106,13 @@ def _top_blocks_kernel(
     # one unique 64-bit key per block: the score above, the reversed index below, so a single max per
     # round picks the highest score with ties to the lower index; non-candidates and picks are negative
     key = (key32.to(tl.int64) << 32) | (NBP - 1 - blk)[None, :].to(tl.int64)
-    chosen = (blk[None, :] < 0) & t_ok[:, None]
+    # the n_sel-th largest key, one max per round over the keys below the previous round's: the chosen
+    # blocks are then exactly the valid keys at or above it (keys are unique)
+    below = tl.full([BR], 0x7FFFFFFFFFFFFFFF, tl.int64)
     for _ in range(N_SEL):
-        m = tl.max(key, 1)
-        hit = (key == m[:, None]) & (m[:, None] >= 0)
-        chosen = chosen | hit
-        key = tl.where(hit, -1, key)
+        m = tl.max(tl.where(key < below[:, None], key, -1), 1)
+        below = tl.where(m >= 0, m, below)
+    chosen = (key >= below[:, None]) & (key >= 0) & t_ok[:, None]
     # ascending output: each chosen block goes to the slot given by the number chosen below it
     n_chosen = tl.sum(chosen.to(tl.int32), 1)
     rank = tl.cumsum(chosen.to(tl.int32), 1) - 1

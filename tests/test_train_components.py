@@ -138,3 +138,28 @@ def test_clock_windows_and_first_step() -> None:
     assert clock.take_window() == (2, 3.0, pytest.approx(0.3))
     assert clock.take_window() == (0, 0.0, 0.0)
     assert clock.tokens_after_first == 64 and clock.train_s == 3.0
+
+
+def test_optimizer_state_by_name_and_back_and_the_whole_view() -> None:
+    """``by_name`` keys a ``torch.optim`` state dict by parameter names (the DCP form) and ``by_number``
+    undoes it exactly; the whole view of a model and optimizer gives the unsharded checkpoint's entries."""
+    from nsa.config import load_run_config
+    from nsa.model import build_model
+    from nsa.train.parallel import WholeIntoShards, by_name, by_number
+    from nsa.train.session import build_optimizer
+
+    torch.manual_seed(7)
+    cfg = load_run_config("tiny", environ={}, flags={}).config
+    model = build_model(cfg)
+    opt = build_optimizer(model, cfg, "cpu")
+    model(torch.randint(0, 256, (1, 16))).logits.sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    named = by_name(model, opt, saved)
+    assert set(named["state"]) <= {n for n, _ in model.named_parameters()}
+    back = by_number(model, opt, named)
+    assert back["param_groups"] == saved["param_groups"] and back["state"].keys() == saved["state"].keys()
+    assert all(torch.equal(back["state"][i]["exp_avg"], saved["state"][i]["exp_avg"]) for i in saved["state"])
+    whole = WholeIntoShards(model, opt).state_dict()
+    assert all(torch.equal(whole["state"][i]["exp_avg_sq"], saved["state"][i]["exp_avg_sq"]) for i in saved["state"])
+    assert all(torch.equal(WholeIntoShards(model).state_dict()[k], v) for k, v in model.state_dict().items())

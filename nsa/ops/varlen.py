@@ -36,15 +36,12 @@ MIN_BUCKET = 64
 
 @dataclass(frozen=True)
 class Bucket:
-    """Documents run together as an ``[n, length]`` batch: ``index [n, length]`` holds the packed row of each
-    padded position (``T`` for padding), ``real`` masks the real positions; ``src`` lists the packed rows of
-    the real positions and ``dst`` where each sits in the flattened ``[n * length]`` batch (host-built, so
+    """Documents run together as a zero-padded ``[n, length]`` batch: ``src`` lists the packed rows of the
+    real positions and ``dst`` where each sits in the flattened ``[n * length]`` batch (host-built, so
     moving rows in or out needs no device synchronisation and no gradient lands on a shared pad row)."""
 
     docs: tuple[int, ...]
     length: int
-    index: torch.Tensor
-    real: torch.Tensor
     src: torch.Tensor
     dst: torch.Tensor
 
@@ -81,17 +78,12 @@ def cmp_offsets(cu: Sequence[int], l: int, d: int) -> list[int]:  # noqa: E741
     return out
 
 
-def _bucket(docs: list[int], starts: list[int], lengths: list[int], length: int, total: int,
-            device: torch.device) -> Bucket:
+def _bucket(docs: list[int], starts: list[int], lengths: list[int], length: int, device: torch.device) -> Bucket:
     pos = torch.arange(length)
-    st = torch.tensor(starts)[:, None]
-    ln = torch.tensor(lengths)[:, None]
-    real = pos[None] < ln
-    index = torch.where(real, st + pos[None], torch.full_like(pos[None], total))
-    flat = real.reshape(-1)
-    src = index.reshape(-1)[flat]
-    dst = torch.arange(flat.numel())[flat]
-    return Bucket(tuple(docs), length, index.to(device), real.to(device), src.to(device), dst.to(device))
+    real = (pos[None] < torch.tensor(lengths)[:, None]).reshape(-1)
+    src = (torch.tensor(starts)[:, None] + pos[None]).reshape(-1)[real]
+    dst = torch.arange(real.numel())[real]
+    return Bucket(tuple(docs), length, src.to(device), dst.to(device))
 
 
 @functools.lru_cache(maxsize=64)
@@ -102,7 +94,7 @@ def _plan(cu: tuple[int, ...], device: torch.device, per_document: bool) -> tupl
         key = n if per_document else max(MIN_BUCKET, 1 << (L - 1).bit_length())
         groups.setdefault(key, []).append(n)
     return tuple(_bucket(docs, [cu[n] for n in docs], [lengths[n] for n in docs],
-                         max(lengths[n] for n in docs), cu[-1], device)
+                         max(lengths[n] for n in docs), device)
                  for docs in (groups[k] for k in sorted(groups)))
 
 
@@ -130,14 +122,14 @@ def scatter(parts: list[torch.Tensor], buckets: list[Bucket], total: int) -> tor
 
 def cmp_bucket(bucket: Bucket, cmp_cu: Sequence[int], l: int, d: int) -> Bucket:  # noqa: E741
     """The bucket's documents over the packed compressed tokens, each padded to ``N_c(length)``."""
-    return _cmp_bucket(bucket.docs, bucket.length, bucket.index.device, tuple(cmp_cu), l, d)
+    return _cmp_bucket(bucket.docs, bucket.length, bucket.src.device, tuple(cmp_cu), l, d)
 
 
 @functools.lru_cache(maxsize=64)
 def _cmp_bucket(docs: tuple[int, ...], length: int, device: torch.device, cmp_cu: tuple[int, ...], l: int,  # noqa: E741
                 d: int) -> Bucket:
     return _bucket(list(docs), [cmp_cu[n] for n in docs], [cmp_cu[n + 1] - cmp_cu[n] for n in docs],
-                   num_cmp(length, l, d), cmp_cu[-1], device)
+                   num_cmp(length, l, d), device)
 
 
 def run_packed(

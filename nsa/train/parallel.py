@@ -98,14 +98,24 @@ class ShardedState:
 
 
 class WholeIntoShards:
-    """Loads a whole checkpoint's ``model`` or ``optimizer`` entry into a sharded model: every rank reads the
-    whole state and keeps its shards (``set_*_state_dict(full_state_dict=True)``)."""
+    """A sharded model's ``model`` or (with ``optimizer``) ``optimizer`` component in the whole form of an
+    unsharded checkpoint: loading gives every rank the whole state and each keeps its shards
+    (``set_*_state_dict(full_state_dict=True)``); ``state_dict`` gathers the whole state back (a collective)."""
 
     def __init__(self, model: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("a loading view: the run saves its own shards")
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if self.optimizer is None:
+            return get_model_state_dict(self.model, options=full)
+        return by_number(self.model, self.optimizer, get_optimizer_state_dict(self.model, self.optimizer, options=full))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -122,19 +132,32 @@ class WholeIntoShards:
                                      options=full)
 
 
+def _numbering(model: Any, optimizer: torch.optim.Optimizer, count: int) -> list[str]:
+    """Parameter names in ``torch.optim``'s numbering (group order) of ``optimizer``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    ours = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    if len(ours) != count:
+        from nsa.errors import CheckpointError
+
+        raise CheckpointError(f"the checkpoint's optimizer holds {count} parameters, this model {len(ours)}")
+    return ours
+
+
 def by_name(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
     """A ``torch.optim`` state dict (parameters numbered in group order) keyed by parameter names instead,
     the form of ``torch.distributed.checkpoint.state_dict``; ``optimizer`` was built as the one saved."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    ours = [p for g in optimizer.param_groups for p in g["params"]]
-    theirs = [i for g in state["param_groups"] for i in g["params"]]
-    if len(ours) != len(theirs):
-        from nsa.errors import CheckpointError
-
-        raise CheckpointError(f"the checkpoint's optimizer holds {len(theirs)} parameters, this model {len(ours)}")
-    name_of = {i: names[id(p)] for i, p in zip(theirs, ours, strict=True)}
+    numbers = [i for g in state["param_groups"] for i in g["params"]]
+    name_of = dict(zip(numbers, _numbering(model, optimizer, len(numbers)), strict=True))
     return {"state": {name_of[i]: v for i, v in state["state"].items()},
             "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def by_number(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`by_name`: names back to ``torch.optim``'s numbers."""
+    names = [n for g in state["param_groups"] for n in g["params"]]
+    number_of = {n: i for i, n in enumerate(_numbering(model, optimizer, len(names)))}
+    return {"state": {number_of[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [number_of[n] for n in g["params"]]} for g in state["param_groups"]]}
 
 
 def load_views(model: Any, optimizer: torch.optim.Optimizer, *, run_sharded: bool,

@@ -271,12 +271,12 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     state = TrainState()
     run_sharded = parallel.sharded(cfg, dist)
 
+    per_rank_loader = PerRank(loader, dist, reshard=slowest_position)
+    per_rank_rng = PerRank(RandomStreams(), dist, reshard=by_rank_modulo)
+
     def components(weights: dict[str, Stateful]) -> Checkpointable:
-        return Checkpointable(
-            **weights, scheduler=OptimizerLR(optimizer, scheduler), train_state=state,
-            loader=PerRank(loader, dist, reshard=slowest_position),
-            rng=PerRank(RandomStreams(), dist, reshard=by_rank_modulo),
-        )
+        return Checkpointable(**weights, scheduler=OptimizerLR(optimizer, scheduler), train_state=state,
+                              loader=per_rank_loader, rng=per_rank_rng)
 
     # saved as this run shards: each rank's shards (FSDP) or the whole model and optimizer
     checkpointable = components({"sharded": parallel.ShardedState(model, optimizer)} if run_sharded
@@ -286,9 +286,9 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
         loading = components(parallel.load_views(model, optimizer, run_sharded=run_sharded,
                                                  ckpt_sharded=ckpt.is_sharded(path)))
         loading.load_state_dict(ckpt.load_state(path), lambda template: ckpt.load_sharded(path, template))
-        saved_by = getattr(loading.components["loader"], "saved_by", dist.world_size)
-        if saved_by != dist.world_size:
-            out.warn(f"resumed a checkpoint of {saved_by} rank(s) on {dist.world_size}: model, optimizer, schedule "
+        if per_rank_loader.saved_by != dist.world_size:
+            out.warn(f"resumed a checkpoint of {per_rank_loader.saved_by} rank(s) on {dist.world_size}: model, "
+                     "optimizer, schedule "
                      "and counters exactly; each rank's data continues from the slowest saved rank's document")
 
     first_batch = next(loader)  # used by the first step, not discarded

@@ -321,3 +321,15 @@ def test_init_from_starts_from_the_weights(full_run: Path, tmp_path: Path) -> No
     res = CliRunner().invoke(app, ["train", "--config", "tiny", "--steps", "1", "--out-dir", str(tmp_path / "d"),
                                    "--set", f"train.init_from={tmp_path / 'nothere'}"])
     assert res.exit_code == 2 and "does not exist" in res.output, res.output
+
+
+def test_init_from_an_export_with_tied_embeddings(tmp_path: Path) -> None:
+    """An export stores a tied embedding/head once; ``train.init_from`` still fills both names."""
+    from safetensors.torch import load_file
+
+    src, dst = tmp_path / "a", tmp_path / "b"
+    Trainer(resolve(src, 2, train__save_every=0, model__tie_embeddings=True), reporter=quiet()).fit()
+    r = resolve(dst, 1, train__save_every=0, train__init_from=str(src), train__lr=1e-12, model__tie_embeddings=True)
+    assert Trainer(r, reporter=quiet()).fit().status == "completed"
+    a, b = load_file(src / "export" / "model.safetensors"), load_file(dst / "export" / "model.safetensors")
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6

@@ -82,24 +82,49 @@ def find_weights(path: str | Path) -> tuple[Path, Path | None]:
     )
 
 
-def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """The model weights at ``path`` (see :func:`find_weights`) as a state dict on the CPU, and their file."""
-    weights, _ = find_weights(path)
+def _with_tied(state: dict[str, torch.Tensor], cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """``state`` with every name of a shared parameter (tied embedding and head): safetensors stores a
+    shared tensor once, under one of its names."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    shared: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    out = dict(state)
+    for names in shared.values():
+        have = [n for n in names if n in out]
+        for n in names if have else []:
+            out.setdefault(n, out[have[0]])
+    return out
+
+
+def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
+    """``(state dict on the CPU, its run config, its file)`` for anything :func:`find_weights` takes."""
+    weights, cfg_path = find_weights(path)
     if weights.suffix == ".safetensors":
+        assert cfg_path is not None
+        cfg = _read_config(cfg_path)
         from safetensors.torch import load_file
 
         try:
-            return load_file(str(weights)), weights
+            tensors = load_file(str(weights))
         except Exception as exc:
             raise CheckpointError(f"cannot read {weights}: {exc}") from None
+        return _with_tied(tensors, cfg), cfg, weights
     try:
         state = torch.load(weights, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot load checkpoint {weights}: {exc}") from None
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-        raise CheckpointError(f"{weights} has no 'model' entry (a checkpoint saved with sharded weights?)",
-                              hint="give the run's export/ folder")
-    return _strip(state["model"]), weights
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "config" not in state:
+        raise CheckpointError(f"{weights} has no 'model' and 'config' entries (a sharded checkpoint keeps its "
+                              "weights beside them)", hint="give the run directory or its export/ folder")
+    return _strip(state["model"]), saved_run_config(state["config"]), weights
+
+
+def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The model weights at ``path`` (see :func:`find_weights`) as a state dict on the CPU, and their file."""
+    state, _, weights = _read(path)
+    return state, weights
 
 
 def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
@@ -119,29 +144,11 @@ def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: P
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Build the run's model and load its weights (eval mode, on ``device`` in ``dtype``)."""
-    weights, cfg_path = find_weights(path)
-    if weights.suffix == ".safetensors":
-        assert cfg_path is not None
-        cfg = _read_config(cfg_path)
-        model = build_model(cfg)
-        from safetensors.torch import load_model as st_load
-
-        try:
-            st_load(model, str(weights))
-        except Exception as exc:
-            raise CheckpointError(f"cannot load {weights} into the model of {cfg_path}: {exc}") from None
-    else:
-        try:
-            state = torch.load(weights, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"cannot load checkpoint {weights}: {exc}") from None
-        if not isinstance(state, dict) or "model" not in state or "config" not in state:
-            raise CheckpointError(f"{weights} has no 'model' and 'config' entries")
-        cfg = saved_run_config(state["config"])
-        model = build_model(cfg)
-        try:
-            model.load_state_dict(_strip(state["model"]))
-        except RuntimeError as exc:
-            raise CheckpointError(f"{weights} does not match its config: {exc}") from None
+    state, cfg, weights = _read(path)
+    model = build_model(cfg)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{weights} does not match its config: {exc}") from None
     model.to(device=device, dtype=dtype).eval()
     return LoadedModel(model, cfg, weights)

@@ -175,7 +175,5 @@ def load_views(model: Any, optimizer: torch.optim.Optimizer, *, run_sharded: boo
 def full_model_state(model: Any, dist: D.DistInfo) -> dict[str, Any] | None:
     """The whole model's state on rank 0 (CPU), gathered from the shards (a collective: every rank calls
     it); ``None`` on other ranks. Unsharded models: their own state dict."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = WholeIntoShards(model).state_dict()
     return full if dist.is_main else None

@@ -90,20 +90,69 @@ CPU_CASES = {
 }
 
 
-def _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w, strided=False) -> None:  # noqa: E741
-    _check(B, S, HQ, H, Dk, Dv, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, dtype=torch.float32, device="cpu",
-           tol=2e-5, oracle="reference", strided=strided)
+# the other loop order and kernel options on the same kind of case: (case id, tile overrides)
+CPU_TUNED_CASES = {
+    "h16-row": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {}),
+    "h16-fsa-slabs": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {"sel_mode": "fsa", "score_slab": 7}),
+    "h6-row-tma-slabs": (CPU_CASES["h6"], {"sel_mode": "row", "sel_tma": 1, "score_slab": 16}),
+    "h2-row-strided": (CPU_CASES["h2-strided-views"], {"sel_mode": "row", "sel_tma": 1}),
+}
+
+
+def _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w, strided=False, tune=None) -> None:  # noqa: E741
+    from nsa.ops import tile_overrides
+
+    with tile_overrides(tune):
+        _check(B, S, HQ, H, Dk, Dv, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, dtype=torch.float32,
+               device="cpu", tol=2e-5, oracle="reference", strided=strided)
+
+
+def _messy_blocks_case(device: str = "cpu") -> None:
+    """A given block list in any order, with duplicates, ``-1`` anywhere and blocks past the query's
+    own: the same keys as the reference reads (each block once, future blocks empty), both loop orders."""
+    from nsa.ops import reference, tile_overrides, triton_path
+
+    B, S, HQ, H, D, l, d, l_sel, n_sel, w = 1, 40, 4, 2, 16, 8, 4, 8, 5, 6  # noqa: E741
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = make_inputs(B, S, HQ, H, D, D, l=l, d=d, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(5)
+    idx = torch.randint(-1, S // l_sel + 1, (B, S, H, n_sel), generator=gen, dtype=torch.int32)
+    idx[..., 1] = idx[..., 0]  # a duplicate in every row
+    hp = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
+    ref_args = [a.detach().double().cpu().requires_grad_(True) for a in x.args()]
+    ref = reference.nsa_attention(*ref_args, **hp, block_idx=idx)
+    grad = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
+    ref.backward(grad)
+    for mode in ("row", "fsa"):
+        args = [a.detach().clone().requires_grad_(True) for a in x.args()]
+        with tile_overrides({"sel_mode": mode}):
+            out = triton_path.nsa_attention(*args, **hp, block_idx=idx.to(device))
+            out.backward(grad.to(device, dtype))
+        tol = 2e-5 if device == "cpu" else 2e-2
+        assert _rel(out, ref.to(out.device)) < tol, mode
+        for name, a, r in zip(NAMES, args, ref_args, strict=True):
+            assert a.grad is not None and _rel(a.grad, r.grad.to(a.device)) < tol, (mode, name)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_messy_block_lists_gpu() -> None:
+    _messy_blocks_case("cuda")
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU")
 def test_interpreter_matches_reference() -> None:
-    """All CPU cases in one interpreter process (about 20-40 s on 2 busy cores)."""
+    """All CPU cases in one interpreter process (about 40-60 s on 2 busy cores): both loop orders of the
+    selected branch, TMA descriptors and score slabs included."""
     calls = "".join(f"print({name!r}, flush=True); _cpu_case(*{args!r})\n" for name, args in CPU_CASES.items())
+    calls += "".join(f"print({name!r}, flush=True); _cpu_case(*{args!r}, tune={tune!r})\n"
+                     for name, (args, tune) in CPU_TUNED_CASES.items())
     checks = ("from nsa.ops import triton_path\n"
               "assert triton_path.supports(torch.zeros(1, 8, 1, 16)) is None\n"
               "assert triton_path.supports(torch.zeros(1, 8, 1, 512)) == 'head dim 512'\n"
               "_dispatcher_case()\n")
-    in_triton_interpreter("from tests.test_triton_kernels import _cpu_case, _dispatcher_case\n" + checks + calls)
+    calls += "print('messy block lists', flush=True); _messy_blocks_case()\n"
+    in_triton_interpreter("from tests.test_triton_kernels import _cpu_case, _dispatcher_case, _messy_blocks_case\n"
+                          + checks + calls)
 
 
 def test_supports_reasons() -> None:
@@ -164,7 +213,9 @@ def _top_blocks_case(device: str) -> None:
         nb = -(-S // l_sel)
         P = torch.randint(0, 4, (B * H, S, nb), generator=gen).float()
         P[:, :, 1] = 0.0  # a column of equal zeros next to the forced block 0
-        idx = top_blocks(P.to(device), B=B, H=H, S=S, l_sel=l_sel, n_sel=n_sel).cpu()
+        idx = torch.full((B, S, H, n_sel), -7, dtype=torch.int32, device=device)
+        top_blocks(P.to(device), idx, 0, S, l_sel=l_sel)
+        idx = idx.cpu()
         for b in range(B):
             for g in range(H):
                 for t in range(S):

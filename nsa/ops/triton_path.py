@@ -51,7 +51,7 @@ def compress_avg(x: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
     return _torch_compress_avg(x, l, d)
 
 
-def _cmp_geometry(l: int, d: int) -> dict[str, int]:  # noqa: E741
+def _cmp_geometry(l: int, d: int) -> dict[str, Any]:  # noqa: E741
     return {"stride": d, "off": l - 1, "win": 0}
 
 
@@ -67,17 +67,15 @@ def select_blocks(
 ) -> torch.Tensor:
     """Top-``n_sel`` blocks per query and group: int32 ``[B, S, H, n_sel]``, ascending, -1 padded."""
     from nsa.ops._triton.range_attn import range_fwd
-    from nsa.ops._triton.scores import block_scores, top_blocks
+    from nsa.ops._triton.scores import select_top
 
     check_hparams(l, d, l_sel, n_sel)
-    B, S, _, Dk = q.shape
-    H = k_cmp.shape[2]
+    Dk = q.shape[-1]
     scale = Dk**-0.5 if scale is None else float(scale)
     with torch.no_grad():
         q, k_cmp = _dense_last(q), _dense_last(k_cmp.to(q.dtype))
         lse = range_fwd(q, k_cmp, k_cmp, None, scale=scale, **_cmp_geometry(l, d))
-        P = block_scores(q, k_cmp, lse, l=l, d=d, l_sel=l_sel, scale=scale)
-        return top_blocks(P, B=B, H=H, S=S, l_sel=l_sel, n_sel=n_sel)
+        return select_top(q, k_cmp, lse, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -86,7 +84,7 @@ def select_blocks(
 # one graph (fullgraph=True) and Inductor fuses the projection / RoPE / gate / combine glue around them.
 
 _FWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                 torch.Tensor, torch.Tensor]
+                 torch.Tensor]
 
 
 @torch.library.custom_op("nsa::attention_fwd", mutates_args=())
@@ -95,30 +93,28 @@ def attention_fwd(
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
 ) -> _FWD_OUT:
-    """Forward kernels: ``(out, block_idx, o3, lse_cmp, lse_sel, lse_win, tile_blocks, tile_counts)``;
-    everything after ``block_idx`` is kept for the backward."""
-    from nsa.ops._triton.combine import combine_fwd
+    """Forward kernels: ``(out, block_idx, o3, lse_cmp, lse_sel, lse_win, work)``; everything after
+    ``block_idx`` is kept for the backward (``work``: the selected branch's pair list, or empty)."""
     from nsa.ops._triton.range_attn import range_fwd
-    from nsa.ops._triton.scores import block_scores, top_blocks
-    from nsa.ops._triton.selection import sel_fwd
+    from nsa.ops._triton.scores import select_top
+    from nsa.ops._triton.selection import canonical_blocks, sel_fwd
 
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (_dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win,
                                                                                 v_win))
     B, S, HQ, _ = q.shape
-    H = k_sel.shape[2]
     Dv = v_sel.shape[-1]
     o3 = torch.empty(B, S, HQ, 3, Dv, device=q.device, dtype=q.dtype)
     lse_c = range_fwd(q, k_cmp, v_cmp, o3[:, :, :, 0], scale=scale, **_cmp_geometry(l, d))
     if block_idx is None:
-        P = block_scores(q, k_cmp, lse_c, l=l, d=d, l_sel=l_sel, scale=scale)
-        idx = top_blocks(P, B=B, H=H, S=S, l_sel=l_sel, n_sel=n_sel)
-        del P
+        idx = select_top(q, k_cmp, lse_c, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
     else:
-        idx = block_idx.contiguous().clone()  # an output may not alias an input
-    lse_s, (_, ul, cnt) = sel_fwd(q, k_sel, v_sel, idx, o3[:, :, :, 1], l_sel=l_sel, scale=scale)
-    lse_w = range_fwd(q, k_win, v_win, o3[:, :, :, 2], scale=scale, stride=1, off=0, win=w)
-    out = combine_fwd(o3, gates.contiguous(), q.dtype)
-    return out, idx, o3, lse_c, lse_s, lse_w, ul, cnt
+        idx = canonical_blocks(block_idx, l_sel)  # same key set; a new tensor (outputs may not alias inputs)
+    lse_s, work = sel_fwd(q, k_sel, v_sel, idx, o3[:, :, :, 1], l_sel=l_sel, scale=scale)
+    out = torch.empty(B, S, HQ, Dv, device=q.device, dtype=q.dtype)
+    # the window branch goes last and writes the gated sum of the three branches too
+    lse_w = range_fwd(q, k_win, v_win, o3[:, :, :, 2], scale=scale, stride=1, off=0, win=w,
+                      combine=(gates.contiguous(), out))
+    return out, idx, o3, lse_c, lse_s, lse_w, work
 
 
 @attention_fwd.register_fake
@@ -127,16 +123,16 @@ def _attention_fwd_fake(
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
 ) -> _FWD_OUT:
-    from nsa.ops._triton.selection import sel_tile_positions
+    from nsa.ops._triton.selection import sel_mode, work_shape
 
     B, S, HQ, _ = q.shape
     H, Dv = k_sel.shape[2], v_sel.shape[-1]
-    bt = sel_tile_positions(q, k_sel, v_sel, l_sel, n_sel)
-    T = -(-S // bt)
     f32, i32 = torch.float32, torch.int32
+    work = (q.new_empty(0, dtype=i32) if sel_mode(HQ // H, q.device) == "row"
+            else q.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device), dtype=i32))
     return (q.new_empty(B, S, HQ, Dv), q.new_empty(B, S, H, n_sel, dtype=i32), q.new_empty(B, S, HQ, 3, Dv),
             q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32),
-            q.new_empty(B * H * T, bt * n_sel, dtype=i32), q.new_empty(B * H * T, dtype=i32))
+            work)
 
 
 _BWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -147,28 +143,29 @@ _BWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 def attention_bwd(
     do: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
     v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
-    o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, ul: torch.Tensor,
-    cnt: torch.Tensor, l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
+    o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, work: torch.Tensor,
+    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
 ) -> _BWD_OUT:
     """Backward kernels: ``(dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates)``."""
-    from nsa.ops._triton.combine import combine_bwd
     from nsa.ops._triton.range_attn import range_bwd
-    from nsa.ops._triton.selection import sel_bwd, sel_tile_positions
+    from nsa.ops._triton.selection import sel_bwd
 
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (_dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win,
                                                                                 v_win))
     gates = gates.contiguous()
     do = do.contiguous()
-    dg = combine_bwd(o3, do)
+    # dq of the three branches accumulates in fp32; the compressed dq kernel (first) also writes the gate
+    # gradient dg of all three from o3, and the window dq kernel (last) writes dq in q's dtype
+    dg = torch.empty(*q.shape[:3], 3, device=q.device, dtype=torch.float32)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dq_out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     dk_c, dv_c = range_bwd(q, k_cmp, v_cmp, do, lse_c, gates, dg, dq, branch=0, accum=False,
-                           scale=scale, **_cmp_geometry(l, d))
-    bt = sel_tile_positions(q, k_sel, v_sel, l_sel, n_sel)
+                           scale=scale, o3=o3, **_cmp_geometry(l, d))
     dk_s, dv_s = sel_bwd(q, k_sel, v_sel, idx, do, lse_s, gates, dg, dq, branch=1, accum=True,
-                         l_sel=l_sel, scale=scale, tiles=(bt, ul, cnt))
+                         l_sel=l_sel, scale=scale, work=work)
     dk_w, dv_w = range_bwd(q, k_win, v_win, do, lse_w, gates, dg, dq, branch=2, accum=True,
-                           scale=scale, stride=1, off=0, win=w)
-    return (dq.to(q.dtype), dk_c, dv_c, dk_s.to(k_sel.dtype), dv_s.to(v_sel.dtype), dk_w, dv_w,
+                           scale=scale, stride=1, off=0, win=w, dq_out=dq_out)
+    return (dq_out, dk_c, dv_c, dk_s.to(k_sel.dtype), dv_s.to(v_sel.dtype), dk_w, dv_w,
             dg.to(gates.dtype))
 
 
@@ -176,8 +173,8 @@ def attention_bwd(
 def _attention_bwd_fake(
     do: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
     v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
-    o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, ul: torch.Tensor,
-    cnt: torch.Tensor, l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
+    o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, work: torch.Tensor,
+    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
 ) -> _BWD_OUT:
     return tuple(t.new_empty(t.shape) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))  # type: ignore[return-value]
 
@@ -187,10 +184,10 @@ _HP = ("l", "d", "l_sel", "n_sel", "w", "scale")
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: _FWD_OUT) -> None:
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, _block_idx, *hp = inputs
-    _, idx, o3, lse_c, lse_s, lse_w, ul, cnt = output
-    ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, ul, cnt)
+    _, idx, o3, lse_c, lse_s, lse_w, work = output
+    ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, work)
     ctx.hp = dict(zip(_HP, hp, strict=True))
-    ctx.mark_non_differentiable(idx, o3, lse_c, lse_s, lse_w, ul, cnt)
+    ctx.mark_non_differentiable(idx, o3, lse_c, lse_s, lse_w, work)
 
 
 def _backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:

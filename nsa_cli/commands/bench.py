@@ -96,8 +96,16 @@ def attention(
 
         if not tiny and not torch.cuda.is_available():
             raise fail("no CUDA device for bench attention", hint="use --tiny on a CPU machine")
+        import time
+
+        t0 = time.monotonic()
+
+        def progress(msg: str) -> None:
+            typer.echo(f"[{time.monotonic() - t0:6.1f}s] {msg}", err=True)
+
         rows = bench_attention(shapes, lens, tiny=tiny, batch=batch, backend=backend, peer=peer, dense=dense,
-                               warmup_ms=warmup_ms, rep_ms=rep_ms, cuda_graph=cuda_graph, tune=tuned)
+                               warmup_ms=warmup_ms, rep_ms=rep_ms, cuda_graph=cuda_graph, tune=tuned,
+                               progress=progress)
         graphed = ", CUDA graphs" if rows[0].cuda_graph else ""
         table = Table(title=f"NSA vs dense attention ({rows[0].device}, {rows[0].dtype}, batch {batch}{graphed})")
         for col in ("shape", "S", "nsa fwd ms", "dense fwd ms", "fwd x", "nsa f+b ms", "dense f+b ms", "f+b x",

@@ -68,10 +68,12 @@ class TileConfig:
 
 # Block-shape keys a tuning sweep may override: ``<kind>_{bm,bn,warps,stages}`` of the attention kernels
 # and the named knobs of the compressed backward, the scoring and the decode step.
-TILE_KINDS = ("range", "sel", "seldq", "seldkdv", "score")
+# range kernels: ``cmp``/``win`` forward, ``...dq``, ``...dkdv``; selection: ``sel`` (forward), ``seldq``,
+# ``seldkdv``; ``score``: block scoring
+TILE_KINDS = ("cmp", "cmpdq", "cmpdkdv", "win", "windq", "windkdv", "sel", "seldq", "seldkdv", "score")
 TUNE_KEYS = frozenset(
     [f"{k}_{x}" for k in TILE_KINDS for x in ("bm", "bn", "warps", "stages")]
-    + ["cmp_qch", "score_prec", "score_reshape", "topn_elems", "topn_warps", "dec_waves", "dec_cmp_min_tiles",
+    + ["sel_mode", "sel_ch", "sel_tma", "cmp_qch", "score_prec", "score_slab", "score_reshape", "topn_elems", "topn_warps", "dec_waves", "dec_cmp_min_tiles",
        "dec_win_min_tiles", "dec_part_prec", "dec_cmp_warps", "dec_cmp_stages", "dec_score_cols",
        "dec_rank_block", "dec_score_warps", "dec_sel_min_tiles", "dec_sel_warps", "dec_sel_stages",
        "dec_combine_cols", "dec_combine_warps"]
@@ -105,18 +107,25 @@ def is_tuned(key: str) -> bool:
     return key in _OVERRIDES.get()
 
 
-def tile_config(device: torch.device, h: int, dk: int, dv: int, kind: str = "range") -> TileConfig:
-    """Heuristic block shapes (GPU) or small ones (the CPU interpreter); ``kind`` range|sel|score."""
+def tile_config(device: torch.device, h: int, dk: int, dv: int, kind: str) -> TileConfig:
+    """Heuristic block shapes (GPU) or small ones (the CPU interpreter); ``kind`` one of :data:`TILE_KINDS`."""
     if device.type != "cuda":
         return TileConfig(bm=max(16, next_pow2(h)), bn=16, num_warps=4, num_stages=1)
     dmax = max(next_pow2(dk), next_pow2(dv))
-    # measured on an H200 (docs/kernels.md): 4 warps beat 8 for every kernel at D <= 128, except the
-    # block scoring of large groups, which also prefers 128-row tiles
-    big_score = kind == "score" and h >= 16 and dmax <= 128
-    # selection forward of a large group: one position per tile (no union of several positions' blocks)
-    bm = int(tuned(f"{kind}_bm", 128 if big_score else 16 if kind == "sel" and h >= 16 else 64))
-    bm = max(bm, next_pow2(h))
-    bn = int(tuned(f"{kind}_bn", 64 if dmax <= 128 else 32))
-    warps = int(tuned(f"{kind}_warps", 8 if big_score or dmax > 128 else 4))
-    stages = int(tuned(f"{kind}_stages", 2))
+    bm, bn, warps, stages = 64, 64 if dmax <= 128 else 32, 4 if dmax <= 128 else 8, 2
+    # H100 sweeps (docs/kernels.md, scripts/kernel_sweep.py): 4 warps and 64x64 tiles are best for most
+    # kernels at D <= 128; these kinds measured faster with other shapes
+    if dmax <= 128:
+        if kind == "score" and h >= 16:
+            bm, warps = 128, 8
+        elif kind == "cmp":
+            bm, warps, stages = 128, 8, 3
+        elif kind == "cmpdkdv" and dmax > 64:
+            stages = 1
+        elif kind in ("cmpdkdv", "windkdv", "seldkdv") and dmax <= 64:
+            bm, bn = 128, 32
+    bm = max(int(tuned(f"{kind}_bm", bm)), next_pow2(h))
+    bn = int(tuned(f"{kind}_bn", bn))
+    warps = int(tuned(f"{kind}_warps", warps))
+    stages = int(tuned(f"{kind}_stages", stages))
     return TileConfig(bm=bm, bn=bn, num_warps=warps, num_stages=stages)

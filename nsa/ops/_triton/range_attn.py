@@ -24,12 +24,12 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _range_fwd_kernel(
-    Q, K, V, OUT, LSE,
+    Q, K, V, OUT, LSE, GATE, FINAL,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
     S, NK, HQ, scale_log2,
     HG: tl.constexpr, H: tl.constexpr, STRIDE: tl.constexpr, OFF: tl.constexpr, WIN: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, WRITE_O: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, WRITE_O: tl.constexpr, COMBINE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -82,18 +82,28 @@ def _range_fwd_kernel(
     tl.store(LSE + (b * S + pos64) * HQ + head, lse, mask=row_ok)
     if WRITE_O:
         o = acc / tl.where(has, l_i, 1.0)[:, None]
-        tl.store(OUT + b * sob + pos64[:, None] * sos + head[:, None] * soh + cv[None, :],
-                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (cv[None, :] < DV))
+        optr = OUT + b * sob + pos64[:, None] * sos + head[:, None] * soh + cv[None, :]
+        omask = row_ok[:, None] & (cv[None, :] < DV)
+        tl.store(optr, o.to(OUT.dtype.element_ty), mask=omask)
+        if COMBINE:
+            # OUT is slot 2 of o3 [B, S, HQ, 3, Dv]: slots 0 and 1 hold the other branches' outputs
+            row = (b * S + pos64) * HQ + head
+            fin = o * tl.load(GATE + row * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            for x in tl.static_range(2):
+                ox = tl.load(optr - (2 - x) * DV, mask=omask, other=0.0).to(tl.float32)
+                fin += ox * tl.load(GATE + row * 3 + x, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(FINAL + row[:, None] * DV + cv[None, :], fin.to(FINAL.dtype.element_ty), mask=omask)
 
 
 @triton.jit
 def _range_bwd_dq_kernel(
-    Q, K, V, DO, LSE, GATE, DG, DQ,
+    Q, K, V, DO, LSE, GATE, DG, DQ, O3, DQO,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
     S, NK, HQ, scale_log2, scale,
     HG: tl.constexpr, H: tl.constexpr, STRIDE: tl.constexpr, OFF: tl.constexpr, WIN: tl.constexpr,
     X: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, ACCUM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, ACCUM: tl.constexpr, DG_FROM_O3: tl.constexpr,
+    CAST_OUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -114,8 +124,26 @@ def _range_bwd_dq_kernel(
     gate = tl.load(GATE + row * 3 + X, mask=row_ok, other=0.0).to(tl.float32)
     do = tl.load(DO + b * sdb + pos64[:, None] * sds + head[:, None] * sdh + cv[None, :],
                  mask=row_ok[:, None] & (cv[None, :] < DV), other=0.0)
+    if DG_FROM_O3:
+        # the gate gradient of all three branches, dg[row, x] = sum(do * o_x), written for the kernels after
+        omask = row_ok[:, None] & (cv[None, :] < DV)
+        dof = do.to(tl.float32)
+        o3p = O3 + row[:, None] * 3 * DV + cv[None, :]
+        dg0 = tl.sum(dof * tl.load(o3p, mask=omask, other=0.0).to(tl.float32), 1)
+        dg1 = tl.sum(dof * tl.load(o3p + DV, mask=omask, other=0.0).to(tl.float32), 1)
+        dg2 = tl.sum(dof * tl.load(o3p + 2 * DV, mask=omask, other=0.0).to(tl.float32), 1)
+        tl.store(DG + row * 3, dg0, mask=row_ok)
+        tl.store(DG + row * 3 + 1, dg1, mask=row_ok)
+        tl.store(DG + row * 3 + 2, dg2, mask=row_ok)
+        if X == 0:
+            delta = gate * dg0
+        elif X == 1:
+            delta = gate * dg1
+        else:
+            delta = gate * dg2
+    else:
+        delta = gate * tl.load(DG + row * 3 + X, mask=row_ok, other=0.0)
     do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
-    delta = gate * tl.load(DG + row * 3 + X, mask=row_ok, other=0.0)
     lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
     t_last = tl.minimum(t0 + BT - 1, S - 1)
     j_hi = tl.where(t_last >= OFF, (t_last - OFF) // STRIDE + 1, 0)
@@ -147,7 +175,11 @@ def _range_bwd_dq_kernel(
     msk = row_ok[:, None] & (ck[None, :] < DK)
     if ACCUM:
         dq += tl.load(ptrs, mask=msk, other=0.0)
-    tl.store(ptrs, dq, mask=msk)
+    if CAST_OUT:
+        tl.store(DQO + (b * S + pos64[:, None]) * HQ * DK + head[:, None] * DK + ck[None, :],
+                 dq.to(DQO.dtype.element_ty), mask=msk)
+    else:
+        tl.store(ptrs, dq, mask=msk)
 
 
 @triton.jit
@@ -234,6 +266,11 @@ def _query_chunk(S: int, programs: int, device: torch.device) -> int:
     return triton.cdiv(triton.cdiv(S, chunks), 64) * 64
 
 
+def _kind(win: int) -> str:
+    """Tile kind of a range call: the window branch (``win > 0``) or the compressed one."""
+    return "win" if win > 0 else "cmp"
+
+
 def _geom(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
     B, S, HQ, DK = q.shape
     H = k.shape[2]
@@ -243,21 +280,27 @@ def _geom(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, 
 def range_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None, *,
     stride: int, off: int, win: int, scale: float,
+    combine: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Write the branch output into ``o`` (a ``[B,S,HQ,Dv]`` view; None: only lse); return lse."""
+    """Write the branch output into ``o`` (a ``[B,S,HQ,Dv]`` view; None: only lse); return lse.
+
+    ``combine=(gates, out)``: ``o`` is slot 2 of a contiguous ``o3 [B,S,HQ,3,Dv]`` whose slots 0 and 1
+    are written; also write the gated sum of the three into contiguous ``out`` (gates ``[B,S,HQ,3]``)."""
     B, S, HQ, H, h, DK, DV = _geom(q, k, v)
     NK = k.shape[1]
-    cfg = tile_config(q.device, h, DK, DV)
+    cfg = tile_config(q.device, h, DK, DV, _kind(win))
     lse = torch.empty(B, S, HQ, device=q.device, dtype=torch.float32)
     out = o if o is not None else q  # dummy pointer when not writing
+    gates, final = combine if combine is not None else (lse, lse)
     grid = (triton.cdiv(S, cfg.bm // h), B * H)
     _range_fwd_kernel[grid](
-        q, k, v, out, lse,
+        q, k, v, out, lse, gates, final,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         S, NK, HQ, scale * LOG2E,
         HG=h, H=H, STRIDE=stride, OFF=off, WIN=win, DK=DK, DV=DV,
         BDK=max(16, next_pow2(DK)), BDV=max(16, next_pow2(DV)), BM=cfg.bm, BN=cfg.bn,
-        WRITE_O=o is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WRITE_O=o is not None, COMBINE=combine is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return lse
 
@@ -265,20 +308,26 @@ def range_fwd(
 def range_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
     gates: torch.Tensor, dg: torch.Tensor, dq: torch.Tensor, *, branch: int, accum: bool,
-    stride: int, off: int, win: int, scale: float,
+    stride: int, off: int, win: int, scale: float, o3: torch.Tensor | None = None,
+    dq_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add this branch's dq into fp32 ``dq`` (or store when not ``accum``); return ``dk, dv``."""
+    """Add this branch's dq into fp32 ``dq`` (or store when not ``accum``); return ``dk, dv``.
+
+    ``o3``: compute the gate gradient ``dg`` of all three branches from it first (``dg`` is written);
+    ``dq_out``: write the final dq there (its dtype) instead of back into ``dq``."""
     B, S, HQ, H, h, DK, DV = _geom(q, k, v)
     NK = k.shape[1]
-    cfg = tile_config(q.device, h, DK, DV)
     common = dict(HG=h, H=H, STRIDE=stride, OFF=off, WIN=win, X=branch, DK=DK, DV=DV,
-                  BDK=max(16, next_pow2(DK)), BDV=max(16, next_pow2(DV)), BM=cfg.bm, BN=cfg.bn,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BDK=max(16, next_pow2(DK)), BDV=max(16, next_pow2(DV)))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    cfg = tile_config(q.device, h, DK, DV, _kind(win) + "dq")
     _range_bwd_dq_kernel[(triton.cdiv(S, cfg.bm // h), B * H)](
-        q, k, v, do, lse, gates, dg, dq, *strides, S, NK, HQ, scale * LOG2E, scale,
-        ACCUM=accum, **common,
+        q, k, v, do, lse, gates, dg, dq, o3 if o3 is not None else dq, dq_out if dq_out is not None else dq,
+        *strides, S, NK, HQ, scale * LOG2E, scale, ACCUM=accum, DG_FROM_O3=o3 is not None,
+        CAST_OUT=dq_out is not None, BM=cfg.bm, BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **common,
     )
+    cfg = tile_config(q.device, h, DK, DV, _kind(win) + "dkdv")
     # long query ranges (compressed branch) are split over programs that add dk/dv atomically
     qch = S if win > 0 else _query_chunk(S, triton.cdiv(max(NK, 1), cfg.bn) * B * H, q.device)
     n_chunks = triton.cdiv(S, qch)
@@ -292,6 +341,6 @@ def range_bwd(
     if NK > 0:
         _range_bwd_dkdv_kernel[(triton.cdiv(NK, cfg.bn), B * H, n_chunks)](
             q, k, v, do, lse, gates, dg, dk, dv, *strides, S, NK, HQ, qch, scale * LOG2E, scale,
-            ATOMIC=atomic, **common,
+            ATOMIC=atomic, BM=cfg.bm, BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
     return dk.to(k.dtype), dv.to(v.dtype)

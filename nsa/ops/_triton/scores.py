@@ -1,10 +1,10 @@
 """Block importance (paper Eqs. 8-10) and top-n selection, without a ``[S, S_cmp]`` matrix in memory.
 
-``block_scores``: one program per tile of packed query rows of a group recomputes the compressed
+``_block_scores``: one program per tile of packed query rows of a group recomputes the compressed
 scores chunk by chunk (using the compressed forward's ``lse``), weights them by the overlap of each
 compressed token with each selection block (a small matrix product with ``W[j, b] = overlap / l``,
 built in registers) and sums the group's heads (a 0/1 matrix product), writing the group-summed
-importance ``P [B*H, S, n_blocks]`` (fp32). ``top_blocks`` turns ``P`` into the spec's indices:
+importance ``P [B*H, slab, n_blocks]`` (fp32). ``top_blocks`` turns ``P`` into the spec's indices:
 forced blocks (current, 0, previous) first, then the highest ``P``, ties to the lower index,
 ascending, ``-1`` padded.
 """
@@ -23,7 +23,7 @@ from nsa.ops._triton.range_attn import LOG2E
 def _block_scores_kernel(
     Q, K, LSE, P,
     sqb, sqs, sqh, skb, sks, skh,
-    S, NK, NB, HQ, scale_log2,
+    S, T0, T1, NK, NB, HQ, scale_log2,
     HG: tl.constexpr, H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr,
     DK: tl.constexpr, BDK: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr,
     NBC: tl.constexpr, NBCP: tl.constexpr, BTP: tl.constexpr, PREC: tl.constexpr, RESHAPE: tl.constexpr,
@@ -33,17 +33,17 @@ def _block_scores_kernel(
     b = (bh // H).to(tl.int64)
     g = bh % H
     BT: tl.constexpr = BM // HG
-    t0 = pid * BT
+    t0 = T0 + pid * BT
     r = tl.arange(0, BM)
     pos = t0 + r // HG
     head = g * HG + r % HG
-    row_ok = (r < BT * HG) & (pos < S)
+    row_ok = (r < BT * HG) & (pos < T1)
     ck = tl.arange(0, BDK)
     pos64 = pos.to(tl.int64)
     q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
                 mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
     lse = tl.load(LSE + (b * S + pos64) * HQ + head, mask=row_ok, other=float("inf"))
-    t_last = tl.minimum(t0 + BT - 1, S - 1)
+    t_last = tl.minimum(t0 + BT - 1, T1 - 1)
     n_blk = t_last // LS + 1
     # head-sum matrix: E[i, r] = 1 iff row r belongs to the tile's i-th position
     ti = tl.arange(0, BTP)
@@ -73,31 +73,31 @@ def _block_scores_kernel(
             p_pos2 = tl.sum(tl.reshape(p_rows, [BT, HG, NBCP]), 1)
             t2 = tl.arange(0, BT)
             tpos2 = (t0 + t2).to(tl.int64)
-            tl.store(P + (bh * S + tpos2[:, None]) * NB + blk[None, :], p_pos2,
-                     mask=(tpos2[:, None] < S) & (bb[None, :] < NBC) & (blk[None, :] < NB))
+            tl.store(P + (bh * (T1 - T0) + tpos2[:, None] - T0) * NB + blk[None, :], p_pos2,
+                     mask=(tpos2[:, None] < T1) & (bb[None, :] < NBC) & (blk[None, :] < NB))
         else:
             p_pos = tl.dot(E, p_rows, input_precision="ieee")
             tpos = (t0 + ti).to(tl.int64)
-            tl.store(P + (bh * S + tpos[:, None]) * NB + blk[None, :], p_pos,
-                     mask=(ti[:, None] < BT) & (tpos[:, None] < S) & (bb[None, :] < NBC) & (blk[None, :] < NB))
+            tl.store(P + (bh * (T1 - T0) + tpos[:, None] - T0) * NB + blk[None, :], p_pos,
+                     mask=(ti[:, None] < BT) & (tpos[:, None] < T1) & (bb[None, :] < NBC) & (blk[None, :] < NB))
 
 
 @triton.jit
 def _top_blocks_kernel(
-    P, IDX, S, NB, H,
+    P, IDX, S, T0, T1, NB, H,
     LS: tl.constexpr, N_SEL: tl.constexpr, NBP: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     g = bh % H
-    t = pid * BR + tl.arange(0, BR)
-    t_ok = t < S
+    t = T0 + pid * BR + tl.arange(0, BR)
+    t_ok = t < T1
     t64 = t.to(tl.int64)
     blk = tl.arange(0, NBP)
     bt = t // LS
     cand = (blk[None, :] <= bt[:, None]) & t_ok[:, None]
-    pv = tl.load(P + (bh * S + t64[:, None]) * NB + blk[None, :], mask=cand, other=0.0)
+    pv = tl.load(P + (bh * (T1 - T0) + t64[:, None] - T0) * NB + blk[None, :], mask=cand, other=0.0)
     key32 = tl.maximum(pv.to(tl.int32, bitcast=True), 0)  # P >= 0: int order == float order
     key32 = tl.where(blk[None, :] == bt[:, None] - 1, 0x7F000001, key32)
     key32 = tl.where(blk[None, :] == 0, 0x7F000002, key32)
@@ -123,42 +123,59 @@ def _top_blocks_kernel(
     tl.store(IDX + row[:, None] + rank, (blk[None, :] + 0 * rank).to(tl.int32), mask=chosen)
 
 
-def block_scores(
-    q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, *, l: int, d: int, l_sel: int,  # noqa: E741
-    scale: float,
-) -> torch.Tensor:
-    """Group-summed block importance ``P [B*H, S, n_blocks]`` (fp32; entries past ``t // l_sel`` unset)."""
+def _block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, P: torch.Tensor, t0: int, t1: int, *,
+                  l: int, d: int, l_sel: int, scale: float) -> None:  # noqa: E741
+    """Group-summed block importance of positions ``[t0, t1)`` into ``P [B*H, t1-t0, n_blocks]`` (fp32;
+    entries past ``t // l_sel`` unset)."""
     B, S, HQ, DK = q.shape
     NK, H = k_cmp.shape[1], k_cmp.shape[2]
     h = HQ // H
-    NB = -(-S // l_sel)
+    NB = P.shape[-1]
     cfg = tile_config(q.device, h, DK, DK, "score")
     halo = l // d - 1
     per_blk = l_sel // d
     bj = max(next_pow2(per_blk + halo), 64 if q.is_cuda else 16)
     nbc = (bj - halo) // per_blk
     bt = cfg.bm // h
-    P = torch.empty(B * H, S, NB, device=q.device, dtype=torch.float32)
-    _block_scores_kernel[(triton.cdiv(S, bt), B * H)](
-        q, k_cmp, lse, P, *q.stride()[:3], *k_cmp.stride()[:3], S, NK, NB, HQ, scale * LOG2E,
+    _block_scores_kernel[(triton.cdiv(t1 - t0, bt), B * H)](
+        q, k_cmp, lse, P, *q.stride()[:3], *k_cmp.stride()[:3], S, t0, t1, NK, NB, HQ, scale * LOG2E,
         HG=h, H=H, L=l, D=d, LS=l_sel, DK=DK, BDK=max(16, next_pow2(DK)), BM=cfg.bm, BJ=bj,
         NBC=nbc, NBCP=max(16, next_pow2(nbc)), BTP=max(16, next_pow2(bt)),
         PREC=str(tuned("score_prec", "tf32")) if q.is_cuda else "ieee",
         RESHAPE=bool(tuned("score_reshape", 1)) and q.is_cuda and h & (h - 1) == 0 and cfg.bm == bt * h,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return P
 
 
-def top_blocks(P: torch.Tensor, *, B: int, H: int, S: int, l_sel: int, n_sel: int) -> torch.Tensor:
-    """Spec top-n over ``P``: int32 ``[B, S, H, n_sel]``, ascending, ``-1`` padded."""
+def top_blocks(P: torch.Tensor, idx: torch.Tensor, t0: int, t1: int, *, l_sel: int) -> None:
+    """Spec top-n over ``P`` (positions ``[t0, t1)``) into ``idx [B, S, H, n_sel]``: ascending, ``-1`` padded."""
+    B, S, H, n_sel = idx.shape
     NB = P.shape[-1]
     nbp = max(16, next_pow2(NB))
     br = max(1, min(64, int(tuned("topn_elems", 1024)) // nbp))
     warps = int(tuned("topn_warps", 1))  # H100 sweep: 1 warp per row beat 2, 4 and 8
-    idx = torch.empty(B, S, H, n_sel, device=P.device, dtype=torch.int32)
-    _top_blocks_kernel[(triton.cdiv(S, br), B * H)](
-        P, idx, S, NB, H, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)), BR=br,
+    _top_blocks_kernel[(triton.cdiv(t1 - t0, br), B * H)](
+        P, idx, S, t0, t1, NB, H, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)), BR=br,
         num_warps=warps,
     )
+
+
+def select_top(
+    q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, *, l: int, d: int, l_sel: int,  # noqa: E741
+    n_sel: int, scale: float,
+) -> torch.Tensor:
+    """Spec top-n blocks: int32 ``[B, S, H, n_sel]``, ascending, ``-1`` padded.
+
+    Positions go in slabs whose score matrix stays under about 128 MiB (scores, then top-n, per slab),
+    so the memory of the whole ``[B*H, S, n_blocks]`` matrix (1 GiB at the paper shape, 64k) is never held."""
+    B, S = q.shape[:2]
+    H = k_cmp.shape[2]
+    NB = -(-S // l_sel)
+    idx = torch.empty(B, S, H, n_sel, device=q.device, dtype=torch.int32)
+    slab = int(tuned("score_slab", max(1024, (128 << 20) // (B * H * NB * 4)) if q.is_cuda else S))
+    P = torch.empty(B * H, min(S, slab), NB, device=q.device, dtype=torch.float32)
+    for t0 in range(0, S, slab):
+        t1 = min(S, t0 + slab)
+        _block_scores(q, k_cmp, lse, P, t0, t1, l=l, d=d, l_sel=l_sel, scale=scale)
+        top_blocks(P, idx, t0, t1, l_sel=l_sel)
     return idx

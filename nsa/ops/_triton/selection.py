@@ -1,14 +1,22 @@
-"""Selected-branch attention for any group size ``h``.
+"""Selected-branch attention in two loop orders, chosen per shape (:func:`sel_mode`).
 
-Forward and dq: a tile packs ``BM // h`` consecutive positions times the ``h`` heads of one group. The
-tile walks the union of its positions' block lists, each distinct block once (a block already listed
-by an earlier position of the tile is skipped); rows whose position did not choose a block are masked
-out of it. Adjacent positions mostly choose the same blocks, so the union stays close to ``n_sel``.
+``row`` (large groups, ``h >= 16`` by default): one program per position and group; its ``h`` query
+heads are the rows (padded to 16) and it walks that position's own ``n_sel`` blocks, loading each
+``[l_sel, D]`` key/value block with a TMA tensor descriptor on Hopper. No tile unions, no sorts in the
+forward; dq the same way.
 
-dk/dv (the FSA order): the ``(position, block)`` pairs are sorted by block on the device (no host
-sync), and one program takes a chunk of up to ``CH`` positions that chose one key block, gathering
-their ``h`` query heads as rows. A block chosen by more than ``CH`` positions (block 0 always is) is
-split over several programs that add into an fp32 buffer atomically; other blocks store directly.
+``fsa`` (small groups, the FSA order): the ``(position, slot)`` pairs are sorted by chosen block on the
+device (:func:`work_list`, no host sync). One program takes one key block and a chunk of up to ``CH``
+pairs that chose it, loads the block once and gathers the pairs' ``h`` heads as rows, so every product
+is ``BM`` rows tall whatever ``h`` is. The forward writes one partial output and log-sum-exp per
+``(row, slot)`` and a merge pass combines a row's ``n_sel`` partials; the backward computes dk/dv and
+each pair's dq partial in the same program (5 products), and a reduction adds the partials into dq.
+
+dk/dv always run in the FSA order (also for ``row``). A block chosen by more than ``CH`` pairs (block
+0 always is) is split over programs that add into an fp32 buffer atomically; other blocks store.
+
+Block lists must be canonical (:func:`canonical_blocks`): the valid blocks ascending and unique first,
+``-1`` after; the top-n kernel writes them so, and given lists are made so once.
 """
 
 from __future__ import annotations
@@ -17,154 +25,239 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops._triton import next_pow2, tile_config
+from nsa.ops._triton import cc_major, interpreting, next_pow2, tile_config, tuned
 from nsa.ops._triton.range_attn import LOG2E
+
+try:  # Triton >= 3.4: host-side TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# row order: one program per (position, group)
+
+@triton.jit
+def _load_block(K, k_desc, b, g, blk, kb, ck, skb, sks, skh, S,
+                LS: tl.constexpr, BLS: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, TMA: tl.constexpr):
+    if TMA:
+        k = k_desc.load([b.to(tl.int32), blk * LS, g, 0]).reshape(BLS, BDK)
+    else:
+        kpos = (blk * LS + kb).to(tl.int64)
+        k = tl.load(K + b * skb + kpos[:, None] * sks + g * skh + ck[None, :],
+                    mask=(kb[:, None] < LS) & (kpos[:, None] < S) & (ck[None, :] < DK), other=0.0)
+    return k
 
 
 @triton.jit
-def _sel_fwd_kernel(
-    Q, K, V, IDX, UL, UCNT, OUT, LSE,
+def _sel_fwd_row_kernel(
+    Q, K, V, IDX, OUT, LSE, k_desc, v_desc,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
-    S, HQ, NT, U, scale_log2,
+    S, HQ, scale_log2,
     HG: tl.constexpr, H: tl.constexpr, LS: tl.constexpr, BLS: tl.constexpr, N_SEL: tl.constexpr,
     NSP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-    BM: tl.constexpr,
+    BH: tl.constexpr, TMA: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    t = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     g = bh % H
-    BT: tl.constexpr = BM // HG
-    t0 = pid * BT
-    r = tl.arange(0, BM)
-    pos = t0 + r // HG
-    head = g * HG + r % HG
-    row_ok = (r < BT * HG) & (pos < S)
+    r = tl.arange(0, BH)
+    head = g * HG + r
+    row_ok = r < HG
     ck = tl.arange(0, BDK)
     cv = tl.arange(0, BDV)
-    ns = tl.arange(0, NSP)
     kb = tl.arange(0, BLS)
-    pos64 = pos.to(tl.int64)
-    q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
+    ns = tl.arange(0, NSP)
+    t64 = t.to(tl.int64)
+    q = tl.load(Q + b * sqb + t64 * sqs + head[:, None] * sqh + ck[None, :],
                 mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
-    idx_rows = tl.load(IDX + ((b * S + pos64[:, None]) * H + g) * N_SEL + ns[None, :],
-                       mask=row_ok[:, None] & (ns[None, :] < N_SEL), other=-1)
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, BDV], tl.float32)
-    tile = bh.to(tl.int64) * NT + pid
-    cnt = tl.load(UCNT + tile)
-    for u in range(0, cnt):
-        blk = tl.load(UL + tile * U + u)
-        mine = tl.sum(tl.where(idx_rows == blk, 1, 0), 1) > 0
-        kpos = blk * LS + kb
-        kpos64 = kpos.to(tl.int64)
-        kmask = (kb < LS) & (kpos < S)
-        k = tl.load(K + b * skb + kpos64[:, None] * sks + g * skh + ck[None, :],
-                    mask=kmask[:, None] & (ck[None, :] < DK), other=0.0)
-        s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
-        vis = mine[:, None] & kmask[None, :] & (kpos[None, :] <= pos[:, None])
-        s = tl.where(vis, s, float("-inf"))
+    ibase = ((b * S + t64) * H + g) * N_SEL
+    n_valid = tl.sum((tl.load(IDX + ibase + ns, mask=ns < N_SEL, other=-1) >= 0).to(tl.int32), 0)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BDV], tl.float32)
+    for i in range(0, n_valid):
+        blk = tl.load(IDX + ibase + i)
+        k = _load_block(K, k_desc, b, g, blk, kb, ck, skb, sks, skh, S, LS, BLS, DK, BDK, TMA)
+        v = _load_block(V, v_desc, b, g, blk, kb, cv, svb, svs, svh, S, LS, BLS, DV, BDV, TMA)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        vis = (blk * LS + kb <= t) & (kb < LS)
+        s = tl.where(vis[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + b * svb + kpos64[:, None] * svs + g * svh + cv[None, :],
-                    mask=kmask[:, None] & (cv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     has = l_i > 0.0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))
-    tl.store(LSE + (b * S + pos64) * HQ + head, lse, mask=row_ok)
+    tl.store(LSE + (b * S + t64) * HQ + head, lse, mask=row_ok)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    tl.store(OUT + b * sob + pos64[:, None] * sos + head[:, None] * soh + cv[None, :],
+    tl.store(OUT + b * sob + t64 * sos + head[:, None] * soh + cv[None, :],
              o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (cv[None, :] < DV))
 
 
 @triton.jit
-def _sel_bwd_dq_kernel(
-    Q, K, V, DO, IDX, UL, UCNT, LSE, GATE, DG, DQ,
+def _sel_dq_row_kernel(
+    Q, K, V, DO, IDX, LSE, GATE, DG, DQ, k_desc, v_desc,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-    S, HQ, NT, U, scale_log2, scale,
+    S, HQ, scale_log2, scale,
     HG: tl.constexpr, H: tl.constexpr, LS: tl.constexpr, BLS: tl.constexpr, N_SEL: tl.constexpr,
     NSP: tl.constexpr, X: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-    BDV: tl.constexpr, BM: tl.constexpr, ACCUM: tl.constexpr,
+    BDV: tl.constexpr, BH: tl.constexpr, TMA: tl.constexpr, ACCUM: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    t = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     g = bh % H
-    BT: tl.constexpr = BM // HG
-    t0 = pid * BT
-    r = tl.arange(0, BM)
-    pos = t0 + r // HG
-    head = g * HG + r % HG
-    row_ok = (r < BT * HG) & (pos < S)
+    r = tl.arange(0, BH)
+    head = g * HG + r
+    row_ok = r < HG
     ck = tl.arange(0, BDK)
     cv = tl.arange(0, BDV)
-    ns = tl.arange(0, NSP)
     kb = tl.arange(0, BLS)
-    pos64 = pos.to(tl.int64)
-    row = (b * S + pos64) * HQ + head
-    q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
+    ns = tl.arange(0, NSP)
+    t64 = t.to(tl.int64)
+    row = (b * S + t64) * HQ + head
+    q = tl.load(Q + b * sqb + t64 * sqs + head[:, None] * sqh + ck[None, :],
                 mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
     gate = tl.load(GATE + row * 3 + X, mask=row_ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * sdb + pos64[:, None] * sds + head[:, None] * sdh + cv[None, :],
+    do = tl.load(DO + b * sdb + t64 * sds + head[:, None] * sdh + cv[None, :],
                  mask=row_ok[:, None] & (cv[None, :] < DV), other=0.0)
     do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
     delta = gate * tl.load(DG + row * 3 + X, mask=row_ok, other=0.0)
     lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-    idx_rows = tl.load(IDX + ((b * S + pos64[:, None]) * H + g) * N_SEL + ns[None, :],
-                       mask=row_ok[:, None] & (ns[None, :] < N_SEL), other=-1)
-    dq = tl.zeros([BM, BDK], tl.float32)
-    tile = bh.to(tl.int64) * NT + pid
-    cnt = tl.load(UCNT + tile)
-    for u in range(0, cnt):
-        blk = tl.load(UL + tile * U + u)
-        mine = tl.sum(tl.where(idx_rows == blk, 1, 0), 1) > 0
-        kpos = blk * LS + kb
-        kpos64 = kpos.to(tl.int64)
-        kmask = (kb < LS) & (kpos < S)
-        k = tl.load(K + b * skb + kpos64[:, None] * sks + g * skh + ck[None, :],
-                    mask=kmask[:, None] & (ck[None, :] < DK), other=0.0)
-        v = tl.load(V + b * svb + kpos64[:, None] * svs + g * svh + cv[None, :],
-                    mask=kmask[:, None] & (cv[None, :] < DV), other=0.0)
-        s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
-        vis = mine[:, None] & kmask[None, :] & (kpos[None, :] <= pos[:, None])
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+    ibase = ((b * S + t64) * H + g) * N_SEL
+    n_valid = tl.sum((tl.load(IDX + ibase + ns, mask=ns < N_SEL, other=-1) >= 0).to(tl.int32), 0)
+    dq = tl.zeros([BH, BDK], tl.float32)
+    for i in range(0, n_valid):
+        blk = tl.load(IDX + ibase + i)
+        k = _load_block(K, k_desc, b, g, blk, kb, ck, skb, sks, skh, S, LS, BLS, DK, BDK, TMA)
+        v = _load_block(V, v_desc, b, g, blk, kb, cv, svb, svs, svh, S, LS, BLS, DV, BDV, TMA)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        vis = (blk * LS + kb <= t) & (kb < LS)
+        p = tl.where(vis[None, :], tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    dq = (dq * scale).to(tl.float32)
-    ptrs = DQ + (b * S + pos64[:, None]) * HQ * DK + head[:, None] * DK + ck[None, :]
+    dq = dq * scale
+    ptrs = DQ + row[:, None] * DK + ck[None, :]
     msk = row_ok[:, None] & (ck[None, :] < DK)
     if ACCUM:
         dq += tl.load(ptrs, mask=msk, other=0.0)
     tl.store(ptrs, dq, mask=msk)
 
 
+# ---------------------------------------------------------------------------------------------------
+# FSA order: one program per (key block, chunk of the pairs that chose it)
+
 @triton.jit
-def _sel_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, GATE, DG, DK_, DV_,
-    WBLK, WCHK, STARTS, COUNTS, NCH, POS,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-    S, HQ, NB, NW, NPAIR, scale_log2, scale,
-    HG: tl.constexpr, H: tl.constexpr, LS: tl.constexpr, BLS: tl.constexpr, CH: tl.constexpr,
-    X: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-    BM: tl.constexpr,
+def _sel_fsa_fwd_kernel(
+    Q, K, V, WORK, OP, LP,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
+    S, HQ, NB, NW, WROW, SN, scale_log2,
+    HG: tl.constexpr, H: tl.constexpr, LS: tl.constexpr, BLS: tl.constexpr, N_SEL: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
 ):
     w = tl.program_id(0)
     bh = tl.program_id(1)
-    blk = tl.load(WBLK + bh * NW + w)
+    wbase = bh.to(tl.int64) * WROW
+    blk = tl.load(WORK + wbase + SN + w * 4)
     if blk < NB:
+        start = tl.load(WORK + wbase + SN + w * 4 + 1)
+        end = tl.load(WORK + wbase + SN + w * 4 + 2)
         b = (bh // H).to(tl.int64)
         g = bh % H
         BT: tl.constexpr = BM // HG
-        chunk = tl.load(WCHK + bh * NW + w)
-        start = tl.load(STARTS + bh * NB + blk) + chunk * CH
-        end = tl.minimum(tl.load(STARTS + bh * NB + blk) + tl.load(COUNTS + bh * NB + blk), start + CH)
-        single = tl.load(NCH + bh * NB + blk) == 1
+        kb = tl.arange(0, BLS)
+        kpos = blk * LS + kb
+        kpos64 = kpos.to(tl.int64)
+        kmask = (kb < LS) & (kpos < S)
+        ck = tl.arange(0, BDK)
+        cv = tl.arange(0, BDV)
+        k = tl.load(K + b * skb + kpos64[:, None] * sks + g * skh + ck[None, :],
+                    mask=kmask[:, None] & (ck[None, :] < DK), other=0.0)
+        v = tl.load(V + b * svb + kpos64[:, None] * svs + g * svh + cv[None, :],
+                    mask=kmask[:, None] & (cv[None, :] < DV), other=0.0)
+        r = tl.arange(0, BM)
+        head = g * HG + r % HG
+        for e0 in range(start, end, BT):
+            e = e0 + r // HG
+            row_ok = (r < BT * HG) & (e < end)
+            f = tl.load(WORK + wbase + e, mask=row_ok, other=0)
+            pos = f // N_SEL
+            slot = f - pos * N_SEL
+            pos64 = pos.to(tl.int64)
+            q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
+                        mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            vis = kmask[None, :] & (kpos[None, :] <= pos[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m = tl.max(s, 1)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            p = tl.exp2(s - m[:, None])
+            l_i = tl.sum(p, 1)
+            has = l_i > 0.0
+            o = tl.dot(p.to(v.dtype), v) / tl.where(has, l_i, 1.0)[:, None]
+            lse = tl.where(has, m + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            prow = ((b * S + pos64) * HQ + head) * N_SEL + slot
+            tl.store(OP + prow[:, None] * DV + cv[None, :], o.to(OP.dtype.element_ty),
+                     mask=row_ok[:, None] & (cv[None, :] < DV))
+            tl.store(LP + prow, lse, mask=row_ok)
+
+
+@triton.jit
+def _sel_merge_kernel(
+    OP, LP, IDX, OUT, LSE, sob, sos, soh, N, S, HQ,
+    HG: tl.constexpr, H: tl.constexpr, N_SEL: tl.constexpr, NSP: tl.constexpr, DV: tl.constexpr,
+    BDV: tl.constexpr, BR: tl.constexpr,
+):
+    R = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    ok = R < N
+    b = R // (S * HQ)
+    pos = (R // HQ) % S
+    head = R % HQ
+    ns = tl.arange(0, NSP)
+    cv = tl.arange(0, BDV)
+    iv = tl.load(IDX + ((b * S + pos) * H + head // HG)[:, None] * N_SEL + ns[None, :],
+                 mask=ok[:, None] & (ns[None, :] < N_SEL), other=-1)
+    valid = iv >= 0
+    lp = tl.load(LP + R[:, None] * N_SEL + ns[None, :], mask=valid, other=float("-inf"))
+    mx = tl.max(lp, 1)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    wts = tl.where(valid, tl.exp2(lp - mx[:, None]), 0.0)
+    den = tl.sum(wts, 1)
+    has = den > 0.0
+    wts = wts / tl.where(has, den, 1.0)[:, None]
+    op = tl.load(OP + (R[:, None, None] * N_SEL + ns[None, :, None]) * DV + cv[None, None, :],
+                 mask=valid[:, :, None] & (cv[None, None, :] < DV), other=0.0)
+    o = tl.sum(op.to(tl.float32) * wts[:, :, None], 1)
+    tl.store(LSE + R, tl.where(has, mx + tl.log2(tl.where(has, den, 1.0)), float("inf")), mask=ok)
+    tl.store(OUT + b[:, None] * sob + pos[:, None] * sos + head[:, None] * soh + cv[None, :],
+             o.to(OUT.dtype.element_ty), mask=ok[:, None] & (cv[None, :] < DV))
+
+
+@triton.jit
+def _sel_fsa_bwd_kernel(
+    Q, K, V, DO, LSE, GATE, DG, DK_, DV_, DQP, WORK,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
+    S, HQ, NB, WROW, SN, scale_log2, scale,
+    HG: tl.constexpr, H: tl.constexpr, LS: tl.constexpr, BLS: tl.constexpr, N_SEL: tl.constexpr,
+    X: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+    BM: tl.constexpr, WRITE_DQ: tl.constexpr,
+):
+    w = tl.program_id(0)
+    bh = tl.program_id(1)
+    wbase = bh.to(tl.int64) * WROW
+    blk = tl.load(WORK + wbase + SN + w * 4)
+    if blk < NB:
+        start = tl.load(WORK + wbase + SN + w * 4 + 1)
+        end = tl.load(WORK + wbase + SN + w * 4 + 2)
+        atomic = tl.load(WORK + wbase + SN + w * 4 + 3) != 0
+        b = (bh // H).to(tl.int64)
+        g = bh % H
+        BT: tl.constexpr = BM // HG
         kb = tl.arange(0, BLS)
         kpos = blk * LS + kb
         kpos64 = kpos.to(tl.int64)
@@ -178,11 +271,12 @@ def _sel_bwd_dkdv_kernel(
         dk = tl.zeros([BLS, BDK], tl.float32)
         dv = tl.zeros([BLS, BDV], tl.float32)
         r = tl.arange(0, BM)
+        head = g * HG + r % HG
         for e0 in range(start, end, BT):
             e = e0 + r // HG
             row_ok = (r < BT * HG) & (e < end)
-            pos = tl.load(POS + bh.to(tl.int64) * NPAIR + e, mask=row_ok, other=0)
-            head = g * HG + r % HG
+            f = tl.load(WORK + wbase + e, mask=row_ok, other=0)
+            pos = f // N_SEL
             pos64 = pos.to(tl.int64)
             row = (b * S + pos64) * HQ + head
             q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
@@ -193,28 +287,125 @@ def _sel_bwd_dkdv_kernel(
             do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
             delta = gate * tl.load(DG + row * 3 + X, mask=row_ok, other=0.0)
             lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-            s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * scale_log2
             vis = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= pos[:, None])
             p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-        dk = (dk * scale).to(tl.float32)
+            if WRITE_DQ:
+                slot = f - pos * N_SEL
+                dqp = tl.dot(ds.to(k.dtype), k) * scale
+                tl.store(DQP + (row * N_SEL + slot)[:, None] * DK + ck[None, :], dqp.to(DQP.dtype.element_ty),
+                         mask=row_ok[:, None] & (ck[None, :] < DK))
+        dk = dk * scale
         dk_ptr = DK_ + (b * S + kpos64[:, None]) * H * DK + g * DK + ck[None, :]
         dv_ptr = DV_ + (b * S + kpos64[:, None]) * H * DV + g * DV + cv[None, :]
         mk = kmask[:, None] & (ck[None, :] < DK)
         mv = kmask[:, None] & (cv[None, :] < DV)
-        if single:
-            tl.store(dk_ptr, dk, mask=mk)
-            tl.store(dv_ptr, dv, mask=mv)
-        else:
+        if atomic:
             tl.atomic_add(dk_ptr, dk, mask=mk)
             tl.atomic_add(dv_ptr, dv, mask=mv)
+        else:
+            tl.store(dk_ptr, dk, mask=mk)
+            tl.store(dv_ptr, dv, mask=mv)
 
 
-def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l_sel: int, n_sel: int,
-            kind: str = "sel") -> dict[str, int]:
+@triton.jit
+def _sel_dq_reduce_kernel(
+    DQP, IDX, DQ, N, S, HQ,
+    HG: tl.constexpr, H: tl.constexpr, N_SEL: tl.constexpr, NSP: tl.constexpr, DK: tl.constexpr,
+    BDK: tl.constexpr, BR: tl.constexpr, ACCUM: tl.constexpr,
+):
+    R = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    ok = R < N
+    b = R // (S * HQ)
+    pos = (R // HQ) % S
+    head = R % HQ
+    ns = tl.arange(0, NSP)
+    ck = tl.arange(0, BDK)
+    iv = tl.load(IDX + ((b * S + pos) * H + head // HG)[:, None] * N_SEL + ns[None, :],
+                 mask=ok[:, None] & (ns[None, :] < N_SEL), other=-1)
+    part = tl.load(DQP + (R[:, None, None] * N_SEL + ns[None, :, None]) * DK + ck[None, None, :],
+                   mask=(iv >= 0)[:, :, None] & (ck[None, None, :] < DK), other=0.0)
+    dq = tl.sum(part.to(tl.float32), 1)
+    ptrs = DQ + R[:, None] * DK + ck[None, :]
+    msk = ok[:, None] & (ck[None, :] < DK)
+    if ACCUM:
+        dq += tl.load(ptrs, mask=msk, other=0.0)
+    tl.store(ptrs, dq, mask=msk)
+
+
+# ---------------------------------------------------------------------------------------------------
+# host side
+
+def canonical_blocks(idx: torch.Tensor, l_sel: int) -> torch.Tensor:
+    """A given ``[B, S, H, n]`` block list as the kernels read it: per row the blocks that hold a
+    visible key (``0 <= b <= t // l_sel``) ascending and once each, then ``-1``. Same key set."""
+    S = idx.shape[1]
+    big = torch.iinfo(torch.int32).max
+    t = torch.arange(S, device=idx.device, dtype=torch.int32)[None, :, None, None]
+    x = idx.to(torch.int32)
+    x = torch.where((x < 0) | (x > t // l_sel), big, x)
+    x = torch.sort(x, dim=-1).values
+    dup = torch.zeros_like(x, dtype=torch.bool)
+    dup[..., 1:] = x[..., 1:] == x[..., :-1]
+    x = torch.sort(torch.where(dup, big, x), dim=-1).values
+    return torch.where(x == big, -1, x).contiguous()
+
+
+def sel_mode(h: int, device: torch.device) -> str:
+    """``row`` for large groups, ``fsa`` for small ones (override: tile key ``sel_mode``)."""
+    mode = str(tuned("sel_mode", "row" if h >= 16 else "fsa"))
+    if mode not in ("row", "fsa"):
+        raise ValueError(f"sel_mode must be row or fsa, got {mode!r}")
+    return mode
+
+
+def _pairs_per_program(device: torch.device) -> int:
+    return int(tuned("sel_ch", 512)) if device.type == "cuda" else 32
+
+
+def work_shape(B: int, S: int, H: int, n_sel: int, l_sel: int, device: torch.device) -> tuple[int, int]:
+    """Shape of :func:`work_list`'s tensor (shapes only: also under fake tensors)."""
+    sn = S * n_sel
+    nw = -(-S // l_sel) + -(-sn // _pairs_per_program(device))
+    return B * H, sn + 4 * nw
+
+
+def work_list(idx: torch.Tensor, l_sel: int) -> torch.Tensor:
+    """Pairs sorted by chosen block, and the programs' work items, in one int32 tensor (device ops only).
+
+    Row ``b*H + g``: ``S*n`` flat pair indices ``pos * n + slot`` ordered by block, then per work item
+    ``(block, first, end, atomic)``: the pairs ``[first, end)`` of ``block``; ``atomic`` when the block
+    is split over several items (more than ``CH`` pairs). Items past the last have ``block = NB``."""
+    B, S, H, n = idx.shape
+    ch = _pairs_per_program(idx.device)
+    NB = -(-S // l_sel)
+    rows, width = work_shape(B, S, H, n, l_sel, idx.device)
+    sn = S * n
+    nw = (width - sn) // 4
+    keys = idx.permute(0, 2, 1, 3).reshape(rows, sn).to(torch.int32)
+    keys = torch.where(keys < 0, NB, keys)
+    perm = torch.sort(keys, dim=1, stable=True).indices.to(torch.int32)
+    counts = torch.zeros(rows, NB + 1, device=idx.device, dtype=torch.int64)
+    counts.scatter_add_(1, keys.long(), torch.ones(rows, sn, device=idx.device, dtype=torch.int64))
+    counts = counts[:, :NB]
+    starts = torch.cumsum(counts, 1) - counts
+    nch = torch.div(counts + ch - 1, ch, rounding_mode="floor")
+    cum = torch.cumsum(nch, 1)
+    wids = torch.arange(nw, device=idx.device, dtype=torch.int64).expand(rows, nw).contiguous()
+    wblk = torch.searchsorted(cum, wids, right=True)
+    wb = wblk.clamp(max=NB - 1)
+    first = starts.gather(1, wb) + (wids - (cum - nch).gather(1, wb)) * ch
+    end = torch.minimum(starts.gather(1, wb) + counts.gather(1, wb), first + ch)
+    atomic = (nch.gather(1, wb) > 1).long()
+    items = torch.stack([wblk, first, end, atomic], dim=2).reshape(rows, 4 * nw)
+    return torch.cat([perm, items.to(torch.int32)], dim=1).contiguous()
+
+
+def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l_sel: int, kind: str) -> dict[str, int]:
     HQ, DK = q.shape[2], q.shape[3]
     H = k.shape[2]
     h = HQ // H
@@ -225,102 +416,106 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l_sel: int, n_sel
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def sel_tile_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l_sel: int, n_sel: int) -> int:
-    """Positions per query tile of the selected forward (shapes only: also under fake tensors)."""
-    c = _common(q, k, v, l_sel, n_sel)
-    return int(c["BM"] // c["HG"])
+def _row_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l_sel: int, kind: str) -> dict[str, int]:
+    """Launch settings of the row kernels: ``BH`` rows (the group's heads, at least 16)."""
+    c = _common(q, k, v, l_sel, kind)
+    del c["BM"]
+    c["BH"] = max(16, next_pow2(c["HG"]))
+    if q.is_cuda:
+        c["num_warps"] = int(tuned(f"{kind}_warps", 4 if c["BH"] >= 64 else 2 if kind == "seldq" else 1))
+        c["num_stages"] = int(tuned(f"{kind}_stages", 3 if kind == "seldq" else 2))
+    return c
+
+
+def _descriptors(k: torch.Tensor, v: torch.Tensor, c: dict[str, int]) -> tuple[object, object, bool]:
+    """TMA descriptors of the key/value blocks on Hopper (else pointer loads)."""
+    want = TensorDescriptor is not None and (
+        bool(int(tuned("sel_tma", 1))) if k.is_cuda and cc_major(k.device) >= 9
+        else interpreting() and bool(int(tuned("sel_tma", 0))))
+    if not want:
+        return None, None, False
+    try:
+        kd = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, c["BLS"], 1, c["BDK"]])
+        vd = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, c["BLS"], 1, c["BDV"]])
+    except (AssertionError, ValueError):  # alignment: pointer loads serve any strides
+        return None, None, False
+    return kd, vd, True
 
 
 def sel_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, o: torch.Tensor, *,
     l_sel: int, scale: float,
-) -> tuple[torch.Tensor, tuple[int, torch.Tensor, torch.Tensor]]:
-    """Write the selected branch into ``o`` (a ``[B,S,HQ,Dv]`` view); return its lse (log2) and the
-    tiles' block lists ``(bt, ul, cnt)`` for reuse by the backward."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the selected branch into ``o`` (a ``[B,S,HQ,Dv]`` view) from canonical ``idx``; return its
+    lse (log2) and the work list for the backward (``fsa``; an empty tensor for ``row``)."""
     B, S, HQ, _ = q.shape
     H, n_sel = k.shape[2], idx.shape[-1]
-    c = _common(q, k, v, l_sel, n_sel)
     lse = torch.empty(B, S, HQ, device=q.device, dtype=torch.float32)
-    bt = sel_tile_positions(q, k, v, l_sel, n_sel)
-    ul, cnt = tile_blocks(idx, bt)
-    nt = triton.cdiv(S, bt)
-    _sel_fwd_kernel[(nt, B * H)](
-        q, k, v, idx, ul, cnt, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        S, HQ, nt, ul.shape[1], scale * LOG2E, N_SEL=n_sel, NSP=max(2, next_pow2(n_sel)), **c,
-    )
-    return lse, (bt, ul, cnt)
-
-
-def tile_blocks(idx: torch.Tensor, bt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct blocks of each tile of ``bt`` positions (ascending, padded) and their count.
-
-    ``idx [B, S, H, n]`` -> ``ul [B*H*T, bt*n]`` int32, ``cnt [B*H*T]`` int32 with ``T = ceil(S/bt)``.
-    Device ops only (no host sync).
-    """
-    B, S, H, n = idx.shape
-    T = -(-S // bt)
-    x = idx.permute(0, 2, 1, 3)
-    if T * bt != S:
-        x = torch.nn.functional.pad(x, (0, 0, 0, T * bt - S), value=-1)
-    big = torch.iinfo(torch.int32).max
-    x = x.reshape(B * H * T, bt * n)
-    x = torch.where(x < 0, torch.full_like(x, big), x)
-    xs = torch.sort(x, dim=1).values
-    first = torch.ones_like(xs, dtype=torch.bool)
-    first[:, 1:] = xs[:, 1:] != xs[:, :-1]
-    first &= xs != big
-    ul = torch.sort(torch.where(first, xs, torch.full_like(xs, big)), dim=1).values
-    return ul.to(torch.int32).contiguous(), first.sum(1).to(torch.int32).contiguous()
-
-
-def _work_list(idx: torch.Tensor, S: int, l_sel: int, ch: int) -> tuple[tuple[torch.Tensor, ...], int]:
-    """Positions sorted by chosen block, and (block, chunk) work items; device ops only."""
-    B, _, H, n_sel = idx.shape
+    nsp = max(2, next_pow2(n_sel))
+    if sel_mode(HQ // H, q.device) == "row":
+        c = _row_config(q, k, v, l_sel, "sel")
+        kd, vd, tma = _descriptors(k, v, c)
+        _sel_fwd_row_kernel[(S, B * H)](
+            q, k, v, idx, o, lse, kd, vd, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            S, HQ, scale * LOG2E, N_SEL=n_sel, NSP=nsp, TMA=tma, **c,
+        )
+        return lse, idx.new_empty(0)
+    work = work_list(idx, l_sel)
+    c = _common(q, k, v, l_sel, "sel")
     NB = -(-S // l_sel)
-    keys = idx.permute(0, 2, 1, 3).reshape(B * H, S * n_sel).long()
-    keys = torch.where(keys < 0, torch.full_like(keys, NB), keys)
-    _, perm = torch.sort(keys, dim=1, stable=True)
-    pos = torch.div(perm, n_sel, rounding_mode="floor").to(torch.int32).contiguous()
-    counts = torch.zeros(B * H, NB + 1, device=idx.device, dtype=torch.int64)
-    counts.scatter_add_(1, keys, torch.ones_like(keys))
-    counts = counts[:, :NB].contiguous()
-    starts = (torch.cumsum(counts, 1) - counts).contiguous()
-    nch = torch.div(counts + ch - 1, ch, rounding_mode="floor").contiguous()
-    cum = torch.cumsum(nch, 1).contiguous()
-    nw = NB + -(-(S * n_sel) // ch)
-    wids = torch.arange(nw, device=idx.device, dtype=torch.int64).expand(B * H, nw).contiguous()
-    wblk = torch.searchsorted(cum, wids, right=True)
-    first = (cum - nch).gather(1, wblk.clamp(max=NB - 1))
-    wchk = wids - first
-    return (wblk.to(torch.int32).contiguous(), wchk.to(torch.int32).contiguous(),
-            starts.to(torch.int32), counts.to(torch.int32), nch.to(torch.int32), pos), nw
+    sn = S * n_sel
+    nw = (work.shape[1] - sn) // 4
+    o_part = torch.empty(B * S * HQ, n_sel, v.shape[-1], device=q.device, dtype=q.dtype)
+    l_part = torch.empty(B * S * HQ, n_sel, device=q.device, dtype=torch.float32)
+    _sel_fsa_fwd_kernel[(nw, B * H)](
+        q, k, v, work, o_part, l_part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        S, HQ, NB, nw, work.shape[1], sn, scale * LOG2E, N_SEL=n_sel, **c,
+    )
+    N = B * S * HQ
+    br = max(1, min(64, 8192 // (nsp * c["BDV"])))
+    _sel_merge_kernel[(triton.cdiv(N, br),)](
+        o_part, l_part, idx, o, lse, *o.stride()[:3], N, S, HQ, HG=c["HG"], H=H, N_SEL=n_sel, NSP=nsp,
+        DV=c["DV"], BDV=c["BDV"], BR=br, num_warps=4,
+    )
+    return lse, work
 
 
 def sel_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, do: torch.Tensor,
     lse: torch.Tensor, gates: torch.Tensor, dg: torch.Tensor, dq: torch.Tensor, *, branch: int,
-    accum: bool, l_sel: int, scale: float, tiles: tuple[int, torch.Tensor, torch.Tensor] | None = None,
+    accum: bool, l_sel: int, scale: float, work: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add the selected branch's dq into fp32 ``dq``; return fp32 ``dk, dv``."""
+    """Add the selected branch's dq into fp32 ``dq``; return fp32 ``dk, dv`` (``work``: the forward's)."""
     B, S, HQ, _ = q.shape
     H, n_sel = k.shape[2], idx.shape[-1]
-    c = _common(q, k, v, l_sel, n_sel, "seldq")
+    nsp = max(2, next_pow2(n_sel))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    bt = c["BM"] // c["HG"]
-    ul, cnt = tiles[1:] if tiles is not None and tiles[0] == bt else tile_blocks(idx, bt)
-    nt = triton.cdiv(S, bt)
-    _sel_bwd_dq_kernel[(nt, B * H)](
-        q, k, v, do, idx, ul, cnt, lse, gates, dg, dq, *strides, S, HQ, nt, ul.shape[1], scale * LOG2E, scale,
-        N_SEL=n_sel, NSP=max(2, next_pow2(n_sel)), X=branch, ACCUM=accum, **c,
-    )
-    c = _common(q, k, v, l_sel, n_sel, "seldkdv")
-    ch = 512 if q.is_cuda else 32
-    (wblk, wchk, starts, counts, nch, pos), nw = _work_list(idx, S, l_sel, ch)
+    row = sel_mode(HQ // H, q.device) == "row"
+    if work is None or work.numel() == 0:
+        work = work_list(idx, l_sel)
+    if row:
+        c = _row_config(q, k, v, l_sel, "seldq")
+        kd, vd, tma = _descriptors(k, v, c)
+        _sel_dq_row_kernel[(S, B * H)](
+            q, k, v, do, idx, lse, gates, dg, dq, kd, vd, *strides, S, HQ, scale * LOG2E, scale,
+            N_SEL=n_sel, NSP=nsp, X=branch, TMA=tma, ACCUM=accum, **c,
+        )
+    c = _common(q, k, v, l_sel, "seldkdv")
     NB = -(-S // l_sel)
+    sn = S * n_sel
+    nw = (work.shape[1] - sn) // 4
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    _sel_bwd_dkdv_kernel[(nw, B * H)](
-        q, k, v, do, lse, gates, dg, dk, dv, wblk, wchk, starts, counts, nch, pos, *strides,
-        S, HQ, NB, nw, S * n_sel, scale * LOG2E, scale, CH=ch, X=branch, **c,
+    dq_part = dq if row else torch.empty(B * S * HQ, n_sel, q.shape[-1], device=q.device, dtype=q.dtype)
+    _sel_fsa_bwd_kernel[(nw, B * H)](
+        q, k, v, do, lse, gates, dg, dk, dv, dq_part, work, *strides,
+        S, HQ, NB, work.shape[1], sn, scale * LOG2E, scale, N_SEL=n_sel, X=branch, WRITE_DQ=not row, **c,
     )
+    if not row:
+        N = B * S * HQ
+        br = max(1, min(64, 8192 // (nsp * c["BDK"])))
+        _sel_dq_reduce_kernel[(triton.cdiv(N, br),)](
+            dq_part, idx, dq, N, S, HQ, HG=c["HG"], H=H, N_SEL=n_sel, NSP=nsp, DK=c["DK"], BDK=c["BDK"],
+            BR=br, ACCUM=accum, num_warps=4,
+        )
     return dk, dv

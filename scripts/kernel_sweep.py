@@ -1,0 +1,90 @@
+"""Tile/loop-order sweep of the Triton NSA stages on a CUDA machine (`nsa.bench.attention.kernel_breakdown`).
+
+Usage (repo root, GPU): python3 scripts/kernel_sweep.py [group ...]   groups: base sel range score
+Each line: shape, S, variant, then the median ms of the stages it touches; JSON lines go to $OUT/sweep.jsonl.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+
+from nsa.bench.attention import kernel_breakdown
+
+SHAPES = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
+RUNS = [("paper", 65536), ("paper", 16384), ("m7c", 32768)]
+
+
+def variants(group: str, shape: str) -> list[tuple[str, dict, tuple[str, ...] | None]]:
+    out: list[tuple[str, dict, tuple[str, ...] | None]] = []
+    if group == "base":
+        out.append(("base", {}, None))
+    if group == "sel":
+        fb = ("sel_fwd", "sel_bwd")
+        for mode in ("row", "fsa"):
+            out.append((f"{mode}", {"sel_mode": mode}, fb))
+        for w, st, tma in itertools.product((1, 2, 4), (2, 3), (0, 1)):
+            out.append((f"row-fwd-w{w}-s{st}-tma{tma}", {"sel_mode": "row", "sel_warps": w, "sel_stages": st,
+                                                          "sel_tma": tma}, ("sel_fwd",)))
+        for w, st in itertools.product((1, 2, 4), (2, 3)):
+            out.append((f"row-dq-w{w}-s{st}", {"sel_mode": "row", "seldq_warps": w, "seldq_stages": st}, ("sel_bwd",)))
+        for bm, w in itertools.product((64, 128), (4, 8)):
+            out.append((f"fsa-fwd-bm{bm}-w{w}", {"sel_mode": "fsa", "sel_bm": bm, "sel_warps": w}, ("sel_fwd",)))
+            out.append((f"dkdv-bm{bm}-w{w}", {"seldkdv_bm": bm, "seldkdv_warps": w}, ("sel_bwd",)))
+        for ch in (256, 1024, 2048):
+            out.append((f"ch{ch}", {"sel_ch": ch}, fb))
+    if group == "range":
+        for br, stage in (("cmp", "cmp_fwd"), ("win", "win_fwd")):
+            for bm, bn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+                                  (64, 128, 4, 2), (128, 64, 4, 2)):
+                out.append((f"{br}-bm{bm}-bn{bn}-w{w}-s{st}",
+                            {f"{br}_bm": bm, f"{br}_bn": bn, f"{br}_warps": w, f"{br}_stages": st}, (stage,)))
+        for br, stage in (("cmp", "cmp_bwd"), ("win", "win_bwd")):
+            for role in ("dq", "dkdv"):
+                for bm, bn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2),
+                                      (128, 64, 8, 1), (64, 64, 4, 1), (128, 32, 4, 2), (64, 128, 8, 2)):
+                    k = f"{br}{role}"
+                    out.append((f"{k}-bm{bm}-bn{bn}-w{w}-s{st}",
+                                {f"{k}_bm": bm, f"{k}_bn": bn, f"{k}_warps": w, f"{k}_stages": st}, (stage,)))
+    if group == "score":
+        for bm, w in itertools.product((64, 128), (4, 8)):
+            out.append((f"score-bm{bm}-w{w}", {"score_bm": bm, "score_warps": w}, ("select",)))
+    return out
+
+
+def main() -> None:
+    groups = sys.argv[1:] or ["base"]
+    runs = [r for r in RUNS if os.environ.get("SWEEP_RUNS", "") in ("", f"{r[0]}-{r[1]}")
+            or f"{r[0]}-{r[1]}" in os.environ.get("SWEEP_RUNS", "").split(",")]
+    out_dir = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out_dir, "sweep.jsonl"), "a") as log:
+        _sweep(runs, groups, log)
+
+
+def _sweep(runs: list[tuple[str, int]], groups: list[str], log) -> None:  # type: ignore[no-untyped-def]
+    for shape, S in runs:
+        HQ, H, D = SHAPES[shape]
+        for group in groups:
+            for name, tune, only in variants(group, shape):
+                t0 = time.time()
+                try:
+                    r = kernel_breakdown(S, HQ, H, D, only=only, tune=tune)
+                    msg = " ".join(f"{k}={v:.3f}" for k, v in r.items())
+                    if only is None:
+                        msg += f" total={sum(r.values()):.2f}"
+                except Exception as exc:  # a variant that does not compile must not stop the sweep
+                    r = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                    msg = "FAILED " + r["error"]
+                print(f"{shape} {S} {name:32s} {msg}  ({time.time() - t0:.0f}s)", flush=True)
+                log.write(json.dumps({"shape": shape, "S": S, "variant": name, "tune": tune, **r}) + "\n")
+                log.flush()
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

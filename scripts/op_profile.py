@@ -1,0 +1,58 @@
+"""Kernels by CUDA time of one NSA op forward+backward (Triton backend), `torch.profiler`.
+
+Usage (repo root, GPU): python3 scripts/op_profile.py paper:65536 m7c:32768 ...
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nsa.bench.attention import SHAPES, NSAParams
+from nsa.ops import compress_avg, nsa_attention
+
+
+def profile_op(shape: str, S: int, p: NSAParams = NSAParams()) -> None:
+    HQ, H, D = SHAPES[shape]
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def r(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_(True)
+
+    q = r(1, S, HQ, D)
+    kr, vr, ks, vs, kw, vw = (r(1, S, H, D) for _ in range(6))
+    gates = torch.rand(1, S, HQ, 3, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_(True)
+    do = torch.randn(1, S, HQ, D, generator=g, device=dev, dtype=torch.bfloat16)
+
+    def step() -> None:
+        o = nsa_attention(q, compress_avg(kr, p.l, p.d), compress_avg(vr, p.l, p.d), ks, vs, kw, vw, gates,
+                          l=p.l, d=p.d, l_sel=p.l_sel, n_sel=p.n_sel, w=p.w, backend="triton")
+        o.backward(do)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name.split("(")[0][:70]
+            per[name][0] += e.device_time_total / 1e3
+            per[name][1] += 1
+    total = sum(v[0] for v in per.values())
+    print(f"== {shape} S={S}: {total:.2f} ms of kernels, {sum(int(v[1]) for v in per.values())} launches")
+    for name, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:24]:
+        print(f"{ms:9.3f} ms {int(n):4d}x  {name}")
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:] or ["paper:65536"]:
+        shape, S = arg.split(":")
+        profile_op(shape, int(S))
+        torch.cuda.empty_cache()

@@ -37,6 +37,9 @@ class TrainRow:
     flops_per_token: float | None = None
     compile_s: float | None = None  # the first warm-up step under torch.compile (tracing + Inductor)
     error: str | None = None  # "out of memory" when the batch does not fit; the figures are then 0
+    # one profiled step (``profile=True``): kernels by CUDA time, ``{"name", "ms", "launches"}``
+    kernels: list[dict[str, Any]] | None = None
+    launches: int | None = None  # GPU kernel launches of the profiled step
 
     @property
     def mode(self) -> str:
@@ -49,13 +52,14 @@ class TrainRow:
 def bench_train_step(
     run_cfg: RunConfig, *, attention: str, seq_len: int, batch_size: int, steps: int = 10,
     warmup: int = 3, device: str | torch.device | None = None, compiled: bool | None = None,
-    tune: Mapping[str, int | str] | None = None,
+    tune: Mapping[str, int | str] | None = None, profile: bool = False,
 ) -> TrainRow:
     """Median step time of forward + backward + optimizer step for one model variant.
 
     With ``runtime.compile`` the model is wrapped in ``torch.compile`` (the warm-up steps absorb the
     compilation), for NSA and dense alike, so the ratio compares like with like; ``compiled`` overrides
     the config's ``runtime.compile``. A batch that does not fit gives a row with ``error="out of memory"``.
+    ``profile``: after the timed steps, one more step under ``torch.profiler`` fills ``kernels``/``launches``.
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = run_cfg.model_copy(deep=True)
@@ -66,7 +70,7 @@ def bench_train_step(
 
     try:
         with tile_overrides(tune):
-            return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile)
+            return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile, profile)
     except torch.OutOfMemoryError:
         torch._dynamo.reset()
         if dev.type == "cuda":
@@ -78,7 +82,7 @@ def bench_train_step(
 
 
 def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, steps: int, warmup: int,
-                dev: torch.device, use_compile: bool) -> TrainRow:
+                dev: torch.device, use_compile: bool, profile: bool = False) -> TrainRow:
     from nsa.model import build_model
     from nsa.ops import fallback_counts, reset_fallback_counts
     from nsa.train.telemetry import peak_flops
@@ -142,15 +146,37 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
                    params_m=model.num_params() / 1e6, step_ms=ms, tokens_per_s=tps, peak_mib=peak, device=name,
                    backend=cfg.runtime.attn_backend, compiled=use_compile, fallbacks=fallback_counts(),
                    mfu=tps * fpt / peak_fl if peak_fl else None, flops_per_token=fpt, compile_s=compile_s)
+    if profile and dev.type == "cuda":
+        row.kernels, row.launches = _profile_step(step, dev)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def _profile_step(step: Callable[[], None], dev: torch.device, top: int = 25) -> tuple[list[dict[str, Any]], int]:
+    """Kernels of one step by CUDA time (the ``top`` largest) and the step's kernel launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(dev)
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc = per.setdefault(e.name.split("(")[0][:90], [0.0, 0.0])
+            acc[0] += e.device_time_total / 1e3
+            acc[1] += 1
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])
+    kernels = [{"name": k, "ms": round(v[0], 4), "launches": int(v[1])} for k, v in ranked[:top]]
+    return kernels, int(sum(v[1] for v in per.values()))
 
 
 def bench_train(
     run_cfg: RunConfig, seq_lens: list[int], batch_sizes: list[int], *, attentions: tuple[str, ...] = ("nsa", "dense"),
     steps: int = 10, warmup: int = 3, device: str | None = None, modes: tuple[bool | None, ...] = (None,),
     on_row: Callable[[TrainRow], None] | None = None, tune: Mapping[str, int | str] | None = None,
+    profile: bool = False,
 ) -> list[TrainRow]:
     """Rows for each sequence length (with its batch size), each mode (``False`` eager, ``True`` compiled,
     ``None`` the config's ``runtime.compile``) and each attention variant; ``on_row`` sees each as it ends."""
@@ -159,7 +185,8 @@ def bench_train(
         for mode in modes:
             for att in attentions:
                 rows.append(bench_train_step(run_cfg, attention=att, seq_len=S, batch_size=bs, steps=steps,
-                                             warmup=warmup, device=device, compiled=mode, tune=tune))
+                                             warmup=warmup, device=device, compiled=mode, tune=tune,
+                                             profile=profile))
                 if on_row is not None:
                     on_row(rows[-1])
     return rows

@@ -138,6 +138,8 @@ def train(
     tune: Annotated[list[str] | None, typer.Option("--tune", help="Triton tile override key=value (sweeps).")] = None,
     modes: Annotated[str | None, typer.Option(
         "--modes", help="eager and/or compiled, comma-separated (default: both on CUDA, eager on CPU).")] = None,
+    profile_step: Annotated[bool, typer.Option(
+        "--profile-step", help="Profile one more step per row (CUDA): kernels by time and launches, in the JSON.")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write rows and environment here.")] = None,
 ) -> None:
     """Training-step tokens/s, MFU and peak memory: NSA model vs the same model with dense attention,
@@ -174,7 +176,7 @@ def train(
             typer.echo(f"{r.attention} {r.mode} S={r.seq_len} b={r.batch_size}: {what}", err=True)
 
         rows = bench_train(resolved.config, lens, bss, attentions=atts, steps=steps, warmup=warmup, device=device,
-                           modes=flags, on_row=progress, tune=tuned)
+                           modes=flags, on_row=progress, tune=tuned, profile=profile_step)
         table = Table(title=f"training step ({rows[0].device}, config {config})")
         for col in ("attention", "mode", "S", "batch", "params M", "step ms", "tokens/s", "MFU", "peak MiB",
                     "compile s"):
@@ -194,6 +196,9 @@ def train(
         for r in rows:
             if r.fallbacks:
                 typer.echo(f"fallbacks ({r.attention}, S={r.seq_len}): {r.fallbacks}")
+            if r.kernels:
+                top = ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms" for k in r.kernels[:5])
+                typer.echo(f"profile ({r.attention} {r.mode}, S={r.seq_len}): {r.launches} launches; {top}")
         _save(json_out, {"command": "bench train", "config": config, "environment": environment(), "tune": tuned,
                          "rows": [r.to_dict() for r in rows], "nsa_over_dense": ratio})
 

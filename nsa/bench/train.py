@@ -146,7 +146,7 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
                    params_m=model.num_params() / 1e6, step_ms=ms, tokens_per_s=tps, peak_mib=peak, device=name,
                    backend=cfg.runtime.attn_backend, compiled=use_compile, fallbacks=fallback_counts(),
                    mfu=tps * fpt / peak_fl if peak_fl else None, flops_per_token=fpt, compile_s=compile_s)
-    if profile and dev.type == "cuda":
+    if profile:
         row.kernels, row.launches = _profile_step(step, dev)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -154,19 +154,27 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
 
 
 def _profile_step(step: Callable[[], None], dev: torch.device, top: int = 25) -> tuple[list[dict[str, Any]], int]:
-    """Kernels of one step by CUDA time (the ``top`` largest) and the step's kernel launches."""
+    """One step's kernels by device time (the ``top`` largest) and its kernel launches; on a CPU, the
+    operators by self CPU time and their calls."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize(dev)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+    cuda = dev.type == "cuda"
+    if cuda:
         torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize(dev)
     per: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            acc = per.setdefault(e.name.split("(")[0][:90], [0.0, 0.0])
-            acc[0] += e.device_time_total / 1e3
-            acc[1] += 1
+    if cuda:
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                acc = per.setdefault(e.name.split("(")[0][:90], [0.0, 0.0])
+                acc[0] += e.device_time_total / 1e3
+                acc[1] += 1
+    else:
+        for avg in prof.key_averages():
+            per[avg.key[:90]] = [avg.self_cpu_time_total / 1e3, float(avg.count)]
     ranked = sorted(per.items(), key=lambda kv: -kv[1][0])
     kernels = [{"name": k, "ms": round(v[0], 4), "launches": int(v[1])} for k, v in ranked[:top]]
     return kernels, int(sum(v[1] for v in per.values()))

@@ -139,7 +139,7 @@ def train(
     modes: Annotated[str | None, typer.Option(
         "--modes", help="eager and/or compiled, comma-separated (default: both on CUDA, eager on CPU).")] = None,
     profile_step: Annotated[bool, typer.Option(
-        "--profile-step", help="Profile one more step per row (CUDA): kernels by time and launches, in the JSON.")] = False,
+        "--profile-step", help="Profile one more step per row: kernels by time and launches (CPU: operators), in the JSON.")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write rows and environment here.")] = None,
 ) -> None:
     """Training-step tokens/s, MFU and peak memory: NSA model vs the same model with dense attention,

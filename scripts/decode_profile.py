@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from nsa.ops import NSAParams
+
 SHAPES = (("paper", 64, 4, 128), ("m7c", 12, 2, 64))
-HP = {"l": 32, "d": 16, "l_sel": 64, "n_sel": 16, "w": 512}
+HP = NSAParams()  # the paper's hyper-parameters
 
 
 def kernels(fn: Callable[[], Any], reps: int = 10) -> dict[str, float]:
@@ -43,20 +45,20 @@ def step_args(HQ: int, H: int, D: int, B: int, T: int = 65537) -> tuple[torch.Te
     """Random bf16 caches for a query at position ``T - 1`` (the benchmark's layout)."""
     from nsa.ops.indexing import num_cmp
 
-    C = num_cmp(T, HP["l"], HP["d"])
+    C = num_cmp(T, HP.l, HP.d)
 
     def r(*s: int) -> torch.Tensor:
         return torch.randn(*s, device="cuda", dtype=torch.bfloat16)
 
     return (r(B, HQ, D), torch.full((B,), T - 1, device="cuda"), r(B, H, C + 1, D), r(B, H, C + 1, D),
-            r(B, H, T, D), r(B, H, T, D), r(B, H, HP["w"], D), r(B, H, HP["w"], D),
+            r(B, H, T, D), r(B, H, T, D), r(B, H, HP.w, D), r(B, H, HP.w, D),
             torch.rand(B, HQ, 3, device="cuda", dtype=torch.bfloat16))
 
 
 def _op(args: tuple[torch.Tensor, ...], backend: str) -> torch.Tensor:
     from nsa.ops.decode import nsa_decode
 
-    return nsa_decode(*args, **HP, backend=backend).o
+    return nsa_decode(*args, HP, backend=backend).o
 
 
 def attention_rows(out: dict[str, Any], backend: str) -> None:

@@ -50,7 +50,8 @@ PY
       timeout 300 python3 - <<'PY' 2>&1 | tee "$OUT/profile.log"
 import torch
 from torch.profiler import profile, ProfilerActivity
-from nsa.bench.attention import bench_one, NSAParams
+from nsa.bench.attention import bench_one
+from nsa.ops import NSAParams
 from nsa.config import load_named
 from nsa.model import build_model
 from nsa.ops import compress_avg, nsa_attention
@@ -74,7 +75,7 @@ q = r(1, S, HQ, D); kr, vr, ks, vs, kw, vw = (r(1, S, H, D) for _ in range(6))
 gates = torch.rand(1, S, HQ, 3, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_(True)
 do = torch.randn(1, S, HQ, D, generator=g, device=dev, dtype=torch.bfloat16)
 def step():
-    o = nsa_attention(q, compress_avg(kr, p.l, p.d), compress_avg(vr, p.l, p.d), ks, vs, kw, vw, gates, l=p.l, d=p.d, l_sel=p.l_sel, n_sel=p.n_sel, w=p.w, backend="triton")
+    o = nsa_attention(q, compress_avg(kr, p), compress_avg(vr, p), ks, vs, kw, vw, gates, p, backend="triton")
     o.backward(do)
 step(); torch.cuda.synchronize()
 with profile(activities=[ProfilerActivity.CUDA]) as prof:

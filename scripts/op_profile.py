@@ -11,8 +11,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nsa.bench.attention import SHAPES, NSAParams
-from nsa.ops import compress_avg, nsa_attention
+from nsa.bench.attention import SHAPES
+from nsa.ops import NSAParams, compress_avg, nsa_attention
 
 
 def profile_op(shape: str, S: int, p: NSAParams = NSAParams()) -> None:
@@ -29,8 +29,7 @@ def profile_op(shape: str, S: int, p: NSAParams = NSAParams()) -> None:
     do = torch.randn(1, S, HQ, D, generator=g, device=dev, dtype=torch.bfloat16)
 
     def step() -> None:
-        o = nsa_attention(q, compress_avg(kr, p.l, p.d), compress_avg(vr, p.l, p.d), ks, vs, kw, vw, gates,
-                          l=p.l, d=p.d, l_sel=p.l_sel, n_sel=p.n_sel, w=p.w, backend="triton")
+        o = nsa_attention(q, compress_avg(kr, p), compress_avg(vr, p), ks, vs, kw, vw, gates, p, backend="triton")
         o.backward(do)
 
     for _ in range(2):

@@ -9,8 +9,7 @@ import functools
 import torch
 import triton.testing
 
-from nsa.bench.attention import NSAParams
-from nsa.ops import compress_avg, nsa_attention
+from nsa.ops import NSAParams, compress_avg, nsa_attention
 
 P = NSAParams()
 DEV = "cuda"
@@ -31,9 +30,9 @@ def inputs(T: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
 
 def step(q: torch.Tensor, raw: list[torch.Tensor], gates: torch.Tensor, cu: torch.Tensor | None = None) -> None:
     kr, vr, ks, vs, kw, vw = raw
-    kc = compress_avg(kr, P.l, P.d, cu_seqlens=cu)
-    vc = compress_avg(vr, P.l, P.d, cu_seqlens=cu)
-    o = nsa_attention(q, kc, vc, ks, vs, kw, vw, gates, l=P.l, d=P.d, l_sel=P.l_sel, n_sel=P.n_sel, w=P.w,
+    kc = compress_avg(kr, P, cu_seqlens=cu)
+    vc = compress_avg(vr, P, cu_seqlens=cu)
+    o = nsa_attention(q, kc, vc, ks, vs, kw, vw, gates, P,
                       cu_seqlens=cu)
     assert isinstance(o, torch.Tensor)
     o.sum().backward()

@@ -70,17 +70,20 @@ class Inputs:
     l: int  # noqa: E741
     d: int
 
+    def _pool(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean of raw rows ``[j*d, j*d+l)`` per compressed token (written here, independent of ``nsa.ops``)."""
+        B, S, H, D = x.shape
+        if self.l > S:
+            return x.new_zeros(B, 0, H, D)
+        return x.unfold(1, self.l, self.d).mean(dim=-1)
+
     @property
     def k_cmp(self) -> torch.Tensor:
-        from nsa.ops.reference import compress_avg
-
-        return compress_avg(self.k_raw, self.l, self.d)
+        return self._pool(self.k_raw)
 
     @property
     def v_cmp(self) -> torch.Tensor:
-        from nsa.ops.reference import compress_avg
-
-        return compress_avg(self.v_raw, self.l, self.d)
+        return self._pool(self.v_raw)
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return (self.q, self.k_cmp, self.v_cmp, self.k_sel, self.v_sel, self.k_win, self.v_win, self.gates)

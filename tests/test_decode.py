@@ -10,7 +10,7 @@ from nsa.errors import NSAError
 from nsa.model import NSALM, NSAAttention
 from nsa.model.cache import ModelCache
 from nsa.model.generate import sample_next
-from nsa.ops import select_blocks
+from nsa.ops import NSAParams, select_blocks
 
 # Tiny hyper-parameters so that a 40-token sequence crosses many compression/selection boundaries and
 # leaves free (non-forced) block choices: (l, d, l_sel, n_sel, w)
@@ -71,7 +71,7 @@ def test_prefill_then_decode_equals_full_forward(phi: str, gate: str, h: int) ->
 def test_layer_decode_uses_spec_blocks(hp: dict) -> None:
     """Layer level: decode output, chosen blocks and reads equal the functional op's at every position."""
     torch.manual_seed(3)
-    attn = NSAAttention(16, 6, 2, 8, 8, **hp, phi="mlp").double()
+    attn = NSAAttention(16, 6, 2, 8, 8, NSAParams(**hp), phi="mlp").double()
     with torch.no_grad():
         attn.q_proj.weight.mul_(3)
     S = 37
@@ -79,7 +79,7 @@ def test_layer_decode_uses_spec_blocks(hp: dict) -> None:
     y = attn(x)
     p = attn.project(x, torch.arange(S))
     k_cmp, _ = attn.compress(p.k_cmp_raw, p.v_cmp_raw)
-    idx_full = select_blocks(p.q, k_cmp, l=hp["l"], d=hp["d"], l_sel=hp["l_sel"], n_sel=hp["n_sel"])
+    idx_full = select_blocks(p.q, k_cmp, NSAParams(**hp))
     cache = ModelCache([attn.new_cache(1, S, torch.device("cpu"), torch.float64)], S,
                        torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
     cache.start(torch.tensor([3]))
@@ -258,12 +258,14 @@ def test_nsa_decode_op_equals_reference_rows(hp: dict) -> None:
 
     torch.manual_seed(7)
     B, S, H, h, D = 3, 29, 2, 3, 8
-    l, d, w = hp["l"], hp["d"], hp["w"]  # noqa: E741
+    w = hp["w"]
     q = torch.randn(B, S, H * h, D, dtype=torch.float64) * 2
     ks, vs, kw, vw, kr, vr = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(6))
     gates = torch.rand(B, S, H * h, 3, dtype=torch.float64)
-    kc, vc = compress_avg(kr, l, d), compress_avg(vr, l, d)
-    o_ref, idx_ref = nsa_attention(q, kc, vc, ks, vs, kw, vw, gates, **hp, return_block_idx=True, backend="reference")
+    params = NSAParams(**hp)
+    kc, vc = compress_avg(kr, params), compress_avg(vr, params)
+    o_ref, idx_ref = nsa_attention(q, kc, vc, ks, vs, kw, vw, gates, params, return_block_idx=True,
+                                   backend="reference")
     R = min(w, S)
     for step in range(S):
         t = torch.tensor([step, (step + 7) % S, S - 1 - step])
@@ -277,7 +279,7 @@ def test_nsa_decode_op_equals_reference_rows(hp: dict) -> None:
         v_win = torch.stack([vw[b, ring_pos[b].clamp(min=0)] for b in range(B)]).transpose(1, 2)
         k_cmp = torch.cat([kc, torch.full((B, 1, H, D), 50.0, dtype=torch.float64)], 1).transpose(1, 2)
         v_cmp = torch.cat([vc, torch.full((B, 1, H, D), 50.0, dtype=torch.float64)], 1).transpose(1, 2)
-        res = nsa_decode(q[ar, t], t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates[ar, t], **hp)
+        res = nsa_decode(q[ar, t], t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates[ar, t], params)
         torch.testing.assert_close(res.o, o_ref[ar, t], rtol=1e-10, atol=1e-12)
         assert torch.equal(res.block_idx, idx_ref[ar, t])
 
@@ -328,9 +330,9 @@ def _triton_vs_torch_decode(device: str, dtype: torch.dtype, tol: float) -> None
         t = torch.tensor([T - 1, 5, T // 2, *extra], device=device)[:B]
         args = (r(B, H * h, Dk) * 2, t, r(B, H, C + 1, Dk), r(B, H, C + 1, Dv), r(B, H, T, Dk), r(B, H, T, Dv),
                 r(B, H, R, Dk), r(B, H, R, Dv), torch.rand(B, H * h, 3, generator=gen).to(device=device, dtype=dtype))
-        kw = {"l": l, "d": d, "l_sel": l_sel, "n_sel": n_sel, "w": w}
-        a = nsa_decode(*args, **kw, backend="torch")
-        b = nsa_decode(*args, **kw, backend="triton")
+        hp = NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
+        a = nsa_decode(*args, hp, backend="torch")
+        b = nsa_decode(*args, hp, backend="triton")
         assert torch.equal(a.block_idx, b.block_idx), (h, T, a.block_idx, b.block_idx)
         assert torch.equal(a.reads, b.reads)
         err = ((a.o.float() - b.o.float()).norm() / a.o.float().norm()).item()
@@ -361,11 +363,13 @@ def test_triton_decode_kernel_in_interpreter() -> None:
         "    with tile_overrides(tune):\n"
         "        _triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
         "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
+        "from nsa.ops import NSAParams\n"
         "from nsa.ops.decode import nsa_decode\n"
         "q, g = torch.randn(1, 2, 8), torch.rand(1, 2, 3)\n"
         "kv = [torch.randn(1, 1, n, 8) for n in (9, 9, 24, 24, 5, 5)]\n"
-        "out = nsa_decode(q, torch.tensor([20]), *kv, g, l=4, d=2, l_sel=6, n_sel=2, w=5, backend='triton')\n"
-        "ref = nsa_decode(q, torch.tensor([20]), *kv, g, l=4, d=2, l_sel=6, n_sel=2, w=5, backend='torch')\n"
+        "hp = NSAParams(l=4, d=2, l_sel=6, n_sel=2, w=5)\n"
+        "out = nsa_decode(q, torch.tensor([20]), *kv, g, hp, backend='triton')\n"
+        "ref = nsa_decode(q, torch.tensor([20]), *kv, g, hp, backend='torch')\n"
         "torch.testing.assert_close(out.o, ref.o)\n"
         "assert list(fallback_counts()) == ['nsa_decode:triton->torch:l_sel/d=3 is not a power of two <= 64']\n")
 
@@ -399,7 +403,7 @@ def _triton_vs_torch_append(device: str, dtype: torch.dtype) -> None:
             new = NewToken(*(kv[:, 0, i, : H * Dk].reshape(B, H, Dk) if j == 0 else
                              kv[:, 0, i, H * Dk :].reshape(B, H, Dv) for i in range(3) for j in range(2)))
             for caches, backend in ((ref, "torch"), (fused, "triton")):
-                append_token(t, new, caches, l=l, d=d, emit_mean=True, backend=backend)
+                append_token(t, new, caches, NSAParams(l=l, d=d, l_sel=d, w=w), emit_mean=True, backend=backend)
             for name, a, b in zip(DecodeCaches._fields, ref, fused, strict=True):
                 if name in ("k_cmp", "v_cmp"):  # the torch path also writes the scratch slot C
                     a, b = a[:, :, :C], b[:, :, :C]
@@ -426,13 +430,14 @@ def test_triton_decode_falls_back_off_gpu() -> None:
     from nsa.ops.decode import nsa_decode, triton_decode_supported
 
     x = torch.randn(1, 2, 1, 8, dtype=torch.float64)
-    served = triton_decode_supported(x) is None  # only under TRITON_INTERPRET=1 on a CPU
+    served = triton_decode_supported(x, hp=NSAParams()) is None  # only under TRITON_INTERPRET=1 on a CPU
     reset_fallback_counts()
     q = torch.randn(1, 2, 8, dtype=torch.float64)
     kv = [torch.randn(1, 1, n, 8, dtype=torch.float64) for n in (6, 6, 16, 16, 5, 5)]
     gates = torch.rand(1, 2, 3, dtype=torch.float64)
-    out = nsa_decode(q, torch.tensor([15]), *kv, gates, l=4, d=2, l_sel=4, n_sel=2, w=5, backend="triton")
-    ref = nsa_decode(q, torch.tensor([15]), *kv, gates, l=4, d=2, l_sel=4, n_sel=2, w=5)
+    hp = NSAParams(l=4, d=2, l_sel=4, n_sel=2, w=5)
+    out = nsa_decode(q, torch.tensor([15]), *kv, gates, hp, backend="triton")
+    ref = nsa_decode(q, torch.tensor([15]), *kv, gates, hp)
     if served:  # the interpreted kernel ran: same result, nothing counted
         torch.testing.assert_close(out.o, ref.o)
         assert sum(fallback_counts().values()) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,19 +10,20 @@ import torch
 
 from nsa.config import ModelConfig, NSAConfig, load_named
 from nsa.model import NSALM, DenseAttention, LMOutput, NSAAttention, RMSNorm, build_model
+from nsa.ops import NSAParams
 
-HP = {"l": 4, "d": 2, "l_sel": 4, "n_sel": 2, "w": 6}
+HP = NSAParams(l=4, d=2, l_sel=4, n_sel=2, w=6)
 
 
 def _attn(h: int, phi: str = "avg", gate: str = "sigmoid", shared_kv: bool = False, H: int = 2, **kw) -> NSAAttention:
     torch.manual_seed(0)
-    return NSAAttention(24, h * H, H, 8, 6, **HP, phi=phi, gate=gate, shared_kv=shared_kv, **kw)
+    return NSAAttention(24, h * H, H, 8, 6, HP, phi=phi, gate=gate, shared_kv=shared_kv, **kw)
 
 
 def _tiny_lm(attention: str = "nsa", **nsa_kw) -> NSALM:
     mc = ModelConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, mlp_hidden=64,
                      attention=attention)
-    return NSALM(mc, NSAConfig(**HP, **nsa_kw))
+    return NSALM(mc, NSAConfig(**dataclasses.asdict(HP), **nsa_kw))
 
 
 @pytest.mark.parametrize("phi", ["avg", "mlp"])
@@ -93,7 +95,7 @@ def test_gate_stats_sane_and_no_sync_in_forward(gate: str, monkeypatch: pytest.M
     assert 0.0 <= s["gate_entropy_mean"] <= math.log(3) + 1e-9
     assert 0.0 <= s["gate_collapse_fraction"] <= 1.0
     assert all(0 < g < 1 for g in s["gate_mean"])
-    assert 1.0 <= s["sel_keys_mean"] <= HP["n_sel"] * HP["l_sel"]
+    assert 1.0 <= s["sel_keys_mean"] <= HP.n_sel * HP.l_sel
     assert m.consume_stats() == {}  # reset
     m.eval()
     m(torch.randn(2, 17, 24))
@@ -114,7 +116,7 @@ def test_gate_stats_values_match_direct_computation() -> None:
     from nsa.ops import select_blocks
 
     p = m.project(x, torch.arange(13))
-    idx = select_blocks(p.q, m.compress(p.k_cmp_raw, p.v_cmp_raw)[0], l=4, d=2, l_sel=4, n_sel=2).long()
+    idx = select_blocks(p.q, m.compress(p.k_cmp_raw, p.v_cmp_raw)[0], HP).long()
     t = torch.arange(13)[None, :, None, None]
     cnt = ((torch.minimum(idx * 4 + 4, t + 1) - idx * 4).clamp(min=0) * (idx >= 0)).sum(-1)
     assert math.isclose(s["sel_keys_mean"], cnt.double().mean().item(), rel_tol=1e-9)
@@ -218,10 +220,10 @@ def test_build_model_tiny_and_dense() -> None:
 def test_tied_embeddings_and_init_std() -> None:
     mc = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_groups=1, d_k=16, d_v=16,
                      tie_embeddings=True, init_std=0.05)
-    model = NSALM(mc, NSAConfig(**HP))
+    model = NSALM(mc, NSAConfig(**dataclasses.asdict(HP)))
     assert model.head.weight is model.tok_emb.weight
     assert model.tok_emb.weight.std().item() == pytest.approx(0.05, rel=0.15)
-    untied = NSALM(mc.model_copy(update={"tie_embeddings": False}), NSAConfig(**HP))
+    untied = NSALM(mc.model_copy(update={"tie_embeddings": False}), NSAConfig(**dataclasses.asdict(HP)))
     assert untied.num_params() - model.num_params() == 64 * 32
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import nsa.ops as ops
+from nsa.ops import NSAParams
 from nsa.ops import reference as ref
 from nsa.ops.indexing import forced_blocks, num_cmp, num_visible_cmp
 from tests.conftest import make_inputs
@@ -41,13 +42,11 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return (p @ vv).transpose(1, 2)
 
 
-def run(backend: str, x, *, l, d, l_sel, n_sel, w, gates=None, block_idx=None, **kw):  # noqa: E741
+def run(backend: str, x, hp: NSAParams, *, gates=None, block_idx=None, **kw):
     args = list(x.args())
     if gates is not None:
         args[-1] = gates
-    return ops.nsa_attention(
-        *args, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, block_idx=block_idx, backend=backend, **kw
-    )
+    return ops.nsa_attention(*args, hp, block_idx=block_idx, backend=backend, **kw)
 
 
 def one_hot_gates(x, branch: int) -> torch.Tensor:
@@ -62,14 +61,14 @@ def one_hot_gates(x, branch: int) -> torch.Tensor:
 @pytest.mark.parametrize("h", [1, 2, 6])
 def test_window_covering_everything_is_dense(backend: str, h: int) -> None:
     x = make_inputs(2, 37, 2 * h, 2, 8, 6, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
-    out = run(backend, x, l=8, d=4, l_sel=8, n_sel=2, w=37, gates=one_hot_gates(x, 2))
+    out = run(backend, x, NSAParams(l=8, d=4, l_sel=8, n_sel=2, w=37), gates=one_hot_gates(x, 2))
     torch.testing.assert_close(out, dense_causal(x.q, x.k_win, x.v_win), **_tol(backend))
 
 
 @pytest.mark.parametrize("h", [1, 2, 6])
 def test_selection_covering_everything_is_dense(backend: str, h: int) -> None:
     x = make_inputs(2, 37, 2 * h, 2, 8, 6, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
-    out = run(backend, x, l=8, d=4, l_sel=8, n_sel=5, w=3, gates=one_hot_gates(x, 1))  # 5*8 >= 37
+    out = run(backend, x, NSAParams(l=8, d=4, l_sel=8, n_sel=5, w=3), gates=one_hot_gates(x, 1))  # 5*8 >= 37
     torch.testing.assert_close(out, dense_causal(x.q, x.k_sel, x.v_sel), **_tol(backend))
 
 
@@ -78,7 +77,7 @@ def test_selection_covering_everything_is_dense(backend: str, h: int) -> None:
 
 @pytest.mark.parametrize("given_blocks", [False, True])
 def test_causality_probe(backend: str, given_blocks: bool) -> None:
-    hp = dict(l=8, d=4, l_sel=8, n_sel=3, w=6)
+    hp = NSAParams(l=8, d=4, l_sel=8, n_sel=3, w=6)
     S = 41
     for t in (5, 12, 23, 33):
         x = make_inputs(1, S, 4, 2, 8, 8, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
@@ -87,11 +86,11 @@ def test_causality_probe(backend: str, given_blocks: bool) -> None:
             getattr(y, name)[:, : t + 1] = getattr(x, name)[:, : t + 1]  # same past, different future
         bx = by = None
         if given_blocks:
-            bx = ref.select_blocks(x.q, x.k_cmp, l=8, d=4, l_sel=8, n_sel=3)
-            by = ref.select_blocks(y.q, y.k_cmp, l=8, d=4, l_sel=8, n_sel=3)
+            bx = ref.select_blocks(x.q, x.k_cmp, NSAParams(l=8, d=4, l_sel=8, n_sel=3))
+            by = ref.select_blocks(y.q, y.k_cmp, NSAParams(l=8, d=4, l_sel=8, n_sel=3))
             assert torch.equal(bx[:, : t + 1], by[:, : t + 1]), "selection depends on the future"
-        ox, ix = run(backend, x, block_idx=bx, return_block_idx=True, **hp)
-        oy, iy = run(backend, y, block_idx=by, return_block_idx=True, **hp)
+        ox, ix = run(backend, x, hp, block_idx=bx, return_block_idx=True)
+        oy, iy = run(backend, y, hp, block_idx=by, return_block_idx=True)
         assert torch.equal(ix[:, : t + 1], iy[:, : t + 1])
         torch.testing.assert_close(ox[:, : t + 1], oy[:, : t + 1], **_tol(backend))
         assert not torch.allclose(ox[:, t + 1 :], oy[:, t + 1 :]), "probe changed nothing"
@@ -102,23 +101,23 @@ def test_causality_probe(backend: str, given_blocks: bool) -> None:
 
 def test_selection_matches_reference_and_is_group_shared(backend: str) -> None:
     x = make_inputs(2, 70, 12, 2, 8, 8, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
-    idx = ops.select_blocks(x.q, x.k_cmp, l=8, d=4, l_sel=8, n_sel=4, backend=backend)
+    idx = ops.select_blocks(x.q, x.k_cmp, NSAParams(l=8, d=4, l_sel=8, n_sel=4), backend=backend)
     assert idx.dtype == torch.int32 and idx.shape == (2, 70, 2, 4)
-    expect = ref.select_blocks(x.q.double().cpu(), x.k_cmp.double().cpu(), l=8, d=4, l_sel=8, n_sel=4)
+    expect = ref.select_blocks(x.q.double().cpu(), x.k_cmp.double().cpu(), NSAParams(l=8, d=4, l_sel=8, n_sel=4))
     if backend == "triton":  # bf16/fp32 rounding may flip near-ties; almost all rows agree
         assert (idx.cpu() == expect).all(-1).float().mean() > 0.97
     else:
         assert torch.equal(idx.cpu(), expect)
     # permuting the query heads inside a group changes neither the group's blocks nor their union
     perm = torch.tensor([5, 3, 1, 0, 2, 4, 11, 6, 10, 7, 9, 8], device=x.q.device)
-    idx_p = ops.select_blocks(x.q[:, :, perm], x.k_cmp, l=8, d=4, l_sel=8, n_sel=4, backend=backend)
+    idx_p = ops.select_blocks(x.q[:, :, perm], x.k_cmp, NSAParams(l=8, d=4, l_sel=8, n_sel=4), backend=backend)
     assert torch.equal(idx, idx_p)
 
 
 def test_forced_blocks_and_padding(backend: str) -> None:
     l_sel, n_sel = 8, 4
     x = make_inputs(1, 60, 4, 2, 8, 8, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
-    idx = ops.select_blocks(x.q, x.k_cmp, l=8, d=4, l_sel=l_sel, n_sel=n_sel, backend=backend).cpu()
+    idx = ops.select_blocks(x.q, x.k_cmp, NSAParams(l=8, d=4, l_sel=l_sel, n_sel=n_sel), backend=backend).cpu()
     for t in range(60):
         bt = t // l_sel
         want = min(n_sel, bt + 1)
@@ -141,8 +140,8 @@ def test_ties_go_to_the_lower_block_and_are_deterministic(backend: str) -> None:
     q = torch.randint(-3, 4, (1, S, 2, 8)).to(dev, dt)
     one = torch.randint(1, 4, (8,)).to(dev, dt)
     k_cmp = one.expand(1, num_cmp(S, l, d), 1, 8).contiguous()
-    a = ops.select_blocks(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, backend=backend).cpu()
-    b = ops.select_blocks(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, backend=backend).cpu()
+    a = ops.select_blocks(q, k_cmp, NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel), backend=backend).cpu()
+    b = ops.select_blocks(q, k_cmp, NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel), backend=backend).cpu()
     assert torch.equal(a, b)
     for t in range(S):
         bt = t // l_sel
@@ -157,15 +156,15 @@ def test_ties_go_to_the_lower_block_and_are_deterministic(backend: str) -> None:
 
 def test_given_block_idx_is_used_as_is(backend: str) -> None:
     x = make_inputs(1, 40, 4, 2, 8, 8, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
-    hp = dict(l=8, d=4, l_sel=8, n_sel=2, w=4)
+    hp = NSAParams(l=8, d=4, l_sel=8, n_sel=2, w=4)
     # only the current block (plus padding): selection reads [b_t * l_sel, t]
     t = torch.arange(40)
     blocks = torch.full((1, 40, 2, 2), -1, dtype=torch.int32)
     blocks[..., 0] = (t // 8).to(torch.int32)[None, :, None]
     blocks = blocks.to(x.q.device)
-    out = run(backend, x, block_idx=blocks, gates=one_hot_gates(x, 1), **hp)
+    out = run(backend, x, hp, block_idx=blocks, gates=one_hot_gates(x, 1))
     expect = ref.nsa_attention(*[a.double().cpu() for a in x.args()[:-1]], one_hot_gates(x, 1).double().cpu(),
-                               block_idx=blocks.cpu(), **hp)
+                               hp, block_idx=blocks.cpu())
     torch.testing.assert_close(out.double().cpu(), expect, **_tol(backend))
 
 
@@ -177,7 +176,7 @@ def test_compressed_branch_rows_without_tokens_are_zero(backend: str) -> None:
     x = make_inputs(2, 30, 4, 2, 8, 6, l=l, d=d, dtype=_dtype(backend), device=_device(backend))
     for name in ("q", "k_raw", "v_raw"):
         getattr(x, name).requires_grad_(True)
-    out = run(backend, x, l=l, d=d, l_sel=8, n_sel=2, w=4, gates=one_hot_gates(x, 0))
+    out = run(backend, x, NSAParams(l=l, d=d, l_sel=8, n_sel=2, w=4), gates=one_hot_gates(x, 0))
     assert torch.isfinite(out).all()
     assert torch.equal(out[:, : l - 1], torch.zeros_like(out[:, : l - 1]))
     assert out[:, l - 1 :].abs().amax(-1).min() > 0
@@ -189,7 +188,7 @@ def test_compressed_branch_rows_without_tokens_are_zero(backend: str) -> None:
 def test_compressed_branch_normalises_over_visible_tokens_only(backend: str) -> None:
     l, d, S = 8, 4, 33  # noqa: E741
     x = make_inputs(1, S, 2, 1, 8, 8, l=l, d=d, dtype=_dtype(backend), device=_device(backend))
-    out = run(backend, x, l=l, d=d, l_sel=8, n_sel=2, w=4, gates=one_hot_gates(x, 0))
+    out = run(backend, x, NSAParams(l=l, d=d, l_sel=8, n_sel=2, w=4), gates=one_hot_gates(x, 0))
     kc, vc = x.k_cmp, x.v_cmp
     for t in (7, 12, 20, 32):
         n = num_visible_cmp(t, l, d)
@@ -216,23 +215,23 @@ EDGE_CASES = [
 def test_agrees_with_reference(backend: str, case: tuple[int, ...]) -> None:
     B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w = case  # noqa: E741
     x = make_inputs(B, S, HQ, H, Dk, Dv, l=l, d=d, dtype=_dtype(backend), device=_device(backend))
-    out, idx = run(backend, x, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, return_block_idx=True)
+    out, idx = run(backend, x, NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w), return_block_idx=True)
     assert out.shape == (B, S, HQ, Dv) and torch.isfinite(out).all()
     cpu64 = [a.double().cpu() for a in x.args()]
-    expect = ref.nsa_attention(*cpu64, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, block_idx=idx.cpu())
+    expect = ref.nsa_attention(*cpu64, NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w), block_idx=idx.cpu())
     torch.testing.assert_close(out.double().cpu(), expect, **_tol(backend))
-    ref_idx = ref.select_blocks(cpu64[0], cpu64[1], l=l, d=d, l_sel=l_sel, n_sel=n_sel)
+    ref_idx = ref.select_blocks(cpu64[0], cpu64[1], NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel))
     if backend != "triton":
         assert torch.equal(idx.cpu(), ref_idx)
 
 
 def test_compress_avg_matches_definition(backend: str) -> None:
     x = torch.randn(2, 45, 3, 5, dtype=_dtype(backend), device=_device(backend))
-    out = ops.compress_avg(x, 8, 4, backend=backend)
+    out = ops.compress_avg(x, NSAParams(l=8, d=4), backend=backend)
     assert out.shape == (2, num_cmp(45, 8, 4), 3, 5)
     for j in range(out.shape[1]):
         torch.testing.assert_close(out[:, j], x[:, 4 * j : 4 * j + 8].mean(1))
-    assert ops.compress_avg(x[:, :7], 8, 4, backend=backend).shape == (2, 0, 3, 5)
+    assert ops.compress_avg(x[:, :7], NSAParams(l=8, d=4), backend=backend).shape == (2, 0, 3, 5)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -243,26 +242,26 @@ GRAD_NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates"
 
 @pytest.mark.parametrize("backend_name", ["reference", "torch"])
 def test_gradcheck_float64(backend_name: str) -> None:
-    hp = dict(l=4, d=2, l_sel=4, n_sel=2, w=3)
+    hp = NSAParams(l=4, d=2, l_sel=4, n_sel=2, w=3)
     x = make_inputs(1, 11, 2, 1, 4, 3, l=4, d=2)
     args = [a.detach().clone().requires_grad_(True) for a in x.args()]
-    blocks = ref.select_blocks(args[0].detach(), args[1].detach(), l=4, d=2, l_sel=4, n_sel=2)
+    blocks = ref.select_blocks(args[0].detach(), args[1].detach(), NSAParams(l=4, d=2, l_sel=4, n_sel=2))
 
     def f(*a: torch.Tensor) -> torch.Tensor:
-        return ops.nsa_attention(*a, block_idx=blocks, backend=backend_name, **hp)
+        return ops.nsa_attention(*a, hp, block_idx=blocks, backend=backend_name)
 
     assert torch.autograd.gradcheck(f, tuple(args), eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
 def test_gradients_match_reference(backend: str) -> None:
-    hp = dict(l=8, d=4, l_sel=8, n_sel=3, w=6)
+    hp = NSAParams(l=8, d=4, l_sel=8, n_sel=3, w=6)
     x = make_inputs(2, 37, 6, 2, 8, 6, l=8, d=4, dtype=_dtype(backend), device=_device(backend))
     grads = {}
     for name in ("reference", backend):
         args = [a.detach().clone().double().cpu() if name == "reference" else a.detach().clone() for a in x.args()]
         for a in args:
             a.requires_grad_(True)
-        out = ops.nsa_attention(*args, backend=name, **hp)
+        out = ops.nsa_attention(*args, hp, backend=name)
         upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
         (out * upstream.to(out.device, out.dtype)).sum().backward()
         grads[name] = [a.grad.double().cpu() for a in args]
@@ -277,16 +276,16 @@ def test_no_gradient_through_block_choice() -> None:
     the op equal those with the same blocks passed in as constants; with the compressed branch gated off,
     k_cmp gets no gradient at all. (A soft or leaking top-n would add a score gradient to both.)"""
     x = make_inputs(1, 24, 2, 1, 4, 4, l=4, d=2)
-    hp = {"l": 4, "d": 2, "l_sel": 4, "n_sel": 2, "w": 3}
+    hp = NSAParams(l=4, d=2, l_sel=4, n_sel=2, w=3)
     gates = x.gates.detach().clone()
     gates[..., 0] = 0.0  # compressed branch off: only the selection could carry gradient into k_cmp
     up = torch.randn(1, 24, 2, 4, generator=torch.Generator().manual_seed(3), dtype=x.q.dtype)
-    idx = ops.select_blocks(x.q.detach(), x.k_cmp.detach(), l=4, d=2, l_sel=4, n_sel=2)
+    idx = ops.select_blocks(x.q.detach(), x.k_cmp.detach(), NSAParams(l=4, d=2, l_sel=4, n_sel=2))
     grads = []
     for block_idx in (None, idx):
         args = [a.detach().clone().requires_grad_(True) for a in x.args()]
         args[-1] = gates.clone().requires_grad_(True)
-        out = ops.nsa_attention(*args, **hp, block_idx=block_idx, backend="torch")
+        out = ops.nsa_attention(*args, hp, block_idx=block_idx, backend="torch")
         (out * up).sum().backward()
         grads.append([a.grad for a in args])
     (gq_inside, gkc_inside, *_), (gq_given, *_) = grads
@@ -308,16 +307,14 @@ def test_no_gradient_through_block_choice() -> None:
     ],
 )
 def test_invalid_hyperparameters_name_the_field(bad: dict, message: str) -> None:
-    hp = dict(l=8, d=4, l_sel=8, n_sel=2, w=4) | bad
-    x = make_inputs(1, 40, 2, 1, 8, 8, l=8, d=4)
-    for name in ("reference", "torch"):
-        with pytest.raises(ValueError, match=message.replace(".", r"\.")):
-            ops.nsa_attention(*x.args(), backend=name, **hp)
+    """The one object every path takes refuses bad values on construction, naming the field."""
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        NSAParams(**(dict(l=8, d=4, l_sel=8, n_sel=2, w=4) | bad))
 
 
 def test_dispatch_default_context_and_fallback_counter(monkeypatch: pytest.MonkeyPatch) -> None:
     x = make_inputs(1, 20, 2, 1, 8, 8, l=4, d=2, dtype=torch.float32)
-    hp = dict(l=4, d=2, l_sel=4, n_sel=2, w=3)
+    hp = NSAParams(l=4, d=2, l_sel=4, n_sel=2, w=3)
     monkeypatch.setenv("NSA_ATTN_BACKEND", "reference")  # a run setting: the ops never read it
     assert ops.requested_backend() == "auto"
     ops.set_default_backend("reference")
@@ -333,25 +330,25 @@ def test_dispatch_default_context_and_fallback_counter(monkeypatch: pytest.Monke
     assert ops.requested_backend() == "auto"
     ops.reset_fallback_counts()
     if not torch.cuda.is_available():
-        out = ops.nsa_attention(*x.args(), backend="triton", **hp)  # cannot serve CPU tensors here
-        torch.testing.assert_close(out, ops.nsa_attention(*x.args(), backend="torch", **hp))
+        out = ops.nsa_attention(*x.args(), hp, backend="triton")  # cannot serve CPU tensors here
+        torch.testing.assert_close(out, ops.nsa_attention(*x.args(), hp, backend="torch"))
         counts = ops.fallback_counts()
         import os
 
         if os.environ.get("TRITON_INTERPRET") != "1":
             assert sum(counts.values()) == 1 and next(iter(counts)).startswith("nsa_attention:triton->torch")
     with pytest.raises(ValueError, match="unknown NSA backend"):
-        ops.nsa_attention(*x.args(), backend="magic", **hp)
+        ops.nsa_attention(*x.args(), hp, backend="magic")
     assert "reference" in ops.available_backends("cpu") and "torch" in ops.available_backends("cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_backend_under_torch_compile_matches_eager() -> None:
     x = make_inputs(2, 300, 12, 2, 64, 64, l=32, d=16, dtype=torch.bfloat16, device="cuda")
-    hp = dict(l=32, d=16, l_sel=64, n_sel=4, w=64)
+    hp = NSAParams(l=32, d=16, l_sel=64, n_sel=4, w=64)
 
     def f(*a: torch.Tensor) -> torch.Tensor:
-        return ops.nsa_attention(*a, backend="triton", **hp)
+        return ops.nsa_attention(*a, hp, backend="triton")
 
     results = []
     for fn in (f, torch.compile(f)):

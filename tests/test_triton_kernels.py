@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nsa.ops import NSAParams
 from tests.conftest import in_triton_interpreter, make_inputs
 
 HAS_CUDA = torch.cuda.is_available()
@@ -45,18 +46,18 @@ def _check(B: int, S: int, HQ: int, H: int, Dk: int, Dv: int, *, l: int, d: int,
     args = [a.detach().clone().requires_grad_(True) for a in x.args()]
     ref_mod = reference if oracle == "reference" else torch_path
     ref_args = [a.detach().double().requires_grad_(True) for a in x.args()]
-    hp = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel)
+    hp = NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
 
     _poison(dev)
-    idx = triton_path.select_blocks(args[0], args[1], **hp)
-    idx_ref = ref_mod.select_blocks(args[0].detach().double(), args[1].detach().double(), **hp)
+    idx = triton_path.select_blocks(args[0], args[1], hp)
+    idx_ref = ref_mod.select_blocks(args[0].detach().double(), args[1].detach().double(), hp)
     assert idx.dtype == torch.int32 and idx.shape == (B, S, H, n_sel)
     agree = float((idx == idx_ref).float().mean())
     # exact in fp32; with bf16/fp16 inputs only near-ties may choose differently
     assert agree == 1.0 if dtype == torch.float32 else agree > 0.97, agree
 
     _poison(dev)
-    out, idx2 = triton_path.nsa_attention(*args, **hp, w=w, return_block_idx=True)
+    out, idx2 = triton_path.nsa_attention(*args, hp, return_block_idx=True)
     assert torch.equal(idx2, idx), "nsa_attention chose other blocks than select_blocks"
     inputs = list(args)
     if strided:  # q, k_sel, v_sel, k_win as views of wider rows (a fused projection): stride(-1) == 1 only
@@ -64,8 +65,8 @@ def _check(B: int, S: int, HQ: int, H: int, Dk: int, Dv: int, *, l: int, d: int,
             inputs[i] = torch.cat([args[i], args[i]], dim=-1)[..., : args[i].shape[-1]]
             assert not inputs[i].is_contiguous()
     _poison(dev)
-    out = triton_path.nsa_attention(*inputs, **hp, w=w, block_idx=idx_ref)
-    ref = ref_mod.nsa_attention(*ref_args, **hp, w=w, block_idx=idx_ref)
+    out = triton_path.nsa_attention(*inputs, hp, block_idx=idx_ref)
+    ref = ref_mod.nsa_attention(*ref_args, hp, block_idx=idx_ref)
     assert out.shape == ref.shape and out.dtype == dtype
     assert _rel(out, ref) < tol
     grad = torch.randn(ref.shape, dtype=torch.float64, device=device)
@@ -118,15 +119,15 @@ def _messy_blocks_case(device: str = "cpu") -> None:
     gen = torch.Generator().manual_seed(5)
     idx = torch.randint(-1, S // l_sel + 1, (B, S, H, n_sel), generator=gen, dtype=torch.int32)
     idx[..., 1] = idx[..., 0]  # a duplicate in every row
-    hp = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
+    hp = NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
     ref_args = [a.detach().double().cpu().requires_grad_(True) for a in x.args()]
-    ref = reference.nsa_attention(*ref_args, **hp, block_idx=idx)
+    ref = reference.nsa_attention(*ref_args, hp, block_idx=idx)
     grad = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
     ref.backward(grad)
     for mode in ("row", "fsa"):
         args = [a.detach().clone().requires_grad_(True) for a in x.args()]
         with tile_overrides({"sel_mode": mode}):
-            out = triton_path.nsa_attention(*args, **hp, block_idx=idx.to(device))
+            out = triton_path.nsa_attention(*args, hp, block_idx=idx.to(device))
             out.backward(grad.to(device, dtype))
         tol = 2e-5 if device == "cpu" else 2e-2
         assert _rel(out, ref.to(out.device)) < tol, mode
@@ -176,11 +177,11 @@ def _dispatcher_case() -> None:
     x = make_inputs(1, 48, 4, 2, 16, 16, l=8, d=4, dtype=torch.bfloat16 if HAS_CUDA else torch.float32,
                     device="cuda" if HAS_CUDA else "cpu")
     ops.reset_fallback_counts()
-    out = ops.nsa_attention(*x.args(), l=8, d=4, l_sel=16, n_sel=2, w=16, backend="triton")
+    hp = NSAParams(l=8, d=4, l_sel=16, n_sel=2, w=16)
+    out = ops.nsa_attention(*x.args(), hp, backend="triton")
     assert ops.fallback_counts() == {}
-    ref = ops.nsa_attention(*[a.double() for a in x.args()], l=8, d=4, l_sel=16, n_sel=2, w=16,
-                            backend="torch", block_idx=ops.select_blocks(x.q.double(), x.k_cmp.double(),
-                                                                        l=8, d=4, l_sel=16, n_sel=2))
+    ref = ops.nsa_attention(*[a.double() for a in x.args()], hp, backend="torch",
+                            block_idx=ops.select_blocks(x.q.double(), x.k_cmp.double(), hp))
     assert _rel(out, ref) < (2e-2 if HAS_CUDA else 1e-5)
 
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from nsa import ops
-from nsa.ops import varlen
+from nsa.ops import NSAParams, varlen
 from tests.conftest import in_triton_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
-NSA = {"l": 8, "d": 4, "l_sel": 16, "n_sel": 2, "w": 12}
+NSA = NSAParams(l=8, d=4, l_sel=16, n_sel=2, w=12)
 LENGTHS = [5, 40, 17, 64, 3, 90, 1, 33]  # < l, < l_sel, exact multiples, one token
 
 
@@ -41,10 +41,10 @@ def _run(x: dict[str, torch.Tensor], backend: str, cu: torch.Tensor | None, sl: 
     def part(t: torch.Tensor) -> torch.Tensor:
         return t[:, sl]
 
-    k_cmp = ops.compress_avg(part(x["k"]), NSA["l"], NSA["d"], backend=backend, cu_seqlens=cu)
-    v_cmp = ops.compress_avg(part(x["v"]), NSA["l"], NSA["d"], backend=backend, cu_seqlens=cu)
+    k_cmp = ops.compress_avg(part(x["k"]), NSA, backend=backend, cu_seqlens=cu)
+    v_cmp = ops.compress_avg(part(x["v"]), NSA, backend=backend, cu_seqlens=cu)
     o, idx = ops.nsa_attention(part(x["q"]), k_cmp, v_cmp, *(part(x[n]) for n in ("ks", "vs", "kw", "vw", "g")),
-                               **NSA, backend=backend, cu_seqlens=cu, return_block_idx=True)
+                               NSA, backend=backend, cu_seqlens=cu, return_block_idx=True)
     return o, idx, k_cmp
 
 
@@ -103,9 +103,9 @@ def test_triton_packed_on_gpu() -> None:
 def test_select_blocks_is_local_to_each_document() -> None:
     """Seed 2: block indices count from each document's start; the first block of every document is chosen."""
     cu, x = _inputs([40, 50], 2, torch.float64, "cpu")
-    k_cmp = ops.compress_avg(x["k"], NSA["l"], NSA["d"], cu_seqlens=cu)
-    idx = ops.select_blocks(x["q"], k_cmp, l=8, d=4, l_sel=16, n_sel=2, cu_seqlens=cu)
-    second = ops.select_blocks(x["q"][:, 40:], ops.compress_avg(x["k"][:, 40:], 8, 4), l=8, d=4, l_sel=16, n_sel=2)
+    k_cmp = ops.compress_avg(x["k"], NSA, cu_seqlens=cu)
+    idx = ops.select_blocks(x["q"], k_cmp, NSA, cu_seqlens=cu)
+    second = ops.select_blocks(x["q"][:, 40:], ops.compress_avg(x["k"][:, 40:], NSA), NSA)
     assert torch.equal(idx[:, 40:], second)
     assert int(idx[0, 40:, :, 0].min()) == 0 and int(idx[0, 40:].max()) <= (50 - 1) // 16
 
@@ -142,7 +142,7 @@ def test_bucket_plan_pads_at_most_to_the_next_power_of_two() -> None:
 def test_bad_cu_seqlens_is_one_clear_error(cu: list[int], batch: int, needle: str) -> None:
     x = torch.zeros(batch, 10, 2, 8)
     with pytest.raises(ValueError, match=needle):
-        ops.compress_avg(x, 8, 4, cu_seqlens=torch.tensor(cu))
+        ops.compress_avg(x, NSA, cu_seqlens=torch.tensor(cu))
 
 
 # --- the model -------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from nsa.bench.timing import make_timer
+from nsa.ops import NSAParams, compress_avg, nsa_attention, tile_overrides, use_backend
 
 SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
 DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
@@ -25,21 +26,6 @@ DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
 # not include the sequence length, so the peer is tuned once at this length and then timed
 PEER_TUNE_LEN = 16384
 TINY_SEQ_LENS = (64, 128)
-
-
-@dataclass(frozen=True)
-class NSAParams:
-    """NSA hyper-parameters of the benchmark (paper defaults)."""
-
-    l: int = 32  # noqa: E741
-    d: int = 16
-    l_sel: int = 64
-    n_sel: int = 16
-    w: int = 512
-
-    @classmethod
-    def tiny(cls) -> NSAParams:
-        return cls(l=8, d=4, l_sel=16, n_sel=4, w=32)
 
 
 @dataclass
@@ -179,8 +165,6 @@ def bench_one(
     called with a line before each side is timed)."""
     import torch.nn.functional as F
 
-    from nsa.ops import compress_avg, nsa_attention, use_backend
-
     say = progress or (lambda _msg: None)
     p = params or NSAParams()
     dev = torch.device(device)
@@ -205,9 +189,8 @@ def bench_one(
 
     def nsa() -> torch.Tensor:
         with use_backend(backend):
-            k_cmp, v_cmp = compress_avg(k_raw, p.l, p.d), compress_avg(v_raw, p.l, p.d)
-            out = nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, l=p.l, d=p.d,
-                                l_sel=p.l_sel, n_sel=p.n_sel, w=p.w)
+            k_cmp, v_cmp = compress_avg(k_raw, p), compress_avg(v_raw, p)
+            out = nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, p)
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -280,8 +263,6 @@ def bench_attention(
         kwargs.setdefault("params", NSAParams.tiny())
         kwargs.setdefault("device", "cpu")
         kwargs.setdefault("dtype", torch.float32)
-    from nsa.ops import tile_overrides
-
     rows = []
     for name, HQ, H, D in shapes:
         for S in seq_lens:
@@ -314,10 +295,9 @@ def kernel_breakdown(
     dtype: torch.dtype = torch.bfloat16, warmup_ms: int = 10, rep_ms: int = 50, seed: int = 0,
     only: tuple[str, ...] | None = None, tune: Mapping[str, int | str] | None = None,
 ) -> dict[str, float]:
-    """Median milliseconds of each Triton stage of the NSA forward and backward (CUDA only; ``tune``:
-    block-shape overrides, :func:`nsa.ops.tile_overrides`)."""
-    from nsa.ops import tile_overrides
-
+    """Median milliseconds of each Triton stage of the NSA forward and backward, as the op runs them
+    (:class:`nsa.ops.triton_path.Stages`; CUDA only; ``tune``: block-shape overrides,
+    :func:`nsa.ops.tile_overrides`)."""
     with tile_overrides(tune):
         return _kernel_breakdown(S, HQ, H, D, params or NSAParams(), batch, dtype, warmup_ms, rep_ms, seed, only)
 
@@ -326,10 +306,7 @@ def _kernel_breakdown(S: int, HQ: int, H: int, D: int, p: NSAParams, batch: int,
                       warmup_ms: int, rep_ms: int, seed: int, only: tuple[str, ...] | None) -> dict[str, float]:
     import triton.testing
 
-    from nsa.ops._triton.range_attn import range_bwd, range_fwd
-    from nsa.ops._triton.scores import select_top
-    from nsa.ops._triton.selection import sel_bwd, sel_fwd
-    from nsa.ops.torch_path import compress_avg
+    from nsa.ops.triton_path import Stages
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -341,38 +318,18 @@ def _kernel_breakdown(S: int, HQ: int, H: int, D: int, p: NSAParams, batch: int,
     k_raw, v_raw, k_sel, v_sel, k_win, v_win = (rnd(batch, S, H, D) for _ in range(6))
     gates = torch.rand(batch, S, HQ, 3, generator=gen, device=dev, dtype=dtype)
     do = rnd(batch, S, HQ, D)
-    scale = D**-0.5
-    cmp: dict[str, Any] = {"stride": p.d, "off": p.l - 1, "win": 0}
-    win: dict[str, Any] = {"stride": 1, "off": 0, "win": p.w}
-    k_cmp, v_cmp = compress_avg(k_raw, p.l, p.d).contiguous(), compress_avg(v_raw, p.l, p.d).contiguous()
-    o3 = torch.empty(batch, S, HQ, 3, D, device=dev, dtype=dtype)
-    out_ = torch.empty(batch, S, HQ, D, device=dev, dtype=dtype)
-    lse_c = range_fwd(q, k_cmp, v_cmp, o3[:, :, :, 0], scale=scale, **cmp)
-    idx = select_top(q, k_cmp, lse_c, l=p.l, d=p.d, l_sel=p.l_sel, n_sel=p.n_sel, scale=scale)
-    lse_s, work = sel_fwd(q, k_sel, v_sel, idx, o3[:, :, :, 1], l_sel=p.l_sel, scale=scale)
-    lse_w = range_fwd(q, k_win, v_win, o3[:, :, :, 2], scale=scale, combine=(gates, out_), **win)
-    dg = torch.empty(batch, S, HQ, 3, device=dev, dtype=torch.float32)
-    dq = torch.empty(q.shape, device=dev, dtype=torch.float32)
-    dq_out = torch.empty(q.shape, device=dev, dtype=dtype)
-    # the stages as the op runs them: the window forward also writes the gated output, the compressed
-    # dq kernel also the gate gradient, the window dq kernel the final dq in bf16
+    k_cmp, v_cmp = compress_avg(k_raw, p).contiguous(), compress_avg(v_raw, p).contiguous()
+    st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, p, D**-0.5)
+    st.forward(None)
+    st.start_backward(do)
+    st.cmp_bwd()  # the gate gradient the later stages read
     stages: dict[str, Callable[[], Any]] = {
-        "compress_avg": lambda: (compress_avg(k_raw, p.l, p.d).contiguous(), compress_avg(v_raw, p.l, p.d).contiguous()),
-        "cmp_fwd": lambda: range_fwd(q, k_cmp, v_cmp, o3[:, :, :, 0], scale=scale, **cmp),
-        "select": lambda: select_top(q, k_cmp, lse_c, l=p.l, d=p.d, l_sel=p.l_sel, n_sel=p.n_sel,
-                                     scale=scale),
-        "sel_fwd": lambda: sel_fwd(q, k_sel, v_sel, idx, o3[:, :, :, 1], l_sel=p.l_sel, scale=scale),
-        "win_fwd": lambda: range_fwd(q, k_win, v_win, o3[:, :, :, 2], scale=scale, combine=(gates, out_), **win),
-        "cmp_bwd": lambda: range_bwd(q, k_cmp, v_cmp, do, lse_c, gates, dg, dq, branch=0, accum=False,
-                                     scale=scale, o3=o3, **cmp),
-        "sel_bwd": lambda: sel_bwd(q, k_sel, v_sel, idx, do, lse_s, gates, dg, dq, branch=1, accum=True,
-                                   l_sel=p.l_sel, scale=scale, work=work),
-        "win_bwd": lambda: range_bwd(q, k_win, v_win, do, lse_w, gates, dg, dq, branch=2, accum=True,
-                                     scale=scale, dq_out=dq_out, **win),
+        "compress_avg": lambda: (compress_avg(k_raw, p).contiguous(), compress_avg(v_raw, p).contiguous()),
+        "cmp_fwd": st.cmp_fwd, "select": st.select, "sel_fwd": st.sel_fwd, "win_fwd": st.win_fwd,
+        "cmp_bwd": st.cmp_bwd, "sel_bwd": st.sel_bwd, "win_bwd": st.win_bwd,
     }
-    out = {name: float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-           for name, fn in stages.items() if only is None or name in only}
-    return out
+    return {name: float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+            for name, fn in stages.items() if only is None or name in only}
 
 
 def stage_costs(S: int, HQ: int, H: int, Dk: int, Dv: int, params: NSAParams | None = None,

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from nsa.bench.attention import NSAParams
 from nsa.bench.timing import Timer, make_timer
+from nsa.params import NSAParams
 
 SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
 TINY_SHAPES: dict[str, tuple[int, int, int]] = {"tiny": (4, 2, 16)}
@@ -159,8 +159,7 @@ def bench_attention_step(
         table = cmp_block_table(C + 1, -(-T // p.l_sel), p.l, p.d, p.l_sel, device=device)
 
         def run() -> Any:
-            return op(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, l=p.l, d=p.d,
-                              l_sel=p.l_sel, n_sel=p.n_sel, w=p.w, table=table, backend=backend)
+            return op(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, p, table=table, backend=backend)
 
         def nsa() -> torch.Tensor:
             return run().o

@@ -50,6 +50,7 @@ def check_backend(
     import nsa.ops as ops
 
     B, S, HQ, H, D, l, d, l_sel, n_sel, w = SHAPES[shape]  # noqa: E741
+    hp = ops.NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()))
 
@@ -72,12 +73,11 @@ def check_backend(
         name: str, dev: str, dt: torch.dtype, block_idx: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         leaves = {k: t.to(device=dev, dtype=dt).clone().requires_grad_(True) for k, t in base.items()}
-        k_cmp = ops.compress_avg(leaves["k"], l, d, backend=name)
-        v_cmp = ops.compress_avg(leaves["v"], l, d, backend=name)
+        k_cmp = ops.compress_avg(leaves["k"], hp, backend=name)
+        v_cmp = ops.compress_avg(leaves["v"], hp, backend=name)
         out = ops.nsa_attention(
-            leaves["q"], k_cmp, v_cmp, leaves["ks"], leaves["vs"], leaves["kw"], leaves["vw"], leaves["g"],
-            backend=name, block_idx=None if block_idx is None else block_idx.to(dev),
-            return_block_idx=True, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w,
+            leaves["q"], k_cmp, v_cmp, leaves["ks"], leaves["vs"], leaves["kw"], leaves["vw"], leaves["g"], hp,
+            backend=name, block_idx=None if block_idx is None else block_idx.to(dev), return_block_idx=True,
         )
         assert isinstance(out, tuple)
         o, idx = out

@@ -17,6 +17,7 @@ from nsa.config.data import DataConfig
 from nsa.config.monitor import MonitorConfig
 from nsa.config.section import ConfigSection
 from nsa.config.train import TrainConfig
+from nsa.params import NSAParams
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -87,17 +88,12 @@ class NSAConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> NSAConfig:
-        if self.l % self.d:
-            raise ValueError(f"nsa.d={self.d} must divide nsa.l={self.l}")
-        if self.l_sel % self.d:
-            raise ValueError(f"nsa.d={self.d} must divide nsa.l_sel={self.l_sel}")
-        if self.l_sel < self.d:
-            raise ValueError(f"nsa.l_sel={self.l_sel} must be >= nsa.d={self.d}")
+        self.params()  # the ops layer owns the rules (d divides l and l_sel)
         return self
 
-    def op_kwargs(self) -> dict[str, int]:
-        """The keyword arguments of the ``nsa.ops`` calls."""
-        return {"l": self.l, "d": self.d, "l_sel": self.l_sel, "n_sel": self.n_sel, "w": self.w}
+    def params(self) -> NSAParams:
+        """The five hyper-parameters as the ``nsa.ops`` object every layer passes on."""
+        return NSAParams(l=self.l, d=self.d, l_sel=self.l_sel, n_sel=self.n_sel, w=self.w)
 
 
 class RuntimeConfig(_Section):

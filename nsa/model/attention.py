@@ -14,8 +14,7 @@ from nsa.model import documents
 from nsa.model.compress import Compressor
 from nsa.model.rope import RotaryEmbedding
 from nsa.model.stats import N_FIELDS, gate_sums, selection_sums, summarise
-from nsa.ops import nsa_attention
-from nsa.ops.indexing import check_hparams
+from nsa.ops import NSAParams, nsa_attention
 
 if TYPE_CHECKING:
     from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
@@ -63,11 +62,7 @@ class NSAAttention(nn.Module):
         n_kv_groups: int,
         d_k: int,
         d_v: int,
-        l: int,  # noqa: E741
-        d: int,
-        l_sel: int,
-        n_sel: int,
-        w: int,
+        hp: NSAParams,
         phi: str = "avg",
         gate: str = "sigmoid",
         shared_kv: bool = False,
@@ -84,10 +79,9 @@ class NSAAttention(nn.Module):
             raise ValueError(f"model.n_kv_groups={n_kv_groups} must divide model.n_heads={n_heads}")
         if gate not in ("sigmoid", "softmax"):
             raise ValueError(f"nsa.gate='{gate}' must be 'sigmoid' or 'softmax'")
-        check_hparams(l, d, l_sel, n_sel, w)
         self.dim, self.n_heads, self.n_kv_groups = dim, n_heads, n_kv_groups
         self.d_k, self.d_v = d_k, d_v
-        self.l, self.d, self.l_sel, self.n_sel, self.w = l, d, l_sel, n_sel, w
+        self.hp = hp
         self.phi, self.gate, self.shared_kv = phi, gate, shared_kv
         self.collapse_threshold = collapse_threshold
         self.backend = backend
@@ -96,7 +90,7 @@ class NSAAttention(nn.Module):
         self.q_proj = nn.Linear(dim, n_heads * d_k, bias=False)
         self.n_kv_branches = 1 if shared_kv else 3
         self.kv_proj = nn.Linear(dim, self.n_kv_branches * n_kv_groups * (d_k + d_v), bias=False)
-        self.compress = Compressor(phi, l, d, d_k, d_v, backend=backend)
+        self.compress = Compressor(phi, hp, d_k, d_v, backend=backend)
         gh = gate_hidden or max(1, dim // 4)
         self.gate_mlp = nn.Sequential(nn.Linear(dim, gh), nn.SiLU(), nn.Linear(gh, n_heads * 3))
         self.gate_bias = tuple(float(b) for b in gate_bias)
@@ -115,9 +109,6 @@ class NSAAttention(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     # shared pieces
-
-    def op_kwargs(self) -> dict[str, int]:
-        return {"l": self.l, "d": self.d, "l_sel": self.l_sel, "n_sel": self.n_sel, "w": self.w}
 
     def gate_logits(self, x: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
         """``gate_bias + gate_scale * gate_mlp(x)``: a constant offset per branch plus the learned MLP,
@@ -182,8 +173,8 @@ class NSAAttention(nn.Module):
         """Compress, run the NSA op, and (if ``collect``) add the statistics: ``[B, S, HQ, Dv]``."""
         k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw)
         res = nsa_attention(
-            p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, p.gates, l=self.l, d=self.d, l_sel=self.l_sel,
-            n_sel=self.n_sel, w=self.w, scale=self.scale, return_block_idx=collect, backend=self.backend,
+            p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, p.gates, self.hp, scale=self.scale,
+            return_block_idx=collect, backend=self.backend,
         )
         if not collect:
             assert isinstance(res, torch.Tensor)
@@ -198,9 +189,8 @@ class NSAAttention(nn.Module):
         def one_batch(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                       kw: torch.Tensor, vw: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             k_cmp, v_cmp = self.compress(kc, vc)
-            res = nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, g, l=self.l, d=self.d, l_sel=self.l_sel,
-                                n_sel=self.n_sel, w=self.w, scale=self.scale, return_block_idx=True,
-                                backend=self.backend)
+            res = nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, g, self.hp, scale=self.scale,
+                                return_block_idx=True, backend=self.backend)
             assert isinstance(res, tuple)
             return res
 
@@ -225,8 +215,8 @@ class NSAAttention(nn.Module):
     def new_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> NSALayerCache:
         from nsa.model.cache import NSALayerCache
 
-        return NSALayerCache.empty(batch_size, self.n_kv_groups, self.d_k, self.d_v, max_len, l=self.l,
-                                   d=self.d, l_sel=self.l_sel, w=self.w, device=device, dtype=dtype)
+        return NSALayerCache.empty(batch_size, self.n_kv_groups, self.d_k, self.d_v, max_len, hp=self.hp,
+                                   device=device, dtype=dtype)
 
     def prefill(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
         """Full forward over ``x [B, P, dim]`` (positions ``0 .. P-1``) that also fills ``layer``."""
@@ -237,8 +227,8 @@ class NSAAttention(nn.Module):
         p = self.project(x, torch.arange(S, device=x.device))
         k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw)
         o = nsa_attention(
-            p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, p.gates, l=self.l, d=self.d, l_sel=self.l_sel,
-            n_sel=self.n_sel, w=self.w, scale=self.scale, backend=self.backend,
+            p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, p.gates, self.hp, scale=self.scale,
+            backend=self.backend,
         )
         assert isinstance(o, torch.Tensor)
         layer.fill(p.k_sel, p.v_sel, p.k_win, p.v_win, p.k_cmp_raw, p.v_cmp_raw, k_cmp, v_cmp, cache.lengths)
@@ -264,13 +254,13 @@ class NSAAttention(nn.Module):
         backend = self.backend or "auto"  # resolved here: no settings lookup inside a compiled step
         new = NewToken(p.k_sel[:, 0], p.v_sel[:, 0], p.k_win[:, 0], p.v_win[:, 0], p.k_cmp_raw[:, 0], p.v_cmp_raw[:, 0])
         mean = self.phi == "avg"  # mean pooling is emitted by the append itself (one kernel on CUDA)
-        layer.append(t, new, l=self.l, d=self.d, emit_mean=mean, backend=backend)
+        layer.append(t, new, self.hp, emit_mean=mean, backend=backend)
         if not mean:
             k_new, v_new = self.compress.one_block(*layer.block_in_order(t))
-            layer.emit(t, k_new, v_new, self.l, self.d)
+            layer.emit(t, k_new, v_new, self.hp)
         res = nsa_decode(
             p.q[:, 0], t, layer.k_cmp, layer.v_cmp, layer.k_sel, layer.v_sel, layer.k_win, layer.v_win,
-            p.gates[:, 0], **self.op_kwargs(), scale=self.scale, table=layer.table, backend=backend,
+            p.gates[:, 0], self.hp, scale=self.scale, table=layer.table, backend=backend,
         )
         layer.last_block_idx, layer.last_reads = res.block_idx, res.reads
         cache.reads_total += res.reads.sum(dim=-1)
@@ -281,7 +271,7 @@ class NSAAttention(nn.Module):
 
     @torch.no_grad()
     def _accumulate(self, gates: torch.Tensor, block_idx: torch.Tensor) -> None:
-        add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.l_sel)])
+        add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.hp.l_sel)])
         if self._stat_acc.device != add.device:  # a module used on a device it was not moved to
             self._stat_acc = torch.zeros_like(add)
         # in place: torch.compile keeps one graph
@@ -318,7 +308,7 @@ class NSAAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"heads={self.n_heads}, kv_groups={self.n_kv_groups}, d_k={self.d_k}, d_v={self.d_v}, "
-            f"l={self.l}, d={self.d}, l_sel={self.l_sel}, n_sel={self.n_sel}, w={self.w}, "
+            f"l={self.hp.l}, d={self.hp.d}, l_sel={self.hp.l_sel}, n_sel={self.hp.n_sel}, w={self.hp.w}, "
             f"phi={self.phi}, gate={self.gate}, shared_kv={self.shared_kv}"
             + (f", fixed_gates={self.fixed_gates}" if self.fixed_gates is not None else "")
         )

@@ -20,7 +20,7 @@ def make_attention(
         return DenseAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, rope_theta=m.rope_theta)
     n = nsa_cfg
     return NSAAttention(
-        m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, **n.op_kwargs(), phi=n.phi, gate=n.gate,
+        m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, n.params(), phi=n.phi, gate=n.gate,
         shared_kv=n.shared_kv, rope_theta=m.rope_theta, gate_hidden=n.gate_hidden,
         gate_bias=n.gate_bias, gate_scale=n.gate_scale,
         fixed_gates=n.fixed_gates,

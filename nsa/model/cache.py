@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nsa.errors import NSAError
+from nsa.ops import NSAParams
 from nsa.ops.decode_cache import DecodeCaches, NewToken, append_token, block_in_order, emit
 from nsa.ops.indexing import cmp_block_table, num_cmp
 
@@ -61,9 +62,10 @@ class NSALayerCache:
     last_reads: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, B: int, H: int, d_k: int, d_v: int, max_len: int, *, l: int, d: int, l_sel: int,  # noqa: E741
-              w: int, device: torch.device, dtype: torch.dtype) -> NSALayerCache:
-        R, C = min(w, max_len), num_cmp(max_len, l, d)
+    def empty(cls, B: int, H: int, d_k: int, d_v: int, max_len: int, *, hp: NSAParams, device: torch.device,
+              dtype: torch.dtype) -> NSALayerCache:
+        l, d, l_sel = hp.l, hp.d, hp.l_sel  # noqa: E741
+        R, C = min(hp.w, max_len), num_cmp(max_len, l, d)
 
         def z(n: int, D: int) -> torch.Tensor:
             return torch.zeros(B, H, n, D, device=device, dtype=dtype)
@@ -100,20 +102,20 @@ class NSALayerCache:
         return DecodeCaches(self.k_sel, self.v_sel, self.k_win, self.v_win, self.ring_k, self.ring_v, self.k_cmp,
                             self.v_cmp)
 
-    def append(self, t: torch.Tensor, new: NewToken, *, l: int, d: int, emit_mean: bool,  # noqa: E741
+    def append(self, t: torch.Tensor, new: NewToken, hp: NSAParams, *, emit_mean: bool,
                backend: str | None = None) -> None:
         """Store one new position ``t [B]`` per sequence (rows ``[B, H, D]``); with ``emit_mean``
         (phi = mean pooling) also the compressed token it completes (``nsa.ops.decode_cache``)."""
-        append_token(t, new, self.tensors(), l=l, d=d, emit_mean=emit_mean, backend=backend)
+        append_token(t, new, self.tensors(), hp, emit_mean=emit_mean, backend=backend)
 
     def block_in_order(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw compression rows ``t-l+1 .. t`` in position order: ``[B, H, l, D]`` each."""
         return block_in_order(self.ring_k, t), block_in_order(self.ring_v, t)
 
-    def emit(self, t: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l: int, d: int) -> None:  # noqa: E741
+    def emit(self, t: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hp: NSAParams) -> None:
         """Write compressed token ``j`` (``[B, H, D]``) for sequences whose position ``t = j*d + l - 1``
         completes it; the others write into the scratch slot (no host sync to decide)."""
-        emit(self.tensors(), t, k_new, v_new, l, d)
+        emit(self.tensors(), t, k_new, v_new, hp)
 
 
 @dataclass

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nsa.ops import compress_avg
+from nsa.ops import NSAParams, compress_avg
 
 
 def blocks_of(x: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
@@ -41,22 +41,23 @@ class BlockMLP(nn.Module):
 class Compressor(nn.Module):
     """phi for keys and values of one layer: ``avg`` (``nsa.ops.compress_avg``) or ``mlp`` (``BlockMLP``)."""
 
-    def __init__(self, phi: str, l: int, d: int, d_k: int, d_v: int, backend: str | None = None) -> None:  # noqa: E741
+    def __init__(self, phi: str, hp: NSAParams, d_k: int, d_v: int, backend: str | None = None) -> None:
         super().__init__()
         if phi not in ("avg", "mlp"):
             raise ValueError(f"nsa.phi='{phi}' must be 'avg' or 'mlp'")
-        self.phi, self.l, self.d, self.backend = phi, l, d, backend
-        self.mlp_k = BlockMLP(l, d_k) if phi == "mlp" else None
-        self.mlp_v = BlockMLP(l, d_v) if phi == "mlp" else None
+        self.phi, self.hp, self.backend = phi, hp, backend
+        self.mlp_k = BlockMLP(hp.l, d_k) if phi == "mlp" else None
+        self.mlp_v = BlockMLP(hp.l, d_v) if phi == "mlp" else None
 
     def forward(self, k_raw: torch.Tensor, v_raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw (RoPE'd) keys and values ``[B, S, H, D]`` -> compressed ``[B, S_cmp, H, D]``."""
         if self.mlp_k is None or self.mlp_v is None:
             return (
-                compress_avg(k_raw, self.l, self.d, backend=self.backend),
-                compress_avg(v_raw, self.l, self.d, backend=self.backend),
+                compress_avg(k_raw, self.hp, backend=self.backend),
+                compress_avg(v_raw, self.hp, backend=self.backend),
             )
-        return self.mlp_k(blocks_of(k_raw, self.l, self.d)), self.mlp_v(blocks_of(v_raw, self.l, self.d))
+        l, d = self.hp.l, self.hp.d  # noqa: E741
+        return self.mlp_k(blocks_of(k_raw, l, d)), self.mlp_v(blocks_of(v_raw, l, d))
 
     def one_block(self, k_blk: torch.Tensor, v_blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One block per row: ``[..., l, D]`` (raw rows in position order) -> ``[..., D]`` (decode)."""

@@ -1,10 +1,11 @@
 """NSA functional ops: the public kernel-level API, the same call for every backend.
 
-``compress_avg(x, l, d)``, ``select_blocks(q, k_cmp, *, l, d, l_sel, n_sel, scale=None)`` and
-``nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, l, d, l_sel, n_sel, w,
-scale=None, block_idx=None)``; see ``docs/nsa-semantics.md`` for what they compute. Each also takes
-``backend=`` (``auto``, ``reference``, ``torch``, ``triton``) to override the process default
-(``set_default_backend``, ``use_backend``; ``auto`` unless set).
+``compress_avg(x, hp)``, ``select_blocks(q, k_cmp, hp, *, scale=None)`` and
+``nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, *, scale=None, block_idx=None)``
+with ``hp`` an :class:`NSAParams` (the five hyper-parameters as one frozen object); see
+``docs/nsa-semantics.md`` for what they compute. Each also takes ``backend=`` (``auto``, ``reference``,
+``torch``, ``triton``) to override the process default (``set_default_backend``, ``use_backend``;
+``auto`` unless set).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nsa.ops.dispatch import (
     set_default_backend,
     use_backend,
 )
+from nsa.params import NSAParams
 
 
 def _packed(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[list[int], bool]:
@@ -34,25 +36,22 @@ def _packed(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[list[
 
 
 def compress_avg(
-    x: torch.Tensor, l: int, d: int, *, backend: str | None = None, cu_seqlens: torch.Tensor | None = None,  # noqa: E741
+    x: torch.Tensor, hp: NSAParams, *, backend: str | None = None, cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean-pool raw ``x [B, S, H, D]`` into compressed tokens ``[B, S_cmp, H, D]`` (block ``l``, stride ``d``)."""
     name, impl = pick("compress_avg", backend, (x,))
     if cu_seqlens is not None:
         cu, one = _packed(name, x, cu_seqlens)
-        return varlen.compress_packed(lambda t: impl(t, l, d), x, cu, l, d, per_document=one)
-    out: torch.Tensor = impl(x, l, d)
+        return varlen.compress_packed(lambda t: impl(t, hp), x, cu, hp, per_document=one)
+    out: torch.Tensor = impl(x, hp)
     return out
 
 
 def select_blocks(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
+    hp: NSAParams,
     *,
-    l: int,  # noqa: E741
-    d: int,
-    l_sel: int,
-    n_sel: int,
     scale: float | None = None,
     backend: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
@@ -62,10 +61,10 @@ def select_blocks(
     name, impl = pick("select_blocks", backend, (q, k_cmp))
     if cu_seqlens is not None:
         cu, one = _packed(name, q, cu_seqlens)
-        (out,) = varlen.run_packed(lambda q_, k_: impl(q_, k_, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale),
-                                   [q], cu, cmp_rows=[k_cmp], l=l, d=d, per_document=one)
+        (out,) = varlen.run_packed(lambda q_, k_: impl(q_, k_, hp, scale=scale),
+                                   [q], cu, cmp_rows=[k_cmp], hp=hp, per_document=one)
         return out
-    res: torch.Tensor = impl(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
+    res: torch.Tensor = impl(q, k_cmp, hp, scale=scale)
     return res
 
 
@@ -78,12 +77,8 @@ def nsa_attention(
     k_win: torch.Tensor,
     v_win: torch.Tensor,
     gates: torch.Tensor,
+    hp: NSAParams,
     *,
-    l: int,  # noqa: E741
-    d: int,
-    l_sel: int,
-    n_sel: int,
-    w: int,
     scale: float | None = None,
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
@@ -101,15 +96,13 @@ def nsa_attention(
                  g: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
             idx, (kc, vc) = (rest[0], rest[1:]) if block_idx is not None else (None, rest)
             r: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = impl(
-                q_, kc, vc, ks, vs, kw, vw, g, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale,
-                block_idx=idx, return_block_idx=return_block_idx)
+                q_, kc, vc, ks, vs, kw, vw, g, hp, scale=scale, block_idx=idx, return_block_idx=return_block_idx)
             return r
 
-        outs = varlen.run_packed(call, rows, cu, cmp_rows=[k_cmp, v_cmp], l=l, d=d, per_document=one)
+        outs = varlen.run_packed(call, rows, cu, cmp_rows=[k_cmp, v_cmp], hp=hp, per_document=one)
         return (outs[0], outs[1]) if return_block_idx else outs[0]
     out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = impl(
-        *tensors, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale, block_idx=block_idx,
-        return_block_idx=return_block_idx,
+        *tensors, hp, scale=scale, block_idx=block_idx, return_block_idx=return_block_idx,
     )
     return out
 
@@ -117,6 +110,7 @@ def nsa_attention(
 __all__ = [
     "BACKENDS",
     "TUNE_KEYS",
+    "NSAParams",
     "available_backends",
     "compress_avg",
     "fallback_counts",

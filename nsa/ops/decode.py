@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from nsa.ops.indexing import check_hparams, cmp_block_table, masked_softmax, top_n_blocks, visible_cmp
+from nsa.ops.indexing import cmp_block_table, masked_softmax, top_n_blocks, visible_cmp
+from nsa.params import NSAParams
 
 
 class DecodeOutput(NamedTuple):
@@ -61,12 +62,8 @@ def nsa_decode(
     k_win: torch.Tensor,
     v_win: torch.Tensor,
     gates: torch.Tensor,
+    hp: NSAParams,
     *,
-    l: int,  # noqa: E741
-    d: int,
-    l_sel: int,
-    n_sel: int,
-    w: int,
     scale: float | None = None,
     table: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str | None = None,
@@ -80,32 +77,29 @@ def nsa_decode(
     requested ``triton`` that cannot serve the call falls back here, counted in
     ``nsa.ops.fallback_counts()``.
     """
-    check_hparams(l, d, l_sel, n_sel, w)
     from nsa.ops.dispatch import pick
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    _, impl = pick("nsa_decode", backend, (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates), l=l, d=d, l_sel=l_sel)
-    out: DecodeOutput = impl(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, l=l, d=d, l_sel=l_sel,
-                             n_sel=n_sel, w=w, scale=scale, table=table)
+    _, impl = pick("nsa_decode", backend, (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates), hp=hp)
+    out: DecodeOutput = impl(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, scale=scale, table=table)
     return out
 
 
 def _decode_triton(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
-                   v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *, l: int,  # noqa: E741
-                   d: int, l_sel: int, n_sel: int, w: int, scale: float,
-                   table: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutput:
+                   v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, hp: NSAParams,
+                   *, scale: float, table: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutput:
     """The fused four-kernel step (``nsa.ops._triton.decode``); ``table`` is the torch path's."""
     from nsa.ops._triton.decode import nsa_decode_triton
 
     return DecodeOutput(*nsa_decode_triton(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
-                                           l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale))
+                                           l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel, w=hp.w, scale=scale))
 
 
 def _decode_torch(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
-                  v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *, l: int,  # noqa: E741
-                  d: int, l_sel: int, n_sel: int, w: int, scale: float,
-                  table: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutput:
+                  v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, hp: NSAParams,
+                  *, scale: float, table: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutput:
     """The vectorised torch step: the fused Triton step's reference (the index sets of the module doc)."""
+    l, d, l_sel, n_sel, w = hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w  # noqa: E741
     B, HQ, Dk = q.shape
     H, C, T, R = k_cmp.shape[1], k_cmp.shape[2], k_sel.shape[2], k_win.shape[2]
     h = HQ // H
@@ -161,14 +155,14 @@ def compiled_nsa_decode() -> Callable[..., DecodeOutput]:
     return fn
 
 
-def triton_decode_supported(*tensors: torch.Tensor, l: int = 1, d: int = 1, l_sel: int = 1) -> str | None:  # noqa: E741
+def triton_decode_supported(*tensors: torch.Tensor, hp: NSAParams) -> str | None:
     """None when the fused Triton decode step (``nsa.ops._triton.decode``) can serve these tensors and
     block sizes, else a short reason."""
     try:
         from nsa.ops._triton.decode import decode_unsupported
     except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
         return "triton not installed"
-    return decode_unsupported(l, d, l_sel, *tensors)
+    return decode_unsupported(hp.l, hp.d, hp.l_sel, *tensors)
 
 
 def _register() -> None:

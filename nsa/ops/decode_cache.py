@@ -17,33 +17,10 @@ which does all of it in one launch with no host sync.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-
-class DecodeCaches(NamedTuple):
-    """The cache tensors one NSA layer decodes with (layouts in the module doc)."""
-
-    k_sel: torch.Tensor
-    v_sel: torch.Tensor
-    k_win: torch.Tensor
-    v_win: torch.Tensor
-    ring_k: torch.Tensor
-    ring_v: torch.Tensor
-    k_cmp: torch.Tensor
-    v_cmp: torch.Tensor
-
-
-class NewToken(NamedTuple):
-    """One position per sequence, ``[B, H, D]`` each: selection, window and raw compression K/V."""
-
-    k_sel: torch.Tensor
-    v_sel: torch.Tensor
-    k_win: torch.Tensor
-    v_win: torch.Tensor
-    k_raw: torch.Tensor
-    v_raw: torch.Tensor
+from nsa.ops.cache_layout import DecodeCaches, NewToken
+from nsa.params import NSAParams
 
 
 def emit_slot(t: torch.Tensor, l: int, d: int, n_cmp: int) -> torch.Tensor:  # noqa: E741
@@ -61,15 +38,16 @@ def block_in_order(ring: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return torch.gather(ring, 2, slots[:, None, :, None].expand(B, H, l, D))
 
 
-def emit(caches: DecodeCaches, t: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, l: int, d: int) -> None:  # noqa: E741
+def emit(caches: DecodeCaches, t: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hp: NSAParams) -> None:
     """Write compressed token ``[B, H, D]`` where ``t`` completes one (the others write the scratch slot)."""
-    slot = emit_slot(t, l, d, caches.k_cmp.shape[2] - 1)
+    slot = emit_slot(t, hp.l, hp.d, caches.k_cmp.shape[2] - 1)
     ar = torch.arange(t.shape[0], device=t.device)
     caches.k_cmp[ar, :, slot] = k_new
     caches.v_cmp[ar, :, slot] = v_new
 
 
-def _append_torch(t: torch.Tensor, new: NewToken, caches: DecodeCaches, l: int, d: int, emit_mean: bool) -> None:  # noqa: E741
+def _append_torch(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: NSAParams, emit_mean: bool) -> None:
+    l = hp.l  # noqa: E741
     ar = torch.arange(t.shape[0], device=t.device)
     caches.k_sel[ar, :, t] = new.k_sel
     caches.v_sel[ar, :, t] = new.v_sel
@@ -80,16 +58,15 @@ def _append_torch(t: torch.Tensor, new: NewToken, caches: DecodeCaches, l: int, 
     caches.ring_v[ar, :, t % l] = new.v_raw
     if emit_mean:
         emit(caches, t, block_in_order(caches.ring_k, t).mean(dim=-2), block_in_order(caches.ring_v, t).mean(dim=-2),
-             l, d)
+             hp)
 
 
 def append_token(
     t: torch.Tensor,
     new: NewToken,
     caches: DecodeCaches,
+    hp: NSAParams,
     *,
-    l: int,  # noqa: E741
-    d: int,
     emit_mean: bool,
     backend: str | None = None,
 ) -> None:
@@ -103,19 +80,18 @@ def append_token(
     from nsa.ops.dispatch import pick
 
     _, impl = pick("append_token", backend, (t, *new, *caches))
-    impl(t, new, caches, l=l, d=d, emit_mean=emit_mean)
+    impl(t, new, caches, hp, emit_mean=emit_mean)
 
 
-def _append_reference(t: torch.Tensor, new: NewToken, caches: DecodeCaches, *, l: int, d: int,  # noqa: E741
+def _append_reference(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: NSAParams, *,
                       emit_mean: bool) -> None:
-    _append_torch(t.to(torch.int64), new, caches, l, d, emit_mean)
+    _append_torch(t.to(torch.int64), new, caches, hp, emit_mean)
 
 
-def _append_triton(t: torch.Tensor, new: NewToken, caches: DecodeCaches, *, l: int, d: int,  # noqa: E741
-                   emit_mean: bool) -> None:
+def _append_triton(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: NSAParams, *, emit_mean: bool) -> None:
     from nsa.ops._triton.decode_cache import append_token_triton
 
-    append_token_triton(t, new, caches, l=l, d=d, emit_mean=emit_mean)
+    append_token_triton(t, new, caches, l=hp.l, d=hp.d, emit_mean=emit_mean)
 
 
 def _append_unsupported(t: torch.Tensor, *tensors: torch.Tensor) -> str | None:

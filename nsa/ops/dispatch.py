@@ -113,7 +113,7 @@ def register(op: str, backend: str, fn: Impl, unsupported: Unsupported | None = 
     _REGISTRY.setdefault(op, {})[backend] = (fn, unsupported)
 
 
-def pick(op: str, backend: str | None, tensors: tuple[torch.Tensor, ...], **hparams: int) -> tuple[str, Impl]:
+def pick(op: str, backend: str | None, tensors: tuple[torch.Tensor, ...], **hparams: Any) -> tuple[str, Impl]:
     """``(backend name, implementation)`` of ``op`` for ``tensors``: the requested backend, ``auto`` =
     Triton for CUDA tensors and the torch path otherwise; a Triton request it cannot serve falls back to
     the torch path, counted as ``"<op>:triton->torch:<reason>"``."""

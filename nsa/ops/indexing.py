@@ -121,19 +121,6 @@ def forced_blocks(t: int, l_sel: int) -> list[int]:
     return out
 
 
-def check_hparams(l: int, d: int, l_sel: int, n_sel: int, w: int | None = None) -> None:  # noqa: E741
-    """Reject invalid hyper-parameters with a message that names the field."""
-    for name, value in (("l", l), ("d", d), ("l_sel", l_sel), ("n_sel", n_sel)) + ((("w", w),) if w is not None else ()):
-        if int(value) < 1:
-            raise ValueError(f"nsa.{name}={value} must be positive")
-    if l % d:
-        raise ValueError(f"nsa.d={d} must divide nsa.l={l}")
-    if l_sel % d:
-        raise ValueError(f"nsa.d={d} must divide nsa.l_sel={l_sel}")
-    if l_sel < d:
-        raise ValueError(f"nsa.l_sel={l_sel} must be >= nsa.d={d}")
-
-
 def check_shapes(q: torch.Tensor, k: torch.Tensor, *, name: str = "k") -> tuple[int, int, int, int, int]:
     """Validate ``q [B,S,HQ,Dk]`` against raw ``k [B,S,H,Dk]``; returns ``B, S, HQ, H, h``."""
     if q.dim() != 4 or k.dim() != 4:

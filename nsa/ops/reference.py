@@ -1,23 +1,60 @@
 """Plain reference of NSA attention: loops over batch, position and group, written to read like the spec.
 
 This is the oracle of the tests (run it in float64). It is slow on purpose: every index set is built
-explicitly, so what each query reads can be checked by eye against ``docs/nsa-semantics.md``.
+explicitly, position by position, from the definitions of ``docs/nsa-semantics.md``, and it shares no
+index helper with the fast paths (``nsa.ops.indexing``), so a mistake there cannot pass parity.
 """
 
 from __future__ import annotations
 
 import torch
 
-from nsa.ops.indexing import check_hparams, check_shapes, forced_blocks, num_cmp, num_visible_cmp, overlap
+from nsa.params import NSAParams
 
 
-def compress_avg(x: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
+def _cmp_span(j: int, hp: NSAParams) -> range:
+    """Raw positions pooled into compressed token ``j``: ``[j*d, j*d + l)``."""
+    return range(j * hp.d, j * hp.d + hp.l)
+
+
+def _visible_cmp(t: int, S: int, hp: NSAParams) -> list[int]:
+    """Compressed tokens whose whole span lies at or before position ``t`` (and inside the sequence)."""
+    out = []
+    j = 0
+    while j * hp.d + hp.l <= S:
+        if max(_cmp_span(j, hp)) <= t:
+            out.append(j)
+        j += 1
+    return out
+
+
+def _block_span(b: int, hp: NSAParams) -> range:
+    """Raw positions of selection block ``b``: ``[b*l_sel, (b+1)*l_sel)``."""
+    return range(b * hp.l_sel, (b + 1) * hp.l_sel)
+
+
+def _forced(t: int, l_sel: int) -> list[int]:
+    """Forced blocks of query ``t`` in priority order: current, initial, previous (each once)."""
+    bt = t // l_sel
+    out: list[int] = []
+    for b in (bt, 0, bt - 1):
+        if 0 <= b <= bt and b not in out:
+            out.append(b)
+    return out
+
+
+def compress_avg(x: torch.Tensor, hp: NSAParams) -> torch.Tensor:
     """Mean of raw rows ``[j*d, j*d+l)`` for each compressed token ``j``: ``[B, S_cmp, H, D]``."""
     B, S, H, D = x.shape
-    n = num_cmp(S, l, d)
-    if n == 0:
+    rows = []
+    j = 0
+    while j * hp.d + hp.l <= S:
+        span = _cmp_span(j, hp)
+        rows.append(x[:, span.start : span.stop].mean(dim=1))
+        j += 1
+    if not rows:
         return x.new_zeros(B, 0, H, D)
-    return torch.stack([x[:, j * d : j * d + l].mean(dim=1) for j in range(n)], dim=1)
+    return torch.stack(rows, dim=1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -28,53 +65,48 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     return p @ v
 
 
-def _cmp_probs(q_g: torch.Tensor, k_cmp_g: torch.Tensor, n_vis: int, scale: float) -> torch.Tensor:
-    """Compressed-branch probabilities ``[h, n_vis]`` over the visible tokens only."""
-    if n_vis == 0:
-        return q_g.new_zeros(q_g.shape[0], 0)
-    return torch.softmax((q_g @ k_cmp_g[:n_vis].T) * scale, dim=-1)
-
-
 def _choose(P: list[float], t: int, l_sel: int, n_sel: int) -> list[int]:
     """Forced blocks first, then the highest ``P`` (ties to the lower index), sorted ascending."""
     bt = t // l_sel
     want = min(n_sel, bt + 1)
-    chosen = forced_blocks(t, l_sel)[:want]
+    chosen = _forced(t, l_sel)[:want]
     rest = sorted((b for b in range(bt + 1) if b not in chosen), key=lambda b: (-P[b], b))
     chosen += rest[: want - len(chosen)]
     return sorted(chosen)
 
 
-def select_blocks(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    *,
-    l: int,  # noqa: E741
-    d: int,
-    l_sel: int,
-    n_sel: int,
-    scale: float | None = None,
-) -> torch.Tensor:
+def _check(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [B, S, heads, dim] with the "
+                         "key heads dividing the query heads")
+    B, S, HQ, _ = q.shape
+    return B, S, HQ, k.shape[2]
+
+
+def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale: float | None = None) -> torch.Tensor:
     """Top-``n_sel`` selection blocks per query and group: int32 ``[B, S, H, n_sel]``, -1 padded."""
-    check_hparams(l, d, l_sel, n_sel)
-    B, S, HQ, Dk = q.shape
-    H = k_cmp.shape[2]
+    B, S, HQ, H = _check(q, k_cmp)
     h = HQ // H
-    scale = Dk**-0.5 if scale is None else scale
-    n_blocks = -(-S // l_sel)
-    out = torch.full((B, S, H, n_sel), -1, dtype=torch.int32, device=q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    n_blocks = len(range(0, S, hp.l_sel))
+    out = torch.full((B, S, H, hp.n_sel), -1, dtype=torch.int32, device=q.device)
     with torch.no_grad():
         for b in range(B):
             for t in range(S):
-                n_vis = num_visible_cmp(t, l, d)
+                vis = _visible_cmp(t, S, hp)
                 for g in range(H):
-                    p = _cmp_probs(q[b, t, g * h : (g + 1) * h], k_cmp[b, :, g], n_vis, scale)
-                    p_sum = p.sum(dim=0)  # group reduction (Eq. 10) of per-head Eq. 9 scores
                     P = [0.0] * n_blocks
-                    for j in range(n_vis):
-                        for blk in range(j * d // l_sel, (j * d + l - 1) // l_sel + 1):
-                            P[blk] += float(p_sum[j]) * overlap(j, blk, l, d, l_sel) / l
-                    chosen = _choose(P, t, l_sel, n_sel)
+                    if vis:
+                        q_g = q[b, t, g * h : (g + 1) * h]
+                        p = torch.softmax((q_g @ k_cmp[b, vis, g].T) * scale, dim=-1)
+                        p_sum = p.sum(dim=0)  # group reduction (Eq. 10) of per-head Eq. 9 scores
+                        for i, j in enumerate(vis):
+                            span = set(_cmp_span(j, hp))
+                            for blk in range(n_blocks):
+                                shared = len(span.intersection(_block_span(blk, hp)))
+                                if shared:
+                                    P[blk] += float(p_sum[i]) * shared / hp.l
+                    chosen = _choose(P, t, hp.l_sel, hp.n_sel)
                     out[b, t, g, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     return out
 
@@ -88,38 +120,34 @@ def nsa_attention(
     k_win: torch.Tensor,
     v_win: torch.Tensor,
     gates: torch.Tensor,
+    hp: NSAParams,
     *,
-    l: int,  # noqa: E741
-    d: int,
-    l_sel: int,
-    n_sel: int,
-    w: int,
     scale: float | None = None,
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """NSA output ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win``: ``[B, S, HQ, Dv]``."""
-    check_hparams(l, d, l_sel, n_sel, w)
-    B, S, _HQ, H, h = check_shapes(q, k_sel, name="k_sel")
+    B, S, HQ, H = _check(q, k_sel)
+    h = HQ // H
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if block_idx is None:
-        block_idx = select_blocks(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
+        block_idx = select_blocks(q, k_cmp, hp, scale=scale)
     rows = []
     for b in range(B):
         per_t = []
         for t in range(S):
-            n_vis = num_visible_cmp(t, l, d)
+            vis = _visible_cmp(t, S, hp)
             per_g = []
             for g in range(H):
                 heads = slice(g * h, (g + 1) * h)
                 q_g = q[b, t, heads]
-                o_cmp = _attend(q_g, k_cmp[b, :n_vis, g], v_cmp[b, :n_vis, g], scale)
+                o_cmp = _attend(q_g, k_cmp[b, vis, g], v_cmp[b, vis, g], scale)
                 blocks = [int(x) for x in block_idx[b, t, g] if int(x) >= 0]
-                pos = sorted({p for blk in blocks for p in range(blk * l_sel, min((blk + 1) * l_sel, t + 1))})
+                pos = sorted({p for blk in blocks for p in _block_span(blk, hp) if p <= t})
                 idx = torch.tensor(pos, dtype=torch.long, device=q.device)
                 o_sel = _attend(q_g, k_sel[b, idx, g], v_sel[b, idx, g], scale)
-                lo = max(0, t - w + 1)
-                o_win = _attend(q_g, k_win[b, lo : t + 1, g], v_win[b, lo : t + 1, g], scale)
+                win = [p for p in range(t + 1) if t - p < hp.w]
+                o_win = _attend(q_g, k_win[b, win, g], v_win[b, win, g], scale)
                 g_t = gates[b, t, heads]
                 per_g.append(g_t[:, 0:1] * o_cmp + g_t[:, 1:2] * o_sel + g_t[:, 2:3] * o_win)
             per_t.append(torch.cat(per_g, dim=0))

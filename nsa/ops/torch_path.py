@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from nsa.ops.indexing import (
-    check_hparams,
     check_shapes,
     masked_softmax,
     num_cmp,
@@ -20,18 +19,19 @@ from nsa.ops.indexing import (
     top_n_blocks,
     visible_cmp_counts,
 )
+from nsa.params import NSAParams
 
 # Elements of one chunk's score matrix (rows x keys); bounds the working set of a chunk.
 CHUNK_ELEMENTS = 1 << 25
 
 
-def compress_avg(x: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
+def compress_avg(x: torch.Tensor, hp: NSAParams) -> torch.Tensor:
     """Mean of raw rows ``[j*d, j*d+l)`` for each compressed token ``j``: ``[B, S_cmp, H, D]``."""
     B, S, H, D = x.shape
-    n = num_cmp(S, l, d)
+    n = num_cmp(S, hp.l, hp.d)
     if n == 0:
         return x.new_zeros(B, 0, H, D)
-    return x.unfold(1, l, d).mean(dim=-1)  # [B, n, H, D, l] -> [B, n, H, D]
+    return x.unfold(1, hp.l, hp.d).mean(dim=-1)  # [B, n, H, D, l] -> [B, n, H, D]
 
 
 def _fold(x: torch.Tensor, H: int) -> torch.Tensor:
@@ -83,18 +83,9 @@ def _cmp_chunk(
     return o, p_group
 
 
-def select_blocks(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    *,
-    l: int,  # noqa: E741
-    d: int,
-    l_sel: int,
-    n_sel: int,
-    scale: float | None = None,
-) -> torch.Tensor:
+def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale: float | None = None) -> torch.Tensor:
     """Top-``n_sel`` selection blocks per query and group: int32 ``[B, S, H, n_sel]``, -1 padded."""
-    check_hparams(l, d, l_sel, n_sel)
+    l, d, l_sel, n_sel = hp.l, hp.d, hp.l_sel, hp.n_sel  # noqa: E741
     B, S, HQ, Dk = q.shape
     H = k_cmp.shape[2]
     h = HQ // H
@@ -126,18 +117,14 @@ def nsa_attention(
     k_win: torch.Tensor,
     v_win: torch.Tensor,
     gates: torch.Tensor,
+    hp: NSAParams,
     *,
-    l: int,  # noqa: E741
-    d: int,
-    l_sel: int,
-    n_sel: int,
-    w: int,
     scale: float | None = None,
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """NSA output ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win``: ``[B, S, HQ, Dv]``."""
-    check_hparams(l, d, l_sel, n_sel, w)
+    l, d, l_sel, n_sel, w = hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w  # noqa: E741
     B, S, HQ, H, h = check_shapes(q, k_sel, name="k_sel")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dev = q.device

@@ -15,8 +15,12 @@ from typing import Any
 import torch
 
 from nsa.ops._triton import interpreting
-from nsa.ops.indexing import check_hparams, check_shapes, num_cmp
+from nsa.ops._triton.range_attn import range_bwd, range_fwd
+from nsa.ops._triton.scores import select_top
+from nsa.ops._triton.selection import canonical_blocks, sel_bwd, sel_fwd, sel_mode, work_shape
+from nsa.ops.indexing import check_shapes, num_cmp
 from nsa.ops.torch_path import compress_avg as _torch_compress_avg
+from nsa.params import NSAParams
 
 _GPU_DTYPES = (torch.bfloat16, torch.float16)
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,42 +50,113 @@ def supports(*tensors: torch.Tensor) -> str | None:
     return None
 
 
-def compress_avg(x: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
+def compress_avg(x: torch.Tensor, hp: NSAParams) -> torch.Tensor:
     """Mean pooling is bandwidth-bound elementwise work: the vectorised torch op serves it."""
-    return _torch_compress_avg(x, l, d)
+    return _torch_compress_avg(x, hp)
 
 
-def _cmp_geometry(l: int, d: int) -> dict[str, Any]:  # noqa: E741
-    return {"stride": d, "off": l - 1, "win": 0}
+def _cmp_geometry(hp: NSAParams) -> dict[str, Any]:
+    """The compressed branch as a key range: token ``j`` is visible at ``t`` iff ``j*d + l - 1 <= t``."""
+    return {"stride": hp.d, "off": hp.l - 1, "win": 0}
 
 
-def select_blocks(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    *,
-    l: int,  # noqa: E741
-    d: int,
-    l_sel: int,
-    n_sel: int,
-    scale: float | None = None,
-) -> torch.Tensor:
+def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale: float | None = None) -> torch.Tensor:
     """Top-``n_sel`` blocks per query and group: int32 ``[B, S, H, n_sel]``, ascending, -1 padded."""
-    from nsa.ops._triton.range_attn import range_fwd
-    from nsa.ops._triton.scores import select_top
-
-    check_hparams(l, d, l_sel, n_sel)
-    Dk = q.shape[-1]
-    scale = Dk**-0.5 if scale is None else float(scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():
         q, k_cmp = _dense_last(q), _dense_last(k_cmp.to(q.dtype))
-        lse = range_fwd(q, k_cmp, k_cmp, None, scale=scale, **_cmp_geometry(l, d))
-        return select_top(q, k_cmp, lse, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
+        lse = range_fwd(q, k_cmp, k_cmp, None, scale=scale, **_cmp_geometry(hp))
+        return select_top(q, k_cmp, lse, l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel, scale=scale)
+
+
+class Stages:
+    """One call of the Triton NSA op, stage by stage: the custom operators below run exactly these, in
+    this order, and ``nsa.bench.attention.kernel_breakdown`` times each one alone.
+
+    Forward: :meth:`cmp_fwd` (compressed branch, its lse) -> :meth:`select` (block scores + top-n;
+    skipped when ``block_idx`` is given) -> :meth:`sel_fwd` -> :meth:`win_fwd` (also the gated sum of the
+    three branches). Backward, after :meth:`start_backward`: :meth:`cmp_bwd` (also the gate gradient of
+    all three branches) -> :meth:`sel_bwd` -> :meth:`win_bwd` (also the final dq in q's dtype); dq
+    accumulates in fp32 between them."""
+
+    def __init__(self, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
+                 v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
+                 hp: NSAParams, scale: float) -> None:
+        self.q, self.k_cmp, self.v_cmp, self.k_sel, self.v_sel, self.k_win, self.v_win = (
+            _dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
+        self.gates = gates.contiguous()
+        self.hp, self.scale = hp, scale
+        B, S, HQ, _ = q.shape
+        Dv = v_sel.shape[-1]
+        self.o3 = torch.empty(B, S, HQ, 3, Dv, device=q.device, dtype=q.dtype)
+        self.out = torch.empty(B, S, HQ, Dv, device=q.device, dtype=q.dtype)
+        self.lse_c = self.lse_s = self.lse_w = self.idx = self.work = torch.empty(0)
+
+    # forward
+    def cmp_fwd(self) -> None:
+        self.lse_c = range_fwd(self.q, self.k_cmp, self.v_cmp, self.o3[:, :, :, 0], scale=self.scale,
+                               **_cmp_geometry(self.hp))
+
+    def select(self) -> None:
+        hp = self.hp
+        self.idx = select_top(self.q, self.k_cmp, self.lse_c, l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel,
+                              scale=self.scale)
+
+    def given_blocks(self, block_idx: torch.Tensor) -> None:
+        self.idx = canonical_blocks(block_idx, self.hp.l_sel)  # same key set, a new tensor
+
+    def sel_fwd(self) -> None:
+        self.lse_s, self.work = sel_fwd(self.q, self.k_sel, self.v_sel, self.idx, self.o3[:, :, :, 1],
+                                        l_sel=self.hp.l_sel, scale=self.scale)
+
+    def win_fwd(self) -> None:
+        self.lse_w = range_fwd(self.q, self.k_win, self.v_win, self.o3[:, :, :, 2], scale=self.scale, stride=1,
+                               off=0, win=self.hp.w, combine=(self.gates, self.out))
+
+    def forward(self, block_idx: torch.Tensor | None) -> None:
+        self.cmp_fwd()
+        if block_idx is None:
+            self.select()
+        else:
+            self.given_blocks(block_idx)
+        self.sel_fwd()
+        self.win_fwd()
+
+    # backward
+    def start_backward(self, do: torch.Tensor) -> None:
+        self.do = do.contiguous()
+        q = self.q
+        self.dg = torch.empty(*q.shape[:3], 3, device=q.device, dtype=torch.float32)
+        self.dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        self.dq_out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+
+    def cmp_bwd(self) -> None:
+        self.dk_c, self.dv_c = range_bwd(self.q, self.k_cmp, self.v_cmp, self.do, self.lse_c, self.gates, self.dg,
+                                         self.dq, branch=0, accum=False, scale=self.scale, o3=self.o3,
+                                         **_cmp_geometry(self.hp))
+
+    def sel_bwd(self) -> None:
+        self.dk_s, self.dv_s = sel_bwd(self.q, self.k_sel, self.v_sel, self.idx, self.do, self.lse_s, self.gates,
+                                       self.dg, self.dq, branch=1, accum=True, l_sel=self.hp.l_sel,
+                                       scale=self.scale, work=self.work)
+
+    def win_bwd(self) -> None:
+        self.dk_w, self.dv_w = range_bwd(self.q, self.k_win, self.v_win, self.do, self.lse_w, self.gates, self.dg,
+                                         self.dq, branch=2, accum=True, scale=self.scale, stride=1, off=0,
+                                         win=self.hp.w, dq_out=self.dq_out)
+
+    def backward(self, do: torch.Tensor) -> None:
+        self.start_backward(do)
+        self.cmp_bwd()
+        self.sel_bwd()
+        self.win_bwd()
 
 
 # ---------------------------------------------------------------------------------------------------
 # The kernels as PyTorch custom operators (torch.library): opaque to torch.compile, with fake (meta)
 # implementations for tracing and a registered autograd formula, so a whole compiled NSA model keeps
 # one graph (fullgraph=True) and Inductor fuses the projection / RoPE / gate / combine glue around them.
+# The hyper-parameters cross this boundary as plain integers (a schema allows no other type).
 
 _FWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                  torch.Tensor]
@@ -95,26 +170,9 @@ def attention_fwd(
 ) -> _FWD_OUT:
     """Forward kernels: ``(out, block_idx, o3, lse_cmp, lse_sel, lse_win, work)``; everything after
     ``block_idx`` is kept for the backward (``work``: the selected branch's pair list, or empty)."""
-    from nsa.ops._triton.range_attn import range_fwd
-    from nsa.ops._triton.scores import select_top
-    from nsa.ops._triton.selection import canonical_blocks, sel_fwd
-
-    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (_dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win,
-                                                                                v_win))
-    B, S, HQ, _ = q.shape
-    Dv = v_sel.shape[-1]
-    o3 = torch.empty(B, S, HQ, 3, Dv, device=q.device, dtype=q.dtype)
-    lse_c = range_fwd(q, k_cmp, v_cmp, o3[:, :, :, 0], scale=scale, **_cmp_geometry(l, d))
-    if block_idx is None:
-        idx = select_top(q, k_cmp, lse_c, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
-    else:
-        idx = canonical_blocks(block_idx, l_sel)  # same key set; a new tensor (outputs may not alias inputs)
-    lse_s, work = sel_fwd(q, k_sel, v_sel, idx, o3[:, :, :, 1], l_sel=l_sel, scale=scale)
-    out = torch.empty(B, S, HQ, Dv, device=q.device, dtype=q.dtype)
-    # the window branch goes last and writes the gated sum of the three branches too
-    lse_w = range_fwd(q, k_win, v_win, o3[:, :, :, 2], scale=scale, stride=1, off=0, win=w,
-                      combine=(gates.contiguous(), out))
-    return out, idx, o3, lse_c, lse_s, lse_w, work
+    st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale)
+    st.forward(block_idx)
+    return st.out, st.idx, st.o3, st.lse_c, st.lse_s, st.lse_w, st.work
 
 
 @attention_fwd.register_fake
@@ -123,8 +181,6 @@ def _attention_fwd_fake(
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
 ) -> _FWD_OUT:
-    from nsa.ops._triton.selection import sel_mode, work_shape
-
     B, S, HQ, _ = q.shape
     H, Dv = k_sel.shape[2], v_sel.shape[-1]
     f32, i32 = torch.float32, torch.int32
@@ -147,26 +203,11 @@ def attention_bwd(
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
 ) -> _BWD_OUT:
     """Backward kernels: ``(dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates)``."""
-    from nsa.ops._triton.range_attn import range_bwd
-    from nsa.ops._triton.selection import sel_bwd
-
-    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (_dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win,
-                                                                                v_win))
-    gates = gates.contiguous()
-    do = do.contiguous()
-    # dq of the three branches accumulates in fp32; the compressed dq kernel (first) also writes the gate
-    # gradient dg of all three from o3, and the window dq kernel (last) writes dq in q's dtype
-    dg = torch.empty(*q.shape[:3], 3, device=q.device, dtype=torch.float32)
-    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    dq_out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dk_c, dv_c = range_bwd(q, k_cmp, v_cmp, do, lse_c, gates, dg, dq, branch=0, accum=False,
-                           scale=scale, o3=o3, **_cmp_geometry(l, d))
-    dk_s, dv_s = sel_bwd(q, k_sel, v_sel, idx, do, lse_s, gates, dg, dq, branch=1, accum=True,
-                         l_sel=l_sel, scale=scale, work=work)
-    dk_w, dv_w = range_bwd(q, k_win, v_win, do, lse_w, gates, dg, dq, branch=2, accum=True,
-                           scale=scale, stride=1, off=0, win=w, dq_out=dq_out)
-    return (dq_out, dk_c, dv_c, dk_s.to(k_sel.dtype), dv_s.to(v_sel.dtype), dk_w, dv_w,
-            dg.to(gates.dtype))
+    st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale)
+    st.o3, st.idx, st.lse_c, st.lse_s, st.lse_w, st.work = o3, idx, lse_c, lse_s, lse_w, work
+    st.backward(do)
+    return (st.dq_out, st.dk_c, st.dv_c, st.dk_s.to(k_sel.dtype), st.dv_s.to(v_sel.dtype), st.dk_w, st.dv_w,
+            st.dg.to(gates.dtype))
 
 
 @attention_bwd.register_fake
@@ -211,25 +252,21 @@ def nsa_attention(
     k_win: torch.Tensor,
     v_win: torch.Tensor,
     gates: torch.Tensor,
+    hp: NSAParams,
     *,
-    l: int,  # noqa: E741
-    d: int,
-    l_sel: int,
-    n_sel: int,
-    w: int,
     scale: float | None = None,
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Gated NSA attention ``[B, S, HQ, Dv]`` (and the blocks used, with ``return_block_idx``)."""
-    check_hparams(l, d, l_sel, n_sel, w)
+    """Gated NSA attention ``[B, S, HQ, Dv]`` (and the blocks used, with ``return_block_idx``); the
+    hyper-parameters become plain integers only here, at the custom operators' boundary."""
     S = check_shapes(q, k_sel, name="k_sel")[1]
-    n_c = num_cmp(S, l, d)
+    n_c = num_cmp(S, hp.l, hp.d)
     if k_cmp.shape[1] != n_c or v_cmp.shape[1] != n_c:
-        raise ValueError(f"k_cmp/v_cmp must hold S_cmp={n_c} tokens for S={S}, l={l}, d={d}; "
+        raise ValueError(f"k_cmp/v_cmp must hold S_cmp={n_c} tokens for S={S}, l={hp.l}, d={hp.d}; "
                          f"got {k_cmp.shape[1]} and {v_cmp.shape[1]}")
-    if -(-S // l_sel) > MAX_BLOCKS:
-        raise ValueError(f"S={S} gives more than {MAX_BLOCKS} selection blocks of l_sel={l_sel}")
+    if -(-S // hp.l_sel) > MAX_BLOCKS:
+        raise ValueError(f"S={S} gives more than {MAX_BLOCKS} selection blocks of l_sel={hp.l_sel}")
     sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if block_idx is not None:
         block_idx = block_idx.to(device=q.device, dtype=torch.int32).contiguous()
@@ -237,5 +274,5 @@ def nsa_attention(
     # projection pass as they are); gates are read as contiguous rows of 3
     args = [_dense_last(t.to(q.dtype)) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)]
     gates = gates.to(q.dtype).contiguous()
-    out, idx, *_ = attention_fwd(*args, gates, block_idx, l, d, l_sel, n_sel, w, sc)
+    out, idx, *_ = attention_fwd(*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc)
     return (out, idx) if return_block_idx else out

@@ -30,6 +30,7 @@ from itertools import pairwise
 import torch
 
 from nsa.ops.indexing import num_cmp
+from nsa.params import NSAParams
 
 MIN_BUCKET = 64
 
@@ -138,16 +139,18 @@ def run_packed(
     cu: Sequence[int],
     *,
     cmp_rows: Sequence[torch.Tensor] = (),
-    l: int = 1,  # noqa: E741
-    d: int = 1,
+    hp: NSAParams | None = None,
     per_document: bool = False,
 ) -> list[torch.Tensor]:
     """``fn(*padded rows, *padded compressed rows)`` per bucket; each output ``[n, L, ...]`` scattered back to
-    ``[1, T, ...]``. ``rows`` are packed per-position tensors, ``cmp_rows`` packed compressed tokens (their
-    block ``l`` and stride ``d`` say how many each document owns)."""
+    ``[1, T, ...]``. ``rows`` are packed per-position tensors, ``cmp_rows`` packed compressed tokens (the
+    block ``hp.l`` and stride ``hp.d`` say how many each document owns)."""
     total = cu[-1]
     device = rows[0].device
     buckets = plan(cu, device, per_document=per_document)
+    if cmp_rows and hp is None:
+        raise ValueError("run_packed: compressed rows need the NSA hyper-parameters (hp)")
+    l, d = (hp.l, hp.d) if hp is not None else (1, 1)  # noqa: E741
     cmp_cu = cmp_offsets(cu, l, d) if cmp_rows else []
     outs: list[list[torch.Tensor]] = []
     for b in buckets:
@@ -161,10 +164,11 @@ def run_packed(
 
 
 def compress_packed(
-    compress: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, cu: Sequence[int], l: int, d: int,  # noqa: E741
+    compress: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, cu: Sequence[int], hp: NSAParams,
     *, per_document: bool = False,
 ) -> torch.Tensor:
     """Packed compressed tokens ``[1, sum N_c(L_n), ...]`` of packed raw rows ``x [1, T, ...]``."""
+    l, d = hp.l, hp.d  # noqa: E741
     cmp_cu = cmp_offsets(cu, l, d)
     if cmp_cu[-1] == 0:
         return x.new_zeros(1, 0, *x.shape[2:])

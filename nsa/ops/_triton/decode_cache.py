@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from nsa.ops._triton import interpreting, next_pow2
-from nsa.ops.decode_cache import DecodeCaches, NewToken
+from nsa.ops.cache_layout import DecodeCaches, NewToken
 
 
 @triton.jit

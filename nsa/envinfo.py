@@ -119,3 +119,21 @@ def gpu_info() -> dict[str, Any]:
         return {"driver": driver.decode() if isinstance(driver, bytes) else driver, "gpus": as_str}
     except Exception:
         return {"driver": None, "gpus": []}
+
+
+def environment() -> dict[str, Any]:
+    """Date, device and library versions recorded with every benchmark and evaluation result."""
+    import datetime
+
+    out: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                           "python": platform.python_version()}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    except Exception:
+        out.update(torch=None, device=platform.processor() or "cpu")
+    out["triton"] = package_version("triton")
+    out["fla_core"] = package_version("fla-core") or package_version("fla")
+    return out

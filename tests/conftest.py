@@ -132,8 +132,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append(("seed", f"torch and random seeded with {seed_of(item.nodeid)} (CRC-32 of the test id)"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.gpu``: the test needs a CUDA device and is skipped cleanly without one
+    (``pytest -m gpu`` runs only those on a GPU machine)."""
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(params=backends_under_test())
 def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=[b for b in backends_under_test() if b != "reference"])
+def fast_backend(request: pytest.FixtureRequest) -> str:
+    """The backends a parity test holds against the reference (the reference itself would be a tautology)."""
     return str(request.param)
 
 

@@ -83,7 +83,7 @@ torch.library.opcheck(torch.ops.nsa.attention_bwd.default, bwd_args, test_utils=
 """)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("S", [256, 1024])
 def test_compiled_model_equals_eager_on_gpu(S: int) -> None:
     """Triton backend, bf16 autocast: compiled (one graph, custom ops) vs eager within bf16 tolerances
@@ -92,7 +92,7 @@ def test_compiled_model_equals_eager_on_gpu(S: int) -> None:
     _compare("triton", "cuda", S, amp=True, loss_tol=2e-3, grad_tol=8e-2)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 def test_custom_ops_pass_opcheck_on_gpu() -> None:
     """Every opcheck utility (schema: no hidden mutation or aliasing) on bf16 inputs, seed 0."""
     from tests.conftest import make_inputs

@@ -215,7 +215,7 @@ def test_edge_configs_and_shared_kv(hp: dict) -> None:
         _check_reads(model, cache, torch.full((2,), t))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
 def test_cuda_graph_generation_equals_eager(attention: str) -> None:
     model = _lm(2, "mlp", "sigmoid", attention=attention, hp=CONFIGS[1], seed=6).cuda()
@@ -228,7 +228,7 @@ def test_cuda_graph_generation_equals_eager(attention: str) -> None:
     assert torch.equal(graphed, eager)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize(("attention", "backend"), [("nsa", None), ("nsa", "triton"), ("dense", None)])
 def test_compiled_decode_equals_eager_on_gpu(attention: str, backend: str | None) -> None:
     """``NSALM.compile_decode``: the torch.compile'd block steps give the eager logits (static caches)."""
@@ -284,7 +284,7 @@ def test_nsa_decode_op_equals_reference_rows(hp: dict) -> None:
         assert torch.equal(res.block_idx, idx_ref[ar, t])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
 def test_decode_step_does_not_sync_on_cuda(attention: str) -> None:
     model = _lm(2, "mlp", "sigmoid", attention=attention, hp=CONFIGS[0]).cuda()
@@ -374,7 +374,7 @@ def test_triton_decode_kernel_in_interpreter() -> None:
         "assert list(fallback_counts()) == ['nsa_decode:triton->torch:l_sel/d=3 is not a power of two <= 64']\n")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_triton_decode_kernel_on_gpu() -> None:
     _triton_vs_torch_decode("cuda", torch.bfloat16, 2e-2)
 
@@ -420,7 +420,7 @@ def test_triton_cache_append_in_interpreter() -> None:
                      "assert set(fallback_counts()) == {'append_token:triton->torch:float64'}, fallback_counts()\n")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_triton_cache_append_on_gpu() -> None:
     _triton_vs_torch_append("cuda", torch.float32)
 

@@ -250,7 +250,7 @@ def test_lazy_top_level_exports() -> None:
     assert nsa.NSALM is NSALM and nsa.NSAAttention is NSAAttention and nsa.build_model is build_model
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_stats_accumulation_does_not_sync_on_cuda() -> None:
     from nsa.model.stats import gate_sums, selection_sums
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,17 +190,45 @@ def test_old_checkpoints_without_checksums_still_load(tmp_path: Path) -> None:
 # 4. read-only and full disks --------------------------------------------------------------------------
 
 
-def test_an_unwritable_out_dir_is_one_line_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _read_only_namespace() -> str | None:
+    """Why a read-only mount cannot be made here (None: ``unshare`` gives this test a private mount
+    namespace in which a read-only tmpfs can be mounted without privileges)."""
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o ro tmpfs /mnt"],
+                           capture_output=True, text=True, check=False) if shutil.which("unshare") else None
+    if probe is None:
+        return "no unshare command"
+    return None if probe.returncode == 0 else f"no private mount namespace ({probe.stderr.strip()[:80]})"
+
+
+def test_an_unwritable_out_dir_is_one_line_before_any_work(tmp_path: Path) -> None:
+    """A real read-only filesystem (a read-only tmpfs in a private mount namespace): the trainer and the
+    CLI refuse it before any work, naming it as such; a file in the way is refused too."""
+    why = _read_only_namespace()
+    if why is not None:
+        pytest.skip(f"cannot mount a read-only filesystem here: {why}")
     ro = tmp_path / "ro"
     ro.mkdir()
-    real_access = os.access
-    monkeypatch.setattr(rundir.os, "access", lambda p, m: False if Path(p) == ro else real_access(p, m))
-    monkeypatch.setattr(rundir, "_read_only_fs", lambda p: Path(p) == ro)
-    with pytest.raises(RunDirError, match="read-only filesystem"):
-        Trainer(resolve(ro / "run", 3), reporter=quiet())
-    res = runner.invoke(app, ["train", "--config", "tiny", "--steps", "3", "--out-dir", str(ro / "run")], env={})
-    assert res.exit_code == 2 and "cannot be written (read-only filesystem" in res.output
-    assert len(res.output.strip().splitlines()) == 1 and not (ro / "run").exists()
+    check = (
+        "import sys\n"
+        "from nsa.errors import RunDirError\n"
+        "from nsa.train import Trainer\n"
+        "from tests.conftest import quiet, resolve\n"
+        f"ro = {str(ro)!r}\n"
+        "try:\n"
+        "    Trainer(resolve(__import__('pathlib').Path(ro) / 'run', 3), reporter=quiet())\n"
+        "except RunDirError as exc:\n"
+        "    print('TRAINER:', exc.message)\n"
+    )
+    script = (f"mount -t tmpfs -o ro tmpfs {ro} && {sys.executable} -c {shlex.quote(check)} && "
+              f"{sys.executable} -m nsa_cli train --config tiny --steps 3 --out-dir {ro}/run "
+              f"> {tmp_path}/cli.txt 2>&1; echo rc=$?")
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, check=False,
+                         cwd=Path(__file__).resolve().parents[1], env=clean_env(), timeout=300)
+    out = res.stdout + res.stderr
+    assert "TRAINER:" in out and "read-only filesystem" in out.split("TRAINER:", 1)[1].splitlines()[0], out
+    cli = (tmp_path / "cli.txt").read_text().strip().splitlines()  # the CLI's whole output: one line
+    assert "rc=2" in out and len(cli) == 1 and "cannot be written (read-only filesystem" in cli[0], (out, cli)
+    assert not (ro / "run").exists()  # the namespace's mount hid nothing: nothing was written under ro
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(RunDirError, match="is a file"):

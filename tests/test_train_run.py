@@ -213,7 +213,7 @@ def test_resume_with_another_model_is_refused_before_work(full_run: Path) -> Non
     assert (full_run / "heartbeat_rank0.jsonl").read_text() == before
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_gpu_bf16_run_reports_memory_and_mfu(tmp_path: Path) -> None:
     r = resolve(tmp_path / "run", 6, runtime__device="cuda", runtime__precision="auto",
                 runtime__deterministic=False, train__save_every=3, train__eval_every=3)

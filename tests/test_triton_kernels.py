@@ -135,7 +135,7 @@ def _messy_blocks_case(device: str = "cpu") -> None:
             assert a.grad is not None and _rel(a.grad, r.grad.to(a.device)) < tol, (mode, name)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 def test_messy_block_lists_gpu() -> None:
     _messy_blocks_case("cuda")
 
@@ -197,7 +197,7 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("B,S,HQ,H,Dk,Dv,dtype", GPU_CASES)
 def test_gpu_matches_torch_path(B, S, HQ, H, Dk, Dv, dtype) -> None:
     _check(B, S, HQ, H, Dk, Dv, l=32, d=16, l_sel=64, n_sel=16, w=512, dtype=dtype, device="cuda",
@@ -225,7 +225,7 @@ def _top_blocks_case(device: str) -> None:
                     assert got == want + [-1] * (n_sel - len(want)), (B, H, S, t, got, want)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 def test_top_blocks_ties_gpu() -> None:
     _top_blocks_case("cuda")
 

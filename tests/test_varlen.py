@@ -92,7 +92,7 @@ def test_triton_packed_in_the_interpreter() -> None:
         "assert ops.fallback_counts() == {}, ops.fallback_counts()\n")
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 def test_triton_packed_on_gpu() -> None:
     """Seed 7, bf16 on the GPU: documents of 1 to 700 tokens packed into one row."""
     ops.reset_fallback_counts()

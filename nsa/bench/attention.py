@@ -273,23 +273,6 @@ def bench_attention(
     return rows
 
 
-def environment() -> dict[str, Any]:
-    """Device and library versions recorded with every result."""
-    import datetime
-    import platform
-
-    from nsa.envinfo import package_version
-
-    env: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "python": platform.python_version(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-    }
-    env["triton"] = package_version("triton")
-    env["fla_core"] = package_version("fla-core") or package_version("fla")
-    return env
-
-
 def kernel_breakdown(
     S: int, HQ: int, H: int, D: int, *, params: NSAParams | None = None, batch: int = 1,
     dtype: torch.dtype = torch.bfloat16, warmup_ms: int = 10, rep_ms: int = 50, seed: int = 0,

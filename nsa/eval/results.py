@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from nsa.envinfo import environment
 from nsa.errors import RunDirError
 from nsa.fileio import json_safe, write_atomic
 from nsa.runs.reader import is_run_dir
@@ -27,10 +28,8 @@ def run_dir_of(path: str | Path) -> Path:
 def build_payload(task: str, rows: list[dict[str, Any]], *, run: str | Path | None, checkpoint: str | Path | None,
                   settings: dict[str, Any], env: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"task", "run", "checkpoint", "results", "settings", "env"}`` (``env`` defaults to
-    ``nsa.bench.attention.environment()``); non-finite numbers become null."""
+    :func:`nsa.envinfo.environment`); non-finite numbers become null."""
     if env is None:
-        from nsa.bench.attention import environment
-
         env = environment()
     payload = {"task": task, "run": None if run is None else str(run),
                "checkpoint": None if checkpoint is None else str(checkpoint),

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nsa.model import documents
+from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
 from nsa.model.compress import Compressor
 from nsa.model.rope import RotaryEmbedding
 from nsa.model.stats import N_FIELDS, gate_sums, selection_sums, summarise
 from nsa.ops import NSAParams, nsa_attention
 
-if TYPE_CHECKING:
-    from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
 
 class Projected:
     """Everything a layer computes from its input before attention (one forward or one decode step)."""
@@ -213,15 +212,11 @@ class NSAAttention(nn.Module):
     # decode with caches (nsa.model.cache)
 
     def new_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> NSALayerCache:
-        from nsa.model.cache import NSALayerCache
-
         return NSALayerCache.empty(batch_size, self.n_kv_groups, self.d_k, self.d_v, max_len, hp=self.hp,
                                    device=device, dtype=dtype)
 
     def prefill(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
         """Full forward over ``x [B, P, dim]`` (positions ``0 .. P-1``) that also fills ``layer``."""
-        from nsa.model.cache import NSALayerCache
-
         assert isinstance(layer, NSALayerCache)
         B, S, _ = x.shape
         p = self.project(x, torch.arange(S, device=x.device))
@@ -241,7 +236,6 @@ class NSAAttention(nn.Module):
         with ``nsa.ops.decode.nsa_decode`` (reads only visible compressed tokens, chosen blocks, window;
         the fused Triton step on CUDA unless this layer's backend is ``torch``/``reference``).
         """
-        from nsa.model.cache import NSALayerCache
         from nsa.ops.decode import nsa_decode
         from nsa.ops.decode_cache import NewToken
 

@@ -9,7 +9,6 @@ prompt is removed before prefill, so padded positions are never stored nor atten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,9 +16,6 @@ from nsa.errors import NSAError
 from nsa.ops import NSAParams
 from nsa.ops.decode_cache import DecodeCaches, NewToken, append_token, block_in_order, emit
 from nsa.ops.indexing import cmp_block_table, num_cmp
-
-if TYPE_CHECKING:
-    from nsa.model.lm import NSALM
 
 
 def ring_positions(lengths: torch.Tensor, size: int) -> torch.Tensor:
@@ -156,9 +152,9 @@ class ModelCache:
     static: bool = False  # True: every step has the same tensor shapes (dense reads a masked max_len)
 
     @classmethod
-    def for_model(cls, model: NSALM, batch_size: int, max_len: int, device: torch.device,
-                  dtype: torch.dtype) -> ModelCache:
-        layers = [blk.attn.new_cache(batch_size, max_len, device, dtype) for blk in model.block_list()]
+    def of_layers(cls, layers: list[NSALayerCache | DenseLayerCache], max_len: int, batch_size: int,
+                  device: torch.device) -> ModelCache:
+        """The model's cache over its layers' empty caches (lengths and reads at zero)."""
         return cls(layers, max_len, torch.zeros(batch_size, dtype=torch.int64, device=device),
                    torch.zeros(batch_size, dtype=torch.int64, device=device))
 

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nsa.model import documents
+from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
 from nsa.model.rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
 
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
@@ -79,15 +75,11 @@ class DenseAttention(nn.Module):
     # decode with a plain KV cache (nsa.model.cache.DenseLayerCache)
 
     def new_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> DenseLayerCache:
-        from nsa.model.cache import DenseLayerCache
-
         return DenseLayerCache.empty(batch_size, self.n_kv_groups, self.d_k, self.d_v, max_len, device=device,
                                      dtype=dtype)
 
     def prefill(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
         """Causal forward over ``x [B, P, dim]`` that also stores K/V at positions ``0 .. P-1``."""
-        from nsa.model.cache import DenseLayerCache
-
         assert isinstance(layer, DenseLayerCache)
         B, S, _ = x.shape
         q, k, v = self.project(x, torch.arange(S, device=x.device))
@@ -98,8 +90,6 @@ class DenseAttention(nn.Module):
 
     def decode(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
         """One query per sequence at ``cache.lengths`` over cached positions ``<= t`` (explicit mask)."""
-        from nsa.model.cache import DenseLayerCache
-
         assert isinstance(layer, DenseLayerCache)
         if not torch.compiler.is_compiling():  # a host check; decode_step makes it too
             cache.check_room()

@@ -5,15 +5,31 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from nsa.errors import NSAError
+from nsa.model.cache import ModelCache
 
-if TYPE_CHECKING:
-    from nsa.model.cache import ModelCache
-    from nsa.model.lm import NSALM
+
+class NSALM(Protocol):
+    """What generation needs of a language model with caches (``nsa.model.lm.NSALM`` is one)."""
+
+    training: bool
+
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device | None = None,
+                  dtype: torch.dtype | None = None) -> ModelCache: ...
+
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: ModelCache) -> torch.Tensor: ...
+
+    def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor: ...
+
+    def decode_device_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor: ...
+
+    def eval(self) -> object: ...
+
+    def train(self, mode: bool = True) -> object: ...
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -14,12 +14,11 @@ from nsa.config import ModelConfig, NSAConfig, RunConfig
 from nsa.errors import NSAError
 from nsa.model.attention import NSAAttention
 from nsa.model.block import Block
+from nsa.model.cache import ModelCache
 from nsa.model.compress import BlockMLP
+from nsa.model.generate import generate
 from nsa.model.norm import RMSNorm
 from nsa.model.stats import N_FIELDS, summarise
-
-if TYPE_CHECKING:
-    from nsa.model.cache import ModelCache
 
 
 class LMOutput(NamedTuple):
@@ -172,10 +171,10 @@ class NSALM(nn.Module):
     def new_cache(self, batch_size: int, max_len: int, device: torch.device | None = None,
                   dtype: torch.dtype | None = None) -> ModelCache:
         """Empty per-layer caches for ``batch_size`` sequences of up to ``max_len`` positions."""
-        from nsa.model.cache import ModelCache
-
         p = next(self.parameters())
-        return ModelCache.for_model(self, batch_size, max_len, device or p.device, dtype or p.dtype)
+        device, dtype = device or p.device, dtype or p.dtype
+        layers = [blk.attn.new_cache(batch_size, max_len, device, dtype) for blk in self.block_list()]
+        return ModelCache.of_layers(layers, max_len, batch_size, device)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: ModelCache) -> torch.Tensor:
@@ -222,8 +221,6 @@ class NSALM(nn.Module):
 
         Greedy when ``temperature == 0``; see ``nsa.model.generate.generate``.
         """
-        from nsa.model.generate import generate
-
         return generate(self, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                         top_p=top_p, seed=seed, attention_mask=attention_mask, cuda_graph=cuda_graph)
 

@@ -73,7 +73,8 @@ def attention(
         from rich.console import Console
         from rich.table import Table
 
-        from nsa.bench.attention import DEFAULT_SEQ_LENS, SHAPES, TINY_SEQ_LENS, bench_attention, environment
+        from nsa.bench.attention import DEFAULT_SEQ_LENS, SHAPES, TINY_SEQ_LENS, bench_attention
+        from nsa.envinfo import environment
 
         if backend not in ("auto", "triton", "torch", "reference"):
             raise fail(f"--backend {backend!r} is not one of auto, triton, torch, reference")
@@ -149,9 +150,9 @@ def train(
         from rich.console import Console
         from rich.table import Table
 
-        from nsa.bench.attention import environment
         from nsa.bench.train import bench_train, speedups
         from nsa.config import load_run_config
+        from nsa.envinfo import environment
         from nsa.train.telemetry import MFU_FORMULA
 
         atts = tuple(attention or ["nsa", "dense"])

@@ -46,8 +46,8 @@ def decode(
         from rich.console import Console
         from rich.table import Table
 
-        from nsa.bench.attention import environment
         from nsa.bench.decode import SHAPES, TINY_SHAPES, bench_decode
+        from nsa.envinfo import environment
 
         modes = tuple(mode or ["attention", "model"])
         if any(m not in ("attention", "model") for m in modes):

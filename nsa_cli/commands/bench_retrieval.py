@@ -37,10 +37,10 @@ def retrieval(
         from rich.console import Console
         from rich.table import Table
 
-        from nsa.bench.attention import environment
         from nsa.bench.retrieval import VARIANTS, RetrievalRecipe, learn_retrieval
         from nsa.config import load_run_config
         from nsa.data.retrieval import RetrievalTask
+        from nsa.envinfo import environment
 
         names = [v for v in variants.replace(" ", "").split(",") if v]
         if not names or any(v not in VARIANTS for v in names):

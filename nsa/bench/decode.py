@@ -24,6 +24,11 @@ from typing import Any
 import torch
 
 from nsa.bench.timing import Timer, make_timer
+from nsa.config import load_named
+from nsa.model import build_model
+from nsa.model.dense import sdpa_gqa
+from nsa.ops.decode import compiled_nsa_decode, nsa_decode
+from nsa.ops.indexing import cmp_block_table, num_cmp
 from nsa.params import NSAParams
 
 SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
@@ -131,9 +136,6 @@ def bench_attention_step(
 ) -> DecodeRow:
     """One query per sequence at position ``context`` (so ``context + 1`` keys in the dense cache);
     ``backend`` is ``nsa_decode``'s (``torch`` or ``triton``); ``compile``: through ``torch.compile``."""
-    from nsa.model.dense import sdpa_gqa
-    from nsa.ops.decode import compiled_nsa_decode, nsa_decode
-    from nsa.ops.indexing import cmp_block_table, num_cmp
 
     row = DecodeRow("attention", shape, context, batch, str(device), str(dtype).removeprefix("torch."), backend,
                     compile)
@@ -184,7 +186,6 @@ def bench_model_step(
     """``NSALM.decode_step`` at position ``context`` for the NSA model and its dense twin
     (``backend``: the NSA layers' ops backend, which picks ``nsa_decode``'s path; ``compile``: both
     models' block decode steps through ``torch.compile``)."""
-    from nsa.model import build_model
 
     row = DecodeRow("model", name, context, batch, str(device), str(dtype).removeprefix("torch."), backend,
                     compile)
@@ -244,7 +245,6 @@ def bench_decode(
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"decode backend '{backend}' must be auto, torch or triton")
-    from nsa.config import load_named
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() and not tiny else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

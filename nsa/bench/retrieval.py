@@ -20,6 +20,7 @@ import torch
 
 from nsa.config import ModelConfig, NSAConfig
 from nsa.data.retrieval import RetrievalTask
+from nsa.model.lm import NSALM
 
 VARIANTS = ("dense", "nsa", "window")
 
@@ -72,7 +73,6 @@ def learn_retrieval(
     backend: str | None = None, on_point: Callable[[RetrievalPoint], None] | None = None,
 ) -> RetrievalCurve:
     """Train one variant from scratch on ``task`` and return its curve (see the module docstring)."""
-    from nsa.model.lm import NSALM
 
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {', '.join(VARIANTS)}")

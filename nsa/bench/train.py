@@ -16,6 +16,9 @@ from typing import Any
 import torch
 
 from nsa.config import RunConfig
+from nsa.model import build_model
+from nsa.ops import fallback_counts, reset_fallback_counts, tile_overrides
+from nsa.train.telemetry import peak_flops
 
 
 @dataclass
@@ -66,7 +69,6 @@ def bench_train_step(
     if compiled is not None:
         cfg.runtime.compile = compiled
     use_compile = cfg.runtime.compiles(dev.type)
-    from nsa.ops import tile_overrides
 
     try:
         with tile_overrides(tune):
@@ -83,9 +85,6 @@ def bench_train_step(
 
 def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, steps: int, warmup: int,
                 dev: torch.device, use_compile: bool, profile: bool = False) -> TrainRow:
-    from nsa.model import build_model
-    from nsa.ops import fallback_counts, reset_fallback_counts
-    from nsa.train.telemetry import peak_flops
 
     cfg.model.attention = attention  # type: ignore[assignment]
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq_len)

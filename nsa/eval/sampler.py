@@ -10,7 +10,10 @@ from typing import Any
 
 import torch
 
+from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import ConfigError
+from nsa.model.generate import generate_stream
+from nsa.model.load import load_model
 
 
 def pick_device(device: str) -> str:
@@ -36,8 +39,6 @@ class Sampler:
 
     @classmethod
     def open(cls, path: str | Path, device: str = "auto") -> Sampler:
-        from nsa.data.tokenizers import get_tokenizer
-        from nsa.model.load import load_model
 
         device = pick_device(device)
         loaded = load_model(path, device="cpu")
@@ -64,7 +65,6 @@ class Sampler:
                top_p: float | None = None, seed: int | None = None, stop_at_eot: bool = True,
                cuda_graph: bool = False) -> Iterator[str]:
         """Pieces of new text as they become whole characters; their concatenation is the decoded output."""
-        from nsa.model.generate import generate_stream
 
         prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
         new: list[int] = []

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nsa.data.loader import build_loader
 from nsa.data.retrieval import TaskLayout, mqar_episode, needle_episode
 from nsa.data.tokenizers import ByteTokenizer
 from nsa.errors import ConfigError
@@ -252,7 +253,6 @@ def _utf8_bytes(tokenizer: Any, ids: list[int]) -> int:
 
 
 def _val_loader(run_cfg: Any, tokenizer: Any, context: int, batch_size: int, device: torch.device | None) -> Any:
-    from nsa.data.loader import build_loader
 
     return build_loader(run_cfg.data, tokenizer, split="val", seq_len=context, batch_size=batch_size,
                         seed=run_cfg.train.seed, device=device)

@@ -16,6 +16,8 @@ from nsa.model.compress import Compressor
 from nsa.model.rope import RotaryEmbedding
 from nsa.model.stats import N_FIELDS, gate_sums, selection_sums, summarise
 from nsa.ops import NSAParams, nsa_attention
+from nsa.ops.decode import nsa_decode
+from nsa.ops.decode_cache import NewToken
 
 
 class Projected:
@@ -236,9 +238,6 @@ class NSAAttention(nn.Module):
         with ``nsa.ops.decode.nsa_decode`` (reads only visible compressed tokens, chosen blocks, window;
         the fused Triton step on CUDA unless this layer's backend is ``torch``/``reference``).
         """
-        from nsa.ops.decode import nsa_decode
-        from nsa.ops.decode_cache import NewToken
-
         assert isinstance(layer, NSALayerCache)
         if not torch.compiler.is_compiling():  # a host check; decode_step makes it too
             cache.check_room()

@@ -20,8 +20,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from nsa.ops.dispatch import pick, register
 from nsa.ops.indexing import cmp_block_table, masked_softmax, top_n_blocks, visible_cmp
 from nsa.params import NSAParams
+
+try:  # the fused Triton step is optional: without triton every call runs the torch step
+    from nsa.ops._triton import decode as _triton_decode
+except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
+    _triton_decode = None  # type: ignore[assignment]
 
 
 class DecodeOutput(NamedTuple):
@@ -77,8 +83,6 @@ def nsa_decode(
     requested ``triton`` that cannot serve the call falls back here, counted in
     ``nsa.ops.fallback_counts()``.
     """
-    from nsa.ops.dispatch import pick
-
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _, impl = pick("nsa_decode", backend, (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates), hp=hp)
     out: DecodeOutput = impl(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, scale=scale, table=table)
@@ -89,9 +93,8 @@ def _decode_triton(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp:
                    v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, hp: NSAParams,
                    *, scale: float, table: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutput:
     """The fused four-kernel step (``nsa.ops._triton.decode``); ``table`` is the torch path's."""
-    from nsa.ops._triton.decode import nsa_decode_triton
-
-    return DecodeOutput(*nsa_decode_triton(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
+    assert _triton_decode is not None  # dispatch sends here only when triton_decode_supported
+    return DecodeOutput(*_triton_decode.nsa_decode_triton(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
                                            l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel, w=hp.w, scale=scale))
 
 
@@ -158,16 +161,12 @@ def compiled_nsa_decode() -> Callable[..., DecodeOutput]:
 def triton_decode_supported(*tensors: torch.Tensor, hp: NSAParams) -> str | None:
     """None when the fused Triton decode step (``nsa.ops._triton.decode``) can serve these tensors and
     block sizes, else a short reason."""
-    try:
-        from nsa.ops._triton.decode import decode_unsupported
-    except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
+    if _triton_decode is None:  # pragma: no cover - triton ships with CUDA builds of torch
         return "triton not installed"
-    return decode_unsupported(hp.l, hp.d, hp.l_sel, *tensors)
+    return _triton_decode.decode_unsupported(hp.l, hp.d, hp.l_sel, *tensors)
 
 
 def _register() -> None:
-    from nsa.ops.dispatch import register
-
     for name in ("reference", "torch"):  # the torch step is the decode reference
         register("nsa_decode", name, _decode_torch)
     register("nsa_decode", "triton", _decode_triton, unsupported=triton_decode_supported)

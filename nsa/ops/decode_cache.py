@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 
 from nsa.ops.cache_layout import DecodeCaches, NewToken
+from nsa.ops.dispatch import pick, register
 from nsa.params import NSAParams
+
+try:  # the fused Triton append is optional: without triton every call runs the indexed writes
+    from nsa.ops._triton import decode_cache as _triton_cache
+except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
+    _triton_cache = None  # type: ignore[assignment]
 
 
 def emit_slot(t: torch.Tensor, l: int, d: int, n_cmp: int) -> torch.Tensor:  # noqa: E741
@@ -77,8 +83,6 @@ def append_token(
     / ``reference`` the indexed writes above; a ``triton`` request the kernel cannot serve falls back,
     counted in ``nsa.ops.fallback_counts()``.
     """
-    from nsa.ops.dispatch import pick
-
     _, impl = pick("append_token", backend, (t, *new, *caches))
     impl(t, new, caches, hp, emit_mean=emit_mean)
 
@@ -89,23 +93,18 @@ def _append_reference(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: 
 
 
 def _append_triton(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: NSAParams, *, emit_mean: bool) -> None:
-    from nsa.ops._triton.decode_cache import append_token_triton
-
-    append_token_triton(t, new, caches, l=hp.l, d=hp.d, emit_mean=emit_mean)
+    assert _triton_cache is not None  # dispatch sends here only when _append_unsupported says so
+    _triton_cache.append_token_triton(t, new, caches, l=hp.l, d=hp.d, emit_mean=emit_mean)
 
 
 def _append_unsupported(t: torch.Tensor, *tensors: torch.Tensor) -> str | None:
     """Why the fused kernel cannot serve ``(t, *new, *caches)`` (``None``: it can)."""
-    try:
-        from nsa.ops._triton.decode_cache import append_unsupported
-    except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
+    if _triton_cache is None:  # pragma: no cover - triton ships with CUDA builds of torch
         return "triton not installed"
-    return append_unsupported(t, NewToken(*tensors[:6]), DecodeCaches(*tensors[6:]))
+    return _triton_cache.append_unsupported(t, NewToken(*tensors[:6]), DecodeCaches(*tensors[6:]))
 
 
 def _register() -> None:
-    from nsa.ops.dispatch import register
-
     for name in ("reference", "torch"):  # the indexed writes are the fused kernel's reference
         register("append_token", name, _append_reference)
     register("append_token", "triton", _append_triton, unsupported=_append_unsupported)

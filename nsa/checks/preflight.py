@@ -76,7 +76,9 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
     what = ctx.resolved.config_path or "defaults"
     summary = (f"{Path(what).name}: {cfg.model.attention} dim {cfg.model.dim} x {cfg.model.n_layers} layers, "
                f"seq_len {t.seq_len}, batch {t.batch_size} x accum {t.accum}, {t.steps} steps")
-    concerns = long_run_warnings(cfg)
+    from nsa.config.resolve import default_config_note
+
+    concerns = [*ctx.resolved.notes, *filter(None, [default_config_note(ctx.resolved)]), *long_run_warnings(cfg)]
     if concerns:
         return warned("config", f"{summary}; " + "; ".join(concerns),
                       "fine for a short test; for a real run set the keys named", path=ctx.resolved.config_path,
@@ -85,7 +87,7 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
 
 
 def _check_env(ctx: _Context) -> Check:
-    from nsa.config.settings import describe_unknown, settings_table, unknown_variables
+    from nsa.config.settings import describe_unknown_env, settings_table, unknown_variables
 
     unknown = unknown_variables(ctx.environ)
     try:
@@ -95,7 +97,7 @@ def _check_env(ctx: _Context) -> Check:
     if unknown:
         return warned(
             "env",
-            f"unknown NSA_* variable(s) ignored: {'; '.join(describe_unknown(n) for n in unknown)}",
+            f"unknown NSA_* variable(s) ignored: {'; '.join(describe_unknown_env(ctx.environ))}",
             "unset or rename them (docs/migrating.md maps the older system's knobs); `nsa profiles show` lists the known settings",
             unknown=unknown,
         )

@@ -262,7 +262,8 @@ def _env_section(env: dict[str, Any]) -> list[str]:
         L += ["Other variables (CUDA_\\*, NCCL_\\*, PYTORCH_\\*, ...) were not recorded in this run's env.json.", ""]
     elif not rows:
         L += ["None set.", ""]
-    L += ["Values of names containing TOKEN, KEY, SECRET, PASSWORD, CREDENTIAL or AUTH are redacted.", ""]
+    L += ["Values of names with a word ending in TOKEN, KEY, SECRET, PASSWORD, CREDENTIAL or AUTH (HF_TOKEN, "
+          "WANDB_API_KEY) are redacted; NSA_TOKENIZER names a tokenizer and is shown.", ""]
     return L
 
 

@@ -134,6 +134,14 @@ class Recorder:
             s.out.message(f"resumed from {s.plan.resume_from} at step {s.state.step}")
         s.out.message(f"model {self.num_params / 1e6:.2f}M params | {s.tokens_per_step} tokens/step | "
                       f"{tr.steps} steps | first batch in {s.first_batch_s:.2f}s")
+        s.out.message(f"data: {s.loader.description}")
+
+    def data_read(self) -> str:
+        """What this rank's loader read: documents, characters (text sources), skipped records."""
+        st = self.s.loader.stats()
+        chars = f", {st.get('chars_seen', 0):,} characters" if st.get("chars_seen") else ""
+        skipped = f", {st['skipped_total']:,} record(s) skipped" if st.get("skipped_total") else ""
+        return f"data read: {st.get('docs_seen', 0):,} documents{chars}{skipped} (epoch {st.get('epoch', 0)})"
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float,
                  answers: tuple[float, float] | None, heartbeat_only: bool = False) -> None:

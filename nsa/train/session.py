@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from nsa.config import ResolvedConfig, RunConfig
+from nsa.config.resolve import default_config_note
 from nsa.errors import ConfigError, RunDirError
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
@@ -186,10 +187,13 @@ def _announce(plan: Plan, dist: D.DistInfo, out: Output, archived: Path | None) 
         out.warn(plan.alloc_conf_note)
     for concern in long_run_warnings(plan.cfg):
         out.warn(concern)
+    for note in plan.resolved.notes:  # the older system's CONFIG variable and YAML keys, mapped
+        out.warn(note)
+    default = default_config_note(plan.resolved)
+    if default is not None:
+        out.warn(default)
     if plan.resolved.unknown_env:
-        from nsa.config.settings import describe_unknown
-
-        names = "; ".join(describe_unknown(n) for n in plan.resolved.unknown_env)
+        names = "; ".join(plan.resolved.unknown_env_described or plan.resolved.unknown_env)
         out.warn(f"unknown NSA_* variables ignored: {names} (see docs/migrating.md)")
 
 

@@ -350,6 +350,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             write_json_atomic(s.plan.run_dir / "metrics.json", metrics)
         s.hb.emit("end", s.state.step, status=status, error=error)
         s.out.stop()
+        s.out.message(rec.data_read())
         if status == "completed":
             s.out.message(f"done {s.state.step} steps | final loss {s.state.last_loss:.4f} | "
                           f"{metrics['tokens_per_s'] or 0:.0f} tok/s | run dir {s.plan.run_dir}", tone="good")

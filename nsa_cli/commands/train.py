@@ -32,6 +32,10 @@ def flags_to_keys(**values: Any) -> dict[str, Any]:
     return {FLAG_KEYS[name]: v for name, v in values.items() if v is not None}
 
 
+# dotted key -> the flag as typed (``data.source`` -> ``--dataset``), for each value's recorded origin
+FLAG_NAMES = {key: "--" + name.replace("_", "-") for name, key in FLAG_KEYS.items()}
+
+
 LAUNCH_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id")
 
 
@@ -91,7 +95,7 @@ def train(
             dataset=dataset, data_path=data_path, tokenizer=tokenizer, seed=seed, resume=resume,
             attention=attention, compile=compile_,
         )
-        resolved = load_run_config(config=config, profile=profile, flags=flags, sets=set_)
+        resolved = load_run_config(config=config, profile=profile, flags=flags, sets=set_, flag_names=FLAG_NAMES)
 
         from rich.console import Console
 

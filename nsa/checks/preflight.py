@@ -9,6 +9,7 @@ Size: one small function per preflight check (about twenty), each independent an
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import sys
@@ -300,6 +301,21 @@ def _check_sdpa(ctx: _Context) -> Check:
     return passed("sdpa-backends", text + ", flash SDPA usable", **enabled)
 
 
+NCCL_OFF = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE", "IB_DISABLE")  # IB_DISABLE: the older checklist's spelling
+
+
+def _check_nccl(ctx: _Context) -> Check:
+    """NCCL's peer-to-peer and InfiniBand transports must stay on (the older checklist required
+    ``NCCL_P2P_DISABLE=0`` and ``NCCL_IB_DISABLE=0``): disabled, a multi-GPU run is slower and imbalanced."""
+    env = os.environ if ctx.environ is None else ctx.environ
+    off = [f"{k}={env[k]}" for k in NCCL_OFF if env.get(k, "").strip().lower() not in ("", "0", "false", "no", "off")]
+    if off:
+        return warned("nccl", f"{', '.join(off)}: NCCL transports switched off (multi-GPU traffic goes through "
+                      "host memory or plain sockets)", f"unset {', '.join(o.split('=')[0] for o in off)} unless "
+                      "the fabric really lacks them", disabled=off)
+    return passed("nccl", "NCCL P2P and InfiniBand not disabled (NCCL_P2P_DISABLE / NCCL_IB_DISABLE unset or 0)")
+
+
 def _check_disk(ctx: _Context) -> Check:
     import psutil
 
@@ -437,6 +453,7 @@ def run_preflight(
     report.run("nsa-parity", lambda: _check_parity(ctx))
     report.run("triton-compile", lambda: _check_triton_compile(ctx))
     report.run("sdpa-backends", lambda: _check_sdpa(ctx))
+    report.run("nccl", lambda: _check_nccl(ctx))
     report.run("disk", lambda: _check_disk(ctx))
     report.run("ram", lambda: _check_ram_expect(ctx))
     report.run("dataset", lambda: _check_dataset(ctx, data_timeout_s))

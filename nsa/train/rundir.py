@@ -16,11 +16,9 @@ from typing import Any
 
 from nsa.config import ResolvedConfig
 from nsa.errors import ConfigError, RunDirError
-from nsa.runs.layout import HALT_FILE, HALTS_DIR, parse_halt
+from nsa.runs.layout import HALT_FILE, HALTS_DIR, LOCK_FILE, parse_halt, read_lock
 from nsa.train.checkpoint import list_checkpoints
 from nsa.train.telemetry import write_json_atomic
-
-LOCK_FILE = ".lock"
 
 
 def check_writable(run_dir: Path) -> None:
@@ -87,10 +85,7 @@ class RunLock:
 
 def holder_of(run_dir: Path) -> dict[str, Any] | None:
     """Who holds (or last held) the run directory's lock: ``{"pid", "host", "since"}``, else ``None``."""
-    with contextlib.suppress(OSError, ValueError):
-        data = json.loads((Path(run_dir) / LOCK_FILE).read_text())
-        return data if isinstance(data, dict) else None
-    return None
+    return read_lock(run_dir)
 
 
 def check_fresh(run_dir: Path) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from nsa.config import ResolvedConfig, RunConfig, fill_legacy
 from nsa.errors import CheckpointError, ConfigError
+from nsa.runs.layout import WATCHDOG_PREFIX
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
@@ -48,6 +49,7 @@ class TrainResult:
     steps_done: int
     final_loss: float | None
     metrics: dict[str, Any] = field(default_factory=dict)
+    halted_by: str | None = None  # a halt's origin: "watchdog" (nsa watch --halt-on), "operator", "signal"
 
 
 @dataclass
@@ -323,7 +325,10 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         s.hb.emit("halt", step, reason=reason, source=source, checkpoint=str(path))
         s.out.stop()
         s.out.message(f"halted at step {step} ({source}: {reason}); checkpoint {path}", tone="caution")
-        return self._finish(s, rec, "halted", None)
+        result = self._finish(s, rec, "halted", None)
+        result.halted_by = ("signal" if source in ("SIGTERM", "SIGINT")
+                            else "watchdog" if reason.startswith(WATCHDOG_PREFIX) else "operator")
+        return result
 
     def _anomaly(self, s: Session, rec: Recorder, step: int, kind: str, value: float, r: StepOutcome) -> TrainResult:
         last_good, _ = ckpt.newest_verified(s.plan.run_dir)
@@ -336,7 +341,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 "fault_injected": s.cfg.train.fault_nan_at_step == step,
             }
             record_path = rundir.write_anomaly(s.plan.run_dir, step, record)
-        s.hb.emit("anomaly", step, kind=kind, value=value, record=str(record_path))
+        # the value as text: JSON has no NaN (it would read as null); the record relative to the run directory
+        s.hb.emit("anomaly", step, kind=kind, value=repr(value), record=f"anomalies/{record_path.name}")
         s.hb.emit("halt", step - 1, reason=f"{kind} at step {step}", source="anomaly",
                   checkpoint=str(last_good) if last_good else None)
         s.out.stop()

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from nsa_cli.errors import EXIT_FAILED, EXIT_OK, fail, user_errors
+from nsa_cli.errors import EXIT_FAILED, EXIT_OK, EXIT_WATCHDOG, fail, user_errors
 
 # command-line flag -> dotted run-config key (``--set section.key=value`` reaches every other key)
 FLAG_KEYS = {
@@ -82,8 +82,10 @@ def train(
 
     Halt with a .HALT file in the run directory (nsa halt), SIGTERM or Ctrl-C: checkpoint, then exit 0.
 
-    Precedence, lowest to highest: defaults < --config < --profile < NSA_* environment < flags < --set.
-    Exit codes: 0 completed or halted on request, 1 failed (non-finite loss/gradients or a crash), 2 bad input.
+    Precedence, lowest to highest: defaults < --config (or the older CONFIG=path) < --profile < NSA_*
+    environment < flags < --set.
+    Exit codes: 0 completed or halted on request (nsa halt, SIGTERM/SIGINT), 1 failed (non-finite
+    loss/gradients or a crash), 2 bad input, 3 halted by the watchdog (nsa watch --halt-on).
     Example: nsa train --config tiny --steps 60
     """
     code = EXIT_OK
@@ -122,6 +124,10 @@ def train(
             code = launch(argv)
             if code:
                 raise typer.Exit(code)
+            from nsa.runs.halt import halted_by_watchdog
+
+            if halted_by_watchdog(trainer.run_dir):
+                raise typer.Exit(EXIT_WATCHDOG)
             return
         try:
             result = trainer.fit()
@@ -147,6 +153,8 @@ def train(
                 ) from None
             raise
         code = EXIT_OK if result.status in ("completed", "halted") else EXIT_FAILED
+        if result.status == "halted" and result.halted_by == "watchdog":
+            code = EXIT_WATCHDOG
     if code:
         raise typer.Exit(code)
 

@@ -94,8 +94,9 @@ def dump_stacks(run_dir: str | Path, timeout_s: float = 10.0, poll_s: float = 0.
         return DumpOutcome(False, f"the trainer of {run} (PID {holder.get('pid')}) is not running (the run ended "
                                   "or crashed); nothing to dump", str(run))
     files = {rank: run / STACKDUMP.format(rank=rank) for rank in pids}
-    before = {rank: _size(f) for rank, f in files.items()}
-    for rank, pid in pids.items():
+    main = files[min(files)]
+    start = _size(main)
+    for pid in pids.values():
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
@@ -104,16 +105,15 @@ def dump_stacks(run_dir: str | Path, timeout_s: float = 10.0, poll_s: float = 0.
             raise RunDirError(f"not allowed to signal the trainer of {run} (PID {pid})",
                               hint="run nsa dump as the user who started the run") from None
     deadline = time.monotonic() + timeout_s
-    main = files[min(files)]
-    while _size(main) <= before[min(files)] and time.monotonic() < deadline:
+    while _size(main) <= start and time.monotonic() < deadline:
         time.sleep(poll_s)
     time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))  # let a dump being written finish
-    grown = _size(main) > before[min(files)]
     text = ""
-    if grown:
+    if _size(main) > start:
         with open(main, "rb") as f:
-            f.seek(before[min(files)])
+            f.seek(start)
             text = f.read().decode("utf-8", "replace")
+    grown = bool(text)
     shown = ", ".join(f"rank {r} PID {p}" for r, p in pids.items())
     message = (f"stacks of {shown} appended to {', '.join(str(f) for f in files.values())}" if grown else
                f"sent SIGUSR1 to {shown}, but {main} did not grow within {timeout_s:g} s (the trainer may still be "

@@ -35,18 +35,16 @@ from nsa.runs.alarms import KeptAlarm, kept_alarms
 from nsa.runs.charts import Chart, RunSeries, combined_charts, run_charts
 from nsa.runs.env import REDACTED, is_secret
 from nsa.runs.reader import DEFAULT_STALE_S, RunState, is_run_dir, read_run
-from nsa.runs.summary import RunSummary, step_ranges, summarize
+from nsa.runs.summary import RunSummary, anomaly_text, halt_checkpoint_text, step_ranges, summarize
 from nsa.runs.verdict import (
     WARN_MARGIN,
     Check,
     HaltRecord,
     Limits,
     anomaly_record_path,
-    anomaly_text,
     classify_halts,
     context_label,
     fmt_value,
-    halt_checkpoint_text,
     overall_verdict,
     profile_limits,
     run_checks,

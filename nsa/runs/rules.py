@@ -54,7 +54,7 @@ from nsa.config.monitor import MonitorConfig
 from nsa.errors import ConfigError
 from nsa.fileio import json_safe
 from nsa.runs.reader import RunState
-from nsa.runs.summary import finite
+from nsa.runs.summary import anomaly_text, finite
 
 # rule -> the MonitorConfig field holding its threshold (None: the rule takes no threshold)
 RULES: dict[str, str | None] = {
@@ -245,7 +245,7 @@ def _stale(th: float | None, state: RunState, now: float, mon: MonitorConfig) ->
 def _nonfinite(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
     if state.anomalies:
         a = state.anomalies[-1]
-        return RuleHit("nonfinite", f"anomaly {a.get('kind')} at step {a.get('step')} (value {a.get('value')})",
+        return RuleHit("nonfinite", f"anomaly {anomaly_text(a)}",
                        {k: a.get(k) for k in ("step", "kind", "value", "record")})
     for p in reversed(state.series()[-50:]):
         if "loss" in p and not finite(p.get("loss")):

@@ -28,6 +28,18 @@ def percentile(values: list[float], q: float) -> float | None:
     return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
 
 
+def anomaly_text(a: dict[str, Any]) -> str:
+    """``nonfinite_loss at step 7 (value nan)``: a non-finite value the heartbeat wrote as null reads as such."""
+    value = a.get("value")
+    shown = "non-finite" if value is None else str(value)
+    return f"{a.get('kind')} at step {a.get('step')} (value {shown})"
+
+
+def halt_checkpoint_text(checkpoint: Any) -> str:
+    """``checkpoint <path>``, or what a halt without one means (an anomaly before the first save)."""
+    return f"checkpoint {checkpoint}" if checkpoint else "no checkpoint to resume from"
+
+
 def step_ranges(points: list[dict[str, Any]], n: int = 5, key: str = "tokens_per_s") -> list[dict[str, Any]]:
     """Split the points into up to ``n`` step ranges with the mean and count of ``key`` (a trend table)."""
     pts = [(int(p["step"]), float(p[key])) for p in points if finite(p.get("step")) and finite(p.get(key))]

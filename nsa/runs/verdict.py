@@ -49,18 +49,6 @@ def fmt_value(v: Any, spec: str = ".4g", unit: str = "") -> str:
         return str(v)
 
 
-def anomaly_text(a: dict[str, Any]) -> str:
-    """``nonfinite_loss at step 7 (value nan)``: a non-finite value the heartbeat wrote as null reads as such."""
-    value = a.get("value")
-    shown = "non-finite" if value is None else str(value)
-    return f"{a.get('kind')} at step {a.get('step')} (value {shown})"
-
-
-def halt_checkpoint_text(checkpoint: Any) -> str:
-    """``checkpoint <path>``, or what a halt without one means (an anomaly before the first save)."""
-    return f"checkpoint {checkpoint}" if checkpoint else "no checkpoint to resume from"
-
-
 def anomaly_record_path(run_dir: str | Path, record: Any) -> Path:
     """Where an ``anomaly`` event's ``record`` is: it names ``anomalies/step_N.json`` relative to the run,
     absolute, or relative to the trainer's working directory (the run directory already in it)."""

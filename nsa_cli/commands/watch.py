@@ -62,7 +62,7 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
     from rich.table import Table
     from rich.text import Text
 
-    from nsa.runs.verdict import anomaly_text, halt_checkpoint_text
+    from nsa.runs.summary import anomaly_text, halt_checkpoint_text
     from nsa_cli import render
 
     now = time.time() if now is None else now

@@ -75,7 +75,7 @@ def train(
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1, help="Launch torchrun with N ranks on this node (runtime.parallel: ddp or fsdp).")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Nodes of a multi-node run (with --nproc-per-node and --rdzv-endpoint).")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's index, 0..nnodes-1.")] = 0,
-    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT where the nodes meet (c10d rendezvous), the same on every node.")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of node 0, which hosts the rendezvous store (static rendezvous); the same on every node.")] = None,
     rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id shared by the nodes of one run.")] = "nsa",
 ) -> None:
     """Train a model; writes the run directory (checkpoints, heartbeats, CSV, TensorBoard, export).

@@ -136,3 +136,17 @@ def test_the_data_source_says_which_files_it_reads_and_ignores(tmp_path: Path) -
     next(loader)
     stats = loader.stats()
     assert stats["chars_seen"] > 0 and stats["docs_seen"] >= 1
+
+
+def test_migrating_page_covers_the_older_runbooks_inputs() -> None:
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "migrating.md").read_text()
+    for item in ("CONFIG=", "accumulate_grad_batches", "use_flash", "use_triton_sel", "sel_triton_min_L",
+                 "lr_schedule", "DDP_SAFE", "TORCH_LOGS", "model.pt", "launch_production_50k_single_gpu.sh",
+                 "setup_pod.sh", "bench_prefill.py", "bench_decode.py", "`--ddp 0`", "--synthetic-on-fail",
+                 "--loader-timeout", "--fwe-report-docs", "--resume-from", "--local-path", "nsa dump RUN"):
+        assert item in text, item
+    for target in re.findall(r"\]\(([^)#]+)\)", text) + re.findall(r"`(\.\./[^`]+)`", text):
+        assert (root / "docs" / target).exists(), f"docs/migrating.md links to {target}, which is not in the repo"

@@ -148,6 +148,36 @@ def test_2_watch_follows_a_run_across_a_resume(tmp_path: Path) -> None:
     assert not read_run(run).new_session_pending()
 
 
+def test_2_a_resume_takes_the_run_lock_before_the_trainer_loads(tmp_path: Path) -> None:
+    """``nsa train --resume`` holds ``RUN/.lock`` before torch and the Trainer load (seconds on a GPU box),
+    so a watch started right after it sees the new session coming; a fresh run creates nothing early."""
+    import nsa.train
+    from nsa.runs.layout import read_lock
+
+    run = write_run(tmp_path / "r", seed=2, end="halted", halt_reason="planned stop")
+    seen: list[Any] = []
+
+    class Probe:
+        def __init__(self, *args: Any, run_lock: Any = None, **kwargs: Any) -> None:
+            fd = os.open(run / ".lock", os.O_RDWR)
+            try:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
+            seen.append((read_lock(run) or {}).get("pid"))
+            seen.append(read_run(run).new_session_pending())
+            raise SystemExit(0)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nsa.train, "Trainer", Probe, raising=False)
+        runner.invoke(app, ["train", "--config", "tiny", "--out-dir", str(run), "--resume", "auto"])
+        assert seen == [os.getpid(), False]  # held by this process (the ended session's own pid: not "new")
+        fresh = tmp_path / "fresh"
+        runner.invoke(app, ["train", "--config", "tiny", "--out-dir", str(fresh)])
+        assert not fresh.exists()
+
+
 def test_2_the_watchdog_halts_again_in_a_resumed_session(tmp_path: Path) -> None:
     run = write_run(tmp_path / "r", seed=2, end=None, nonfinite_at=30, ts0=time.time() - 60)
     dog = Watchdog(RunReader(run), parse_rules("nonfinite"), parse_rules("nonfinite"))

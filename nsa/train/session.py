@@ -60,6 +60,7 @@ class Plan:
     alloc_conf_note: str | None
     init_state: dict[str, torch.Tensor] | None = None  # train.init_from's weights (fresh starts only)
     init_source: Path | None = None
+    lock: Any = None  # the run lock, when the caller took it already (nsa train resuming: before torch loads)
 
     @property
     def cfg(self) -> RunConfig:
@@ -155,8 +156,9 @@ def _lock_run_dir(plan: Plan, dist: D.DistInfo, closers: contextlib.ExitStack) -
     if dist.is_main:
         try:
             plan.run_dir.mkdir(parents=True, exist_ok=True)
-            lock = rundir.RunLock(plan.run_dir)
-            lock.acquire()
+            lock = plan.lock if plan.lock is not None else rundir.RunLock(plan.run_dir)
+            if plan.lock is None:
+                lock.acquire()
             _on_close(closers, lock.close)
         except RunDirError as exc:
             refused = (exc.message, exc.hint)

@@ -86,14 +86,15 @@ class Trainer:
 
     def __init__(
         self, resolved: ResolvedConfig, *, reporter: Reporter | None = None, world_size: int | None = None,
-        step_hook: Callable[[int], None] | None = None, local_ranks: int | None = None,
+        step_hook: Callable[[int], None] | None = None, local_ranks: int | None = None, run_lock: Any = None,
     ) -> None:
         """``reporter`` receives the run's events (:mod:`nsa.train.events`; default: plain lines on stdout).
         ``world_size``: ranks the run will have, for validation before launching torchrun (default: this
         process's torchrun environment, 1 without one); ``local_ranks``: those on this node (default: as many,
 or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of every step,
         after its logging and before its halt decision: the fault-injection point of the tests (write
-        ``.HALT`` or send a signal at an exact step; the trainer acts on it at the next step)."""
+        ``.HALT`` or send a signal at an exact step; the trainer acts on it at the next step). ``run_lock``:
+        the run directory's lock (:class:`nsa.train.lock.RunLock`) when the caller took it already."""
         self.reporter, self.step_hook, self.resolved = reporter, step_hook, resolved
         self.cfg = cfg = resolved.config
         tr = cfg.train
@@ -133,7 +134,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             )
         self.plan = Plan(resolved=resolved, rt=rt, run_dir=run_dir, run_name=tr.run_name or run_dir.resolve().name,
                          resume_from=resume_from, skipped=skipped, tokenizer=tokenizer,
-                         alloc_conf_note=alloc_conf_note, init_state=init_state, init_source=init_source)
+                         alloc_conf_note=alloc_conf_note, init_state=init_state, init_source=init_source,
+                         lock=run_lock)
         self.state = TrainState()  # replaced by the session's (restored) state in fit
 
     @property

@@ -55,6 +55,24 @@ def torchrun_argv(nproc: int, argv: list[str], rdzv: Any = None) -> list[str]:
     return launcher_argv(nproc, ["-m", "nsa_cli", *strip_nproc(argv)], rdzv)
 
 
+def _early_lock(cfg: Any, nproc_per_node: int | None) -> Any:
+    """A single-process resume takes its run directory's lock before torch loads (seconds), so a watch
+    started right after ``nsa train --resume`` sees a new session coming instead of the last one's end.
+    None for a fresh run (nothing is created before validation) and under torchrun (rank 0 takes it)."""
+    import os
+    from pathlib import Path
+
+    ranks = os.environ.get("TORCHELASTIC_RUN_ID") is not None or os.environ.get("WORLD_SIZE", "1") != "1"
+    run_dir = Path(cfg.train.out_dir)
+    if cfg.train.resume is None or nproc_per_node is not None or ranks or not run_dir.is_dir():
+        return None
+    from nsa.train.lock import RunLock
+
+    lock = RunLock(run_dir)
+    lock.acquire()  # another writer: one line naming it, exit 2
+    return lock
+
+
 def train(
     config: Annotated[str | None, typer.Option("--config", "-c", help="Shipped config name (tiny, m7c-125m) or YAML path.")] = None,
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile name or YAML path.")] = None,
@@ -98,6 +116,7 @@ def train(
             attention=attention, compile=compile_,
         )
         resolved = load_run_config(config=config, profile=profile, flags=flags, sets=set_, flag_names=FLAG_NAMES)
+        lock = _early_lock(resolved.config, nproc_per_node)
 
         from rich.console import Console
 
@@ -114,7 +133,7 @@ def train(
         # validates everything before any work (and before torchrun starts)
         world = nproc_per_node * nnodes if launching and nproc_per_node else None
         trainer = Trainer(resolved, reporter=RichReporter(Console()), world_size=world,
-                          local_ranks=nproc_per_node if launching else None)
+                          local_ranks=nproc_per_node if launching else None, run_lock=lock)
         if launching:
             assert nproc_per_node is not None
             argv = torchrun_argv(nproc_per_node, sys.argv[1:], rdzv)

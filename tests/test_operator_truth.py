@@ -148,6 +148,23 @@ def test_2_watch_follows_a_run_across_a_resume(tmp_path: Path) -> None:
     assert not read_run(run).new_session_pending()
 
 
+def test_2_a_crashed_run_being_resumed_is_not_over(tmp_path: Path) -> None:
+    from nsa.runs.watchdog import finished
+    from tests.conftest import dead_pid
+
+    run = write_run(tmp_path / "r", seed=2, end=None, pid=dead_pid())
+    assert Watchdog(RunReader(run), parse_rules("all"), []).poll().summary.status == "crashed"
+    new = sleeper()
+    try:
+        _lock(run, new.pid, time.time())
+        snap = Watchdog(RunReader(run), parse_rules("all"), []).poll()
+        assert snap.summary.status == "resuming" and not finished(snap, time.time())
+        assert "crashed" not in {h.rule for h in snap.alarms}
+    finally:
+        new.kill()
+        new.wait()
+
+
 def test_2_a_resume_takes_the_run_lock_before_the_trainer_loads(tmp_path: Path) -> None:
     """``nsa train --resume`` holds ``RUN/.lock`` before torch and the Trainer load (seconds on a GPU box),
     so a watch started right after it sees the new session coming; a fresh run creates nothing early."""
@@ -436,6 +453,14 @@ def test_10_comparison_table_records_world_size_and_kernel_path(tmp_path: Path) 
     assert "| world size | kernel path |" in text
     rows = [x for x in text.splitlines() if x.startswith(("| triton-1 ", "| torch-2 "))]
     assert "| 1 | triton + torch fallback (120 calls) |" in rows[0] and "| 2 | torch |" in rows[1], rows
+
+
+def test_10_bench_train_rows_name_the_path_that_ran() -> None:
+    from nsa.bench.train import TrainRow
+
+    row = TrainRow("nsa", 2048, 8, 125.0, 90.0, 180_000.0, None, "NVIDIA H100", "triton", fallbacks={"x": 3})
+    assert row.path == "triton + torch fallback (3 calls)" and row.to_dict()["world_size"] == 1
+    assert TrainRow("dense", 2048, 8, 125.0, 90.0, 1.0, None, "cpu", "torch").path == "dense (SDPA)"
 
 
 def test_10_preflight_warns_when_nccl_transports_are_off() -> None:

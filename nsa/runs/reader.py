@@ -350,16 +350,16 @@ class RunState:
         return None if acted else h
 
     def new_session_pending(self) -> bool:
-        """The run has ended, but its lock is held by a live trainer that took it after that end (a
-        ``--resume`` is starting): its ``boot`` line is still to come."""
-        end = self.end
-        if end is None or not isinstance(end.get("ts"), int | float):
+        """The run ended (or its trainer is gone without an end event), but its lock is held by a live
+        trainer that took it after that (a ``--resume`` is starting): its ``boot`` line is still to come."""
+        last = self.end if self.end is not None else (self.boot if self.process_alive() is False else None)
+        if last is None or not isinstance(last.get("ts"), int | float):
             return False
         holder = read_lock(self.run_dir)
         if not holder or not isinstance(holder.get("since"), int | float):
             return False
-        if holder.get("pid") == end.get("pid") or float(holder["since"]) < float(end["ts"]) - 1.0:
-            return False  # the lock is the ended session's own
+        if holder.get("pid") == last.get("pid") or float(holder["since"]) < float(last["ts"]) - 1.0:
+            return False  # the lock is the last session's own
         return pid_alive(holder) is True
 
     def status(self, now: float, stale_s: float = DEFAULT_STALE_S) -> str:

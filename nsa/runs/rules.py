@@ -218,8 +218,8 @@ def _values(points: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def _crashed(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
-    if state.process_alive() is not False:
-        return None
+    if state.process_alive() is not False or state.new_session_pending():
+        return None  # alive, unknown, or already being resumed
     boot = state.boot or {}
     last = (state.rank0.last if state.rank0 else None) or {}
     ages = state.heartbeat_age(now)

@@ -29,9 +29,13 @@ FETCH_SETTLED_STEP = 20  # fetch p95 windows from this step on hold >= 20 fetche
 WARN_MARGIN = 0.1  # a figure within 10% of its limit (still on the right side) is a WARN
 # watchdog reasons written by `nsa watch --halt-on` ("watchdog: <rule message>") -> rule, when .HALT is gone
 RULE_PATTERNS = (
+    ("data-fallback", re.compile(r"synthetic data", re.I)),
+    ("fallback-rise", re.compile(r"fallback counters", re.I)),
+    ("gpu-errors", re.compile(r"GPU memory errors", re.I)),
     ("stale", re.compile(r"heartbeat .*\bold\b|\bstale\b", re.I)),
     ("nonfinite", re.compile(r"non-?finite|\banomaly\b|\bnan\b", re.I)),
     ("gate-collapse", re.compile(r"collapse", re.I)),
+    ("gate-entropy", re.compile(r"gate entropy", re.I)),
     ("throughput-drop", re.compile(r"tokens/s|throughput", re.I)),
     ("fetch-stall", re.compile(r"\bfetch\b", re.I)),
 )

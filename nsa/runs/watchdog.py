@@ -54,7 +54,6 @@ class Watchdog:
         self.log = AlarmLog()
         self.halted: list[dict[str, Any]] = []  # the .HALT this watchdog wrote (in the current session)
         self._alert_names = {r.name for r in alert_rules}
-        self._halt_names = {r.name for r in halt_rules}
         self._session: float | None = None
         self._kept = AlarmFile(reader.run_dir, who_am_i("nsa watch")) if keep else None
 
@@ -72,7 +71,7 @@ class Watchdog:
         hits = evaluate(self.alert_rules + [r for r in self.halt_rules if r.name not in self._alert_names], st, now, mon)
         if summ.status == "running" and any(h.rule == "stale" for h in hits):
             summ.status = "stale"  # a stale alarm (e.g. --alert-on stale=15) is what the header says
-        elif st.end is not None and st.new_session_pending():
+        elif summ.status in ("completed", "halted", "failed", "crashed") and st.new_session_pending():
             summ.status = "resuming"  # a --resume holds the lock; its boot line is still to come
         had = bool(self.halted)
         self._maybe_halt(st, summ, hits, now, mon)
@@ -152,10 +151,12 @@ class Watchdog:
 def finished(snap: Snapshot, now: float) -> bool:
     """The run is over: crashed, or every rank wrote its end event (or rank 0 did long enough ago), and no
     new session is starting (a ``--resume`` that holds the run lock: the watch waits for its ``boot``)."""
+    if snap.summary.status == "resuming":
+        return False
     if snap.summary.status == "crashed":
         return True
     end = snap.state.end
-    if end is None or snap.state.new_session_pending():
+    if end is None:
         return False
     if all(r.end is not None for r in snap.state.ranks.values()):
         return True

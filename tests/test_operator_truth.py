@@ -94,7 +94,8 @@ def test_1_a_run_that_fell_back_to_synthetic_data_does_not_pass(tmp_path: Path) 
     assert v == "FAIL" and "trained on synthetic data" in why, why
     assert checks(res)["data source"].result == "FAIL"
     assert "SYNTHETIC tokens instead of data.source=" in res.path.read_text()
-    assert "DATA FALLBACK" in render(run) and "SYNTHETIC" in render(run)
+    view = render(run)
+    assert "ALARM data-fallback: training on synthetic data" in view and "SYNTHETIC" in view
     once = runner.invoke(app, ["watch", str(run), "--once"])
     assert once.exit_code == 1 and "data-fallback" in once.output
     # a run written before loader-ready had source_used: the warning alone says it

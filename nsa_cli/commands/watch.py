@@ -165,7 +165,7 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
     events = Text()
     if s.status == "resuming":
         events.append("the run ended, and a new session holds its lock: waiting for its first heartbeat\n", style="cyan")
-    if s.data_fallback:
+    if s.data_fallback and not any(a.rule == "data-fallback" for a in alarms):  # else its ALARM line says it
         events.append(f"DATA FALLBACK: {s.data_fallback}\n", style="bold red")
     if s.anomalies:
         events.append(f"last anomaly: {anomaly_text(s.anomalies[-1])}\n", style="red")

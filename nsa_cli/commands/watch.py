@@ -35,7 +35,7 @@ Examples:
 
 Rules (thresholds default to the run's monitor config): crashed, stale=S, nonfinite, gate-entropy=NATS,
 gate-collapse=FRACTION, grad-spike=RATIO, loss-plateau=DROP, memory-creep=RATIO, throughput-drop=RATIO,
-fetch-stall=MS; all; none.
+fetch-stall=MS, data-fallback, fallback-rise, gpu-errors; all; none.
 The watch follows a run across resumes: after an end event, while a new `nsa train --resume` holds the
 run lock, it waits for the new session. Alarms are kept with the run (RUN/alarms.jsonl; nsa report
 judges them).

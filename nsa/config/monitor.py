@@ -34,6 +34,8 @@ class MonitorConfig(ConfigSection):
     memory_creep_ratio: float = Field(1.2, gt=1, description="reserved/RSS memory grown by this factor since warm-up")
     throughput_drop_ratio: float = Field(0.5, gt=0, lt=1, description="tokens/s below this x the run's median")
     throughput_window_s: float = Field(600.0, gt=0, description="... for this long (s)")
+    throughput_tail_min_s: float = Field(
+        10.0, ge=0, description="report: a slow tail shorter than this (s) is a WARN (a brief slowdown), not a FAIL")
     fetch_stall_ms: float = Field(2000.0, gt=0, description="data fetch p95 above this (ms)")
     notify: str | None = Field(None, description="command run with each alarm as JSON on stdin (nsa watch)")
     # report verdict limits (None: not judged)

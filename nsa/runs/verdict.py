@@ -23,7 +23,7 @@ RETRIEVAL_TASKS = ("needle", "mqar")  # the tasks whose accuracy monitor.min_eva
 # monitor.* keys that judge the report's verdict (MonitorConfig fields)
 LIMIT_KEYS = ("min_tokens_per_s", "max_fetch_p95_ms", "gate_entropy_min", "gate_entropy_early_min",
               "gate_entropy_early_steps", "gate_collapse_max", "max_memory_gib", "min_eval_accuracy",
-              "throughput_drop_ratio")
+              "throughput_drop_ratio", "throughput_tail_min_s")
 WINDOW_MIN_POINTS = 3  # a throughput window holds at least this many progress points (and a tenth of the run)
 FETCH_SETTLED_STEP = 20  # fetch p95 windows from this step on hold >= 20 fetches: one slow first fetch is no p95
 WARN_MARGIN = 0.1  # a figure within 10% of its limit (still on the right side) is a WARN
@@ -307,6 +307,7 @@ class Window:
     from_step: int
     to_step: int
     points: int
+    seconds: float | None = None  # wall time the window covers (heartbeat ts), None without it
 
     def steps(self) -> str:
         return f"steps {self.from_step}-{self.to_step}"
@@ -316,17 +317,20 @@ def throughput_windows(points: Sequence[dict[str, Any]]) -> tuple[float, Window,
     """``(median, slowest window, last window)`` of tokens/s over the points after the warm-up fifth; windows
     of a tenth of them (at least :data:`WINDOW_MIN_POINTS`), counted back from the last point so the last
     window is the run's tail. None with fewer than two windows of points."""
-    pts = [(int(p["step"]), float(p["tokens_per_s"])) for p in points
-           if finite(p.get("step")) and finite(p.get("tokens_per_s"))]
-    body = pts[len(pts) // 5:]
+    pts = [(int(p["step"]), float(p["tokens_per_s"]), float(p["ts"]) if finite(p.get("ts")) else None)
+           for p in points if finite(p.get("step")) and finite(p.get("tokens_per_s"))]
+    skip = len(pts) // 5
+    body = pts[skip:]
     width = max(WINDOW_MIN_POINTS, len(body) // 10)
     if len(body) < 2 * width:
         return None
     wins = []
     for end in range(len(body), width - 1, -width):
         chunk = body[end - width:end]
-        wins.append(Window(statistics.median(v for _, v in chunk), chunk[0][0], chunk[-1][0], len(chunk)))
-    median = statistics.median(v for _, v in body)
+        before = pts[skip + end - width - 1][2] if skip + end - width > 0 else chunk[0][2]  # the window's start
+        seconds = chunk[-1][2] - before if chunk[-1][2] is not None and before is not None else None
+        wins.append(Window(statistics.median(v for _, v, _ in chunk), chunk[0][0], chunk[-1][0], len(chunk), seconds))
+    median = statistics.median(v for _, v, _ in body)
     return median, min(wins, key=lambda w: w.tokens_per_s), wins[0]
 
 
@@ -348,7 +352,15 @@ def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[dict[st
     limit = f">= {ratio:g} x the median (`monitor.throughput_drop_ratio`, {src})"
     tail_x, worst_x = tail.tokens_per_s / median if median else 1.0, worst.tokens_per_s / median if median else 1.0
     figure = f"last {tail.points} points ({tail.steps()}) {tail.tokens_per_s:,.0f} tokens/s = {tail_x:.2f}x the median {median:,.0f}"
-    if tail_x < ratio:
+    min_s = limits.values.get("throughput_tail_min_s")
+    min_s = MonitorConfig().throughput_tail_min_s if min_s is None else min_s
+    brief = tail.seconds is not None and tail.seconds < min_s
+    if tail_x < ratio and brief:
+        check = Check("throughput tail", f"{figure}, for {tail.seconds:.1f} s", limit, "WARN",
+                      f"tokens/s fell to {tail_x:.2f}x the median over the last {tail.seconds:.1f} s only "
+                      f"(< monitor.throughput_tail_min_s {min_s:g} s: a brief slowdown, not a collapse)",
+                      "throughput_drop_ratio")
+    elif tail_x < ratio:
         check = Check("throughput tail", figure, limit, "FAIL",
                       f"throughput collapsed at the end: {tail.tokens_per_s:,.0f} tokens/s over {tail.steps()}, "
                       f"{tail_x:.2f}x the run's median {median:,.0f}", "throughput_drop_ratio")

@@ -20,7 +20,7 @@ app = typer.Typer(
 )
 
 # Each module exposes ``register(app)``; order is the order of ``nsa --help``.
-COMMAND_MODULES = ["preflight", "smoke", "train", "watch", "halt", "report", "sample", "eval", "profiles", "bench"]
+COMMAND_MODULES = ["preflight", "smoke", "train", "watch", "halt", "dump", "report", "sample", "eval", "profiles", "bench"]
 
 STATE = {"debug": False}
 

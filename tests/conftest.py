@@ -184,6 +184,23 @@ def signal_at(step: int, signum: int) -> Callable[[int], None]:
 CSV_HEADER = "step,loss,lr,grad_norm,tokens_per_s,step_time_s,fetch_ms,tokens_seen,elapsed_s"
 
 
+def free_port() -> int:
+    """A TCP port to start a server on a moment later (a rendezvous store): free on every address, and
+    outside the kernel's ephemeral range, so no outgoing connection or ``bind(0)`` of another process can
+    take it in between (a port picked by ``bind(0)`` and released can be; issue 26)."""
+    lo, _ = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()  # not the test's seeded stream: two runs in a row need not share a port
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 12000), lo) if lo > 2048 else 0
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's own bind does
+            s.bind(("", port))
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free TCP port below the ephemeral range")
+
+
 def dead_pid() -> int:
     """The pid of a process that has exited (so a run 'owned' by it looks crashed)."""
     p = subprocess.Popen([sys.executable, "-c", "pass"])

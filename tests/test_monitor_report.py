@@ -84,8 +84,10 @@ LIMIT_CASES: list[tuple[str, str, dict[str, Any], Callable[[Path], None] | None,
     # check name, monitor key, write_run kwargs, patch, limits that fail, limits that pass
     ("throughput", "min_tokens_per_s", {"tokens_per_s": 1000.0}, None, {"min_tokens_per_s": 5000}, {"min_tokens_per_s": 100}),
     ("fetch p95", "max_fetch_p95_ms", {"fetch_p95_ms": 800.0}, None, {"max_fetch_p95_ms": 100}, {"max_fetch_p95_ms": 2000}),
-    ("gate entropy", "gate_entropy_min", {}, _low_entropy, {}, {"gate_entropy_min": 0.01}),  # default minimum 0.2
-    ("gate collapse", "gate_collapse_max", {"collapse": 0.8}, None, {}, {"gate_collapse_max": 0.9}),  # default max 0.5
+    # 40 steps: the early minimum (default 0.5) applies
+    ("gate entropy", "gate_entropy_early_min", {}, _low_entropy, {}, {"gate_entropy_early_min": 0.01}),
+    ("gate collapse", "gate_collapse_max", {"collapse": 0.8}, None, {},  # default max 0.1
+     {"gate_collapse_max": 0.9, "gate_entropy_early_min": 0.2}),
     ("peak GPU memory", "max_memory_gib", {}, _peak_40_gib, {"max_memory_gib": 32}, {"max_memory_gib": 64}),
     ("eval accuracy", "min_eval_accuracy", {}, _needle, {"min_eval_accuracy": 0.9}, {"min_eval_accuracy": 0.3}),
 ]
@@ -120,7 +122,7 @@ def test_limit_figures_and_sources(tmp_path: Path) -> None:
     assert tps.limit == ">= 5,000 tokens/s (`monitor.min_tokens_per_s`, config.yaml, from profile h100-test)"
     assert tps.figure.startswith("median ") and "tokens/s" in tps.figure
     assert ev.figure == "lowest 0.410 (needle context 12K depth 0.5)" and "below the minimum 0.9" in ev.why
-    assert check(res, "gate entropy").limit == ">= 0.2 nats (`monitor.gate_entropy_min`, config.yaml)"
+    assert check(res, "gate entropy").limit == ">= 0.5 nats (`monitor.gate_entropy_early_min`, default)"
 
 
 def test_unset_limits_do_not_judge_and_missing_figures_are_na(tmp_path: Path) -> None:
@@ -129,7 +131,7 @@ def test_unset_limits_do_not_judge_and_missing_figures_are_na(tmp_path: Path) ->
     assert res.verdicts[0][0] == "PASS", res.verdicts
     results = {c.name: c.result for c in res.checks[0]}
     assert results["throughput"] == results["fetch p95"] == results["eval accuracy"] == "not set"
-    assert results["gate entropy"] == results["gate collapse"] == "PASS"  # default limits 0.2 / 0.5
+    assert results["gate entropy"] == results["gate collapse"] == "PASS"  # default limits 0.5 early / 0.1
     assert "not set (`monitor.min_tokens_per_s`)" in res.path.read_text()
     set_monitor(run, max_memory_gib=10, min_eval_accuracy=0.5)
     res = report(run, tmp_path)

@@ -73,5 +73,5 @@ def test_old_knobs_are_named_with_their_replacement(tmp_path: Path) -> None:
                                flags={"train.steps": 2, "train.out_dir": str(run), "train.seq_len": 32,
                                       "train.batch_size": 2, "train.eval_every": 0})
     Trainer(resolved, reporter=quiet()).fit()
-    assert "NSA_USE_SEL_PACK (older system: replaced by NSA_ATTN_BACKEND" in (run / "train.log").read_text()
+    assert "NSA_USE_SEL_PACK=1 (older system: replaced by NSA_ATTN_BACKEND=triton" in (run / "train.log").read_text()
     assert json.loads((run / "env.json").read_text())["nsa_unknown_variables"] == ["NSA_USE_SEL_PACK"]

@@ -113,12 +113,12 @@ def test_gate_entropy_rule(tmp_path: Path) -> None:
     blip = write_points(tmp_path / "blip", series(10, gate_entropy_mean=lambda i: 0.1 if i in (7, 9) else 1.0))
     assert "gate-entropy" not in fired(blip)  # only 2 of the last 3 points
     assert "gate-entropy" not in fired(write_points(tmp_path / "cfg", series(10, gate_entropy_mean=lambda i: 0.1),
-                                                    monitor={"gate_entropy_min": 0.05}))
+                                                    monitor={"gate_entropy_min": 0.05, "gate_entropy_early_min": 0.05}))
 
 
 def test_gate_collapse_rule(tmp_path: Path) -> None:
     assert "gate-collapse" in fired(write_run(tmp_path / "c", end=None, collapse=0.8, seed=0))
-    assert "gate-collapse" not in fired(write_run(tmp_path / "ok", end=None, collapse=0.3, seed=0))
+    assert "gate-collapse" not in fired(write_run(tmp_path / "ok", end=None, collapse=0.05, seed=0))
 
 
 def test_grad_spike_rule(tmp_path: Path) -> None:

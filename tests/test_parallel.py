@@ -1,15 +1,15 @@
 """Data parallelism on CPU (gloo, two ranks through ``nsa train --nproc-per-node 2``): FSDP2 gives the
 losses of DDP, its sharded checkpoints (``torch.distributed.checkpoint``, one file per rank, covered by
 the manifest's checksums) resume exactly, the export is one whole model, and a checkpoint moves
-exactly between numbers of ranks and between shards and whole tensors; two launchers as two nodes meeting at a c10d
-rendezvous train like two ranks of one node."""
+exactly between numbers of ranks and between shards and whole tensors; two launchers as two nodes meeting at a static
+rendezvous (node 0 hosts the store) train like two ranks of one node, and stop alike on a mistake."""
 
 from __future__ import annotations
 
 import csv
 import json
-import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ import torch
 
 from nsa.config import load_run_config
 from nsa.runs.checkpoints import verify
+from tests.conftest import free_port
 from tests.test_train_process import _env, cmd, run_ok
 
 COMMON = ["--steps", "6", "--nproc-per-node", "2", "--set", "train.eval_every=0", "--set", "train.save_every=3"]
@@ -115,18 +116,12 @@ def test_a_checkpoint_moves_between_numbers_of_ranks_exactly(runs: dict[str, Pat
     _same_optimizer(again["optimizer"], ref["optimizer"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
-def test_two_nodes_through_the_c10d_rendezvous_train_like_one(runs: dict[str, Path], tmp_path: Path) -> None:
+def test_two_nodes_through_the_rendezvous_train_like_one(runs: dict[str, Path], tmp_path: Path) -> None:
     """Two launchers as two nodes on localhost (``--nnodes 2 --node-rank i --rdzv-endpoint``), one rank each,
     give the losses of two ranks on one node; each rank writes its own heartbeat."""
     run = tmp_path / "two-nodes"
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     base = [a for a in COMMON if a != "--nproc-per-node" and a != "2"]
     nodes = [subprocess.Popen(cmd(*base, "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(i),
                                   "--rdzv-endpoint", endpoint, "--rdzv-id", "test", "--out-dir", str(run)),
@@ -134,7 +129,7 @@ def test_two_nodes_through_the_c10d_rendezvous_train_like_one(runs: dict[str, Pa
              for i in (0, 1)]
     outs = [p.communicate(timeout=300)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    assert "--rdzv-backend=c10d" in outs[0] and "--nnodes=2" in outs[1]
+    assert "--rdzv-backend=static" in outs[0] and "--nnodes=2" in outs[1]
     assert (run / "heartbeat_rank0.jsonl").exists() and (run / "heartbeat_rank1.jsonl").exists()
     for a, b in zip(_rows(runs["ddp"]), _rows(run), strict=True):
         assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-6), (a, b)
@@ -173,8 +168,11 @@ def test_a_user_error_in_the_ranks_is_one_line_through_the_launcher(tmp_path: Pa
 
 @pytest.mark.slow
 def test_nodes_that_resolve_different_configs_are_refused(tmp_path: Path) -> None:
-    """Two nodes started with different flags stop before any work with one line naming the key."""
-    run, endpoint = tmp_path / "r", f"127.0.0.1:{_free_port()}"
+    """Two nodes started with different flags stop before any work with one line naming the key, and both
+    launchers exit 2. (Issue 26: on the dynamic c10d rendezvous, the node hosting the store could exit first,
+    and the other node's torchrun, still watching its rank, lost the store: RendezvousConnectionError, exit 1;
+    and the port, picked by bind(0) and released, could be taken before the store bound it.)"""
+    run, endpoint = tmp_path / "r", f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen(cmd("--steps", "2", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(i),
                                   "--rdzv-endpoint", endpoint, "--out-dir", str(run), "--lr", lr),
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -183,3 +181,43 @@ def test_nodes_that_resolve_different_configs_are_refused(tmp_path: Path) -> Non
     assert [p.returncode for p in nodes] == [2, 2], outs
     assert all("resolved another config than rank 0: train.lr" in o and "Traceback" not in o for o in outs), outs
     assert not (run / "checkpoints").exists()
+
+
+LINGERING_RANK = """
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+seen = [None] * dist.get_world_size()
+dist.all_gather_object(seen, dist.get_rank())
+time.sleep(float(os.environ.get("LINGER_S", "0")))  # this node's rank takes longer to stop
+dist.destroy_process_group()
+print(f"error: rank {dist.get_rank() if dist.is_initialized() else '?'} stops (a user error)", file=sys.stderr)
+sys.exit(2)
+"""
+
+LAUNCHER = """
+import sys
+from nsa.train.launch import Rendezvous, launch, torchrun_argv
+sys.exit(launch(torchrun_argv(1, [sys.argv[1]], Rendezvous(2, int(sys.argv[2]), sys.argv[3]))))
+"""
+
+
+@pytest.mark.slow
+def test_both_nodes_report_their_ranks_code_when_the_store_host_stops_first(tmp_path: Path) -> None:
+    """Node 0 starts first (so it hosts the rendezvous store), its rank stops at once; node 1's rank lingers
+    3 s before it stops too. Node 0's launcher ends first: node 1's torchrun must still report its rank's exit
+    code (2), not lose the store while watching the rank (the dynamic c10d rendezvous: exit 1, traceback)."""
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text(LINGERING_RANK)
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = _env()
+    first = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(script), "0", endpoint], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(3)  # node 0's agent is up and hosts the store before node 1 starts
+    second = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(script), "1", endpoint],
+                              env={**env, "LINGER_S": "3"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outs = [p.communicate(timeout=240)[0] for p in (first, second)]
+    assert [first.returncode, second.returncode] == [2, 2], outs
+    assert all("stops (a user error)" in o and "RendezvousConnectionError" not in o for o in outs), outs

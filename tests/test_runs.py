@@ -102,7 +102,7 @@ def test_summary_numbers(tmp_path: Path) -> None:
 def test_parse_rules() -> None:
     rules = {r.name: r.threshold for r in parse_rules("stale=120, nonfinite,fetch-stall=5000ms")}
     assert rules == {"stale": 120.0, "nonfinite": None, "fetch-stall": 5000.0}
-    assert len(parse_rules("all")) == 10  # every rule of nsa.runs.rules.RULES
+    assert len(parse_rules("all")) == 13  # every rule of nsa.runs.rules.RULES
     assert parse_rules(None) == []
     for bad in ("bogus", "stale=abc", "nonfinite=3", "stale=-1"):
         with pytest.raises(ConfigError):
@@ -206,7 +206,7 @@ def test_report_crashed_and_failed_runs(tmp_path: Path) -> None:
     failed = write_run(tmp_path / "nan", end="failed", nonfinite_at=20)
     res = build_report([failed], tmp_path / "rep", charts=False)
     text = res.path.read_text()
-    assert res.verdicts[0][0] == "FAIL" and "anomaly `nonfinite_loss`" in text
+    assert res.verdicts[0][0] == "FAIL" and "anomaly `nonfinite_loss at step 20 (value nan)`" in text
 
 
 def test_report_running_and_comparison(tmp_path: Path) -> None:

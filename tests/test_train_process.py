@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from nsa.runs.dump import dump_stacks
 from nsa.train.checkpoint import latest_checkpoint, load_state
 
 TINY = ["--config", "tiny", "--seq-len", "32", "--batch-size", "2", "--set", "train.log_every=1",
@@ -107,7 +108,8 @@ def test_sigusr_then_sigkill_then_resume_reproduces_the_losses(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_two_rank_gloo_run_halted_through_the_launcher(tmp_path: Path) -> None:
-    """``--nproc-per-node 2`` runs torchrun (gloo on CPU); SIGTERM to the launcher halts both ranks
+    """``--nproc-per-node 2`` runs torchrun (gloo on CPU); ``nsa dump`` gets the stacks of both ranks; SIGTERM
+    to the launcher halts both ranks
     at the same step with one checkpoint holding both ranks' data positions, and exits 0."""
     run = tmp_path / "run"
     proc = subprocess.Popen(
@@ -117,6 +119,12 @@ def test_two_rank_gloo_run_halted_through_the_launcher(tmp_path: Path) -> None:
     )
     try:
         wait_for(run, lambda e: e["event"] == "eval" and e["step"] >= 2, proc, timeout=240)
+        dumped = dump_stacks(run, timeout_s=60)  # `nsa dump`: rank 0 from RUN/.lock, rank 1 from its boot line
+        assert dumped.ok and sorted(dumped.pids) == [0, 1] and "most recent call first" in dumped.text, dumped
+        deadline = time.time() + 30
+        while (run / "stackdump_rank1.txt").stat().st_size == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert "most recent call first" in (run / "stackdump_rank1.txt").read_text()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

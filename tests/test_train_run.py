@@ -157,6 +157,7 @@ def test_nan_injection_halts_with_last_good_checkpoint(tmp_path: Path) -> None:
     evs = events(run)
     kinds = [e["event"] for e in evs]
     assert kinds[-3:] == ["anomaly", "halt", "end"]
+    assert evs[-3]["value"] == "nan" and evs[-3]["record"] == "anomalies/step_5.json"  # text, not null; in the run
     assert evs[-2]["source"] == "anomaly" and evs[-2]["checkpoint"].endswith("step_00000004")
     assert evs[-1]["status"] == "failed"
     assert [int(r["step"]) for r in csv_rows(run / "training.csv")] == [1, 2, 3, 4]
@@ -246,6 +247,17 @@ def test_synthetic_fallback_is_recorded_loudly(tmp_path: Path, monkeypatch: pyte
     assert [e for e in events(run) if e["event"] == "progress"][-1]["data_warnings"] == ready["warnings"]
     assert json.loads((run / "env.json").read_text())["data_warnings"] == ready["warnings"]
     assert json.loads((run / "metrics.json").read_text())["data_warnings"] == ready["warnings"]
+    assert ready["source"] == "fineweb_edu" and ready["source_used"] == "synthetic"
+    from nsa.runs.report import (
+        build_report,  # issue 26: the report and the watch say it, the verdict takes it
+    )
+
+    res = build_report([run], tmp_path / "rep", charts=False)
+    assert res.verdicts[0][0] == "FAIL" and "trained on synthetic data" in res.verdicts[0][1]
+    from nsa_cli.app import app
+
+    once = CliRunner().invoke(app, ["watch", str(run), "--once"])
+    assert once.exit_code == 1 and "data-fallback" in once.output and "SYNTHETIC" in once.output
 
 
 def test_resume_accepts_another_number_of_ranks_before_launch(tmp_path: Path) -> None:

@@ -48,8 +48,16 @@ class TrainRow:
     def mode(self) -> str:
         return "compiled" if self.compiled else "eager"
 
+    @property
+    def path(self) -> str:
+        """The attention path that ran: the backend, with the calls that fell back to the torch path."""
+        if self.attention == "dense":
+            return "dense (SDPA)"
+        n = sum(self.fallbacks.values())
+        return f"{self.backend} + torch fallback ({n:,} calls)" if n and self.backend != "torch" else self.backend
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "path": self.path, "world_size": 1}
 
 
 def bench_train_step(

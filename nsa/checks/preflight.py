@@ -9,6 +9,7 @@ Size: one small function per preflight check (about twenty), each independent an
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import sys
@@ -76,7 +77,9 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
     what = ctx.resolved.config_path or "defaults"
     summary = (f"{Path(what).name}: {cfg.model.attention} dim {cfg.model.dim} x {cfg.model.n_layers} layers, "
                f"seq_len {t.seq_len}, batch {t.batch_size} x accum {t.accum}, {t.steps} steps")
-    concerns = long_run_warnings(cfg)
+    from nsa.config.resolve import default_config_note
+
+    concerns = [*ctx.resolved.notes, *filter(None, [default_config_note(ctx.resolved)]), *long_run_warnings(cfg)]
     if concerns:
         return warned("config", f"{summary}; " + "; ".join(concerns),
                       "fine for a short test; for a real run set the keys named", path=ctx.resolved.config_path,
@@ -85,7 +88,7 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
 
 
 def _check_env(ctx: _Context) -> Check:
-    from nsa.config.settings import describe_unknown, settings_table, unknown_variables
+    from nsa.config.settings import describe_unknown_env, settings_table, unknown_variables
 
     unknown = unknown_variables(ctx.environ)
     try:
@@ -95,7 +98,7 @@ def _check_env(ctx: _Context) -> Check:
     if unknown:
         return warned(
             "env",
-            f"unknown NSA_* variable(s) ignored: {'; '.join(describe_unknown(n) for n in unknown)}",
+            f"unknown NSA_* variable(s) ignored: {'; '.join(describe_unknown_env(ctx.environ))}",
             "unset or rename them (docs/migrating.md maps the older system's knobs); `nsa profiles show` lists the known settings",
             unknown=unknown,
         )
@@ -298,6 +301,21 @@ def _check_sdpa(ctx: _Context) -> Check:
     return passed("sdpa-backends", text + ", flash SDPA usable", **enabled)
 
 
+NCCL_OFF = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE", "IB_DISABLE")  # IB_DISABLE: the older checklist's spelling
+
+
+def _check_nccl(ctx: _Context) -> Check:
+    """NCCL's peer-to-peer and InfiniBand transports must stay on (the older checklist required
+    ``NCCL_P2P_DISABLE=0`` and ``NCCL_IB_DISABLE=0``): disabled, a multi-GPU run is slower and imbalanced."""
+    env = os.environ if ctx.environ is None else ctx.environ
+    off = [f"{k}={env[k]}" for k in NCCL_OFF if env.get(k, "").strip().lower() not in ("", "0", "false", "no", "off")]
+    if off:
+        return warned("nccl", f"{', '.join(off)}: NCCL transports switched off (multi-GPU traffic goes through "
+                      "host memory or plain sockets)", f"unset {', '.join(o.split('=')[0] for o in off)} unless "
+                      "the fabric really lacks them", disabled=off)
+    return passed("nccl", "NCCL P2P and InfiniBand not disabled (NCCL_P2P_DISABLE / NCCL_IB_DISABLE unset or 0)")
+
+
 def _check_disk(ctx: _Context) -> Check:
     import psutil
 
@@ -435,6 +453,7 @@ def run_preflight(
     report.run("nsa-parity", lambda: _check_parity(ctx))
     report.run("triton-compile", lambda: _check_triton_compile(ctx))
     report.run("sdpa-backends", lambda: _check_sdpa(ctx))
+    report.run("nccl", lambda: _check_nccl(ctx))
     report.run("disk", lambda: _check_disk(ctx))
     report.run("ram", lambda: _check_ram_expect(ctx))
     report.run("dataset", lambda: _check_dataset(ctx, data_timeout_s))

@@ -12,9 +12,10 @@ import yaml
 from pydantic import ValidationError
 
 from nsa.config.files import format_validation_error, read_yaml
+from nsa.config.legacy import CONFIG_VAR, translate_old_keys
 from nsa.config.profiles import load_profile
 from nsa.config.run import CONFIG_DIR, RunConfig
-from nsa.config.settings import env_overlay
+from nsa.config.settings import config_from_env, describe_unknown_env, env_overlay
 from nsa.errors import ConfigError
 
 
@@ -27,6 +28,8 @@ class ResolvedConfig:
     unknown_env: list[str] = field(default_factory=list)
     profile: str | None = None
     config_path: str | None = None
+    notes: list[str] = field(default_factory=list)  # inputs of the older system that were mapped (one line each)
+    unknown_env_described: list[str] = field(default_factory=list)  # unknown NSA_* names with value and hint
 
     def source_of(self, dotted: str) -> str:
         return self.sources.get(dotted, "default")
@@ -74,21 +77,30 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _check_keys(tree: dict[str, Any], origin: str) -> None:
-    """Reject unknown sections/keys with the dotted name and where it came from."""
+    """Reject unknown sections/keys with the dotted name and where it came from: every unknown one in one
+    message (a file ported from elsewhere is fixed in one pass, not one key per attempt)."""
     sections = RunConfig.model_fields
+    bad_sections: list[str] = []
+    bad_keys: dict[str, list[str]] = {}
     for dotted in leaves(tree):
         parts = dotted.split(".")
         if parts[0] not in sections:
-            raise ConfigError(
-                f"unknown section '{parts[0]}' ({origin})", hint=f"sections are: {', '.join(sections)}"
-            )
-        model_cls = sections[parts[0]].annotation
-        fields = getattr(model_cls, "model_fields", {})
+            if parts[0] not in bad_sections:
+                bad_sections.append(parts[0])
+            continue
+        fields = getattr(sections[parts[0]].annotation, "model_fields", {})
         if len(parts) < 2 or parts[1] not in fields:
-            name = ".".join(parts[:2])
-            raise ConfigError(
-                f"unknown key '{name}' ({origin})", hint=f"keys of {parts[0]}: {', '.join(fields)}"
-            )
+            bad_keys.setdefault(parts[0], []).append(".".join(parts[:2]))
+    if not bad_sections and not bad_keys:
+        return
+    what = [f"unknown section '{s}'" for s in bad_sections]
+    what += [f"unknown key '{k}'" for keys in bad_keys.values() for k in keys]
+    if bad_sections:
+        hint = f"sections are: {', '.join(sections)}"
+    else:
+        hint = "; ".join(f"keys of {sec}: {', '.join(getattr(sections[sec].annotation, 'model_fields', {}))}"
+                         for sec in bad_keys)
+    raise ConfigError(f"{', '.join(what)} ({origin})", hint=hint)
 
 
 def parse_set(item: str) -> tuple[str, Any]:
@@ -141,11 +153,18 @@ def load_run_config(
     environ: dict[str, str] | None = None,
     flags: dict[str, Any] | None = None,
     sets: list[str] | None = None,
+    flag_names: dict[str, str] | None = None,
 ) -> ResolvedConfig:
-    """Resolve a run config from its sources (see module docstring for precedence)."""
+    """Resolve a run config from its sources (see module docstring for precedence).
+
+    ``flag_names`` maps a dotted key of ``flags`` to the flag the user typed (``data.source`` ->
+    ``--dataset``), for the origin of each value. Without ``config``, the older system's ``CONFIG=path``
+    variable is read in its place; the older system's YAML keys are mapped (``nsa.config.legacy``); both
+    with a line in ``ResolvedConfig.notes``."""
 
     tree: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    notes: list[str] = []
 
     def apply(layer: dict[str, Any], origin: str) -> None:
         _check_keys(layer, origin)
@@ -154,10 +173,14 @@ def load_run_config(
             sources[dotted] = origin
 
     config_path = None
+    config, note, from_env = _config_or_env(config, environ)
+    notes += [note] if note else []
     if config is not None:
-        path = find_config(config)
+        path = _find_env_config(config) if from_env else find_config(config)
         config_path = str(path)
-        apply(read_yaml(path), f"config {path.name}")
+        layer, mapped = translate_old_keys(read_yaml(path), f"config {path.name}")
+        notes += mapped
+        apply(layer, f"config {path.name}")
     profile_name = None
     env_layer, unknown = env_overlay(environ)
     profile = profile or env_layer.pop("_profile", None)
@@ -170,12 +193,47 @@ def load_run_config(
         apply(_nest(dotted, value), f"env {var}")
     for dotted, value in (flags or {}).items():
         if value is not None:
-            apply(_nest(dotted, value), f"flag --{dotted.split('.')[-1].replace('_', '-')}")
+            flag = (flag_names or {}).get(dotted) or f"--{dotted.split('.')[-1].replace('_', '-')}"
+            apply(_nest(dotted, value), f"flag {flag}")
     for item in sets or []:
         dotted, value = parse_set(item)
         apply(_nest(dotted, value), f"--set {dotted}")
     cfg = validate_run_config(tree, sources)
-    return ResolvedConfig(cfg, sources, unknown, profile_name, config_path)
+    return ResolvedConfig(cfg, sources, unknown, profile_name, config_path, notes, describe_unknown_env(environ))
+
+
+def default_config_note(resolved: ResolvedConfig) -> str | None:
+    """A line for a run resolved without any config file (no ``--config``, no ``CONFIG``): which model and
+    data the defaults train, so ``nsa train --steps 50000`` does not start the wrong run silently."""
+    if resolved.config_path is not None:
+        return None
+    cfg = resolved.config
+    m, d = cfg.model, cfg.data
+    data = ("the small corpus shipped with nsa (Python stdlib docstrings, 1.3M characters)" if d.source == "embedded"
+            else f"data.source={d.source}")
+    return (f"no --config given: the default model (dim {m.dim} x {m.n_layers} layers, {m.n_heads} heads, "
+            f"{m.attention}) trains on {data}; pass --config tiny, m7c-125m or a YAML path for another")
+
+
+def _config_or_env(config: str | Path | None, environ: dict[str, str] | None) -> tuple[str | Path | None, str | None, bool]:
+    """``(config, note, from_env)``: ``config``, or the older system's ``CONFIG`` variable in its place (a
+    note says so), or a note that ``CONFIG`` was ignored because ``--config`` was given."""
+    env = config_from_env(environ)
+    if env is None:
+        return config, None, False
+    if config is None:
+        return env, f"config from {CONFIG_VAR}={env} (the older system's variable; --config is the flag)", True
+    if str(env) != str(config):
+        return config, f"{CONFIG_VAR}={env} ignored: --config {config} given", False
+    return config, None, False
+
+
+def _find_env_config(name: str | Path) -> Path:
+    try:
+        return find_config(name)
+    except ConfigError as exc:
+        raise ConfigError(f"{CONFIG_VAR}={name} (the older system's variable, read as --config): {exc.message}",
+                          hint=f"pass --config NAME|PATH, or unset {CONFIG_VAR}") from None
 
 
 def _nest(dotted: str, value: Any) -> dict[str, Any]:

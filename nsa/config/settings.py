@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from nsa.config.legacy import CONFIG_VAR, legacy_hint
+from nsa.config.legacy import LEGACY_VARS as LEGACY_VARS  # re-exported: the older system's knobs
 from nsa.config.section import reject_bool
 from nsa.errors import ConfigError
 
@@ -113,47 +115,31 @@ def _environ(environ: dict[str, str] | None) -> dict[str, str]:
     return dict(os.environ) if environ is None else dict(environ)
 
 
-# Knobs of the older system (../shared/seed-runbooks) -> what replaced them (docs/migrating.md).
-LEGACY_VARS: dict[str, str] = {
-    "NSA_USE_FA2": "replaced by NSA_WINDOW_BACKEND=flash|triton|flex|torch (runtime.window_backend)",
-    "NSA_USE_FA2_WIN": "replaced by NSA_WINDOW_BACKEND (runtime.window_backend)",
-    "NSA_USE_FA2_CMP": "gone: the compressed branch has its own kernel on every backend",
-    "NSA_FA2_MIN_LEN_WIN": "gone: the dispatcher picks the window path per call",
-    "NSA_FA2_MIN_LEN_CMP": "gone: the compressed branch has its own kernel on every backend",
-    "NSA_SDPA_NO_FLASH": "gone: dense attention uses torch's SDPA backend choice",
-    "NSA_SEL_RANGES_V2": "replaced by NSA_ATTN_BACKEND=triton|torch|reference (one dispatcher, same result on every path)",
-    "NSA_SEL_RANGES_V2_MIN_S": "gone: the dispatcher picks the selection path per call",
-    "NSA_USE_SEL_PACK": "replaced by NSA_ATTN_BACKEND (runtime.attn_backend)",
-    "NSA_USE_SEL_VARLEN": "replaced by NSA_ATTN_BACKEND (runtime.attn_backend)",
-    "NSA_USE_SEL_MASK": "replaced by NSA_ATTN_BACKEND=torch (the masked vectorised path)",
-    "NSA_FORCE_SEL_MASK": "replaced by NSA_ATTN_BACKEND=torch (the masked vectorised path)",
-    "NSA_USE_TRITON_SEL": "replaced by NSA_ATTN_BACKEND=triton (or torch to avoid Triton)",
-    "NSA_FORCE_PARITY": "replaced by NSA_ATTN_BACKEND=reference (the float64-exact reference)",
-    "NSA_PREFILL_BATCHED": "gone: prefill is always one batched pass (nsa.model.cache)",
-    "NSA_PREFILL_TILE": "gone: prefill is always one batched pass (nsa.model.cache)",
-    "NSA_FWE_Q": "replaced by NSA_PREFETCH_DEPTH (data.prefetch_depth)",
-    "NSA_FWE_PREFETCH": "replaced by NSA_PREFETCH_DEPTH (0 turns prefetch off)",
-    "NSA_FWE_DOC_BATCH": "gone: the loader streams documents; tune NSA_PREFETCH_DEPTH",
-    "NSA_FWE_WARMUP_BATCHES": "gone: the first batch is prefetched during set-up and its time reported",
-    "NSA_FWE_WARMUP_TIMEOUT": "replaced by NSA_LOADER_TIMEOUT (data.timeout_s)",
-    "NSA_SDPA_AUDIT": "gone: nsa smoke checks every fast path against the reference",
-    "NSA_DEBUG_COMPARE": "gone: nsa smoke checks every fast path against the reference",
-    "NSA_DEBUG_TIMING": "replaced by nsa bench attention|train and the heartbeat's step/fetch times",
-    "NSA_STRICT_ASSERTS": "gone: the spec's checks run in the test suite and nsa smoke, not at train time",
-    "NSA_ENV_STATIC": "gone: settings are read once at start and recorded in env.json",
-    "NSA_ROPE_SCALE": "gone: set model.rope_theta instead",
-}
-
-
-def describe_unknown(name: str) -> str:
-    """An unknown ``NSA_*`` name with what replaced it (older system's knob) or the closest known name."""
+def describe_unknown(name: str, value: str | None = None) -> str:
+    """An unknown ``NSA_*`` name (with the ``value`` it is set to, when given) and what replaced it: the
+    older system's knob, with a hint that depends on the value (``NSA_USE_FA2=0`` needs nothing set), or the
+    closest known name."""
     import difflib
 
     upper = name.upper()
-    if upper in LEGACY_VARS:
-        return f"{name} (older system: {LEGACY_VARS[upper]})"
+    shown = name if value is None else f"{name}={value}"
+    hint = legacy_hint(upper, value)
+    if hint is not None:
+        return f"{shown} (older system: {hint})"
     close = difflib.get_close_matches(upper, sorted(KNOWN), n=1)
-    return f"{name} (did you mean {close[0]}?)" if close else name
+    return f"{shown} (did you mean {close[0]}?)" if close else shown
+
+
+def describe_unknown_env(environ: dict[str, str] | None = None) -> list[str]:
+    """:func:`describe_unknown` for every unknown ``NSA_*`` variable of ``environ`` (``None``: ``os.environ``)."""
+    env = _environ(environ)
+    return [describe_unknown(n, env.get(n)) for n in unknown_variables(env)]
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> str | None:
+    """The older system's ``CONFIG=path`` (its config file variable), or None when unset or empty."""
+    value = _environ(environ).get(CONFIG_VAR, "").strip()
+    return value or None
 
 
 def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:

@@ -92,6 +92,7 @@ class Loader:
             "batches": batches,
             "tokens_seen": tokens_seen,
             "docs_seen": counters.docs_seen,
+            "chars_seen": counters.chars_seen,
             "skipped": dict(counters.skipped),
         }
 
@@ -189,6 +190,7 @@ class Loader:
             "fetch_last_ms": float(times[-1]) if times.size else None,
             "batches": state["batches"],
             "docs_seen": state["docs_seen"],
+            "chars_seen": state.get("chars_seen", 0),
             "tokens_seen": state["tokens_seen"],
             "epoch": state["position"]["epoch"],
             "skipped": dict(state["skipped"]),
@@ -241,6 +243,7 @@ class Loader:
         self._error = None
         self._packer.restore(pos)
         self._stream.counters.docs_seen = int(state.get("docs_seen", 0))
+        self._stream.counters.chars_seen = int(state.get("chars_seen", 0))  # absent in states saved before it
         self._stream.counters.skipped = dict(state.get("skipped", {}))
         self._state = {**self._snapshot(int(state.get("batches", 0)), int(state.get("tokens_seen", 0)))}
 

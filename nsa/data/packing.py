@@ -30,9 +30,10 @@ def pack_sequences(docs: Iterable[Sequence[int]], seq_len: int, eot_id: int) -> 
 
 @dataclass
 class StreamCounters:
-    """What a stream has read: usable documents and skipped records by reason."""
+    """What a stream has read: usable documents, their characters (text sources) and skipped records by reason."""
 
     docs_seen: int = 0
+    chars_seen: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
 
 
@@ -72,6 +73,7 @@ class DocumentStream:
                 self._skip(str(reason))
                 return None
             tokens = np.asarray(self.encode(text), dtype=np.int64)
+            self.counters.chars_seen += len(text)
         if tokens.size == 0:
             self._skip(EMPTY)
             return None

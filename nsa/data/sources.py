@@ -117,6 +117,32 @@ def resolve_local_files(path: str) -> tuple[str, list[str]]:
     return str(formats.pop()), [str(p.resolve()) for p in files]
 
 
+def ignored_local_files(path: str) -> list[str]:
+    """Files under a ``data.path`` folder that are not read: not .jsonl/.json/.parquet/.txt (optionally .gz);
+    hidden files left out. Empty for a single file."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        return []
+    return sorted(str(p) for p in root.rglob("*") if p.is_file() and not p.name.startswith(".") and not _format_of(p))
+
+
+def describe_files(files: list[str], ignored: list[str], shown: int = 3) -> str:
+    """``"a.txt, b.txt, ... (12 files, 3.4 MB); ignored 35 files of other types (.py 33, .md 2)"``."""
+    names = [Path(f).name for f in files]
+    head = ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+    size = sum(Path(f).stat().st_size for f in files)
+    shown_size = f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"
+    text = f"{head} ({len(files)} file(s), {shown_size} on disk)"
+    if ignored:
+        kinds: dict[str, int] = {}
+        for f in ignored:
+            kind = "".join(Path(f).suffixes[-1:]) or "no extension"
+            kinds[kind] = kinds.get(kind, 0) + 1
+        top = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))[:5])
+        text += f"; ignored {len(ignored)} file(s) of other types ({top})"
+    return text
+
+
 # JSON / JSON Lines, read with the json module -------------------------------------------------------
 def _open_binary(file: str) -> BinaryIO:
     if file.lower().endswith(".gz"):
@@ -314,6 +340,7 @@ class LocalSource:
     def __init__(self, path: str, text_field: str) -> None:
         self.path = path
         self.format, self.files = _check_local_path(path)
+        self.ignored = ignored_local_files(path)
         self.field = "text" if self.format == "text" else text_field
         self._malformed: int | None = None  # malformed records in one full pass, once known
         self._first_bad: Malformed | None = None
@@ -410,7 +437,7 @@ class LocalSource:
         ]
 
     def describe(self) -> str:
-        return f"local: {len(self.files)} {self.format} file(s) at {self.path}, field {self.field!r}"
+        return f"local: {self.format} at {self.path}, field {self.field!r}: {describe_files(self.files, self.ignored)}"
 
 
 def _one_line(exc: BaseException) -> str:

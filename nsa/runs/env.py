@@ -6,6 +6,7 @@ Torch-free: the trainer writes with it, the run readers and the report read with
 from __future__ import annotations
 
 import os
+import re
 
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
 REDACTED = "<redacted>"
@@ -17,12 +18,18 @@ ENV_RECORDED = (
 
 
 def is_secret(name: str) -> bool:
-    upper = name.upper()
-    return any(m in upper for m in SECRET_MARKERS)
+    """Whether a variable's value is a secret: a word of its name (split at ``_``, ``-`` and ``.``) is one of
+    :data:`SECRET_MARKERS`, its plural, or ends in one (``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``, ``APIKEY``,
+    ``OAUTH``); ``NSA_TOKENIZER`` or ``TOKENIZERS_PARALLELISM`` name a tokenizer, not a token."""
+    for word in re.split(r"[_.\-]+", name.upper()):
+        for m in SECRET_MARKERS:
+            if word in (m, m + "S") or word.endswith(m):
+                return True
+    return False
 
 
 def redact_env(env: dict[str, str]) -> dict[str, str]:
-    """Values of names containing TOKEN, KEY, SECRET, PASSWORD, ... replaced by ``<redacted>``."""
+    """Values of secret names (:func:`is_secret`: TOKEN, KEY, SECRET, PASSWORD, ...) replaced by ``<redacted>``."""
     return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from nsa.errors import NSAError
-from nsa.runs.layout import HALT_FILE
-from nsa.runs.reader import RunReader, check_run_dir
+from nsa.runs.layout import HALT_FILE, WATCHDOG_PREFIX
+from nsa.runs.reader import DEFAULT_STALE_S, RunReader, check_run_dir
 
 
 def who_am_i(tool: str = "nsa halt") -> str:
@@ -81,7 +81,7 @@ class HaltOutcome:
 
 
 def wait_for_ack(
-    reader: RunReader, since: float, timeout_s: float, poll_s: float = 0.5, stale_s: float = 300.0
+    reader: RunReader, since: float, timeout_s: float, poll_s: float = 0.5, stale_s: float = DEFAULT_STALE_S
 ) -> HaltOutcome:
     """Follow the heartbeat until a ``halt`` (and then ``end``) event after ``since``, or a timeout."""
     t0 = time.monotonic()
@@ -112,6 +112,17 @@ def wait_for_ack(
             return HaltOutcome("timeout", f"no acknowledgement within {timeout_s:g} s ({seen}; last step "
                                f"{st.steps_done})", run, step=st.steps_done, waited_s=timeout_s)
         time.sleep(poll_s)
+
+
+def halted_by_watchdog(run_dir: str | Path) -> bool:
+    """Whether the run's latest session ended halted by the watchdog (``nsa watch --halt-on``): its ``halt``
+    event's reason starts with ``watchdog:``. What a launcher of several ranks exits with (``EXIT_WATCHDOG``)."""
+    st = RunReader(run_dir, check=False).poll(final=True)
+    t0 = st.session_start or 0.0
+    if st.end is None or st.end.get("status") != "halted":
+        return False
+    halts = [h for h in st.halts if isinstance(h.get("ts"), int | float) and h["ts"] >= t0]
+    return bool(halts) and str(halts[-1].get("reason") or "").startswith(WATCHDOG_PREFIX)
 
 
 def halt_run(

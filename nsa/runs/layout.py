@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 from typing import Any
 
 CONFIG_FILE = "config.yaml"
@@ -17,6 +18,20 @@ TRAIN_LOG = "train.log"
 CHECKPOINTS_DIR = "checkpoints"
 HALT_FILE = ".HALT"
 HALTS_DIR = "halts"  # .HALT files archived unobeyed at a restart
+LOCK_FILE = ".lock"  # the trainer's one-writer lock; its JSON names the holder {"pid", "host", "since"}
+ALARMS_FILE = "alarms.jsonl"  # alarms raised by `nsa watch`, one JSON object per line (kept with the run)
+STACKDUMP = "stackdump_rank{rank}.txt"  # SIGUSR1 appends every thread's stack (`nsa dump`)
+# a watchdog .HALT's reason starts with this (`nsa watch --halt-on`); the trainer exits EXIT_WATCHDOG on it
+WATCHDOG_PREFIX = "watchdog:"
+EXIT_WATCHDOG = 3  # `nsa train` (and `nsa watch` that wrote .HALT) when the watchdog halted the run
+
+
+def read_lock(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run lock's holder record ``{"pid", "host", "since"}`` (the holder now, or the last one), or None."""
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads((Path(run_dir) / LOCK_FILE).read_text())
+        return data if isinstance(data, dict) else None
+    return None
 
 
 def parse_halt(text: str) -> tuple[dict[str, Any], bool]:

@@ -24,12 +24,16 @@ from typing import Any
 
 import yaml
 
+from nsa.config.monitor import MonitorConfig
 from nsa.errors import RunDirError
-from nsa.runs.layout import HALT_FILE, parse_halt
+from nsa.runs.layout import CONFIG_FILE, HALT_FILE, LOCK_FILE, parse_halt, read_lock
 
 HEARTBEAT_RE = re.compile(r"^heartbeat_rank(\d+)\.jsonl$")
 RUN_MARKERS = ("config.yaml", "env.json", "training.csv", "metrics.json")
 MAX_HISTORY = 20000  # progress points kept in memory (older ones are thinned)
+DEFAULT_STALE_S = float(MonitorConfig.model_fields["stale_s"].default)  # a run's own monitor.stale_s wins
+# a data source replaced by synthetic tokens says so in its warning (nsa.data.sources.open_source)
+FALLBACK_RE = re.compile(r"TRAINING ON SYNTHETIC|replaced by synthetic", re.I)
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -39,6 +43,22 @@ def is_run_dir(path: str | Path) -> bool:
     if any(HEARTBEAT_RE.match(f.name) for f in p.iterdir()):
         return True
     return any((p / m).is_file() for m in RUN_MARKERS)
+
+
+def may_become_run(path: str | Path) -> bool:
+    """Whether waiting for a run at ``path`` makes sense: it is missing, an empty folder, or a folder
+    that a starting ``nsa train`` has claimed (its ``.lock`` or ``config.yaml``) or that is a run already.
+    Anything else (``/tmp``, a source tree) is not a run directory and never becomes one by waiting."""
+    p = Path(path)
+    if not p.exists():
+        return True
+    if not p.is_dir():
+        return False
+    try:
+        names = os.listdir(p)
+    except OSError:
+        return False
+    return not names or LOCK_FILE in names or CONFIG_FILE in names or is_run_dir(p)
 
 
 def check_run_dir(path: str | Path) -> Path:
@@ -181,6 +201,7 @@ class RankState:
     boot: dict[str, Any] | None = None
     last: dict[str, Any] | None = None
     last_progress: dict[str, Any] | None = None
+    first_progress: dict[str, Any] | None = None  # the current session's first progress line
     end: dict[str, Any] | None = None
     events: int = 0
 
@@ -268,6 +289,30 @@ class RunState:
         train = (self.config or {}).get("train") or {}
         return train.get("steps") if isinstance(train.get("steps"), int) else None
 
+    @property
+    def data_warnings(self) -> list[str]:
+        """The loader's warnings (a failed source replaced by synthetic tokens, malformed records), from the
+        ``loader-ready`` event, the last ``progress`` line, ``metrics.json`` and ``env.json``; each once."""
+        out: list[str] = []
+        sources = [(self.loader_ready or {}).get("warnings"), (self.last_progress or {}).get("data_warnings"),
+                   (self.metrics or {}).get("data_warnings"), (self.env or {}).get("data_warnings")]
+        for ws in sources:
+            for w in ws if isinstance(ws, list) else []:
+                if str(w) not in out:
+                    out.append(str(w))
+        return out
+
+    @property
+    def data_fallback(self) -> str | None:
+        """Why the run trained on synthetic tokens instead of its configured source (None when it did not):
+        the ``loader-ready`` event's ``source_used`` differs from ``source``, or a loader warning says so."""
+        ready = self.loader_ready or {}
+        used, wanted = ready.get("source_used"), ready.get("source")
+        said = next((w for w in self.data_warnings if FALLBACK_RE.search(w)), None)
+        if isinstance(used, str) and isinstance(wanted, str) and used != wanted:
+            return said or f"data.source={wanted} was replaced by {used}"
+        return said
+
     def heartbeat_age(self, now: float) -> dict[int, float]:
         """Seconds since each rank's last heartbeat line."""
         return {r: now - s.last_ts for r, s in self.ranks.items() if s.last_ts is not None}
@@ -304,7 +349,20 @@ class RunState:
                   if r.end and isinstance(r.end.get("ts"), int | float) and r.end["ts"] >= t - 1.0]
         return None if acted else h
 
-    def status(self, now: float, stale_s: float = 300.0) -> str:
+    def new_session_pending(self) -> bool:
+        """The run ended (or its trainer is gone without an end event), but its lock is held by a live
+        trainer that took it after that (a ``--resume`` is starting): its ``boot`` line is still to come."""
+        last = self.end if self.end is not None else (self.boot if self.process_alive() is False else None)
+        if last is None or not isinstance(last.get("ts"), int | float):
+            return False
+        holder = read_lock(self.run_dir)
+        if not holder or not isinstance(holder.get("since"), int | float):
+            return False
+        if holder.get("pid") == last.get("pid") or float(holder["since"]) < float(last["ts"]) - 1.0:
+            return False  # the lock is the last session's own
+        return pid_alive(holder) is True
+
+    def status(self, now: float, stale_s: float = DEFAULT_STALE_S) -> str:
         """``completed``/``halted``/``failed`` (from the end event), else ``running``, ``stale`` or ``crashed``."""
         ends = [s.end for s in self.ranks.values() if s.end]
         if self.end is not None or ends:
@@ -408,9 +466,10 @@ class RunReader:
         rs.events += 1
         kind = ev.get("event")
         if kind == "boot":
-            rs.boot, rs.end = ev, None
+            rs.boot, rs.end, rs.first_progress = ev, None, None
         elif kind == "progress":
             rs.last_progress = ev
+            rs.first_progress = rs.first_progress or ev
             if rank == 0:
                 st.progress.append(ev)
                 if len(st.progress) > MAX_HISTORY:
@@ -505,12 +564,14 @@ def run_started(path: str | Path) -> bool:
 
 def wait_for_run(path: str | Path, timeout_s: float | None = None, poll_s: float = 0.5) -> bool:
     """Wait until ``run_started(path)`` (True) or ``timeout_s`` passes (False); ``RunDirError`` at once
-    when the path is a file."""
+    when the path is a file or a folder that is not a run directory (:func:`may_become_run`)."""
     p = Path(path)
     t0 = time.monotonic()
     while True:
-        if p.exists() and not p.is_dir():
+        if not run_started(p) and not may_become_run(p):
             check_run_dir(p)
+            raise RunDirError(f"{p} is not a run directory (no heartbeat, config.yaml or .lock)",
+                              hint="give the train.out_dir of a run started by `nsa train`")
         if run_started(p):
             return True
         if timeout_s is not None and time.monotonic() - t0 >= timeout_s:

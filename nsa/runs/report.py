@@ -31,15 +31,17 @@ from typing import Any
 
 from nsa.errors import NSAError, RunDirError
 from nsa.fileio import write_atomic
+from nsa.runs.alarms import KeptAlarm, kept_alarms
 from nsa.runs.charts import Chart, RunSeries, combined_charts, run_charts
 from nsa.runs.env import REDACTED, is_secret
-from nsa.runs.reader import RunState, is_run_dir, read_run
-from nsa.runs.summary import RunSummary, step_ranges, summarize
+from nsa.runs.reader import DEFAULT_STALE_S, RunState, is_run_dir, read_run
+from nsa.runs.summary import RunSummary, anomaly_text, halt_checkpoint_text, step_ranges, summarize
 from nsa.runs.verdict import (
     WARN_MARGIN,
     Check,
     HaltRecord,
     Limits,
+    anomaly_record_path,
     classify_halts,
     context_label,
     fmt_value,
@@ -177,6 +179,7 @@ class _Run:
     boots: list[dict[str, Any]]
     checks: list[Check]
     verdict: tuple[str, str]
+    alarms: list[KeptAlarm] = field(default_factory=list)
     charts: dict[str, Path] = field(default_factory=dict)
 
 
@@ -262,7 +265,8 @@ def _env_section(env: dict[str, Any]) -> list[str]:
         L += ["Other variables (CUDA_\\*, NCCL_\\*, PYTORCH_\\*, ...) were not recorded in this run's env.json.", ""]
     elif not rows:
         L += ["None set.", ""]
-    L += ["Values of names containing TOKEN, KEY, SECRET, PASSWORD, CREDENTIAL or AUTH are redacted.", ""]
+    L += ["Values of names with a word ending in TOKEN, KEY, SECRET, PASSWORD, CREDENTIAL or AUTH (HF_TOKEN, "
+          "WANDB_API_KEY) are redacted; NSA_TOKENIZER names a tokenizer and is shown.", ""]
     return L
 
 
@@ -306,6 +310,12 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append(f"| Config | `{env.get('config_path') or 'n/a'}`: seq_len {_cfg(st, 'train', 'seq_len')}, batch "
              f"{_cfg(st, 'train', 'batch_size')} x accum {_cfg(st, 'train', 'accum')}, steps {_cfg(st, 'train', 'steps')}, "
              f"attention backend {_cfg(st, 'runtime', 'attn_backend')} |")
+    data = f"**SYNTHETIC tokens instead of data.source={_cfg(st, 'data', 'source')}**: {s.data_fallback}" if s.data_fallback \
+        else (s.data_source or f"data.source={_cfg(st, 'data', 'source')}")
+    L.append(f"| Data | {data.replace('|', '/')} |")
+    for w in s.data_warnings:
+        if w != s.data_fallback:
+            L.append(f"| Data warning | {w.replace('|', '/')} |")
     L.append(f"| Model | dim {_cfg(st, 'model', 'dim')}, {_cfg(st, 'model', 'n_layers')} layers, "
              f"{_cfg(st, 'model', 'n_heads')} heads / {_cfg(st, 'model', 'n_kv_groups')} KV groups; NSA l={_cfg(st, 'nsa', 'l')} "
              f"d={_cfg(st, 'nsa', 'd')} l_sel={_cfg(st, 'nsa', 'l_sel')} n_sel={_cfg(st, 'nsa', 'n_sel')} w={_cfg(st, 'nsa', 'w')} |")
@@ -346,30 +356,33 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append("")
     L += _img(run, "gates", "gate entropy, collapsed-gate fraction and branch shares", out_dir)
     L += _eval_section(st.run_dir, out_dir, run.charts.get("needle"))
-    L += ["### Anomalies and halts", ""]
+    L += ["### Anomalies, halts and alarms", ""]
     resumes = [b for b in run.boots if b.get("resumed_from")]
-    if not s.anomalies and not run.halts and not resumes:
+    if not s.anomalies and not run.halts and not resumes and not run.alarms:
         L += ["None.", ""]
     for a in s.anomalies:
         rec = a.get("record")
-        link = f" — {_link(st.run_dir / rec if not Path(str(rec)).is_absolute() else Path(str(rec)), out_dir)}" if rec else ""
-        L.append(f"- anomaly `{a.get('kind')}` at step {a.get('step')}, value {a.get('value')}{link}")
+        link = f" — {_link(anomaly_record_path(st.run_dir, rec), out_dir)}" if rec else ""
+        L.append(f"- anomaly `{anomaly_text(a)}`{link}")
     for h in run.halts:
         tag = " — **hung** (stale heartbeat)" if h.hung else " — **watchdog**" if h.by == "watchdog" else ""
         if h.acted:
-            L.append(f"- halt at step {h.step} by {h.by}{tag}: {h.reason} (source {h.source}, checkpoint {h.checkpoint})")
+            L.append(f"- halt at step {h.step} by {h.by}{tag}: {h.reason} (source {h.source}, "
+                     f"{halt_checkpoint_text(h.checkpoint)})")
         elif h.where == ".HALT":
             L.append(f"- pending `.HALT` (not yet acted on) by {h.by}{tag}: {h.reason}")
         else:
             L.append(f"- `.HALT` found at a restart and archived to `{h.where}` (not obeyed) by {h.by}{tag}: {h.reason}")
     for b in resumes:
         L.append(f"- resumed at step {resume_step(b)} from `{b.get('resumed_from')}`")
+    for al in run.alarms:
+        L.append(f"- alarm {al.describe()} (kept by nsa watch in `alarms.jsonl`)")
     if s.end and s.end.get("error"):
         L.append(f"- end error: `{s.end.get('error')}`")
     L.append("")
     L += ["### Artifacts", ""]
     for name in ("config.yaml", "env.json", "training.csv", "val.csv", "metrics.json", "heartbeat_rank0.jsonl", "tb", "export",
-                 "eval", "halts"):
+                 "eval", "halts", "alarms.jsonl", "anomalies"):
         p = st.run_dir / name
         if p.exists():
             L.append(f"- {_link(p, out_dir, name)}")
@@ -463,13 +476,31 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None) -> list
     return L
 
 
+def kernel_path(st: RunState, s: RunSummary) -> str:
+    """Which attention path ran: the configured backend (``auto`` resolved from the device and Triton),
+    with the torch path's share when calls fell back (the heartbeat's fallback counters)."""
+    if _cfg(st, "model", "attention") == "dense":
+        return "dense (SDPA)"
+    backend = str(_cfg(st, "runtime", "attn_backend") or "auto")
+    if backend == "auto":
+        env = st.env or {}
+        cuda = str(env.get("device") or s.device or "").startswith("cuda")
+        backend = "triton" if cuda and (env.get("versions") or {}).get("triton") else "torch"
+    if s.fallback_total and backend != "torch":
+        return f"{backend} + torch fallback ({s.fallback_total:,} calls)"
+    return backend
+
+
 def _comparison(states: list[RunState], summaries: list[RunSummary], verdicts: list[tuple[str, str]]) -> list[str]:
-    L = ["## Comparison", "", "| run | S | batch x accum | backend | device | status | step time (s) | tokens/s | peak memory | final loss | verdict |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = ["## Comparison", "",
+         "`kernel path`: the attention path that ran (the configured backend, `auto` resolved; calls that fell back "
+         "to the torch path counted). Tokens/s are of all ranks together.", "",
+         "| run | S | batch x accum | world size | kernel path | device | status | step time (s) | tokens/s | peak memory | final loss | verdict |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for st, s, v in zip(states, summaries, verdicts, strict=True):
         L.append(
             f"| {s.run_name} | {_cfg(st, 'train', 'seq_len')} | {_cfg(st, 'train', 'batch_size')} x {_cfg(st, 'train', 'accum')} "
-            f"| {_cfg(st, 'runtime', 'attn_backend')} | {s.device or 'n/a'} | {s.status} | {fmt_value(s.step_time_s_median, '.4f')} "
+            f"| {s.world_size} | {kernel_path(st, s)} | {s.device or 'n/a'} | {s.status} | {fmt_value(s.step_time_s_median, '.4f')} "
             f"| {fmt_value(s.tokens_per_s_median, ',.0f')} | {_mib(s.mem_peak_mib) if s.mem_peak_mib is not None else _mib(s.rss_mib) + ' RSS' if s.rss_mib else 'n/a'} "
             f"| {fmt_value(s.last_loss, '.4f')} | {v[0]} |"
         )
@@ -508,15 +539,26 @@ def _notes_section(notes: Sequence[str]) -> list[str]:
     return L
 
 
+def _stale_s(st: RunState) -> float:
+    """The run's own ``monitor.stale_s`` (its default when the section is missing or invalid)."""
+    from nsa.runs.rules import monitor_config
+
+    try:
+        return monitor_config(st).stale_s
+    except NSAError:
+        return DEFAULT_STALE_S
+
+
 def _prepare(run_dir: Path, now: float, override: tuple[dict[str, Any], str] | None) -> _Run:
-    """Read one run and derive its limits, halts, checks and verdict."""
+    """Read one run and derive its limits, halts, kept alarms, checks and verdict."""
     st = read_run(run_dir)
-    s = summarize(st, now)
+    s = summarize(st, now, _stale_s(st))
     limits = run_limits(st.config, st.config_sources, *(override or (None,)))
     evals = _eval_payloads(st.run_dir)
     halts = classify_halts(s)
-    checks = run_checks(s, limits, evals, halts, st.progress)
-    return _Run(st, s, limits, evals, halts, session_boots(st), checks, verdict(s, checks))
+    alarms = kept_alarms(st.run_dir)
+    checks = run_checks(s, limits, evals, halts, st.progress, alarms)
+    return _Run(st, s, limits, evals, halts, session_boots(st), checks, verdict(s, checks), alarms)
 
 
 def build_report(

@@ -8,9 +8,10 @@ absent); ``RULES`` lists each rule's monitor field. Rules (monitor field, defaul
 - ``crashed``: the trainer process (rank 0, this host) is gone and the heartbeat has no ``end`` event;
 - ``stale=SECONDS`` (``stale_s``, 180): a rank's heartbeat is older than this and the run has not ended;
 - ``nonfinite``: a non-finite loss in the log or an ``anomaly`` event;
-- ``gate-entropy=NATS`` (``gate_entropy_min``, 0.2): mean gate entropy below this for the last 3 points;
-- ``gate-collapse=FRACTION`` (``gate_collapse_max``, 0.5): collapsed-gate fraction at least this for the
-  last 3 points;
+- ``gate-entropy=NATS`` (``gate_entropy_min``, 0.3; ``gate_entropy_early_min``, 0.5, before step
+  ``gate_entropy_early_steps``, 1000): mean gate entropy below this for the last 3 points;
+- ``gate-collapse=FRACTION`` (``gate_collapse_max``, 0.1): collapsed-gate fraction above this for the last
+  3 points;
 - ``grad-spike=RATIO`` (``grad_spike_ratio``, 10): a gradient norm among the last 5 points above RATIO x
   the median of the 20 points before it;
 - ``loss-plateau=DROP`` (``plateau_min_drop``, 0.01; over ``plateau_steps``, 1000): relative loss drop over
@@ -19,7 +20,12 @@ absent); ``RULES`` lists each rule's monitor field. Rules (monitor field, defaul
   points above RATIO x its level at the end of warm-up (the points after the first 10%);
 - ``throughput-drop=RATIO`` (``throughput_drop_ratio``, 0.5; for ``throughput_window_s``, 600): tokens/s
   below RATIO x the run's median for at least that many seconds of wall time (heartbeat ``ts``);
-- ``fetch-stall=MS`` (``fetch_stall_ms``, 2000): data fetch p95 above this.
+- ``fetch-stall=MS`` (``fetch_stall_ms``, 2000): data fetch p95 above this;
+- ``data-fallback``: the run trains on synthetic tokens because its data source failed at start;
+- ``fallback-rise``: a rank's backend fallback counters rose over the last 3 points (calls keep falling
+  back to the torch path);
+- ``gpu-errors``: a rank's GPU memory errors (uncorrected ECC errors, retired pages; heartbeat
+  ``gpu_mem_errors``, NVML) rose during the session.
 
 ``AlarmLog`` de-duplicates hits across refreshes (new / cleared) and ``notify`` runs a shell command with an
 alarm as JSON on stdin; both are what ``nsa watch`` builds its actions from.
@@ -48,7 +54,7 @@ from nsa.config.monitor import MonitorConfig
 from nsa.errors import ConfigError
 from nsa.fileio import json_safe
 from nsa.runs.reader import RunState
-from nsa.runs.summary import finite
+from nsa.runs.summary import anomaly_text, finite
 
 # rule -> the MonitorConfig field holding its threshold (None: the rule takes no threshold)
 RULES: dict[str, str | None] = {
@@ -62,14 +68,20 @@ RULES: dict[str, str | None] = {
     "memory-creep": "memory_creep_ratio",
     "throughput-drop": "throughput_drop_ratio",
     "fetch-stall": "fetch_stall_ms",
+    "data-fallback": None,
+    "fallback-rise": None,
+    "gpu-errors": None,
 }
+AFTER_END = ("nonfinite", "data-fallback")  # rules that still say something once the run has ended
 DEFAULTS: dict[str, float | None] = {
     name: (float(MonitorConfig.model_fields[f].default) if f else None) for name, f in RULES.items()
 }
 ALIASES = {"nan": "nonfinite", "non-finite": "nonfinite", "collapse": "gate-collapse",
            "throughput": "throughput-drop", "fetch": "fetch-stall", "heartbeat": "stale",
            "crash": "crashed", "dead": "crashed", "entropy": "gate-entropy", "grad": "grad-spike",
-           "spike": "grad-spike", "plateau": "loss-plateau", "memory": "memory-creep", "mem": "memory-creep"}
+           "spike": "grad-spike", "plateau": "loss-plateau", "memory": "memory-creep", "mem": "memory-creep",
+           "data": "data-fallback", "synthetic": "data-fallback", "fallback": "fallback-rise",
+           "fallbacks": "fallback-rise", "ecc": "gpu-errors", "xid": "gpu-errors", "gpu": "gpu-errors"}
 SPIKE_HISTORY, SPIKE_RECENT, LAST_N = 20, 5, 3
 
 
@@ -179,15 +191,15 @@ def resolve(rules: list[Rule], monitor: MonitorConfig) -> list[Rule]:
 
 
 def evaluate(rules: list[Rule], state: RunState, now: float, monitor: MonitorConfig | None = None) -> list[RuleHit]:
-    """The rules that fire on this state (only ``nonfinite`` once the run has ended). ``monitor``: the
+    """The rules that fire on this state (only :data:`AFTER_END` once the run has ended). ``monitor``: the
     thresholds of non-explicit rules and the rules' windows (default: the run's own, ``monitor_config``)."""
     mon = monitor if monitor is not None else monitor_config(state)
     ended = state.end is not None
     hits: list[RuleHit] = []
-    for rule in resolve(rules, mon):
-        if ended and rule.name != "nonfinite":
+    for rule in rules:
+        if ended and rule.name not in AFTER_END:
             continue
-        hit = _RULES[rule.name](rule.threshold, state, now, mon)
+        hit = _RULES[rule.name](rule.threshold if rule.explicit else None, state, now, mon)
         if hit is not None:
             hits.append(hit)
     return hits
@@ -206,8 +218,8 @@ def _values(points: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def _crashed(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
-    if state.process_alive() is not False:
-        return None
+    if state.process_alive() is not False or state.new_session_pending():
+        return None  # alive, unknown, or already being resumed
     boot = state.boot or {}
     last = (state.rank0.last if state.rank0 else None) or {}
     ages = state.heartbeat_age(now)
@@ -233,7 +245,7 @@ def _stale(th: float | None, state: RunState, now: float, mon: MonitorConfig) ->
 def _nonfinite(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
     if state.anomalies:
         a = state.anomalies[-1]
-        return RuleHit("nonfinite", f"anomaly {a.get('kind')} at step {a.get('step')} (value {a.get('value')})",
+        return RuleHit("nonfinite", f"anomaly {anomaly_text(a)}",
                        {k: a.get(k) for k in ("step", "kind", "value", "record")})
     for p in reversed(state.series()[-50:]):
         if "loss" in p and not finite(p.get("loss")):
@@ -244,22 +256,25 @@ def _nonfinite(th: float | None, state: RunState, now: float, mon: MonitorConfig
 
 def _gate_entropy(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
     vals = _values(state.progress, "gate_entropy_mean")[-LAST_N:]
-    limit = mon.gate_entropy_min if th is None else th
+    last = state.progress[-1] if state.progress else {}
+    step = int(last["step"]) if finite(last.get("step")) else None
+    limit = mon.entropy_min_at(step) if th is None else th
     if len(vals) < LAST_N or max(vals) >= limit:
         return None
-    last = state.progress[-1]
-    return RuleHit("gate-entropy", f"mean gate entropy {vals[-1]:.3f} < {limit:g} for {LAST_N} points",
+    stage = "" if th is not None else (" (early steps)" if limit == mon.gate_entropy_early_min and
+                                       mon.gate_entropy_early_min != mon.gate_entropy_min else "")
+    return RuleHit("gate-entropy", f"mean gate entropy {vals[-1]:.3f} < {limit:g}{stage} for {LAST_N} points",
                    {"step": last.get("step"), "gate_entropy_mean": vals,
                     "gate_branch_shares": last.get("gate_branch_shares")})
 
 
 def _gate_collapse(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
     vals = _values(state.progress, "gate_collapse_fraction")[-LAST_N:]
-    limit = th or mon.gate_collapse_max
-    if len(vals) < LAST_N or min(vals) < limit:
+    limit = mon.gate_collapse_max if th is None else th
+    if len(vals) < LAST_N or min(vals) <= limit:
         return None
     last = state.progress[-1]
-    return RuleHit("gate-collapse", f"collapsed-gate fraction {vals[-1]:.2f} >= {limit:g} for {LAST_N} points",
+    return RuleHit("gate-collapse", f"collapsed-gate fraction {vals[-1]:.2f} > {limit:g} for {LAST_N} points",
                    {"step": last.get("step"), "gate_collapse_fraction": vals,
                     "gate_entropy_mean": last.get("gate_entropy_mean"),
                     "gate_branch_shares": last.get("gate_branch_shares")})
@@ -374,6 +389,52 @@ def _fetch_stall(th: float | None, state: RunState, now: float, mon: MonitorConf
                    {"step": last.get("step"), "fetch_p95_ms": p95, "fetch_p50_ms": last.get("fetch_p50_ms")})
 
 
+def _data_fallback(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    why = state.data_fallback
+    if why is None:
+        return None
+    ready = state.loader_ready or {}
+    return RuleHit("data-fallback", f"training on synthetic data, not data.source={ready.get('source', '?')}: {why}",
+                   {"step": ready.get("step"), "source": ready.get("source"), "source_used": ready.get("source_used"),
+                    "warning": why})
+
+
+def _counter_total(value: Any) -> int | None:
+    if not isinstance(value, dict):
+        return None
+    return int(sum(v for v in value.values() if finite(v)))
+
+
+def _fallback_rise(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    pts = [(p.get("step"), total, p["fallback"]) for p in state.session_progress()
+           if (total := _counter_total(p.get("fallback"))) is not None]
+    if len(pts) < LAST_N + 1:
+        return None
+    (s0, before, _), (s1, after, last) = pts[-LAST_N - 1], pts[-1]
+    rose = [s for s in range(len(pts) - LAST_N, len(pts)) if pts[s][1] > pts[s - 1][1]]
+    if after <= before or not rose:
+        return None
+    reasons = ", ".join(f"{k}: {v}" for k, v in sorted(last.items()))
+    return RuleHit("fallback-rise", f"backend fallback counters rose {before} -> {after} over steps {s0}-{s1} "
+                   f"(torch path used for: {reasons})",
+                   {"step": s1, "from_step": s0, "before": before, "after": after, "fallback": last})
+
+
+def _gpu_errors(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
+    for rank, rs in sorted(state.ranks.items()):
+        first, last = rs.first_progress or {}, rs.last_progress or {}
+        e0, e1 = first.get("gpu_mem_errors"), last.get("gpu_mem_errors")
+        t0, t1 = _counter_total(e0), _counter_total(e1)
+        if t0 is None or t1 is None or t1 <= t0:
+            continue
+        assert isinstance(e0, dict) and isinstance(e1, dict)
+        changes = ", ".join(f"{k} {e0.get(k, 0)} -> {v}" for k, v in sorted(e1.items()) if v != e0.get(k, 0))
+        return RuleHit("gpu-errors", f"GPU memory errors on rank {rank} rose during the run ({changes}; steps "
+                       f"{first.get('step')}-{last.get('step')}); Xid events are in the kernel log (dmesg | grep -i xid)",
+                       {"step": last.get("step"), "rank": rank, "before": e0, "now": e1})
+    return None
+
+
 _RULES: dict[str, Callable[[float | None, RunState, float, MonitorConfig], RuleHit | None]] = {
     "crashed": _crashed,
     "stale": _stale,
@@ -385,6 +446,9 @@ _RULES: dict[str, Callable[[float | None, RunState, float, MonitorConfig], RuleH
     "memory-creep": _memory_creep,
     "throughput-drop": _throughput_drop,
     "fetch-stall": _fetch_stall,
+    "data-fallback": _data_fallback,
+    "fallback-rise": _fallback_rise,
+    "gpu-errors": _gpu_errors,
 }
 
 

@@ -7,7 +7,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nsa.runs.reader import RunState
+from nsa.runs.reader import DEFAULT_STALE_S, RunState
 
 
 def _num(v: Any) -> float | None:
@@ -26,6 +26,18 @@ def percentile(values: list[float], q: float) -> float | None:
     k = (len(vals) - 1) * q
     lo, hi = math.floor(k), math.ceil(k)
     return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+
+
+def anomaly_text(a: dict[str, Any]) -> str:
+    """``nonfinite_loss at step 7 (value nan)``: a non-finite value the heartbeat wrote as null reads as such."""
+    value = a.get("value")
+    shown = "non-finite" if value is None else str(value)
+    return f"{a.get('kind')} at step {a.get('step')} (value {shown})"
+
+
+def halt_checkpoint_text(checkpoint: Any) -> str:
+    """``checkpoint <path>``, or what a halt without one means (an anomaly before the first save)."""
+    return f"checkpoint {checkpoint}" if checkpoint else "no checkpoint to resume from"
 
 
 def step_ranges(points: list[dict[str, Any]], n: int = 5, key: str = "tokens_per_s") -> list[dict[str, Any]]:
@@ -93,6 +105,11 @@ class RunSummary:
     profile: str | None = None
     config_path: str | None = None
     commit: str | None = None
+    data_source: str | None = None  # what the loader read (its description at start)
+    data_warnings: list[str] = field(default_factory=list)
+    data_fallback: str | None = None  # why the run trained on synthetic tokens instead of its source
+    gpu_mem_errors: dict[str, int] | None = None  # GPU memory error counters (all ranks' last), when telemetry has them
+    gpu_mem_errors_new: int | None = None  # how many of them appeared during the current session
 
     @property
     def loss_decreased(self) -> bool:
@@ -105,7 +122,9 @@ class RunSummary:
         return out
 
 
-def summarize(state: RunState, now: float, stale_s: float = 300.0) -> RunSummary:
+def summarize(state: RunState, now: float, stale_s: float = DEFAULT_STALE_S) -> RunSummary:
+    """The run's figures at ``now``; ``stale_s``: heartbeat age that makes a running run stale (pass the run's
+    own ``monitor.stale_s``)."""
     series = state.series()
     # the heartbeat writes a non-finite loss as null, the CSV as nan/inf: both count as non-finite
     losses = [_num(p.get("loss")) for p in series if "loss" in p]
@@ -177,6 +196,10 @@ def summarize(state: RunState, now: float, stale_s: float = 300.0) -> RunSummary
                     fb[str(k)] = fb.get(str(k), 0) + int(v)
     s.fallback = fb
     s.fallback_total = sum(fb.values())
+    ready = state.loader_ready or {}
+    s.data_source = str(ready.get("description") or ready.get("source") or "") or None
+    s.data_warnings, s.data_fallback = state.data_warnings, state.data_fallback
+    s.gpu_mem_errors, s.gpu_mem_errors_new = gpu_errors(state)
     if state.val_rows:
         s.val_loss = _num(state.val_rows[-1].get("val_loss"))
     elif state.evals:
@@ -191,6 +214,26 @@ def summarize(state: RunState, now: float, stale_s: float = 300.0) -> RunSummary
     s.host = str(boot["host"]) if boot.get("host") else None
     s.pid = int(boot["pid"]) if isinstance(boot.get("pid"), int) and not isinstance(boot.get("pid"), bool) else None
     return s
+
+
+def gpu_errors(state: RunState) -> tuple[dict[str, int] | None, int | None]:
+    """``(counters summed over the ranks' last progress lines, how many appeared this session)`` of the
+    heartbeat's ``gpu_mem_errors`` (uncorrected ECC errors, retired pages); ``(None, None)`` without them."""
+    total: dict[str, int] = {}
+    new = 0
+    seen = False
+    for rs in state.ranks.values():
+        last = (rs.last_progress or {}).get("gpu_mem_errors")
+        first = (rs.first_progress or {}).get("gpu_mem_errors")
+        if not isinstance(last, dict):
+            continue
+        seen = True
+        for k, v in last.items():
+            if finite(v):
+                total[str(k)] = total.get(str(k), 0) + int(v)
+                before = _num(first.get(k)) if isinstance(first, dict) else None
+                new += max(0, int(v) - int(before)) if before is not None else 0
+    return (total, new) if seen else (None, None)
 
 
 def smoothed_eta(state: RunState, window_s: float = 300.0, min_points: int = 3) -> float | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,21 +14,28 @@ from typing import Any
 
 from nsa.config.monitor import MonitorConfig
 from nsa.errors import ConfigError
-from nsa.runs.layout import HALTS_DIR, parse_halt
+from nsa.runs.alarms import KeptAlarm
+from nsa.runs.layout import HALTS_DIR, WATCHDOG_PREFIX, parse_halt
 from nsa.runs.reader import read_halt_file
-from nsa.runs.summary import RunSummary
+from nsa.runs.summary import RunSummary, finite
 
 RETRIEVAL_TASKS = ("needle", "mqar")  # the tasks whose accuracy monitor.min_eval_accuracy judges
 # monitor.* keys that judge the report's verdict (MonitorConfig fields)
-LIMIT_KEYS = ("min_tokens_per_s", "max_fetch_p95_ms", "gate_entropy_min", "gate_collapse_max", "max_memory_gib",
-              "min_eval_accuracy")
+LIMIT_KEYS = ("min_tokens_per_s", "max_fetch_p95_ms", "gate_entropy_min", "gate_entropy_early_min",
+              "gate_entropy_early_steps", "gate_collapse_max", "max_memory_gib", "min_eval_accuracy",
+              "throughput_drop_ratio", "throughput_tail_min_s")
+WINDOW_MIN_POINTS = 3  # a throughput window holds at least this many progress points (and a tenth of the run)
 FETCH_SETTLED_STEP = 20  # fetch p95 windows from this step on hold >= 20 fetches: one slow first fetch is no p95
 WARN_MARGIN = 0.1  # a figure within 10% of its limit (still on the right side) is a WARN
 # watchdog reasons written by `nsa watch --halt-on` ("watchdog: <rule message>") -> rule, when .HALT is gone
 RULE_PATTERNS = (
+    ("data-fallback", re.compile(r"synthetic data", re.I)),
+    ("fallback-rise", re.compile(r"fallback counters", re.I)),
+    ("gpu-errors", re.compile(r"GPU memory errors", re.I)),
     ("stale", re.compile(r"heartbeat .*\bold\b|\bstale\b", re.I)),
     ("nonfinite", re.compile(r"non-?finite|\banomaly\b|\bnan\b", re.I)),
     ("gate-collapse", re.compile(r"collapse", re.I)),
+    ("gate-entropy", re.compile(r"gate entropy", re.I)),
     ("throughput-drop", re.compile(r"tokens/s|throughput", re.I)),
     ("fetch-stall", re.compile(r"\bfetch\b", re.I)),
 )
@@ -43,6 +51,16 @@ def fmt_value(v: Any, spec: str = ".4g", unit: str = "") -> str:
         return f"{v:{spec}}{unit}"
     except (TypeError, ValueError):
         return str(v)
+
+
+def anomaly_record_path(run_dir: str | Path, record: Any) -> Path:
+    """Where an ``anomaly`` event's ``record`` is: it names ``anomalies/step_N.json`` relative to the run,
+    absolute, or relative to the trainer's working directory (the run directory already in it)."""
+    p = Path(str(record))
+    if p.is_absolute():
+        return p
+    here = Path(run_dir) / "anomalies" / p.name
+    return here if here.exists() or not p.exists() else p
 
 
 def context_label(c: Any) -> str:
@@ -155,7 +173,7 @@ def profile_limits(name_or_path: str | Path) -> tuple[dict[str, Any], str]:
 
 def guess_rule(reason: str) -> str | None:
     """The watch rule behind a ``watchdog: ...`` reason (when its ``.HALT`` with ``rule`` is gone)."""
-    text = reason.removeprefix("watchdog:")
+    text = reason.removeprefix(WATCHDOG_PREFIX)
     return next((rule for rule, pat in RULE_PATTERNS if pat.search(text)), None)
 
 
@@ -187,7 +205,7 @@ def classify_halts(s: RunSummary) -> list[HaltRecord]:
     out: list[HaltRecord] = []
 
     def by_of(reason: str, rule: Any) -> str:
-        return "watchdog" if rule or reason.startswith("watchdog:") else "operator"
+        return "watchdog" if rule or reason.startswith(WATCHDOG_PREFIX) else "operator"
 
     for h in s.halts:
         reason, source = str(h.get("reason") or ""), str(h.get("source") or "")
@@ -281,10 +299,86 @@ def fetch_p95_worst(progress: Sequence[dict[str, Any]]) -> tuple[float, int] | N
     return pts[-1] if pts else None
 
 
+@dataclass
+class Window:
+    """A stretch of consecutive progress points and their median tokens/s."""
+
+    tokens_per_s: float
+    from_step: int
+    to_step: int
+    points: int
+    seconds: float | None = None  # wall time the window covers (heartbeat ts), None without it
+
+    def steps(self) -> str:
+        return f"steps {self.from_step}-{self.to_step}"
+
+
+def throughput_windows(points: Sequence[dict[str, Any]]) -> tuple[float, Window, Window] | None:
+    """``(median, slowest window, last window)`` of tokens/s over the points after the warm-up fifth; windows
+    of a tenth of them (at least :data:`WINDOW_MIN_POINTS`), counted back from the last point so the last
+    window is the run's tail. None with fewer than two windows of points."""
+    pts = [(int(p["step"]), float(p["tokens_per_s"]), float(p["ts"]) if finite(p.get("ts")) else None)
+           for p in points if finite(p.get("step")) and finite(p.get("tokens_per_s"))]
+    skip = len(pts) // 5
+    body = pts[skip:]
+    width = max(WINDOW_MIN_POINTS, len(body) // 10)
+    if len(body) < 2 * width:
+        return None
+    wins = []
+    for end in range(len(body), width - 1, -width):
+        chunk = body[end - width:end]
+        before = pts[skip + end - width - 1][2] if skip + end - width > 0 else chunk[0][2]  # the window's start
+        seconds = chunk[-1][2] - before if chunk[-1][2] is not None and before is not None else None
+        wins.append(Window(statistics.median(v for _, v, _ in chunk), chunk[0][0], chunk[-1][0], len(chunk), seconds))
+    median = statistics.median(v for _, v, _ in body)
+    return median, min(wins, key=lambda w: w.tokens_per_s), wins[0]
+
+
+def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[dict[str, Any]]) -> list[Check]:
+    """The floor (median and slowest window) and the tail against the run's own median."""
+    wins = throughput_windows(progress)
+    tps = s.tokens_per_s_median
+    if wins is None:
+        floor = _judge("throughput", "min_tokens_per_s", limits, tps, f"median {fmt_value(tps, ',.0f')} tokens/s",
+                       " tokens/s", floor=True)
+        return [floor, Check("throughput tail", "too few progress points for windows", ">= ratio x the median",
+                             "n/a", key="throughput_drop_ratio")]
+    median, worst, tail = wins
+    shown = f"median {median:,.0f} tokens/s, slowest window {worst.tokens_per_s:,.0f} ({worst.steps()})"
+    floor = _judge("throughput", "min_tokens_per_s", limits, min(worst.tokens_per_s, median), shown, " tokens/s",
+                   floor=True)
+    ratio = limits.values.get("throughput_drop_ratio") or MonitorConfig().throughput_drop_ratio
+    src = limits.sources.get("throughput_drop_ratio", "default")
+    limit = f">= {ratio:g} x the median (`monitor.throughput_drop_ratio`, {src})"
+    tail_x, worst_x = tail.tokens_per_s / median if median else 1.0, worst.tokens_per_s / median if median else 1.0
+    figure = f"last {tail.points} points ({tail.steps()}) {tail.tokens_per_s:,.0f} tokens/s = {tail_x:.2f}x the median {median:,.0f}"
+    min_s = limits.values.get("throughput_tail_min_s")
+    min_s = MonitorConfig().throughput_tail_min_s if min_s is None else min_s
+    brief = tail.seconds is not None and tail.seconds < min_s
+    if tail_x < ratio and brief:
+        check = Check("throughput tail", f"{figure}, for {tail.seconds:.1f} s", limit, "WARN",
+                      f"tokens/s fell to {tail_x:.2f}x the median over the last {tail.seconds:.1f} s only "
+                      f"(< monitor.throughput_tail_min_s {min_s:g} s: a brief slowdown, not a collapse)",
+                      "throughput_drop_ratio")
+    elif tail_x < ratio:
+        check = Check("throughput tail", figure, limit, "FAIL",
+                      f"throughput collapsed at the end: {tail.tokens_per_s:,.0f} tokens/s over {tail.steps()}, "
+                      f"{tail_x:.2f}x the run's median {median:,.0f}", "throughput_drop_ratio")
+    elif worst_x < ratio:
+        check = Check("throughput tail", f"{figure}; slowest {worst.tokens_per_s:,.0f} ({worst.steps()}) = {worst_x:.2f}x",
+                      limit, "WARN", f"throughput dipped to {worst_x:.2f}x the median over {worst.steps()} and recovered",
+                      "throughput_drop_ratio")
+    else:
+        check = Check("throughput tail", figure, limit, "PASS", key="throughput_drop_ratio")
+    return [floor, check]
+
+
 def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tuple[str, dict[str, Any] | None]] = (),
-               halts: list[HaltRecord] | None = None, progress: Sequence[dict[str, Any]] = ()) -> list[Check]:
+               halts: list[HaltRecord] | None = None, progress: Sequence[dict[str, Any]] = (),
+               alarms: Sequence[KeptAlarm] = ()) -> list[Check]:
     """Every check of the verdict, in report order (see :class:`Check`); ``progress``: the rank-0 heartbeat
-    points, for the worst fetch p95 (else the summary's last)."""
+    points, for the throughput windows and the worst fetch p95 (else the summary's figures); ``alarms``: those
+    ``nsa watch`` kept with the run (``RUN/alarms.jsonl``)."""
     limits = limits or run_limits(None)
     halts = classify_halts(s) if halts is None else halts
     out: list[Check] = []
@@ -294,6 +388,7 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
                      f"{s.nonfinite_losses} non-finite loss(es), {len(s.anomalies)} anomaly record(s)" if n_bad else ""))
     out.append(Check("backend fallbacks", f"{s.fallback_total}", "none", "FAIL" if s.fallback_total else "PASS",
                      f"{s.fallback_total} backend fallback(s)" if s.fallback_total else ""))
+    out.append(_data_check(s))
     if s.first_loss is not None and s.last_loss is not None and s.steps_done > 1:
         shown = f"{s.first_loss:.3f} -> {fmt_value(s.last_loss, '.3f')}"
         out.append(Check("loss trend", shown, "last < first", "PASS" if s.loss_decreased else "FAIL",
@@ -312,9 +407,13 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
     else:
         figure = "; ".join(x.describe() for x in halts) if halts else "none"
         out.append(Check("halts", figure, "no watchdog halt", "PASS"))
-    tps = s.tokens_per_s_median
-    out.append(_judge("throughput", "min_tokens_per_s", limits, tps,
-                      f"median {fmt_value(tps, ',.0f')} tokens/s", " tokens/s", floor=True))
+    if alarms:
+        rules = sorted({a.rule for a in alarms})
+        out.append(Check("watch alarms", "; ".join(a.describe() for a in alarms), "none (`alarms.jsonl`)", "FAIL",
+                         f"{len(alarms)} alarm(s) raised by nsa watch ({', '.join(rules)}): {alarms[0].describe()}"))
+    else:
+        out.append(Check("watch alarms", "none kept", "none (`alarms.jsonl`)", "PASS"))
+    out += _throughput_checks(s, limits, progress)
     worst = fetch_p95_worst(progress)
     fetch: float | None
     if worst is not None:
@@ -322,16 +421,19 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
     else:
         fetch, fetch_text = s.fetch_p95_ms, f"{fmt_value(s.fetch_p95_ms, ',.1f')} ms"
     out.append(_judge("fetch p95", "max_fetch_p95_ms", limits, fetch, fetch_text, " ms", floor=False))
-    out.append(_judge("gate entropy", "gate_entropy_min", limits, s.gate_entropy_mean,
-                      f"{fmt_value(s.gate_entropy_mean, '.3f')} nats (last)", " nats", floor=True,
+    early = limits.values.get("gate_entropy_early_steps")
+    entropy_key = "gate_entropy_early_min" if early is not None and s.steps_done < early else "gate_entropy_min"
+    out.append(_judge("gate entropy", entropy_key, limits, s.gate_entropy_mean,
+                      f"{fmt_value(s.gate_entropy_mean, '.3f')} nats (last, step {s.steps_done})", " nats", floor=True,
                       missing="no gate statistics (dense model or no progress yet)"))
     out.append(_judge("gate collapse", "gate_collapse_max", limits, s.gate_collapse_fraction,
-                      f"{fmt_value(s.gate_collapse_fraction, '.3f')} (last)", "", floor=False, strict=True,
+                      f"{fmt_value(s.gate_collapse_fraction, '.3f')} (last)", "", floor=False,
                       missing="no gate statistics (dense model or no progress yet)"))
     gib = s.mem_peak_mib / 1024 if s.mem_peak_mib is not None else None
     out.append(_judge("peak GPU memory", "max_memory_gib", limits, gib, f"{fmt_value(gib, '.2f')} GiB", " GiB", floor=False,
                       missing="no GPU memory figure (CPU run" + (f"; host RSS peak {s.rss_mib / 1024:.2f} GiB)"
                                                                  if s.rss_mib is not None else ")")))
+    out.append(_gpu_errors_check(s))
     low, where, bad = eval_accuracy(evals)
     if bad and limits.values.get("min_eval_accuracy") is not None:
         out.append(Check("eval accuracy", f"{', '.join(bad)} unreadable", f">= {limits.values['min_eval_accuracy']:g}",
@@ -341,6 +443,30 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
                           f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
                           missing="no needle/mqar results in eval/"))
     return out
+
+
+def _data_check(s: RunSummary) -> Check:
+    """FAIL when the run trained on synthetic tokens instead of its source; WARN on other loader warnings."""
+    limit = "the configured source, no loader warnings"
+    if s.data_fallback:
+        return Check("data source", f"SYNTHETIC tokens: {s.data_fallback}", limit, "FAIL",
+                     f"trained on synthetic data, not its configured source: {s.data_fallback}")
+    shown = s.data_source or "n/a"
+    if s.data_warnings:
+        return Check("data source", f"{shown}; {len(s.data_warnings)} warning(s): {s.data_warnings[0]}", limit, "WARN",
+                     f"data warnings: {'; '.join(s.data_warnings)}")
+    return Check("data source", shown, limit, "PASS" if s.data_source else "n/a")
+
+
+def _gpu_errors_check(s: RunSummary) -> Check:
+    """GPU memory errors (uncorrected ECC, retired pages) that appeared during the run: FAIL."""
+    if s.gpu_mem_errors is None:
+        return Check("GPU memory errors", "no GPU error telemetry (CPU run, or NVML unavailable)", "none new", "n/a")
+    shown = ", ".join(f"{k} {v}" for k, v in sorted(s.gpu_mem_errors.items())) or "0"
+    if s.gpu_mem_errors_new:
+        return Check("GPU memory errors", f"{s.gpu_mem_errors_new} new ({shown})", "none new", "FAIL",
+                     f"{s.gpu_mem_errors_new} GPU memory error(s) during the run ({shown}): drain the node")
+    return Check("GPU memory errors", f"none new ({shown})", "none new", "PASS")
 
 
 def verdict(s: RunSummary, checks: list[Check] | None = None) -> tuple[str, str]:

@@ -1,5 +1,6 @@
 """The watchdog over a run directory: read the newest state, evaluate the alert and halt rules, write
-``.HALT`` once when a halt rule fires, record alarms (new / cleared) and notify each new one.
+``.HALT`` once per session when a halt rule fires, record alarms (new / cleared), keep them with the run
+(``RUN/alarms.jsonl``, :mod:`nsa.runs.alarms`) and notify each new one. It follows a run across resumes.
 
 ``nsa watch`` renders what :meth:`Watchdog.poll` returns; the policy lives here (no torch, no Rich).
 """
@@ -13,7 +14,9 @@ from typing import Any
 
 from nsa.config import MonitorConfig
 from nsa.errors import NSAError, RunDirError
+from nsa.runs.alarms import AlarmFile
 from nsa.runs.halt import who_am_i, write_halt
+from nsa.runs.layout import WATCHDOG_PREFIX
 from nsa.runs.reader import RunReader, RunState
 from nsa.runs.rules import Alarm, AlarmLog, Rule, RuleHit, evaluate, monitor_config, notify, resolve
 from nsa.runs.summary import RunSummary, summarize
@@ -42,28 +45,39 @@ class Watchdog:
 
     def __init__(self, reader: RunReader, alert_rules: list[Rule], halt_rules: list[Rule], *,
                  notify_cmd: str | None = None, notify_timeout: float = 10.0, stale_after: float | None = None,
-                 on_warning: Callable[[str], None] | None = None) -> None:
+                 on_warning: Callable[[str], None] | None = None, keep: bool = True) -> None:
+        """``keep``: write the alarms to ``RUN/alarms.jsonl`` (a run directory that cannot be written is one
+        warning, and the watch goes on)."""
         self.reader, self.alert_rules, self.halt_rules = reader, alert_rules, halt_rules
         self.notify_cmd, self.notify_timeout, self.stale_after = notify_cmd, notify_timeout, stale_after
         self.on_warning = on_warning or (lambda _: None)
         self.log = AlarmLog()
-        self.halted: list[dict[str, Any]] = []  # the .HALT this watchdog wrote
+        self.halted: list[dict[str, Any]] = []  # the .HALT this watchdog wrote (in the current session)
         self._alert_names = {r.name for r in alert_rules}
+        self._session: float | None = None
+        self._kept = AlarmFile(reader.run_dir, who_am_i("nsa watch")) if keep else None
 
     def poll(self, final: bool = False) -> Snapshot:
         now = time.time()
         st = self.reader.poll(final=final)
         if st.end is None and st.process_alive() is False:
             st = self.reader.poll(final=True)  # the trainer is gone: take a last line written without newline
+        if st.session_start != self._session:  # a new session (a resume): its own watchdog halt
+            self._session, self.halted = st.session_start, []
         mon = monitor_config(st)
         if self.stale_after is not None:
             mon = mon.model_copy(update={"stale_s": self.stale_after})
         summ = summarize(st, now, mon.stale_s)
         hits = evaluate(self.alert_rules + [r for r in self.halt_rules if r.name not in self._alert_names], st, now, mon)
+        if summ.status == "running" and any(h.rule == "stale" for h in hits):
+            summ.status = "stale"  # a stale alarm (e.g. --alert-on stale=15) is what the header says
+        elif summ.status in ("completed", "halted", "failed", "crashed") and st.new_session_pending():
+            summ.status = "resuming"  # a --resume holds the lock; its boot line is still to come
         had = bool(self.halted)
         self._maybe_halt(st, summ, hits, now, mon)
         snap = Snapshot(st, summ, hits, mon, now, wrote_halt=bool(self.halted) and not had)
         snap.new, snap.cleared = self.log.update(hits, now)
+        self._keep(snap)
         cmd = (self.notify_cmd if self.notify_cmd is not None else mon.notify) or None
         if cmd:
             for a in snap.new:
@@ -71,6 +85,23 @@ class Watchdog:
                 if err is not None:
                     self.on_warning(f"notify command for alarm {a.rule} failed: {err}")
         return snap
+
+    def _keep(self, snap: Snapshot) -> None:
+        """Write new and cleared alarms to ``RUN/alarms.jsonl`` (an alarm already open there is not repeated)."""
+        if self._kept is None or not (snap.new or snap.cleared):
+            return
+        session = snap.state.session_start
+        try:
+            open_now = self._kept.open_rules(session)
+            for a in snap.new:
+                if a.rule not in open_now:
+                    self._kept.write("alarm", a.rule, a.message, a.evidence, a.since, session)
+            for a in snap.cleared:
+                if a.rule in open_now:
+                    self._kept.write("cleared", a.rule, a.message, a.evidence, snap.time, session)
+        except OSError as exc:
+            self.on_warning(f"could not keep alarms in {self._kept.path}: {exc.strerror or exc}")
+            self._kept = None
 
     def _maybe_halt(self, st: RunState, summ: RunSummary, hits: list[RuleHit], now: float, mon: MonitorConfig) -> None:
         if not self.halt_rules or self.halted or st.end is not None or st.halt_file is not None:
@@ -82,7 +113,7 @@ class Watchdog:
             return
         h = firing[0]
         try:
-            rec = write_halt(self.reader.run_dir, f"watchdog: {h.message}", who=who_am_i("nsa watch"), rule=h.rule,
+            rec = write_halt(self.reader.run_dir, f"{WATCHDOG_PREFIX} {h.message}", who=who_am_i("nsa watch"), rule=h.rule,
                              evidence=h.evidence)
         except NSAError as exc:  # a read-only run directory: one line, and the watch stops
             raise RunDirError(f"watchdog rule {h.rule} fired but {exc.message}", exc.hint) from None
@@ -105,13 +136,23 @@ class Watchdog:
             hit = next(iter(evaluate([Rule("crashed")], snap.state, time.time(), monitor_config(snap.state))), None)
         return hit
 
+    def halted_the_run(self, snap: Snapshot) -> bool:
+        """This watchdog wrote the ``.HALT`` that ended the run (a ``halt`` event after it was written)."""
+        if not self.halted or snap.state.end is None:
+            return False
+        t = float(self.halted[-1].get("time", 0))
+        return any(isinstance(h.get("ts"), int | float) and h["ts"] >= t - 1.0 for h in snap.state.halts)
+
     @property
     def alerts_on_crash(self) -> bool:
         return "crashed" in self._alert_names
 
 
 def finished(snap: Snapshot, now: float) -> bool:
-    """The run is over: crashed, or every rank wrote its end event (or rank 0 did long enough ago)."""
+    """The run is over: crashed, or every rank wrote its end event (or rank 0 did long enough ago), and no
+    new session is starting (a ``--resume`` that holds the run lock: the watch waits for its ``boot``)."""
+    if snap.summary.status == "resuming":
+        return False
     if snap.summary.status == "crashed":
         return True
     end = snap.state.end

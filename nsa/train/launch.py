@@ -1,5 +1,13 @@
-"""Launching a run on several ranks (of one node, or of several through torchrun's c10d rendezvous):
-torchrun as a child process, with graceful signal forwarding."""
+"""Launching a run on several ranks (of one node, or of several through torchrun's static rendezvous):
+torchrun as a child process, with graceful signal forwarding.
+
+Several nodes meet at a *static* rendezvous: node 0 hosts the TCP store at ``--rdzv-endpoint`` and the
+other nodes connect to it. The dynamic ``c10d`` rendezvous raced in two ways (issue 26): at start-up every
+agent whose host name matches the endpoint tries to host the store, and after a rank failed the agent that
+hosted the store could exit first, so another node's agent, still watching a healthy rank, lost the store
+(``RendezvousConnectionError``) and exited 1 with a traceback instead of its rank's one-line error and
+code. A static rendezvous has one host by construction and its agents do not touch the store while they
+watch their ranks (``num_nodes_waiting`` is 0)."""
 
 from __future__ import annotations
 
@@ -31,8 +39,9 @@ def strip_option(argv: Sequence[str], option: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where the nodes of a multi-node run meet: torchrun's c10d rendezvous at ``endpoint`` (host:port of
-    one node, reachable from all), ``nnodes`` nodes, this one ``node_rank``; ``run_id`` names the job."""
+    """Where the nodes of a multi-node run meet: torchrun's static rendezvous at ``endpoint`` (host:port of
+    node 0, which hosts the store; reachable from all), ``nnodes`` nodes, this one ``node_rank``; ``run_id``
+    names the job."""
 
     nnodes: int = 1
     node_rank: int = 0
@@ -53,13 +62,13 @@ class Rendezvous:
 
 def torchrun_argv(nproc: int, program: Sequence[str], rdzv: Rendezvous | None = None) -> list[str]:
     """The command that runs ``python <program>`` (e.g. ``["-m", "pkg", "train", ...]``) on ``nproc``
-    ranks of this node through torchrun: ``--standalone`` (a local rendezvous) for one node, else the c10d
-    rendezvous of ``rdzv``."""
+    ranks of this node through torchrun: ``--standalone`` (a local rendezvous) for one node, else the static
+    rendezvous of ``rdzv`` (node 0 hosts the store at its endpoint)."""
     head = [sys.executable, "-m", "torch.distributed.run"]
     if rdzv is None or (rdzv.nnodes == 1 and rdzv.endpoint is None):
         return [*head, "--standalone", f"--nproc-per-node={nproc}", *program]
     rdzv.check()
-    return [*head, f"--nnodes={rdzv.nnodes}", f"--node-rank={rdzv.node_rank}", "--rdzv-backend=c10d",
+    return [*head, f"--nnodes={rdzv.nnodes}", f"--node-rank={rdzv.node_rank}", "--rdzv-backend=static",
             f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--nproc-per-node={nproc}", *program]
 
 

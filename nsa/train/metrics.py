@@ -86,6 +86,7 @@ class Recorder:
         self.flops_per_token = float(s.model.flops_per_token(s.cfg.train.seq_len))
         self.num_params = int(s.model.num_params())
         self.warnings: list[str] = []
+        self.gpu_errors = _gpu_error_probe(s)
 
     def mfu(self, tps: float | None) -> float | None:
         s = self.s
@@ -125,8 +126,8 @@ class Recorder:
         """After set-up: the loader-ready event, env.json, and the opening lines."""
         s, tr = self.s, self.s.cfg.train
         warnings = self.new_data_warnings()
-        s.hb.emit("loader-ready", s.state.step, source=s.cfg.data.source,
-                  tokenizer=getattr(s.plan.tokenizer, "name", s.cfg.data.tokenizer),
+        s.hb.emit("loader-ready", s.state.step, source=s.cfg.data.source, source_used=s.loader.source.name,
+                  description=s.loader.description, tokenizer=getattr(s.plan.tokenizer, "name", s.cfg.data.tokenizer),
                   first_batch_s=s.first_batch_s, warnings=warnings)
         if s.dist.is_main:
             self.write_env()
@@ -134,6 +135,14 @@ class Recorder:
             s.out.message(f"resumed from {s.plan.resume_from} at step {s.state.step}")
         s.out.message(f"model {self.num_params / 1e6:.2f}M params | {s.tokens_per_step} tokens/step | "
                       f"{tr.steps} steps | first batch in {s.first_batch_s:.2f}s")
+        s.out.message(f"data: {s.loader.description}")
+
+    def data_read(self) -> str:
+        """What this rank's loader read: documents, characters (text sources), skipped records."""
+        st = self.s.loader.stats()
+        chars = f", {st.get('chars_seen', 0):,} characters" if st.get("chars_seen") else ""
+        skipped = f", {st['skipped_total']:,} record(s) skipped" if st.get("skipped_total") else ""
+        return f"data read: {st.get('docs_seen', 0):,} documents{chars}{skipped} (epoch {st.get('epoch', 0)})"
 
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float,
                  answers: tuple[float, float] | None, heartbeat_only: bool = False) -> None:
@@ -168,6 +177,7 @@ class Recorder:
             sel_keys_mean=_float(stats.get("sel_keys_mean")), fallback=fallback_counts(), mfu=mfu,
             data_skipped=_skipped(loader_stats), data_warnings=list(self.warnings),
             answer_loss=row["answer_loss"], answer_acc=row["answer_acc"],
+            gpu_mem_errors=self.gpu_errors.read() if self.gpu_errors is not None else None,
         )
         if heartbeat_only:
             s.out.step(step)
@@ -236,6 +246,21 @@ class Recorder:
             "data": {k: v for k, v in loader_stats.items() if k != "warnings"},
             "data_warnings": list(self.warnings),
         }
+
+
+def _gpu_error_probe(s: Session) -> Any:
+    """NVML's memory-error counters of this rank's GPU (CUDA runs), closed with the session; None on CPU."""
+    if s.plan.rt.device_type != "cuda":
+        return None
+    from nsa.checks.gpu import MemoryErrorProbe
+
+    try:
+        uuid = str(torch.cuda.get_device_properties(s.plan.rt.device).uuid)
+    except Exception:
+        uuid = None
+    probe = MemoryErrorProbe(uuid)
+    s.closers.callback(probe.close)
+    return probe
 
 
 def _float(v: Any) -> float | None:

@@ -3,24 +3,19 @@ anomalies, export."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import json
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from nsa.config import ResolvedConfig
 from nsa.errors import ConfigError, RunDirError
-from nsa.runs.layout import HALT_FILE, HALTS_DIR, parse_halt
+from nsa.runs.layout import HALT_FILE, HALTS_DIR, parse_halt, read_lock
 from nsa.train.checkpoint import list_checkpoints
+from nsa.train.lock import RunLock
 from nsa.train.telemetry import write_json_atomic
-
-LOCK_FILE = ".lock"
 
 
 def check_writable(run_dir: Path) -> None:
@@ -46,51 +41,13 @@ def _read_only_fs(path: Path) -> bool:
         return False
 
 
-class RunLock:
-    """The one-writer lock of a run directory: an exclusive ``flock`` on ``<run>/.lock`` held for the
-    whole run. The kernel releases it when the process ends, however it ends (SIGKILL included), so a
-    lock is never stale. The file names the holder (pid, host, start time) for the error a second
-    writer gets; readers (``nsa watch``, ``report``, ``halt``) never take it."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / LOCK_FILE
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        """Take the lock or raise ``RunDirError`` naming the process that holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
-            holder = holder_of(self.path.parent)
-            who = (f"PID {holder.get('pid')} on {holder.get('host')}" if holder else "another process")
-            raise RunDirError(
-                f"run directory {self.path.parent} is in use by {who} (another nsa train is writing it)",
-                hint=f"wait for it to end, stop it with: nsa halt {self.path.parent}, or choose another --out-dir",
-            ) from None
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}) + "\n"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, info.encode(), 0)
-        self._fd = fd
-
-    def close(self) -> None:
-        """Release the lock (the file stays; its content names the last holder)."""
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
 
 def holder_of(run_dir: Path) -> dict[str, Any] | None:
     """Who holds (or last held) the run directory's lock: ``{"pid", "host", "since"}``, else ``None``."""
-    with contextlib.suppress(OSError, ValueError):
-        data = json.loads((Path(run_dir) / LOCK_FILE).read_text())
-        return data if isinstance(data, dict) else None
-    return None
+    return read_lock(run_dir)
+
+
+__all__ = ["RunLock", "holder_of"]  # RunLock lives in nsa.train.lock (torch-free, for nsa train's early lock)
 
 
 def check_fresh(run_dir: Path) -> None:

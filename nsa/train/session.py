@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from nsa.config import ResolvedConfig, RunConfig
+from nsa.config.resolve import default_config_note
 from nsa.errors import ConfigError, RunDirError
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
@@ -59,6 +60,7 @@ class Plan:
     alloc_conf_note: str | None
     init_state: dict[str, torch.Tensor] | None = None  # train.init_from's weights (fresh starts only)
     init_source: Path | None = None
+    lock: Any = None  # the run lock, when the caller took it already (nsa train resuming: before torch loads)
 
     @property
     def cfg(self) -> RunConfig:
@@ -154,8 +156,9 @@ def _lock_run_dir(plan: Plan, dist: D.DistInfo, closers: contextlib.ExitStack) -
     if dist.is_main:
         try:
             plan.run_dir.mkdir(parents=True, exist_ok=True)
-            lock = rundir.RunLock(plan.run_dir)
-            lock.acquire()
+            lock = plan.lock if plan.lock is not None else rundir.RunLock(plan.run_dir)
+            if plan.lock is None:
+                lock.acquire()
             _on_close(closers, lock.close)
         except RunDirError as exc:
             refused = (exc.message, exc.hint)
@@ -186,10 +189,13 @@ def _announce(plan: Plan, dist: D.DistInfo, out: Output, archived: Path | None) 
         out.warn(plan.alloc_conf_note)
     for concern in long_run_warnings(plan.cfg):
         out.warn(concern)
+    for note in plan.resolved.notes:  # the older system's CONFIG variable and YAML keys, mapped
+        out.warn(note)
+    default = default_config_note(plan.resolved)
+    if default is not None:
+        out.warn(default)
     if plan.resolved.unknown_env:
-        from nsa.config.settings import describe_unknown
-
-        names = "; ".join(describe_unknown(n) for n in plan.resolved.unknown_env)
+        names = "; ".join(plan.resolved.unknown_env_described or plan.resolved.unknown_env)
         out.warn(f"unknown NSA_* variables ignored: {names} (see docs/migrating.md)")
 
 

@@ -29,12 +29,13 @@ COMMON_FIELDS = ("schema", "event", "ts", "rank", "pid", "step")
 # event -> extra fields (every line also has COMMON_FIELDS)
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "boot": ("run_name", "world_size", "local_rank", "host", "device", "resumed_from", "steps_total"),
-    "loader-ready": ("source", "tokenizer", "first_batch_s", "warnings"),
+    "loader-ready": ("source", "source_used", "description", "tokenizer", "first_batch_s", "warnings"),
     "progress": (
         "steps_total", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "fetch_p50_ms",
         "fetch_p95_ms", "tokens_seen", "elapsed_s", "eta_s", "mem_allocated_mib", "mem_reserved_mib",
         "mem_peak_mib", "rss_mib", "gate_entropy_mean", "gate_branch_shares", "gate_collapse_fraction",
         "sel_keys_mean", "fallback", "mfu", "data_skipped", "data_warnings", "answer_loss", "answer_acc",
+        "gpu_mem_errors",
     ),
     "eval": ("val_loss", "val_ppl", "seconds"),
     "checkpoint": ("path", "seconds", "reason"),

@@ -26,6 +26,7 @@ import torch
 
 from nsa.config import ResolvedConfig, RunConfig, fill_legacy
 from nsa.errors import CheckpointError, ConfigError
+from nsa.runs.layout import WATCHDOG_PREFIX
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
@@ -48,6 +49,7 @@ class TrainResult:
     steps_done: int
     final_loss: float | None
     metrics: dict[str, Any] = field(default_factory=dict)
+    halted_by: str | None = None  # a halt's origin: "watchdog" (nsa watch --halt-on), "operator", "signal"
 
 
 @dataclass
@@ -84,14 +86,15 @@ class Trainer:
 
     def __init__(
         self, resolved: ResolvedConfig, *, reporter: Reporter | None = None, world_size: int | None = None,
-        step_hook: Callable[[int], None] | None = None, local_ranks: int | None = None,
+        step_hook: Callable[[int], None] | None = None, local_ranks: int | None = None, run_lock: Any = None,
     ) -> None:
         """``reporter`` receives the run's events (:mod:`nsa.train.events`; default: plain lines on stdout).
         ``world_size``: ranks the run will have, for validation before launching torchrun (default: this
         process's torchrun environment, 1 without one); ``local_ranks``: those on this node (default: as many,
 or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of every step,
         after its logging and before its halt decision: the fault-injection point of the tests (write
-        ``.HALT`` or send a signal at an exact step; the trainer acts on it at the next step)."""
+        ``.HALT`` or send a signal at an exact step; the trainer acts on it at the next step). ``run_lock``:
+        the run directory's lock (:class:`nsa.train.lock.RunLock`) when the caller took it already."""
         self.reporter, self.step_hook, self.resolved = reporter, step_hook, resolved
         self.cfg = cfg = resolved.config
         tr = cfg.train
@@ -131,7 +134,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             )
         self.plan = Plan(resolved=resolved, rt=rt, run_dir=run_dir, run_name=tr.run_name or run_dir.resolve().name,
                          resume_from=resume_from, skipped=skipped, tokenizer=tokenizer,
-                         alloc_conf_note=alloc_conf_note, init_state=init_state, init_source=init_source)
+                         alloc_conf_note=alloc_conf_note, init_state=init_state, init_source=init_source,
+                         lock=run_lock)
         self.state = TrainState()  # replaced by the session's (restored) state in fit
 
     @property
@@ -323,7 +327,10 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         s.hb.emit("halt", step, reason=reason, source=source, checkpoint=str(path))
         s.out.stop()
         s.out.message(f"halted at step {step} ({source}: {reason}); checkpoint {path}", tone="caution")
-        return self._finish(s, rec, "halted", None)
+        result = self._finish(s, rec, "halted", None)
+        result.halted_by = ("signal" if source in ("SIGTERM", "SIGINT")
+                            else "watchdog" if reason.startswith(WATCHDOG_PREFIX) else "operator")
+        return result
 
     def _anomaly(self, s: Session, rec: Recorder, step: int, kind: str, value: float, r: StepOutcome) -> TrainResult:
         last_good, _ = ckpt.newest_verified(s.plan.run_dir)
@@ -336,7 +343,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 "fault_injected": s.cfg.train.fault_nan_at_step == step,
             }
             record_path = rundir.write_anomaly(s.plan.run_dir, step, record)
-        s.hb.emit("anomaly", step, kind=kind, value=value, record=str(record_path))
+        # the value as text: JSON has no NaN (it would read as null); the record relative to the run directory
+        s.hb.emit("anomaly", step, kind=kind, value=repr(value), record=f"anomalies/{record_path.name}")
         s.hb.emit("halt", step - 1, reason=f"{kind} at step {step}", source="anomaly",
                   checkpoint=str(last_good) if last_good else None)
         s.out.stop()
@@ -350,6 +358,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             write_json_atomic(s.plan.run_dir / "metrics.json", metrics)
         s.hb.emit("end", s.state.step, status=status, error=error)
         s.out.stop()
+        s.out.message(rec.data_read())
         if status == "completed":
             s.out.message(f"done {s.state.step} steps | final loss {s.state.last_loss:.4f} | "
                           f"{metrics['tokens_per_s'] or 0:.0f} tok/s | run dir {s.plan.run_dir}", tone="good")

@@ -178,15 +178,16 @@ def train(
 
         rows = bench_train(resolved.config, lens, bss, attentions=atts, steps=steps, warmup=warmup, device=device,
                            modes=flags, on_row=progress, tune=tuned, profile=profile_step)
-        table = Table(title=f"training step ({rows[0].device}, config {config})")
-        for col in ("attention", "mode", "S", "batch", "params M", "step ms", "tokens/s", "MFU", "peak MiB",
+        table = Table(title=f"training step ({rows[0].device}, config {config}, world size 1; path: the attention "
+                      "path that ran)")
+        for col in ("attention", "path", "mode", "S", "batch", "params M", "step ms", "tokens/s", "MFU", "peak MiB",
                     "compile s"):
             table.add_column(col, justify="right")
         for r in rows:
             if r.error:
-                table.add_row(r.attention, r.mode, str(r.seq_len), str(r.batch_size), "", r.error, "", "", "", "")
+                table.add_row(r.attention, r.path, r.mode, str(r.seq_len), str(r.batch_size), "", r.error, "", "", "", "")
                 continue
-            table.add_row(r.attention, r.mode, str(r.seq_len), str(r.batch_size), f"{r.params_m:.1f}",
+            table.add_row(r.attention, r.path, r.mode, str(r.seq_len), str(r.batch_size), f"{r.params_m:.1f}",
                           f"{r.step_ms:.1f}", f"{r.tokens_per_s:,.0f}", _fmt(r.mfu, ".1%") if r.mfu else "-",
                           _fmt(r.peak_mib, ".0f"), _fmt(r.compile_s, ".0f") if r.compile_s else "-")
         Console(width=200).print(table)

@@ -88,6 +88,7 @@ def show_cmd(
             "env": prof.env(),
             "resolved": rows,
             "unknown_env": resolved.unknown_env,
+            "notes": resolved.notes,
             "environment_settings": {r["variable"]: r["value"] for r in env_rows},
         }))
         return
@@ -113,12 +114,13 @@ def show_cmd(
         style = "cyan" if r["source"].startswith("profile") else "magenta" if r["source"].startswith("env") else ""
         t.add_row(r["key"], str(r["value"]), f"[{style}]{r['source']}[/]" if style else r["source"])
     con.print(t)
+    err = render.console(stderr=True)
+    for note in resolved.notes:
+        err.print(f"[bold yellow]note[/]: {note}", highlight=False)
     if resolved.unknown_env:
-        from nsa.config.settings import describe_unknown
-
-        render.console(stderr=True).print(
+        err.print(
             f"[bold yellow]warning[/]: unknown NSA_* variable(s) ignored: "
-            f"{'; '.join(describe_unknown(n) for n in resolved.unknown_env)} "
+            f"{'; '.join(resolved.unknown_env_described)} "
             "(hint: docs/migrating.md maps the older system's knobs; known names are in nsa/config/settings.py)",
             highlight=False,
         )

@@ -26,9 +26,11 @@ Examples:
   nsa report artifacts/m7c-125m --note "restarted after a node reboot" --note-file deviations.md
 
 Default output: Documentation/Reports/<yyyy-mm-dd> Test Engineer Report - <run name> v<N>.md
-The verdict checks each figure against the run's saved monitor.* limits (throughput floor, fetch p95,
-gate entropy/collapse, GPU memory ceiling, eval accuracy; a limit not set does not judge); a watchdog
-halt (a hang: stale heartbeat) is FAIL, an operator's halt is not.
+The verdict checks each figure against the run's saved monitor.* limits (throughput floor over the median
+and the slowest window, the tail against the run's median, fetch p95, gate entropy/collapse, GPU memory
+ceiling, eval accuracy; a limit not set does not judge); a run that trained on synthetic data after its
+source failed, that nsa watch raised alarms on (RUN/alarms.jsonl), or whose heartbeat is older than its
+own monitor.stale_s is FAIL; a watchdog halt (a hang: stale heartbeat) is FAIL, an operator's halt is not.
 Exit code 0 for PASS, RUNNING or INCOMPLETE, 1 when the verdict is FAIL, 2 for bad input or an
 output path that cannot be written.
 """

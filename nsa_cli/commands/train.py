@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from nsa_cli.errors import EXIT_FAILED, EXIT_OK, fail, user_errors
+from nsa_cli.errors import EXIT_FAILED, EXIT_OK, EXIT_WATCHDOG, fail, user_errors
 
 # command-line flag -> dotted run-config key (``--set section.key=value`` reaches every other key)
 FLAG_KEYS = {
@@ -32,6 +32,10 @@ def flags_to_keys(**values: Any) -> dict[str, Any]:
     return {FLAG_KEYS[name]: v for name, v in values.items() if v is not None}
 
 
+# dotted key -> the flag as typed (``data.source`` -> ``--dataset``), for each value's recorded origin
+FLAG_NAMES = {key: "--" + name.replace("_", "-") for name, key in FLAG_KEYS.items()}
+
+
 LAUNCH_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id")
 
 
@@ -49,6 +53,24 @@ def torchrun_argv(nproc: int, argv: list[str], rdzv: Any = None) -> list[str]:
     from nsa.train.launch import torchrun_argv as launcher_argv
 
     return launcher_argv(nproc, ["-m", "nsa_cli", *strip_nproc(argv)], rdzv)
+
+
+def _early_lock(cfg: Any, nproc_per_node: int | None) -> Any:
+    """A single-process resume takes its run directory's lock before torch loads (seconds), so a watch
+    started right after ``nsa train --resume`` sees a new session coming instead of the last one's end.
+    None for a fresh run (nothing is created before validation) and under torchrun (rank 0 takes it)."""
+    import os
+    from pathlib import Path
+
+    ranks = os.environ.get("TORCHELASTIC_RUN_ID") is not None or os.environ.get("WORLD_SIZE", "1") != "1"
+    run_dir = Path(cfg.train.out_dir)
+    if cfg.train.resume is None or nproc_per_node is not None or ranks or not run_dir.is_dir():
+        return None
+    from nsa.train.lock import RunLock
+
+    lock = RunLock(run_dir)
+    lock.acquire()  # another writer: one line naming it, exit 2
+    return lock
 
 
 def train(
@@ -71,15 +93,17 @@ def train(
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1, help="Launch torchrun with N ranks on this node (runtime.parallel: ddp or fsdp).")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Nodes of a multi-node run (with --nproc-per-node and --rdzv-endpoint).")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's index, 0..nnodes-1.")] = 0,
-    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT where the nodes meet (c10d rendezvous), the same on every node.")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of node 0, which hosts the rendezvous store (static rendezvous); the same on every node.")] = None,
     rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id shared by the nodes of one run.")] = "nsa",
 ) -> None:
     """Train a model; writes the run directory (checkpoints, heartbeats, CSV, TensorBoard, export).
 
     Halt with a .HALT file in the run directory (nsa halt), SIGTERM or Ctrl-C: checkpoint, then exit 0.
 
-    Precedence, lowest to highest: defaults < --config < --profile < NSA_* environment < flags < --set.
-    Exit codes: 0 completed or halted on request, 1 failed (non-finite loss/gradients or a crash), 2 bad input.
+    Precedence, lowest to highest: defaults < --config (or the older CONFIG=path) < --profile < NSA_*
+    environment < flags < --set.
+    Exit codes: 0 completed or halted on request (nsa halt, SIGTERM/SIGINT), 1 failed (non-finite
+    loss/gradients or a crash), 2 bad input, 3 halted by the watchdog (nsa watch --halt-on).
     Example: nsa train --config tiny --steps 60
     """
     code = EXIT_OK
@@ -91,7 +115,8 @@ def train(
             dataset=dataset, data_path=data_path, tokenizer=tokenizer, seed=seed, resume=resume,
             attention=attention, compile=compile_,
         )
-        resolved = load_run_config(config=config, profile=profile, flags=flags, sets=set_)
+        resolved = load_run_config(config=config, profile=profile, flags=flags, sets=set_, flag_names=FLAG_NAMES)
+        lock = _early_lock(resolved.config, nproc_per_node)
 
         from rich.console import Console
 
@@ -108,7 +133,7 @@ def train(
         # validates everything before any work (and before torchrun starts)
         world = nproc_per_node * nnodes if launching and nproc_per_node else None
         trainer = Trainer(resolved, reporter=RichReporter(Console()), world_size=world,
-                          local_ranks=nproc_per_node if launching else None)
+                          local_ranks=nproc_per_node if launching else None, run_lock=lock)
         if launching:
             assert nproc_per_node is not None
             argv = torchrun_argv(nproc_per_node, sys.argv[1:], rdzv)
@@ -118,6 +143,10 @@ def train(
             code = launch(argv)
             if code:
                 raise typer.Exit(code)
+            from nsa.runs.halt import halted_by_watchdog
+
+            if halted_by_watchdog(trainer.run_dir):
+                raise typer.Exit(EXIT_WATCHDOG)
             return
         try:
             result = trainer.fit()
@@ -143,6 +172,8 @@ def train(
                 ) from None
             raise
         code = EXIT_OK if result.status in ("completed", "halted") else EXIT_FAILED
+        if result.status == "halted" and result.halted_by == "watchdog":
+            code = EXIT_WATCHDOG
     if code:
         raise typer.Exit(code)
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from nsa_cli.errors import EXIT_FAILED, EXIT_OK, fail, user_errors
+from nsa_cli.errors import EXIT_FAILED, EXIT_OK, EXIT_WATCHDOG, fail, user_errors
 
 EPILOG = """\
 Examples:
@@ -35,9 +35,13 @@ Examples:
 
 Rules (thresholds default to the run's monitor config): crashed, stale=S, nonfinite, gate-entropy=NATS,
 gate-collapse=FRACTION, grad-spike=RATIO, loss-plateau=DROP, memory-creep=RATIO, throughput-drop=RATIO,
-fetch-stall=MS; all; none.
-Exit code: live: 1 when the run crashed or failed, else 0; --once: 1 when an alarm fires or the run
-failed/crashed; 2 bad input (or the run did not start within --timeout).
+fetch-stall=MS, data-fallback, fallback-rise, gpu-errors; all; none.
+The watch follows a run across resumes: after an end event, while a new `nsa train --resume` holds the
+run lock, it waits for the new session. Alarms are kept with the run (RUN/alarms.jsonl; nsa report
+judges them).
+Exit code: live: 1 when the run crashed or failed, 3 when this watchdog's .HALT stopped it, else 0;
+--once: 1 when an alarm fires or the run failed/crashed; 2 bad input (not a run directory, or the run did
+not start within --timeout).
 """
 
 METRIC_W, NOW_W = 13, 20  # dashboard table columns; the third (trend/detail) takes the rest
@@ -58,6 +62,7 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
     from rich.table import Table
     from rich.text import Text
 
+    from nsa.runs.summary import anomaly_text, halt_checkpoint_text
     from nsa_cli import render
 
     now = time.time() if now is None else now
@@ -83,10 +88,10 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
         segments.append(f"host {s.host} pid {s.pid}")
     header = [head] + [line(x) for x in render.pack(segments, inner)]
 
-    status_style = {"running": "cyan", "completed": "green", "halted": "yellow"}.get(s.status, "red")
+    status_style = {"running": "cyan", "completed": "green", "halted": "yellow", "resuming": "cyan"}.get(s.status, "red")
     total = s.steps_total or 0
     frac = min(1.0, s.steps_done / total) if total else 0.0
-    running = s.status in ("running", "stale")
+    running = s.status in ("running", "stale", "resuming")
     tail = (f"  elapsed {render.fmt_duration(s.elapsed_s)}"
             f"  ETA {render.fmt_duration(s.eta_s) if running else '-'}")
     left = f"{s.status.upper()}  step {s.steps_done}/{total or '?'} "
@@ -124,6 +129,12 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
               f"{render.fmt_num(s.gate_collapse_fraction, '.2f')}",
               "cmp/sel/win " + ("/".join(f"{x:.2f}" for x in shares) if shares else "n/a"))
     t.add_row("fallbacks", str(s.fallback_total), ", ".join(f"{k}: {v}" for k, v in sorted(s.fallback.items())))
+    if s.data_source or s.data_fallback:
+        t.add_row("data", "SYNTHETIC" if s.data_fallback else "ok", s.data_fallback or s.data_source or "",
+                  style="bold red" if s.data_fallback else None)
+    if s.gpu_mem_errors:
+        t.add_row("GPU mem errors", str(sum(s.gpu_mem_errors.values())),
+                  ", ".join(f"{k}: {v}" for k, v in sorted(s.gpu_mem_errors.items())))
     if s.val_loss is not None:
         t.add_row("val loss", render.fmt_num(s.val_loss, ".4f"), "")
     ck = s.last_checkpoint
@@ -152,12 +163,15 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
         hb.append(line(f"{s.corrupt_lines} corrupt / {s.truncated_lines} truncated line(s) skipped", "yellow"))
 
     events = Text()
+    if s.status == "resuming":
+        events.append("the run ended, and a new session holds its lock: waiting for its first heartbeat\n", style="cyan")
+    if s.data_fallback and not any(a.rule == "data-fallback" for a in alarms):  # else its ALARM line says it
+        events.append(f"DATA FALLBACK: {s.data_fallback}\n", style="bold red")
     if s.anomalies:
-        a = s.anomalies[-1]
-        events.append(f"last anomaly: {a.get('kind')} at step {a.get('step')} (value {a.get('value')})\n", style="red")
+        events.append(f"last anomaly: {anomaly_text(s.anomalies[-1])}\n", style="red")
     if s.halts:
         h = s.halts[-1]
-        events.append(f"last halt: step {h.get('step')} {h.get('reason')} (checkpoint {h.get('checkpoint')})\n",
+        events.append(f"last halt: step {h.get('step')} {h.get('reason')} ({halt_checkpoint_text(h.get('checkpoint'))})\n",
                       style="yellow")
     if s.pending_halt:
         events.append(f"pending .HALT: {s.pending_halt.get('reason')}\n", style="yellow")
@@ -184,7 +198,7 @@ def status_line(summary: Any, alarms: list[Any], now: float) -> str:
     from nsa_cli import render
 
     s = summary
-    eta = render.fmt_duration(s.eta_s) if s.status in ("running", "stale") else "-"
+    eta = render.fmt_duration(s.eta_s) if s.status in ("running", "stale", "resuming") else "-"
     return (f"{now_iso(now)} {s.status.upper()} step {s.steps_done}/{s.steps_total or '?'} "
             f"loss {render.fmt_num(s.last_loss, '.4f')} tok/s {render.fmt_num(s.tokens_per_s_last, ',.0f')} "
             f"ETA {eta} alarms {','.join(a.rule for a in alarms) or '-'}")
@@ -222,7 +236,8 @@ def watch(
 
     with user_errors():
         from nsa.checks.gpu import query_gpus
-        from nsa.runs.reader import RunReader, check_run_dir, run_started, wait_for_run
+        from nsa.errors import RunDirError
+        from nsa.runs.reader import RunReader, check_run_dir, may_become_run, run_started, wait_for_run
         from nsa.runs.rules import now_iso, parse_rules
         from nsa.runs.watchdog import Snapshot, Watchdog, finished
 
@@ -231,11 +246,13 @@ def watch(
     start = time.monotonic()
     path = Path(run_dir)
 
-    # ---- wait for the run to start
+    # ---- wait for the run to start (only for a folder that is missing, empty, or claimed by a trainer)
     if (not once if wait is None else wait) and not run_started(path):
         with user_errors():
-            if path.exists() and not path.is_dir():
+            if not may_become_run(path):
                 check_run_dir(path)
+                raise RunDirError(f"{path} is not a run directory (no heartbeat, config.yaml or .lock)",
+                                  hint="give the train.out_dir of a run started by `nsa train`")
         what = "to appear" if not path.exists() else "to start (no heartbeat yet)"
         bound = f" (up to {timeout:g} s)" if timeout is not None else ""
         typer.echo(f"{now_iso()} waiting for run directory {path} {what}{bound}", err=as_json)
@@ -341,7 +358,9 @@ def watch(
             typer.echo(line if mode == "live" else f"{now_iso()} {line}", err=mode == "json")
     if mode == "live" and dog.halted:
         con.print(f"[bold red]watchdog wrote .HALT[/]: {dog.halted[0]['reason']}")
-    raise typer.Exit(EXIT_FAILED if snap.summary.status in ("failed", "crashed") else EXIT_OK)
+    if snap.summary.status in ("failed", "crashed"):
+        raise typer.Exit(EXIT_FAILED)
+    raise typer.Exit(EXIT_WATCHDOG if dog.halted_the_run(snap) else EXIT_OK)
 
 
 def register(app: typer.Typer) -> None:

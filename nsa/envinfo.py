@@ -137,3 +137,48 @@ def environment() -> dict[str, Any]:
     out["triton"] = package_version("triton")
     out["fla_core"] = package_version("fla-core") or package_version("fla")
     return out
+
+
+def quietly(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or None if it raises (NVML calls a device may not support)."""
+    try:
+        return fn(*args)
+    except Exception:
+        return None
+
+
+class MemoryErrorProbe:
+    """GPU memory errors of one device through NVML, for the heartbeat: ``{"ecc_uncorrected", "retired_pages"}``
+    (volatile uncorrected ECC errors since the driver loaded; pages retired for double-bit errors). ``read()``
+    is None when NVML cannot say (no library, no ECC support, the device not found) and never raises. Xid
+    events are not counters NVML keeps; they are in the kernel log."""
+
+    def __init__(self, uuid: str | None) -> None:
+        self._nvml: Any = None
+        self._handle: Any = None
+        if not uuid:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            name = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+        except Exception:
+            self.close()
+
+    def read(self) -> dict[str, int] | None:
+        nv, h = self._nvml, self._handle
+        if nv is None or h is None:
+            return None
+        ecc = quietly(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+        pages = quietly(nv.nvmlDeviceGetRetiredPages, h, nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+        out = {k: int(v) for k, v in (("ecc_uncorrected", ecc), ("retired_pages", len(pages) if pages is not None else None))
+               if v is not None}
+        return out or None
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            quietly(self._nvml.nvmlShutdown)
+        self._nvml = self._handle = None

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import typer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_WATCHDOG = 3  # the watchdog halted the run (nsa.runs.layout.EXIT_WATCHDOG; kept light: no import here)
+EXIT_WATCHDOG = 3  # the watchdog halted the run (nsa.rundir.layout.EXIT_WATCHDOG; kept light: no import here)
 
 
 def fail(message: str, hint: str | None = None, code: int = EXIT_USAGE) -> typer.Exit:

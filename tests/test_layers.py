@@ -6,13 +6,23 @@ module-level or inside a function, of every module under ``nsa/`` and ``nsa_cli/
 - ``nsa.model`` knows nothing of training, checks, benchmarks, evaluation or the CLI;
 - the library (``nsa``) never imports the CLI (``nsa_cli``) nor Rich: it returns results and emits
   structured events (``nsa.train.events``), the CLI renders them;
-- reading a run (``nsa.runs``) needs no torch and nothing of training, model or ops (also checked by
-  importing every run module in a fresh interpreter).
+- the run-directory format (``nsa.rundir``) sits below model, training and the run readers: no torch,
+  nothing of ``nsa`` but ``nsa.errors`` and ``nsa.fileio``;
+- reading a run (``nsa.runs``, the monitoring app) needs no torch and nothing of training, model or ops
+  (also checked by importing every run and run-dir module in a fresh interpreter);
+- the model never reaches the run readers (``nsa.runs``), evaluation never reaches the benchmarks, and
+  the Triton kernels (``nsa.ops._triton``) are imported only inside ``nsa.ops``.
+
+Imports are read from ``import``/``from`` statements anywhere in a module, from ``importlib`` and
+``__import__`` calls, and from any string constant that is exactly a module path (``"nsa.ops.reference"``
+in a loader's table); a bare ``import nsa`` outside ``nsa/__init__.py`` is refused (its lazy exports reach
+every layer).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +37,17 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+MODULE_PATH = re.compile(r"^nsa(_cli)?(\.[A-Za-z_][A-Za-z0-9_]*)+$")
+
+
+def _is_module(text: str) -> bool:
+    """``text`` is exactly the dotted path of a module of this repository (not a config key like "nsa.w")."""
+    if not MODULE_PATH.match(text):
+        return False
+    rel = Path(*text.split("."))
+    return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
+
+
 def _imports(path: Path) -> list[tuple[str, int]]:
     """Absolute module names imported by ``path`` (relative imports resolved), with their line."""
     name = _module_name(path)
@@ -34,7 +55,7 @@ def _imports(path: Path) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            out += [(a.name, node.lineno) for a in node.names]
+            out += [(a.name if a.name != "nsa" else "nsa.__init__", node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -43,6 +64,8 @@ def _imports(path: Path) -> list[tuple[str, int]]:
                 mod = node.module or ""
             out.append((mod, node.lineno))
             out += [(f"{mod}.{a.name}", node.lineno) for a in node.names]  # `from nsa import ops`
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_module(node.value):
+            out.append((node.value, node.lineno))  # importlib.import_module("nsa.x"), a loader's table
     return out
 
 
@@ -51,14 +74,20 @@ def _under(mod: str, prefixes: tuple[str, ...]) -> bool:
 
 
 # (layer, what it may not import, what it may import despite that)
+_ALL_ABOVE_OPS = ("nsa.config", "nsa.model", "nsa.train", "nsa.runs", "nsa.rundir", "nsa.data", "nsa.eval",
+                  "nsa.checks", "nsa.bench", "nsa_cli", "nsa.__init__")
 CONTRACTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("nsa.ops", ("nsa.config", "nsa.model", "nsa.train", "nsa.runs", "nsa.data", "nsa.eval", "nsa.checks",
-                 "nsa.bench", "nsa_cli"), ()),
+    ("nsa.ops", _ALL_ABOVE_OPS, ()),
     ("nsa.config", ("nsa", "nsa_cli"), ("nsa.config", "nsa.errors", "nsa.fileio", "nsa.params")),
-    ("nsa.model", ("nsa.train", "nsa.checks", "nsa.bench", "nsa.eval", "nsa_cli"), ()),
+    ("nsa.model", ("nsa.train", "nsa.checks", "nsa.bench", "nsa.eval", "nsa.runs", "nsa_cli", "nsa.__init__"), ()),
     ("nsa", ("nsa_cli", "rich"), ()),
-    ("nsa.runs", ("torch", "triton", "nsa.train", "nsa.model", "nsa.ops", "nsa_cli"), ()),
+    ("nsa.rundir", ("torch", "triton", "nsa", "nsa_cli"), ("nsa.rundir", "nsa.errors", "nsa.fileio")),
+    ("nsa.runs", ("torch", "triton", "nsa.train", "nsa.model", "nsa.ops", "nsa_cli", "nsa.__init__"), ()),
+    ("nsa.eval", ("nsa.bench", "nsa_cli", "nsa.__init__"), ()),
+    ("nsa.train", ("nsa.runs", "nsa.checks", "nsa.bench", "nsa.eval", "nsa_cli", "nsa.__init__"), ()),
 )
+# the Triton kernels are the ops layer's own
+PRIVATE = (("nsa.ops._triton", "nsa.ops"),)
 
 
 def _violations(layer: str, banned: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
@@ -78,21 +107,35 @@ def test_layer_contract(layer: str, banned: tuple[str, ...], allowed: tuple[str,
     assert _violations(layer, banned, allowed) == []
 
 
+@pytest.mark.parametrize(("private", "owner"), PRIVATE)
+def test_private_modules_stay_with_their_owner(private: str, owner: str) -> None:
+    bad = []
+    for path in sorted((ROOT / "nsa").rglob("*.py")) + sorted((ROOT / "nsa_cli").rglob("*.py")):
+        if _under(_module_name(path), (owner,)):
+            continue
+        bad += [f"{path.relative_to(ROOT)}:{line} imports {mod}" for mod, line in _imports(path) if _under(mod, (private,))]
+    assert bad == []
+
+
 def test_the_contract_check_can_fail(tmp_path: Path) -> None:
-    """The scanner sees lazy imports inside functions, relative imports and ``from nsa import ops``."""
-    code = "def f():\n    from nsa.train import trainer\nfrom .. import model\nfrom nsa import ops\n"
+    """The scanner sees lazy imports inside functions, relative imports, ``from nsa import ops``, a bare
+    ``import nsa`` and a module path handed to importlib."""
+    code = ("import importlib\nimport nsa\ndef f():\n    from nsa.train import trainer\nfrom .. import model\n"
+            "from nsa import ops\nimportlib.import_module('nsa.train.trainer')\n")
     path = ROOT / "nsa" / "ops" / "_layer_probe.py"
     path.write_text(code)
     try:
         found = {m for m, _ in _imports(path)}
-        assert {"nsa.train", "nsa.model", "nsa.ops"} <= found
-        assert any("_layer_probe.py" in v for v in _violations("nsa.ops", CONTRACTS[0][1], ()))
+        assert {"nsa.train", "nsa.model", "nsa.ops", "nsa.__init__", "nsa.train.trainer"} <= found
+        bad = [v for v in _violations("nsa.ops", CONTRACTS[0][1], ()) if "_layer_probe.py" in v]
+        assert any(v.endswith("imports nsa.train.trainer") and ":7 " in v for v in bad), bad
+        assert any(v.endswith("imports nsa.__init__") for v in bad), bad
     finally:
         path.unlink()
 
 
 def test_reading_a_run_imports_no_torch() -> None:
-    mods = sorted(_module_name(p) for p in (ROOT / "nsa" / "runs").glob("*.py"))
+    mods = sorted(_module_name(p) for folder in ("runs", "rundir") for p in (ROOT / "nsa" / folder).glob("*.py"))
     code = ("import sys\n" + "".join(f"import {m}\n" for m in mods)
             + "bad = sorted(m for m in ('torch', 'triton', 'nsa.train', 'nsa.model', 'nsa.ops') if m in sys.modules)\n"
             + "assert not bad, bad\n")

@@ -98,7 +98,7 @@ def test_origin_names_the_flag_as_typed() -> None:
 
 
 def test_tokenizer_setting_is_not_a_secret(tmp_path: Path) -> None:
-    from nsa.runs.env import is_secret, redact_env
+    from nsa.rundir.env import is_secret, redact_env
 
     assert not is_secret("NSA_TOKENIZER") and not is_secret("TOKENIZERS_PARALLELISM")
     assert all(is_secret(n) for n in ("HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "APIKEY", "DB_PASSWD"))

@@ -170,7 +170,7 @@ def test_2_a_resume_takes_the_run_lock_before_the_trainer_loads(tmp_path: Path) 
     """``nsa train --resume`` holds ``RUN/.lock`` before torch and the Trainer load (seconds on a GPU box),
     so a watch started right after it sees the new session coming; a fresh run creates nothing early."""
     import nsa.train
-    from nsa.runs.layout import read_lock
+    from nsa.rundir.layout import read_lock
 
     run = write_run(tmp_path / "r", seed=2, end="halted", halt_reason="planned stop")
     seen: list[Any] = []

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nsa.config import load_run_config
-from nsa.runs.checkpoints import verify
+from nsa.rundir.checkpoints import verify
 from tests.conftest import free_port
 from tests.test_train_process import _env, cmd, run_ok
 

@@ -20,7 +20,7 @@ import torch
 from typer.testing import CliRunner
 
 from nsa.errors import CheckpointError, ConfigError, RunDirError
-from nsa.runs.checkpoints import newest_verified, verify
+from nsa.rundir.checkpoints import newest_verified, verify
 from nsa.train import Trainer, rundir
 from nsa.train import checkpoint as ckpt
 from nsa.train.schedule import lr_multiplier

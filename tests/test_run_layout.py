@@ -1,4 +1,4 @@
-"""``nsa.runs.layout.parse_halt``: the one reader of the ``.HALT`` format (trainer, watch, report)."""
+"""``nsa.rundir.layout.parse_halt``: the one reader of the ``.HALT`` format (trainer, watch, report)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nsa.runs.layout import HALT_FILE, parse_halt
+from nsa.rundir.layout import HALT_FILE, parse_halt
 from nsa.runs.reader import read_halt_file
 from nsa.train.rundir import read_halt
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nsa.envinfo import quietly
+
 MIB = 1024 * 1024
 
 
@@ -41,22 +43,15 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _try(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception:
-        return None
-
-
 def _basic_info(pynvml: Any, i: int) -> tuple[Any, GpuInfo]:
     """Handle and name, memory, temperature, utilisation and power of GPU ``i``."""
     h = pynvml.nvmlDeviceGetHandleByIndex(i)
     mem = pynvml.nvmlDeviceGetMemoryInfo(h)
     info = GpuInfo(i, _text(pynvml.nvmlDeviceGetName(h)), mem.total / MIB, mem.free / MIB)
-    info.temperature_c = _try(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
-    util = _try(pynvml.nvmlDeviceGetUtilizationRates, h)
+    info.temperature_c = quietly(pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
+    util = quietly(pynvml.nvmlDeviceGetUtilizationRates, h)
     info.utilization_pct = float(util.gpu) if util is not None else None
-    power = _try(pynvml.nvmlDeviceGetPowerUsage, h)
+    power = quietly(pynvml.nvmlDeviceGetPowerUsage, h)
     info.power_w = power / 1000.0 if power is not None else None
     return h, info
 
@@ -77,27 +72,27 @@ def query_gpus(own_pids: set[int] | None = None, details: bool = True) -> GpuPro
         if not details:
             probe.gpus = [_basic_info(pynvml, i)[1] for i in range(pynvml.nvmlDeviceGetCount())]
             return probe
-        probe.driver_version = _try(lambda: _text(pynvml.nvmlSystemGetDriverVersion()))
-        cuda = _try(pynvml.nvmlSystemGetCudaDriverVersion)
+        probe.driver_version = quietly(lambda: _text(pynvml.nvmlSystemGetDriverVersion()))
+        cuda = quietly(pynvml.nvmlSystemGetCudaDriverVersion)
         if cuda:
             probe.cuda_driver_version = f"{cuda // 1000}.{(cuda % 1000) // 10}"
         count = pynvml.nvmlDeviceGetCount()
         for i in range(count):
             h, info = _basic_info(pynvml, i)
-            cc = _try(pynvml.nvmlDeviceGetCudaComputeCapability, h)
+            cc = quietly(pynvml.nvmlDeviceGetCudaComputeCapability, h)
             if cc:
                 info.compute_capability = f"{cc[0]}.{cc[1]}"
-            info.ecc_uncorrected = _try(
+            info.ecc_uncorrected = quietly(
                 pynvml.nvmlDeviceGetTotalEccErrors,
                 h,
                 pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
                 pynvml.NVML_VOLATILE_ECC,
             )
-            pages = _try(
+            pages = quietly(
                 pynvml.nvmlDeviceGetRetiredPages, h, pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
             )
             info.retired_pages = len(pages) if pages is not None else None
-            procs = _try(pynvml.nvmlDeviceGetComputeRunningProcesses, h) or []
+            procs = quietly(pynvml.nvmlDeviceGetComputeRunningProcesses, h) or []
             for p in procs:
                 if own_pids and p.pid in own_pids:
                     continue
@@ -108,41 +103,4 @@ def query_gpus(own_pids: set[int] | None = None, details: bool = True) -> GpuPro
     except Exception as exc:
         return GpuProbe(False, f"NVML query failed ({_text(exc) or type(exc).__name__})")
     finally:
-        _try(pynvml.nvmlShutdown)
-
-
-class MemoryErrorProbe:
-    """GPU memory errors of one device through NVML, for the heartbeat: ``{"ecc_uncorrected", "retired_pages"}``
-    (volatile uncorrected ECC errors since the driver loaded; pages retired for double-bit errors). ``read()``
-    is None when NVML cannot say (no library, no ECC support, the device not found) and never raises. Xid
-    events are not counters NVML keeps; they are in the kernel log."""
-
-    def __init__(self, uuid: str | None) -> None:
-        self._nvml: Any = None
-        self._handle: Any = None
-        if not uuid:
-            return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-            name = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
-            self._handle = pynvml.nvmlDeviceGetHandleByUUID(name)
-        except Exception:
-            self.close()
-
-    def read(self) -> dict[str, int] | None:
-        nv, h = self._nvml, self._handle
-        if nv is None or h is None:
-            return None
-        ecc = _try(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
-        pages = _try(nv.nvmlDeviceGetRetiredPages, h, nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
-        out = {k: int(v) for k, v in (("ecc_uncorrected", ecc), ("retired_pages", len(pages) if pages is not None else None))
-               if v is not None}
-        return out or None
-
-    def close(self) -> None:
-        if self._nvml is not None:
-            _try(self._nvml.nvmlShutdown)
-        self._nvml = self._handle = None
+        quietly(pynvml.nvmlShutdown)

@@ -9,7 +9,8 @@ from typing import Any
 from nsa.envinfo import environment
 from nsa.errors import RunDirError
 from nsa.fileio import json_safe, write_atomic
-from nsa.runs.reader import is_run_dir
+from nsa.rundir import RunDir
+from nsa.rundir.layout import CHECKPOINTS_DIR, EXPORT_DIR, is_run_dir
 
 
 def run_dir_of(path: str | Path) -> Path:
@@ -17,9 +18,9 @@ def run_dir_of(path: str | Path) -> Path:
     the run for its ``export/`` folder, else the folder given (or holding the file given)."""
     p = Path(path)
     folder = p if p.is_dir() else p.parent
-    if folder.name == "export" and (is_run_dir(folder.parent) or (folder.parent / "checkpoints").is_dir()):
+    if folder.name == EXPORT_DIR and (is_run_dir(folder.parent) or RunDir(folder.parent).checkpoints.is_dir()):
         return folder.parent
-    if folder.parent.name == "checkpoints":
+    if folder.parent.name == CHECKPOINTS_DIR:
         return folder.parent.parent
     return folder
 
@@ -99,7 +100,7 @@ def save_results(run_dir: str | Path | None, payload: dict[str, Any]) -> list[Pa
     the paths (none when ``run_dir`` is None). A folder that cannot be written raises ``RunDirError``."""
     if run_dir is None:
         return []
-    folder = Path(run_dir) / "eval"
+    folder = RunDir(Path(run_dir)).eval
     try:
         paths = [write_json(folder / f"{payload['task']}.json", payload)]
         if payload["task"] == "needle":

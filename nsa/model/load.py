@@ -7,13 +7,20 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from nsa.config import RunConfig, saved_run_config
 from nsa.errors import CheckpointError, RunDirError
 from nsa.model.lm import NSALM, build_model
-from nsa.runs.checkpoints import newest_verified, step_of, verify
-
-_PREFIXES = ("_orig_mod.", "module.")
+from nsa.rundir.checkpoints import (
+    STATE_FILE,
+    check_state_format,
+    newest_verified,
+    step_of,
+    strip_prefixes,
+    verify,
+)
+from nsa.rundir.layout import CONFIG_FILE, EXPORT_WEIGHTS, RunDir
 
 
 @dataclass
@@ -35,16 +42,6 @@ def _read_config(path: Path) -> RunConfig:
     return saved_run_config(tree)
 
 
-def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in state.items():
-        for p in _PREFIXES:
-            if k.startswith(p):
-                k = k[len(p) :]
-        out[k] = v
-    return out
-
-
 def find_weights(path: str | Path) -> tuple[Path, Path | None]:
     """``(weights, config.yaml or None)`` for a run directory, an ``export/`` folder, a checkpoint
     folder, a ``model.safetensors`` or a ``state.pt``. Exports win over checkpoints; of a run's
@@ -54,30 +51,30 @@ def find_weights(path: str | Path) -> tuple[Path, Path | None]:
         raise RunDirError(f"{p} does not exist", hint="give a run directory (e.g. artifacts/tiny) or a checkpoint")
     if p.is_file():
         if p.suffix == ".safetensors":
-            cfg = p.parent / "config.yaml"
+            cfg = p.parent / CONFIG_FILE
             if not cfg.is_file():
-                raise RunDirError(f"{p} has no config.yaml next to it")
+                raise RunDirError(f"{p} has no {CONFIG_FILE} next to it")
             return p, cfg
         if p.suffix == ".pt":
             return p, None
-        raise RunDirError(f"{p} is neither a model.safetensors nor a state.pt")
-    for folder in (p / "export", p):
-        if (folder / "model.safetensors").is_file() and (folder / "config.yaml").is_file():
-            return folder / "model.safetensors", folder / "config.yaml"
-    if (p / "state.pt").is_file():
+        raise RunDirError(f"{p} is neither a {EXPORT_WEIGHTS} nor a {STATE_FILE}")
+    for folder in (RunDir(p).export, p):
+        if (folder / EXPORT_WEIGHTS).is_file() and (folder / CONFIG_FILE).is_file():
+            return folder / EXPORT_WEIGHTS, folder / CONFIG_FILE
+    if (p / STATE_FILE).is_file():
         verdict = verify(p)
         if step_of(p) >= 0 and not verdict.ok:
             raise CheckpointError(f"checkpoint {p} is not usable: {verdict.reason}",
                                   hint="give the run directory to take its newest checkpoint that verifies")
-        return p / "state.pt", None
+        return p / STATE_FILE, None
     newest, skipped = newest_verified(p)
     if newest is not None:
-        return newest / "state.pt", None
+        return newest / STATE_FILE, None
     if skipped:
         raise CheckpointError(f"{p} has no checkpoint that verifies (newest: {skipped[0].path.name}, "
                               f"{skipped[0].reason})")
     raise RunDirError(
-        f"{p} has no export/model.safetensors and no checkpoints/step_*/state.pt",
+        f"{p} has no export/{EXPORT_WEIGHTS} and no checkpoints/step_*/{STATE_FILE}",
         hint="train first (nsa train ...) or give the path of a checkpoint",
     )
 
@@ -104,8 +101,6 @@ def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
     if weights.suffix == ".safetensors":
         assert cfg_path is not None
         cfg = _read_config(cfg_path)
-        from safetensors.torch import load_file
-
         try:
             tensors = load_file(str(weights))
         except Exception as exc:
@@ -118,7 +113,8 @@ def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "config" not in state:
         raise CheckpointError(f"{weights} has no 'model' and 'config' entries (a sharded checkpoint keeps its "
                               "weights beside them)", hint="give the run directory or its export/ folder")
-    return _strip(state["model"]), saved_run_config(state["config"]), weights
+    check_state_format(state, weights)
+    return strip_prefixes(state["model"]), saved_run_config(state["config"]), weights
 
 
 def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:

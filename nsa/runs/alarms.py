@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa.fileio import json_safe
-from nsa.runs.layout import ALARMS_FILE
+from nsa.rundir.layout import ALARMS_FILE
 
 
 def read_records(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa.errors import RunDirError
-from nsa.runs.layout import LOCK_FILE, STACKDUMP, read_lock
+from nsa.rundir.layout import LOCK_FILE, STACKDUMP, read_lock
 from nsa.runs.reader import RunReader, check_run_dir, pid_alive
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa.errors import NSAError
-from nsa.runs.layout import HALT_FILE, WATCHDOG_PREFIX
+from nsa.rundir.layout import HALT_FILE, WATCHDOG_PREFIX
 from nsa.runs.reader import DEFAULT_STALE_S, RunReader, check_run_dir
 
 

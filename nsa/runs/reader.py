@@ -26,23 +26,25 @@ import yaml
 
 from nsa.config.monitor import MonitorConfig
 from nsa.errors import RunDirError
-from nsa.runs.layout import CONFIG_FILE, HALT_FILE, LOCK_FILE, parse_halt, read_lock
+from nsa.rundir.layout import (
+    CONFIG_FILE,
+    ENV_FILE,
+    HALT_FILE,
+    HEARTBEAT,
+    HEARTBEAT_RE,
+    LOCK_FILE,
+    METRICS_FILE,
+    TRAIN_CSV,
+    VAL_CSV,
+    is_run_dir,
+    parse_halt,
+    read_lock,
+)
 
-HEARTBEAT_RE = re.compile(r"^heartbeat_rank(\d+)\.jsonl$")
-RUN_MARKERS = ("config.yaml", "env.json", "training.csv", "metrics.json")
 MAX_HISTORY = 20000  # progress points kept in memory (older ones are thinned)
 DEFAULT_STALE_S = float(MonitorConfig.model_fields["stale_s"].default)  # a run's own monitor.stale_s wins
 # a data source replaced by synthetic tokens says so in its warning (nsa.data.sources.open_source)
 FALLBACK_RE = re.compile(r"TRAINING ON SYNTHETIC|replaced by synthetic", re.I)
-
-
-def is_run_dir(path: str | Path) -> bool:
-    p = Path(path)
-    if not p.is_dir():
-        return False
-    if any(HEARTBEAT_RE.match(f.name) for f in p.iterdir()):
-        return True
-    return any((p / m).is_file() for m in RUN_MARKERS)
 
 
 def may_become_run(path: str | Path) -> bool:
@@ -390,8 +392,8 @@ class RunReader:
         self.run_dir = check_run_dir(run_dir) if check else Path(run_dir)
         self.state = RunState(self.run_dir)
         self._hb: dict[int, JsonlTail] = {}
-        self._csv = CsvTail(self.run_dir / "training.csv")
-        self._val = CsvTail(self.run_dir / "val.csv")
+        self._csv = CsvTail(self.run_dir / TRAIN_CSV)
+        self._val = CsvTail(self.run_dir / VAL_CSV)
         self._mtimes: dict[str, float] = {}
         self._bad_events = 0
 
@@ -410,15 +412,15 @@ class RunReader:
 
     def _read_small(self) -> None:
         st = self.state
-        if self._changed("config.yaml"):
+        if self._changed(CONFIG_FILE):
             try:
-                text = (self.run_dir / "config.yaml").read_text()
+                text = (self.run_dir / CONFIG_FILE).read_text()
                 data = yaml.safe_load(text)
                 st.config = data if isinstance(data, dict) else None
                 st.config_sources = parse_sources(text)
             except (OSError, yaml.YAMLError):
                 st.config = None
-        for name, attr in (("env.json", "env"), ("metrics.json", "metrics")):
+        for name, attr in ((ENV_FILE, "env"), (METRICS_FILE, "metrics")):
             if self._changed(name):
                 try:
                     data = json.loads((self.run_dir / name).read_text())
@@ -427,9 +429,9 @@ class RunReader:
                     setattr(st, attr, None)
         if self._changed(HALT_FILE):
             st.halt_file = read_halt_file(self.run_dir)
-        st.files_missing = [n for n in ("config.yaml", "env.json", "training.csv") if not (self.run_dir / n).exists()]
+        st.files_missing = [n for n in (CONFIG_FILE, ENV_FILE, TRAIN_CSV) if not (self.run_dir / n).exists()]
         if not self._hb:
-            st.files_missing.append("heartbeat_rank0.jsonl")
+            st.files_missing.append(HEARTBEAT.format(rank=0))
 
     def poll(self, final: bool = False) -> RunState:
         st = self.state
@@ -559,7 +561,7 @@ def run_started(path: str | Path) -> bool:
             with contextlib.suppress(OSError):
                 if (p / name).stat().st_size > 0:
                     return True
-    return "metrics.json" in names or "training.csv" in names
+    return METRICS_FILE in names or TRAIN_CSV in names
 
 
 def wait_for_run(path: str | Path, timeout_s: float | None = None, poll_s: float = 0.5) -> bool:

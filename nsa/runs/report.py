@@ -31,9 +31,11 @@ from typing import Any
 
 from nsa.errors import NSAError, RunDirError
 from nsa.fileio import write_atomic
+from nsa.rundir import RunDir
+from nsa.rundir.env import REDACTED, is_secret
+from nsa.rundir.layout import CHECKPOINTS_DIR
 from nsa.runs.alarms import KeptAlarm, kept_alarms
 from nsa.runs.charts import Chart, RunSeries, combined_charts, run_charts
-from nsa.runs.env import REDACTED, is_secret
 from nsa.runs.reader import DEFAULT_STALE_S, RunState, is_run_dir, read_run
 from nsa.runs.summary import RunSummary, anomaly_text, halt_checkpoint_text, step_ranges, summarize
 from nsa.runs.verdict import (
@@ -104,7 +106,7 @@ def newest_run(root: str | Path = "artifacts") -> Path:
         raise RunDirError(f"no run given and {base}/ does not exist", hint="pass a run directory: nsa report RUN_DIR")
     best: tuple[float, Path] | None = None
     for p in [base, *base.rglob("*")]:
-        if p.is_dir() and "checkpoints" not in p.parts and is_run_dir(p):
+        if p.is_dir() and CHECKPOINTS_DIR not in p.parts and is_run_dir(p):
             mtime = max((f.stat().st_mtime for f in p.iterdir() if f.is_file()), default=p.stat().st_mtime)
             if best is None or mtime > best[0]:
                 best = (mtime, p)
@@ -192,7 +194,7 @@ def _cell(text: Any) -> str:
 def session_boots(st: RunState) -> list[dict[str, Any]]:
     """Every ``boot`` event of rank 0's heartbeat (one per session; the reader keeps only the last)."""
     r0 = st.rank0
-    path = st.run_dir / f"heartbeat_rank{r0.rank if r0 else 0}.jsonl"
+    path = RunDir(st.run_dir).heartbeat(r0.rank if r0 else 0)
     out: list[dict[str, Any]] = []
     with contextlib.suppress(OSError), open(path, "rb") as f:
         for line in f:
@@ -381,9 +383,10 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
         L.append(f"- end error: `{s.end.get('error')}`")
     L.append("")
     L += ["### Artifacts", ""]
-    for name in ("config.yaml", "env.json", "training.csv", "val.csv", "metrics.json", "heartbeat_rank0.jsonl", "tb", "export",
-                 "eval", "halts", "alarms.jsonl", "anomalies"):
-        p = st.run_dir / name
+    rd = RunDir(st.run_dir)
+    for p in (rd.config, rd.env, rd.train_csv, rd.val_csv, rd.metrics, rd.heartbeat(0), rd.tensorboard, rd.export,
+              rd.eval, rd.halts, rd.alarms, rd.anomalies):
+        name = p.name
         if p.exists():
             L.append(f"- {_link(p, out_dir, name)}")
     for c in s.checkpoints[-3:]:
@@ -391,7 +394,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
             p = Path(str(c["path"]))
             p = p if p.is_absolute() else st.run_dir / p
             if not p.exists():
-                p = st.run_dir / "checkpoints" / Path(str(c["path"])).name
+                p = rd.checkpoints / Path(str(c["path"])).name
             L.append(f"- checkpoint ({c.get('reason')}, step {c.get('step')}): {_link(p, out_dir, p.name)}")
     L.append("")
     return L
@@ -401,7 +404,7 @@ def _eval_payloads(run_dir: Path) -> list[tuple[str, dict[str, Any] | None]]:
     """``(task, payload or None when unreadable)`` for each ``RUN/eval/<task>.json`` present."""
     out: list[tuple[str, dict[str, Any] | None]] = []
     for task in EVAL_TASKS:
-        p = run_dir / "eval" / f"{task}.json"
+        p = RunDir(run_dir).eval / f"{task}.json"
         if not p.is_file():
             continue
         try:
@@ -416,7 +419,7 @@ def _eval_payloads(run_dir: Path) -> list[tuple[str, dict[str, Any] | None]]:
 
 def _copy_eval_chart(run_dir: Path, folder: Path) -> Path | None:
     """Copy ``RUN/eval/needle.png`` into the report's assets folder (None when absent or unreadable)."""
-    src = run_dir / "eval" / "needle.png"
+    src = RunDir(run_dir).eval / "needle.png"
     try:
         data = src.read_bytes() if src.is_file() else None
     except OSError:

@@ -53,6 +53,7 @@ from pydantic import ValidationError
 from nsa.config.monitor import MonitorConfig
 from nsa.errors import ConfigError
 from nsa.fileio import json_safe
+from nsa.rundir import RunDir
 from nsa.runs.reader import RunState
 from nsa.runs.summary import anomaly_text, finite
 
@@ -179,10 +180,10 @@ def monitor_config(state: RunState) -> MonitorConfig:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ())) or "monitor"
-        raise ConfigError(f"{state.run_dir / 'config.yaml'}: monitor.{where}: {err.get('msg', 'invalid')}",
+        raise ConfigError(f"{RunDir(state.run_dir).config}: monitor.{where}: {err.get('msg', 'invalid')}",
                           hint="fix the run's monitor section, or give thresholds with --alert-on/--halt-on") from None
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{state.run_dir / 'config.yaml'}: monitor section is not a mapping ({exc})") from None
+        raise ConfigError(f"{RunDir(state.run_dir).config}: monitor section is not a mapping ({exc})") from None
 
 
 def resolve(rules: list[Rule], monitor: MonitorConfig) -> list[Rule]:

@@ -14,8 +14,9 @@ from typing import Any
 
 from nsa.config.monitor import MonitorConfig
 from nsa.errors import ConfigError
+from nsa.rundir import RunDir
+from nsa.rundir.layout import HALTS_DIR, WATCHDOG_PREFIX, parse_halt
 from nsa.runs.alarms import KeptAlarm
-from nsa.runs.layout import HALTS_DIR, WATCHDOG_PREFIX, parse_halt
 from nsa.runs.reader import read_halt_file
 from nsa.runs.summary import RunSummary, finite
 
@@ -59,7 +60,7 @@ def anomaly_record_path(run_dir: str | Path, record: Any) -> Path:
     p = Path(str(record))
     if p.is_absolute():
         return p
-    here = Path(run_dir) / "anomalies" / p.name
+    here = RunDir(Path(run_dir)).anomalies / p.name
     return here if here.exists() or not p.exists() else p
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from nsa.config import MonitorConfig
 from nsa.errors import NSAError, RunDirError
+from nsa.rundir.layout import WATCHDOG_PREFIX
 from nsa.runs.alarms import AlarmFile
 from nsa.runs.halt import who_am_i, write_halt
-from nsa.runs.layout import WATCHDOG_PREFIX
 from nsa.runs.reader import RunReader, RunState
 from nsa.runs.rules import Alarm, AlarmLog, Rule, RuleHit, evaluate, monitor_config, notify, resolve
 from nsa.runs.summary import RunSummary, summarize

@@ -3,7 +3,8 @@
 A checkpoint is written under ``checkpoints/.tmp-*`` while its SHA-256 is computed, each file is
 fsynced, the manifest (file sizes and checksums) is written last, and the folder is renamed into
 place. A failed write (disk full, say) removes its temporary folder and leaves the previous
-checkpoints as they were. Reading and verifying is ``nsa.runs.checkpoints``: resume takes the newest
+checkpoints as they were. The container's names and versions and its reading and verifying are
+``nsa.rundir.checkpoints`` (the format's one owner): resume takes the newest
 checkpoint that verifies and says which newer ones it skipped and why.
 """
 
@@ -21,11 +22,15 @@ from typing import Any
 import torch
 
 from nsa.errors import CheckpointError
-from nsa.runs.checkpoints import (
+from nsa.rundir.checkpoints import (
     CKPT_DIR,
     MANIFEST_FILE,
+    MANIFEST_SCHEMA,
+    SHARDED_DIR,
     STATE_FILE,
+    STATE_FORMAT,
     Verdict,
+    check_state_format,
     is_complete,
     latest_checkpoint,
     list_checkpoints,
@@ -36,13 +41,11 @@ from nsa.runs.checkpoints import (
     verify,
 )
 
-MANIFEST_SCHEMA = 2  # 2: per-file SHA-256 under "sha256"
-SHARDED_DIR = "sharded"  # a sharded model's DCP files (one per rank + .metadata), beside state.pt
-
 __all__ = [
     "CKPT_DIR",
     "MANIFEST_FILE",
     "STATE_FILE",
+    "STATE_FORMAT",
     "Verdict",
     "clean_partials",
     "find_resume",
@@ -248,8 +251,11 @@ def resolve_resume(run_dir: Path, resume: str | None) -> Path | None:
 
 
 def load_state(path: Path) -> dict[str, Any]:
-    """Load ``state.pt`` of a checkpoint folder onto the CPU (tensors and plain containers only)."""
+    """Load ``state.pt`` of a checkpoint folder onto the CPU (tensors and plain containers only); its
+    format must be one this code reads."""
     try:
-        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+        state: dict[str, Any] = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from None
+    check_state_format(state, Path(path) / STATE_FILE)
+    return state

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from nsa.errors import RunDirError
-from nsa.runs.layout import LOCK_FILE, read_lock
+from nsa.rundir.layout import LOCK_FILE, read_lock
 
 
 class RunLock:

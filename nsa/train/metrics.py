@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nsa.envinfo import MemoryErrorProbe
+from nsa.rundir import RunDir
 from nsa.train import checkpoint as ckpt
 from nsa.train.telemetry import MFU_FORMULA, environment_record, peak_flops, write_json_atomic
 
@@ -104,7 +106,7 @@ class Recorder:
             self.warnings.append(w)
             if s.dist.is_main:
                 s.out.warn(f"data: {w}")
-                if (s.plan.run_dir / "env.json").exists():
+                if RunDir(s.plan.run_dir).env.exists():
                     self.write_env()
         return new
 
@@ -120,7 +122,7 @@ class Recorder:
         )
         record.update(run_name=plan.run_name, resumed_from=str(plan.resume_from) if plan.resume_from else None,
                       data_warnings=list(self.warnings))
-        write_json_atomic(plan.run_dir / "env.json", record)
+        write_json_atomic(RunDir(plan.run_dir).env, record)
 
     def started(self) -> None:
         """After set-up: the loader-ready event, env.json, and the opening lines."""
@@ -252,8 +254,6 @@ def _gpu_error_probe(s: Session) -> Any:
     """NVML's memory-error counters of this rank's GPU (CUDA runs), closed with the session; None on CPU."""
     if s.plan.rt.device_type != "cuda":
         return None
-    from nsa.checks.gpu import MemoryErrorProbe
-
     try:
         uuid = str(torch.cuda.get_device_properties(s.plan.rt.device).uuid)
     except Exception:

@@ -12,7 +12,16 @@ from typing import Any
 
 from nsa.config import ResolvedConfig
 from nsa.errors import ConfigError, RunDirError
-from nsa.runs.layout import HALT_FILE, HALTS_DIR, parse_halt, read_lock
+from nsa.rundir import RunDir
+from nsa.rundir.layout import (
+    CONFIG_FILE,
+    EXPORT_TOKENIZER,
+    EXPORT_WEIGHTS,
+    HALT_FILE,
+    HALTS_DIR,
+    parse_halt,
+    read_lock,
+)
 from nsa.train.checkpoint import list_checkpoints
 from nsa.train.lock import RunLock
 from nsa.train.telemetry import write_json_atomic
@@ -56,7 +65,7 @@ def check_fresh(run_dir: Path) -> None:
         return
     if not run_dir.is_dir():
         raise ConfigError(f"train.out_dir={run_dir} exists and is not a directory")
-    if list_checkpoints(run_dir) or (run_dir / "training.csv").exists():
+    if list_checkpoints(run_dir) or RunDir(run_dir).train_csv.exists():
         raise ConfigError(
             f"train.out_dir={run_dir} already holds a run",
             hint="pass --resume auto to continue it, or choose a new --out-dir",
@@ -102,13 +111,13 @@ def write_config(run_dir: Path, resolved: ResolvedConfig) -> Path:
     """``config.yaml``: the resolved config, then a comment block saying where each value came from."""
     lines = [resolved.config.to_yaml().rstrip(), "", "# _sources (key: origin; unlisted keys are defaults)"]
     lines += [f"#   {k}: {v}" for k, v in sorted(resolved.sources.items())]
-    path = run_dir / "config.yaml"
+    path = RunDir(run_dir).config
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def write_anomaly(run_dir: Path, step: int, record: dict[str, Any]) -> Path:
-    folder = run_dir / "anomalies"
+    folder = RunDir(run_dir).anomalies
     folder.mkdir(exist_ok=True)
     path = folder / f"step_{step}.json"
     write_json_atomic(path, record)
@@ -129,19 +138,19 @@ def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer:
         model = build_model(resolved.config)
         model.load_state_dict(full_state)
 
-    out = run_dir / "export"
+    out = RunDir(run_dir).export
     tmp = run_dir / f".export-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    (tmp / "config.yaml").write_text(resolved.config.to_yaml())
+    save_model(model, str(tmp / EXPORT_WEIGHTS))
+    (tmp / CONFIG_FILE).write_text(resolved.config.to_yaml())
     tok = {
         "name": getattr(tokenizer, "name", None),
         "vocab_size": getattr(tokenizer, "vocab_size", None),
         "eot_id": getattr(tokenizer, "eot_id", None),
         "path": resolved.config.data.tokenizer_path,
     }
-    (tmp / "tokenizer.json").write_text(json.dumps(tok, indent=2) + "\n")
+    (tmp / EXPORT_TOKENIZER).write_text(json.dumps(tok, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -21,6 +21,7 @@ import torch
 from nsa.config import ResolvedConfig, RunConfig
 from nsa.config.resolve import default_config_note
 from nsa.errors import ConfigError, RunDirError
+from nsa.rundir import RunDir
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
@@ -227,7 +228,7 @@ def open_session(plan: Plan, reporter: Reporter | None, closers: contextlib.Exit
 
     _check_same_config(plan, dist)
     archived = _lock_run_dir(plan, dist, closers)
-    out.attach_log(plan.run_dir / ("train.log" if dist.rank == 0 else f"train_rank{dist.rank}.log"))
+    out.attach_log(RunDir(plan.run_dir).log(dist.rank))
     _on_close(closers, out.close)
     hb = Heartbeat(plan.run_dir, dist.rank)
     _on_close(closers, hb.close)
@@ -309,11 +310,11 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     if dist.is_main:
         keep = state.step if plan.resume_from is not None else None
         rundir.write_config(plan.run_dir, plan.resolved)
-        s.csv = CsvLog(plan.run_dir / "training.csv", TRAIN_CSV_HEADER, keep)
-        s.val_csv = CsvLog(plan.run_dir / "val.csv", VAL_CSV_HEADER, keep)
+        s.csv = CsvLog(RunDir(plan.run_dir).train_csv, TRAIN_CSV_HEADER, keep)
+        s.val_csv = CsvLog(RunDir(plan.run_dir).val_csv, VAL_CSV_HEADER, keep)
         s.tb = TensorBoard(plan.run_dir, purge_step=state.step + 1 if keep is not None else None)
         for f in (s.csv, s.val_csv, s.tb):
             _on_close(closers, f.close)
-    s.signals.install(plan.run_dir / f"stackdump_rank{dist.rank}.txt")
+    s.signals.install(RunDir(plan.run_dir).stackdump(dist.rank))
     _on_close(closers, s.signals.uninstall)
     return s

@@ -21,7 +21,8 @@ from typing import Any
 
 from nsa.envinfo import git_info, gpu_info, library_versions
 from nsa.fileio import json_safe, write_atomic
-from nsa.runs.env import recorded_environment, redact_env
+from nsa.rundir import RunDir
+from nsa.rundir.env import recorded_environment, redact_env
 
 HEARTBEAT_SCHEMA = 1
 COMMON_FIELDS = ("schema", "event", "ts", "rank", "pid", "step")
@@ -95,7 +96,7 @@ class Heartbeat:
     """``heartbeat_rank{r}.jsonl``: one JSON object per line, appended whole per event."""
 
     def __init__(self, run_dir: Path, rank: int) -> None:
-        self.path = Path(run_dir) / f"heartbeat_rank{rank}.jsonl"
+        self.path = RunDir(Path(run_dir)).heartbeat(rank)
         self.rank = rank
         self._f = LineFile(self.path)
 
@@ -166,7 +167,7 @@ class TensorBoard:
     def __init__(self, run_dir: Path, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._w = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=purge_step)
+        self._w = SummaryWriter(log_dir=str(RunDir(Path(run_dir)).tensorboard), purge_step=purge_step)
 
     def scalars(self, values: dict[str, Any], step: int) -> None:
         for name, v in values.items():

@@ -26,7 +26,8 @@ import torch
 
 from nsa.config import ResolvedConfig, RunConfig, fill_legacy
 from nsa.errors import CheckpointError, ConfigError
-from nsa.runs.layout import WATCHDOG_PREFIX
+from nsa.rundir import RunDir
+from nsa.rundir.layout import WATCHDOG_PREFIX
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
@@ -299,7 +300,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         s.state.elapsed_s = clock.elapsed()
         state = s.checkpointable.state_dict()
         config = s.cfg.model_dump(mode="json")
-        state.update(format=1, config=config)
+        state.update(format=ckpt.STATE_FORMAT, config=config)
         extra = {
             "run_name": s.plan.run_name, "world_size": s.dist.world_size, "reason": reason,
             "tokens_seen": s.state.tokens_seen, "loss": s.state.last_loss, "model": config["model"],
@@ -334,7 +335,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
 
     def _anomaly(self, s: Session, rec: Recorder, step: int, kind: str, value: float, r: StepOutcome) -> TrainResult:
         last_good, _ = ckpt.newest_verified(s.plan.run_dir)
-        record_path = s.plan.run_dir / "anomalies" / f"step_{step}.json"
+        record_path = RunDir(s.plan.run_dir).anomaly(step)
         if s.dist.is_main:
             record = {
                 "step": step, "kind": kind, "value": repr(value), "loss": repr(r.loss), "grad_norm": repr(r.grad_norm),
@@ -355,7 +356,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
     def _finish(self, s: Session, rec: Recorder, status: Status, error: str | None) -> TrainResult:
         metrics = rec.summary(status, error)
         if s.dist.is_main:
-            write_json_atomic(s.plan.run_dir / "metrics.json", metrics)
+            write_json_atomic(RunDir(s.plan.run_dir).metrics, metrics)
         s.hb.emit("end", s.state.step, status=status, error=error)
         s.out.stop()
         s.out.message(rec.data_read())
@@ -399,7 +400,7 @@ def _record_failure(s: Session, rec: Recorder, exc: BaseException) -> None:
     error = f"{type(exc).__name__}: {exc}"[:1000]
     with contextlib.suppress(Exception):
         if s.dist.is_main:
-            write_json_atomic(s.plan.run_dir / "metrics.json", rec.summary("failed", error))
+            write_json_atomic(RunDir(s.plan.run_dir).metrics, rec.summary("failed", error))
     with contextlib.suppress(Exception):
         s.hb.emit("end", s.state.step, status="failed", error=error)
 

@@ -160,7 +160,7 @@ def train(
                     code=EXIT_FAILED,
                 ) from None
             if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
-                from nsa.runs.checkpoints import newest_verified
+                from nsa.rundir.checkpoints import newest_verified
 
                 where = f" ({exc.filename})" if exc.filename else ""
                 last, _ = newest_verified(trainer.run_dir)

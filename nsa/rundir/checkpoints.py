@@ -1,4 +1,6 @@
-"""Reading checkpoints on disk: ``checkpoints/step_NNNNNNNN/{state.pt, manifest.json}``.
+"""The checkpoint container: ``checkpoints/step_NNNNNNNN/{state.pt, manifest.json[, sharded/]}``, its
+names, format versions and weight-key prefixes, and reading it (torch-free; the trainer's writer is
+``nsa.train.checkpoint``).
 
 A folder is *complete* when its name is ``step_<8 digits>`` and its manifest parses and matches the
 file sizes on disk (cheap: what a kill mid-save can leave). It is *verified* when, in addition, every
@@ -19,9 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CKPT_DIR = "checkpoints"
+from nsa.errors import CheckpointError
+from nsa.rundir.layout import CHECKPOINTS_DIR
+
+CKPT_DIR = CHECKPOINTS_DIR
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
+MANIFEST_SCHEMA = 2  # 2: per-file SHA-256 under "sha256"
+SHARDED_DIR = "sharded"  # a sharded model's DCP files (one per rank + .metadata), beside state.pt
+# ``state.pt`` holds {"format", "config", "model", ...}: the format this code writes and can read back
+STATE_FORMAT = 1
+# what wrappers put before a parameter's name in a state dict (torch.compile, DDP)
+WEIGHT_PREFIXES = ("_orig_mod.", "module.")
 _NAME = re.compile(r"^step_(\d{8})$")
 _CHUNK = 1 << 22
 
@@ -122,3 +133,23 @@ def newest_verified(run_dir: Path) -> tuple[Path | None, list[Verdict]]:
             return p, skipped
         skipped.append(v)
     return None, skipped
+
+
+def check_state_format(state: dict[str, Any], source: Path) -> None:
+    """A ``CheckpointError`` when ``state.pt`` was written in a format this code cannot read (a newer one);
+    checkpoints from before the field existed read as format 1."""
+    fmt = state.get("format", 1)
+    if not isinstance(fmt, int) or fmt > STATE_FORMAT:
+        raise CheckpointError(f"{source} is checkpoint format {fmt!r}; this nsa reads format {STATE_FORMAT}",
+                              hint="load it with the nsa version that wrote it")
+
+
+def strip_prefixes(names: dict[str, Any]) -> dict[str, Any]:
+    """The same mapping with wrapper prefixes (:data:`WEIGHT_PREFIXES`) removed from each key."""
+    out = {}
+    for k, v in names.items():
+        for p in WEIGHT_PREFIXES:
+            if k.startswith(p):
+                k = k[len(p) :]
+        out[k] = v
+    return out

@@ -150,7 +150,7 @@ def test_validation_errors_are_config_errors() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from nsa.train import Trainer
+    from nsa.train.trainer import Trainer
     from tests.conftest import quiet, resolve
 
     run = tmp_path_factory.mktemp("eval") / "run"

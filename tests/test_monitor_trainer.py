@@ -8,8 +8,8 @@ from pathlib import Path
 
 from nsa.config import load_run_config
 from nsa.config.settings import LEGACY_VARS, describe_unknown
-from nsa.train import Trainer
 from nsa.train.runtime import long_run_warnings
+from nsa.train.trainer import Trainer
 from tests.conftest import csv_rows, events, quiet, resolve
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -307,7 +307,7 @@ def test_5_a_watchdog_halt_has_its_own_exit_code(tmp_path: Path) -> None:
 
 
 def test_5_the_trainer_knows_it_was_halted_by_the_watchdog(tmp_path: Path) -> None:
-    from nsa.train import Trainer
+    from nsa.train.trainer import Trainer
     from tests.conftest import halt_at, quiet, resolve
 
     run = tmp_path / "run"

@@ -21,9 +21,10 @@ from typer.testing import CliRunner
 
 from nsa.errors import CheckpointError, ConfigError, RunDirError
 from nsa.rundir.checkpoints import newest_verified, verify
-from nsa.train import Trainer, rundir
 from nsa.train import checkpoint as ckpt
+from nsa.train import rundir
 from nsa.train.schedule import lr_multiplier
+from nsa.train.trainer import Trainer
 from nsa_cli.app import app
 from tests.conftest import clean_env, csv_rows, events, halt_at, nsa, quiet, resolve
 
@@ -211,7 +212,7 @@ def test_an_unwritable_out_dir_is_one_line_before_any_work(tmp_path: Path) -> No
     check = (
         "import sys\n"
         "from nsa.errors import RunDirError\n"
-        "from nsa.train import Trainer\n"
+        "from nsa.train.trainer import Trainer\n"
         "from tests.conftest import quiet, resolve\n"
         f"ro = {str(ro)!r}\n"
         "try:\n"

@@ -105,7 +105,7 @@ def _rows(run: Path) -> list[dict[str, str]]:
 
 
 def test_the_trainer_reports_answer_loss_and_accuracy(tmp_path: Path) -> None:
-    from nsa.train import Trainer
+    from nsa.train.trainer import Trainer
     from tests.conftest import events, quiet, resolve
 
     run = tmp_path / "needle"

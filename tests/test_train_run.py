@@ -15,9 +15,9 @@ import yaml
 from typer.testing import CliRunner
 
 from nsa.config import load_run_config
-from nsa.train import Trainer
 from nsa.train.checkpoint import latest_checkpoint, list_checkpoints, load_state
 from nsa.train.telemetry import COMMON_FIELDS, EVENT_FIELDS, TRAIN_CSV_HEADER, VAL_CSV_HEADER
+from nsa.train.trainer import Trainer
 from tests.conftest import csv_rows, events, halt_at, quiet, resolve, signal_at
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "run-directory.md"

@@ -217,7 +217,7 @@ def test_model_rejects_boundaries_that_miss_a_row_start() -> None:
 
 def test_training_with_document_mask(tmp_path: Path) -> None:
     """A short run with ``data.document_mask`` trains (finite, falling loss) and records the setting."""
-    from nsa.train import Trainer
+    from nsa.train.trainer import Trainer
     from tests.conftest import quiet, resolve
 
     out = tmp_path / "run"

@@ -1,17 +1,6 @@
-"""Preflight and smoke checks: library functions returning result objects (the CLI renders them)."""
+"""Preflight and smoke checks: library functions returning result objects (the CLI renders them):
+``nsa.checks.preflight.run_preflight``, ``nsa.checks.smoke.run_smoke``."""
 
 from nsa.checks.result import Check, CheckReport, Status
 
-__all__ = ["Check", "CheckReport", "Status", "run_preflight", "run_smoke"]
-
-
-def __getattr__(name: str):
-    if name == "run_preflight":
-        from nsa.checks.preflight import run_preflight
-
-        return run_preflight
-    if name == "run_smoke":
-        from nsa.checks.smoke import run_smoke
-
-        return run_smoke
-    raise AttributeError(name)
+__all__ = ["Check", "CheckReport", "Status"]

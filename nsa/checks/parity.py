@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import nsa.ops as ops
+
 
 @dataclass
 class ParityResult:
@@ -47,7 +49,6 @@ def check_backend(
     """Run ``nsa_attention`` (with ``compress_avg`` in the graph) on ``backend`` and on ``reference``."""
     import torch
 
-    import nsa.ops as ops
 
     B, S, HQ, H, D, l, d, l_sel, n_sel, w = SHAPES[shape]  # noqa: E741
     hp = ops.NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)

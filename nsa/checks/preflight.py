@@ -17,8 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nsa.checks.gpu import query_gpus
 from nsa.checks.result import Check, CheckReport, failed, passed, warned
-from nsa.envinfo import library_versions, package_version
+from nsa.config import find_config, load_run_config
+from nsa.config.profiles import find_profile, load_profile, profile_names
+from nsa.config.resolve import default_config_note
+from nsa.config.settings import describe_unknown_env, settings_table, unknown_variables
+from nsa.envinfo import git_snapshot, library_versions, package_version
 from nsa.errors import NSAError
 
 GIB = 1024**3
@@ -57,7 +62,6 @@ def _check_profile(ctx: _Context, name: str | None, error: NSAError | None) -> C
     if error is not None:
         return failed("profile", error.message, error.hint or "")
     if ctx.profile is None:
-        from nsa.config.profiles import profile_names
 
         return warned(
             "profile",
@@ -77,7 +81,6 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
     what = ctx.resolved.config_path or "defaults"
     summary = (f"{Path(what).name}: {cfg.model.attention} dim {cfg.model.dim} x {cfg.model.n_layers} layers, "
                f"seq_len {t.seq_len}, batch {t.batch_size} x accum {t.accum}, {t.steps} steps")
-    from nsa.config.resolve import default_config_note
 
     concerns = [*ctx.resolved.notes, *filter(None, [default_config_note(ctx.resolved)]), *long_run_warnings(cfg)]
     if concerns:
@@ -88,7 +91,6 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
 
 
 def _check_env(ctx: _Context) -> Check:
-    from nsa.config.settings import describe_unknown_env, settings_table, unknown_variables
 
     unknown = unknown_variables(ctx.environ)
     try:
@@ -163,7 +165,6 @@ def _check_flash_attn(ctx: _Context) -> Check:
 def _check_gpu(ctx: _Context) -> list[Check]:
     import os
 
-    from nsa.checks.gpu import query_gpus
 
     probe = query_gpus(own_pids={os.getpid()})
     ctx.gpu_probe = probe
@@ -384,7 +385,6 @@ def _check_tokenizer(ctx: _Context) -> Check:
 
 
 def _check_git(facts: dict[str, Any]) -> Check:
-    from nsa.envinfo import git_snapshot
 
     snap = git_snapshot()
     facts["git"] = snap
@@ -414,8 +414,6 @@ def run_preflight(
     sets: list[str] | None = None,
 ) -> CheckReport:
     """Run every check; a problem becomes a FAIL or WARN in the report, never an exception."""
-    from nsa.config import find_config, load_run_config
-    from nsa.config.profiles import find_profile, load_profile
 
     report = CheckReport("preflight")
     # a profile or config that does not exist is a usage error (ConfigError, exit 2); an invalid one is a FAIL

@@ -10,15 +10,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nsa.checks.gpu import query_gpus
+from nsa.checks.parity import SHAPES, check_backend
+from nsa.checks.preflight import run_preflight
 from nsa.checks.result import Check, CheckReport, Status, failed, passed, warned
+from nsa.config import load_run_config
+from nsa.config.profiles import list_profiles, load_profile
 from nsa.errors import NSAError
+from nsa.ops import available_backends
+from nsa.runs.reader import read_run
+from nsa.runs.summary import summarize
+from nsa.train.trainer import Trainer
 
 
 def detect_profile() -> str:
     """The shipped profile that fits this machine: ``cpu`` without CUDA, else the first whose GPU name
     pattern and memory match GPU 0 (``cpu`` when none does)."""
-    from nsa.checks.gpu import query_gpus
-    from nsa.config.profiles import list_profiles
 
     try:
         import torch
@@ -45,8 +52,6 @@ def detect_profile() -> str:
 
 def parity_checks(device: str, atol: float | None = None, seed: int | None = None) -> list[Check]:
     """Every backend available on ``device`` (besides the reference) against the reference, two shapes."""
-    from nsa.checks.parity import SHAPES, check_backend
-    from nsa.ops import available_backends
 
     out = []
     dtypes = ["float32"] if device == "cpu" else ["bfloat16"]
@@ -151,11 +156,6 @@ def run_smoke(
     skip_preflight: bool = False,
 ) -> CheckReport:
     """Run the smoke test; the result's checks hold preflight (prefixed), parity and the criteria."""
-    from nsa.checks.preflight import run_preflight
-    from nsa.config import load_run_config
-    from nsa.config.profiles import load_profile
-    from nsa.runs.reader import read_run
-    from nsa.runs.summary import summarize
 
     report = CheckReport("smoke")
     name = profile or detect_profile()
@@ -204,7 +204,6 @@ def run_smoke(
     # 4. the short training run
     t0 = time.time()
     try:
-        from nsa.train import Trainer
 
         result = Trainer(resolved, reporter=reporter).fit()
         run_status = str(getattr(result.status, "value", result.status))

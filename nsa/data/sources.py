@@ -27,7 +27,9 @@ from typing import IO, Any, BinaryIO, Protocol, cast
 import numpy as np
 
 from nsa.config.data import DataConfig
+from nsa.data.corpus import load_corpus
 from nsa.data.records import Malformed
+from nsa.data.retrieval import TaskLayout, mqar_episode, needle_episode
 from nsa.errors import DataError
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -65,7 +67,6 @@ class EmbeddedSource:
     tokenized = False
 
     def __init__(self) -> None:
-        from nsa.data.corpus import load_corpus
 
         self._docs = load_corpus()
 
@@ -524,7 +525,6 @@ class SyntheticSource:
     MAX_PAIRS = 8  # a 2-layer d=64 transformer learns recall across a 96-token gap in ~2k steps of batch 32
 
     def __init__(self, task: str, seed: int, seq_len: int, vocab_size: int, eot_id: int, pairs: int = 8) -> None:
-        from nsa.data.retrieval import TaskLayout
 
         if seq_len < 8:
             raise DataError(f"synthetic data needs train.seq_len >= 8, got {seq_len}")
@@ -554,7 +554,6 @@ class SyntheticSource:
         if self.task in ("needle", "mqar"):
             import torch
 
-            from nsa.data.retrieval import mqar_episode, needle_episode
 
             gen = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))
             if self.task == "needle":

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa.config.monitor import MonitorConfig
+from nsa.config.profiles import load_profile
 from nsa.errors import ConfigError
 from nsa.rundir import RunDir
 from nsa.rundir.layout import HALTS_DIR, WATCHDOG_PREFIX, parse_halt
@@ -160,7 +161,6 @@ def run_limits(config: dict[str, Any] | None, sources: dict[str, str] | None = N
 
 def profile_limits(name_or_path: str | Path) -> tuple[dict[str, Any], str]:
     """``(monitor block, label)`` of a hardware profile, for ``--limits``; ``ConfigError`` when it has none."""
-    from nsa.config.profiles import load_profile
 
     prof = load_profile(name_or_path)
     if not prof.monitor:

@@ -40,6 +40,7 @@ from nsa.rundir.checkpoints import (
     step_dir_name,
     verify,
 )
+from nsa.train import distributed as D
 
 __all__ = [
     "CKPT_DIR",
@@ -147,7 +148,6 @@ def save_sharded_checkpoint(run_dir: Path, step: int, state: dict[str, Any] | No
     and renames the folder into place (atomic as :func:`save_checkpoint`). Returns the final folder."""
     import torch.distributed.checkpoint as dcp
 
-    from nsa.train import distributed as D
 
     root = Path(run_dir) / CKPT_DIR
     final = root / step_dir_name(step)

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nsa.config.settings import read_settings
 from nsa.envinfo import MemoryErrorProbe
+from nsa.ops import fallback_counts as counts
 from nsa.rundir import RunDir
 from nsa.train import checkpoint as ckpt
 from nsa.train.telemetry import MFU_FORMULA, environment_record, peak_flops, write_json_atomic
@@ -75,7 +77,6 @@ def memory(device_type: str, device: torch.device) -> dict[str, float | None]:
 
 
 def fallback_counts() -> dict[str, int]:
-    from nsa.ops import fallback_counts as counts
 
     return dict(counts())
 
@@ -111,7 +112,6 @@ class Recorder:
         return new
 
     def write_env(self) -> None:
-        from nsa.config.settings import read_settings
 
         s, plan = self.s, self.s.plan
         settings = {f"NSA_{k.upper()}": v for k, v in read_settings().model_dump(exclude_none=True).items()}

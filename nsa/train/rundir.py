@@ -12,6 +12,7 @@ from typing import Any
 
 from nsa.config import ResolvedConfig
 from nsa.errors import ConfigError, RunDirError
+from nsa.model import build_model
 from nsa.rundir import RunDir
 from nsa.rundir.layout import (
     CONFIG_FILE,
@@ -133,7 +134,6 @@ def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer:
     from safetensors.torch import save_model
 
     if full_state is not None:
-        from nsa.model import build_model
 
         model = build_model(resolved.config)
         model.load_state_dict(full_state)

@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 
-from nsa.config import ResolvedConfig, RunConfig
+from nsa.config import ResolvedConfig, RunConfig, leaves
 from nsa.config.resolve import default_config_note
+from nsa.data.loader import build_loader, slowest_position
 from nsa.errors import ConfigError, RunDirError
+from nsa.model import build_model
+from nsa.model.documents import from_separators
 from nsa.rundir import RunDir
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
@@ -118,7 +121,6 @@ class Session:
         """``cu_seqlens`` of a batch with ``data.document_mask`` (a document ends at each separator)."""
         if not self.cfg.data.document_mask:
             return None
-        from nsa.model.documents import from_separators
 
         return from_separators(x, self.plan.tokenizer.eot_id)
 
@@ -138,7 +140,6 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str) ->
 def _check_same_config(plan: Plan, dist: D.DistInfo) -> None:
     """Every rank resolved the same config (nodes started with different flags or ``NSA_*`` variables
     would train different things): one line naming the keys that differ, on every rank."""
-    from nsa.config import leaves
 
     mine = leaves(plan.cfg.model_dump(mode="json"))
     theirs = D.gather_objects(mine, dist)
@@ -247,8 +248,6 @@ def open_session(plan: Plan, reporter: Reporter | None, closers: contextlib.Exit
 def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name: str,
            closers: contextlib.ExitStack) -> Session:
     """Model, wrappers, optimizer, schedule, loaders, restored state, first batch, files, signals."""
-    from nsa.data.loader import build_loader, slowest_position
-    from nsa.model import build_model
 
     cfg, tr, rt = plan.cfg, plan.cfg.train, plan.rt
     model: Any = build_model(cfg)

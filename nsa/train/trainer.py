@@ -25,7 +25,11 @@ from typing import Any, Literal
 import torch
 
 from nsa.config import ResolvedConfig, RunConfig, fill_legacy
-from nsa.errors import CheckpointError, ConfigError
+from nsa.data import check_local_inputs
+from nsa.data.tokenizers import get_tokenizer
+from nsa.errors import CheckpointError, ConfigError, NSAError
+from nsa.model import build_model
+from nsa.model.load import check_fits, read_weights
 from nsa.rundir import RunDir
 from nsa.rundir.layout import WATCHDOG_PREFIX
 from nsa.train import checkpoint as ckpt
@@ -69,9 +73,6 @@ class StepOutcome:
 
 def _read_init_weights(cfg: RunConfig, path: str) -> tuple[dict[str, torch.Tensor], Path]:
     """``train.init_from``'s weights, checked against this config's model (built on the meta device)."""
-    from nsa.errors import NSAError
-    from nsa.model import build_model
-    from nsa.model.load import check_fits, read_weights
 
     try:
         state, source = read_weights(path)
@@ -100,7 +101,6 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         self.cfg = cfg = resolved.config
         tr = cfg.train
         check_training_config(cfg)
-        from nsa.data import check_local_inputs
 
         check_local_inputs(cfg.data)  # missing or empty local data: one line, before any directory is made
         alloc_conf_note = apply_alloc_conf(cfg)  # before anything below initialises CUDA
@@ -124,7 +124,6 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         init_state = init_source = None
         if tr.init_from and resume_from is None:
             init_state, init_source = _read_init_weights(cfg, tr.init_from)
-        from nsa.data.tokenizers import get_tokenizer
 
         tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
         if tokenizer.vocab_size > cfg.model.vocab_size:

@@ -120,9 +120,9 @@ def train(
 
         from rich.console import Console
 
-        from nsa.train import Trainer
         from nsa.train.distributed import launched_by_torchrun
         from nsa.train.launch import Rendezvous
+        from nsa.train.trainer import Trainer
         from nsa_cli.train_view import RichReporter
 
         rdzv = Rendezvous(nnodes, node_rank, rdzv_endpoint, rdzv_id)

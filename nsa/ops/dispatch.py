@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -25,8 +24,14 @@ from typing import Any
 
 import torch
 
+from nsa.ops import reference, torch_path
+
+try:  # the Triton backend is optional: without triton, every call runs the torch path
+    from nsa.ops import triton_path as _triton_path
+except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
+    _triton_path = None  # type: ignore[assignment]
+
 BACKENDS = ("reference", "torch", "triton")
-_MODULES = {"reference": "nsa.ops.reference", "torch": "nsa.ops.torch_path", "triton": "nsa.ops.triton_path"}
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("nsa_ops_backend", default=None)
 _fallbacks: Counter[str] = Counter()
@@ -68,16 +73,8 @@ def record_fallback(reason: str) -> None:
     _fallbacks[reason] += 1
 
 
-def _load(name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(_MODULES[name])
-    except ImportError:
-        return None
-
-
-# loaded once at import (none of them imports triton itself), so ``pick`` is a dict lookup that
-# torch.compile traces without a graph break
-_LOADED: dict[str, ModuleType | None] = {name: _load(name) for name in BACKENDS}
+# imported once with this module, so ``pick`` is a dict lookup that torch.compile traces without a break
+_LOADED: dict[str, ModuleType | None] = {"reference": reference, "torch": torch_path, "triton": _triton_path}
 
 
 def _triton_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:

@@ -73,7 +73,8 @@ class Stages:
     """One call of the Triton NSA op, stage by stage: the custom operators below run exactly these, in
     this order, and ``nsa.bench.attention.kernel_breakdown`` times each one alone.
 
-    Forward: :meth:`cmp_fwd` (compressed branch, its lse) -> :meth:`select` (block scores + top-n;
+    Forward, after :meth:`start_forward`: :meth:`cmp_fwd` (compressed branch, its lse) -> :meth:`select`
+    (block scores + top-n;
     skipped when ``block_idx`` is given) -> :meth:`sel_fwd` -> :meth:`win_fwd` (also the gated sum of the
     three branches). Backward, after :meth:`start_backward`: :meth:`cmp_bwd` (also the gate gradient of
     all three branches) -> :meth:`sel_bwd` -> :meth:`win_bwd` (also the final dq in q's dtype); dq
@@ -86,11 +87,15 @@ class Stages:
             _dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
         self.gates = gates.contiguous()
         self.hp, self.scale = hp, scale
+        # the forward's buffers (the backward is handed the saved ones instead)
+        self.o3 = self.out = self.lse_c = self.lse_s = self.lse_w = self.idx = self.work = torch.empty(0)
+
+    def start_forward(self) -> None:
+        q = self.q
         B, S, HQ, _ = q.shape
-        Dv = v_sel.shape[-1]
+        Dv = self.v_sel.shape[-1]
         self.o3 = torch.empty(B, S, HQ, 3, Dv, device=q.device, dtype=q.dtype)
         self.out = torch.empty(B, S, HQ, Dv, device=q.device, dtype=q.dtype)
-        self.lse_c = self.lse_s = self.lse_w = self.idx = self.work = torch.empty(0)
 
     # forward
     def cmp_fwd(self) -> None:
@@ -114,6 +119,7 @@ class Stages:
                                off=0, win=self.hp.w, combine=(self.gates, self.out))
 
     def forward(self, block_idx: torch.Tensor | None) -> None:
+        self.start_forward()
         self.cmp_fwd()
         if block_idx is None:
             self.select()

@@ -122,6 +122,14 @@ def test_a_command_module_that_fails_to_import_is_an_error(module: str) -> None:
     assert "ModuleNotFoundError" in proc.stderr and module in proc.stderr
 
 
+def test_help_stays_light() -> None:
+    """The statically imported command modules load neither torch nor the config package (pydantic): the
+    shipped config names in the help come from the pathlib-only ``nsa.configs``."""
+    code = "import sys, nsa_cli.app; print(sorted(m for m in ('torch', 'pydantic', 'nsa.config') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
 # --- --json prints JSON on stdout in every command -----------------------------------------------------
 
 

@@ -1,14 +1,30 @@
-"""The ``nsa`` command. Command modules import torch and the library only inside their functions."""
+"""The ``nsa`` command. Command modules import torch and the library only inside their functions.
+
+Every command is registered here, statically: a command module that fails to import is an error of ``nsa``
+itself (the traceback names the module), never a command missing from ``nsa --help``.
+"""
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Annotated
 
 import typer
 
 from nsa import __version__
+from nsa_cli.commands import (
+    bench,
+    dump,
+    halt,
+    preflight,
+    profiles,
+    report,
+    sample,
+    smoke,
+    train,
+    watch,
+)
+from nsa_cli.commands import eval as eval_command
 
 app = typer.Typer(
     name="nsa",
@@ -20,7 +36,7 @@ app = typer.Typer(
 )
 
 # Each module exposes ``register(app)``; order is the order of ``nsa --help``.
-COMMAND_MODULES = ["preflight", "smoke", "train", "watch", "halt", "dump", "report", "sample", "eval", "profiles", "bench"]
+COMMAND_MODULES = (preflight, smoke, train, watch, halt, dump, report, sample, eval_command, profiles, bench)
 
 STATE = {"debug": False}
 
@@ -45,18 +61,8 @@ def _root(
     STATE["debug"] = debug
 
 
-def _register_all() -> None:
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"nsa_cli.commands.{name}")
-        except ModuleNotFoundError as exc:  # a command still being written in this checkout
-            if exc.name == f"nsa_cli.commands.{name}":
-                continue
-            raise
-        module.register(app)
-
-
-_register_all()
+for _module in COMMAND_MODULES:
+    _module.register(app)
 
 
 def main() -> None:

@@ -35,6 +35,22 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=_default, allow_nan=False) + "\n")
 
 
+def json_outputs(payload: Any, *, as_json: bool, json_out: Any = None, indent: int = 2) -> None:
+    """The two JSON outputs of a command: ``--json`` prints ``payload`` on stdout (and nothing else goes
+    there), ``--json-out PATH`` writes it to PATH (``-``: stdout, as ``--json``) and says so (on stderr with
+    ``--json``, else on stdout)."""
+    from pathlib import Path
+
+    to_stdout = as_json or str(json_out) == "-"
+    if json_out is not None and str(json_out) != "-":
+        path = Path(json_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=indent, default=_default) + "\n")
+        print(f"saved {path}", file=sys.stderr if to_stdout else sys.stdout)
+    if to_stdout:
+        print_json(jsonable(payload))
+
+
 def _default(obj: Any) -> Any:
     if hasattr(obj, "to_dict"):
         return obj.to_dict()

@@ -101,9 +101,9 @@ top(prof, "train step m7c S=2048 B=16", 30)
 PY
       ;;
     attention)
-      timeout 400 python3 -m nsa_cli bench attention --shape paper --seq-lens ${SEQS:-2048,8192,16384,32768,65536} $ATTN_TUNE --json "$OUT/attn_paper.json" 2>&1 | tee "$OUT/attn_paper.log"
-      timeout 200 python3 -m nsa_cli bench attention --shape m7c --seq-lens ${SEQS_M7C:-2048,8192,32768} $ATTN_TUNE --json "$OUT/attn_m7c.json" 2>&1 | tee "$OUT/attn_m7c.log" ;;
+      timeout 400 python3 -m nsa_cli bench attention --shape paper --seq-lens ${SEQS:-2048,8192,16384,32768,65536} $ATTN_TUNE --json-out "$OUT/attn_paper.json" 2>&1 | tee "$OUT/attn_paper.log"
+      timeout 200 python3 -m nsa_cli bench attention --shape m7c --seq-lens ${SEQS_M7C:-2048,8192,32768} $ATTN_TUNE --json-out "$OUT/attn_m7c.json" 2>&1 | tee "$OUT/attn_m7c.log" ;;
     train)
-      timeout 400 python3 -m nsa_cli bench train --seq-lens ${TRAIN_SEQS:-2048,16384} --batch-sizes ${TRAIN_BS:-16,2} --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" ;;
+      timeout 400 python3 -m nsa_cli bench train --seq-lens ${TRAIN_SEQS:-2048,16384} --batch-sizes ${TRAIN_BS:-16,2} --json-out "$OUT/train.json" 2>&1 | tee "$OUT/train.log" ;;
   esac
 done

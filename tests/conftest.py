@@ -178,6 +178,54 @@ def signal_at(step: int, signum: int) -> Callable[[int], None]:
     return hook
 
 
+_ARMED: list[Any] = []  # torch hook handles of nan_loss_at, removed after each test whatever happened
+
+
+def nan_loss_at(step: int) -> Callable[[int], None]:
+    """A ``step_hook`` that makes the loss of optimizer step ``step`` (>= 2) NaN, to exercise the anomaly path
+    (the step is not applied; the record names the last checkpoint that verifies). At the end of ``step - 1``
+    it arms a one-shot forward hook on every module (torch's global hook): the next language-model output,
+    the first micro-batch of ``step``, gets its loss multiplied by NaN, and the hook removes itself. The
+    trainer's own code has no fault-injection switch; checkpoints saved at ``step - 1`` are untouched."""
+    assert step >= 2, "the hook runs at the end of a step: the first step it can reach is 2"
+
+    def poison(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        loss = getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor):
+            return None
+        for handle in _ARMED:
+            handle.remove()
+        _ARMED.clear()
+        return output._replace(loss=loss * float("nan"))
+
+    def hook(s: int) -> None:
+        if s == step - 1:
+            _ARMED.append(torch.nn.modules.module.register_module_forward_hook(poison))
+
+    return hook
+
+
+@pytest.fixture(autouse=True)
+def _disarm_fault_hooks() -> Iterator[None]:
+    yield
+    for handle in _ARMED:
+        handle.remove()
+    _ARMED.clear()
+
+
+def cli_trainer_hook(monkeypatch: pytest.MonkeyPatch, hook: Callable[[int], None]) -> None:
+    """Make ``nsa train`` run in this process (``CliRunner``) build its ``Trainer`` with ``step_hook=hook``."""
+    import nsa.train
+
+    base = nsa.train.Trainer
+
+    class Hooked(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, step_hook=hook, **kwargs)
+
+    monkeypatch.setattr(nsa.train, "Trainer", Hooked)
+
+
 # --- run directories, trainer and CLI helpers shared by the test modules ------------------------------
 
 
@@ -308,8 +356,8 @@ def write_run(
 
 
 SMALL = {
-    "train.seq_len": 32, "train.batch_size": 2, "train.log_every": 1, "train.warmup_steps": 2,
-    "train.eval_batches": 2, "runtime.deterministic": True,
+    "train.seq_len": 32, "train.batch_size": 2, "logging.every": 1, "schedule.warmup_steps": 2,
+    "eval.batches": 2, "runtime.deterministic": True,
 }
 
 

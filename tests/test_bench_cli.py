@@ -20,7 +20,7 @@ def test_bench_help_lists_commands() -> None:
 
 def test_bench_attention_tiny(tmp_path: Path) -> None:
     out = tmp_path / "attn.json"
-    res = runner.invoke(app, ["bench", "attention", "--tiny", "--seq-lens", "64", "--json", str(out)])
+    res = runner.invoke(app, ["bench", "attention", "--tiny", "--seq-lens", "64", "--json-out", str(out)])
     assert res.exit_code == 0, res.output
     assert "NSA vs dense attention" in res.output
     data = json.loads(out.read_text())
@@ -34,7 +34,7 @@ def test_bench_attention_tiny(tmp_path: Path) -> None:
 def test_bench_attention_cuda_graph_flag_is_recorded(tmp_path: Path) -> None:
     """``--cuda-graph`` times CUDA-graph replays; on a CPU it is recorded as off and the times are plain."""
     out = tmp_path / "attn.json"
-    res = runner.invoke(app, ["bench", "attention", "--tiny", "--seq-lens", "64", "--cuda-graph", "--json", str(out)])
+    res = runner.invoke(app, ["bench", "attention", "--tiny", "--seq-lens", "64", "--cuda-graph", "--json-out", str(out)])
     assert res.exit_code == 0, res.output
     (row,) = json.loads(out.read_text())["rows"]
     assert row["cuda_graph"] is False and row["nsa_fwdbwd_ms"] > 0 and "CUDA graphs" not in res.output
@@ -42,7 +42,7 @@ def test_bench_attention_cuda_graph_flag_is_recorded(tmp_path: Path) -> None:
 
 def test_bench_train_tiny(tmp_path: Path) -> None:
     out = tmp_path / "train.json"
-    res = runner.invoke(app, ["bench", "train", "--tiny", "--profile-step", "--json", str(out)])
+    res = runner.invoke(app, ["bench", "train", "--tiny", "--profile-step", "--json-out", str(out)])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     rows = {r["attention"]: r for r in data["rows"]}
@@ -74,7 +74,7 @@ def test_bench_retrieval_writes_curves(tmp_path: Path) -> None:
     """A few steps of the retrieval benchmark on the CPU: the table, and one curve per variant in JSON."""
     out = tmp_path / "retrieval.json"
     res = runner.invoke(app, ["bench", "retrieval", "--config", "tiny", "--seq-len", "64", "--gap", "20", "--steps", "4",
-                              "--eval-every", "2", "--eval-samples", "8", "--variants", "nsa,window", "--json", str(out)])
+                              "--eval-every", "2", "--eval-samples", "8", "--variants", "nsa,window", "--json-out", str(out)])
     assert res.exit_code == 0, res.output
     assert "retrieval at S=64" in res.output
     data = json.loads(out.read_text())

@@ -52,7 +52,7 @@ def test_live_run_watch_halt_report(tmp_path: Path) -> None:
     run = tmp_path / "live"
     proc = subprocess.Popen(
         [sys.executable, "-m", "nsa_cli", "train", "--config", "tiny", "--steps", "2000", "--out-dir", str(run),
-         "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.save_every=0"],
+         "--set", "logging.every=1", "--set", "eval.every=0", "--set", "checkpoint.every=0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
     )
     try:

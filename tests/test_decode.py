@@ -181,7 +181,7 @@ def test_bench_decode_tiny_cli(tmp_path) -> None:
     from nsa_cli.app import app
 
     out = tmp_path / "decode.json"
-    res = CliRunner().invoke(app, ["bench", "decode", "--tiny", "--contexts", "64", "--batches", "2", "--json", str(out)])
+    res = CliRunner().invoke(app, ["bench", "decode", "--tiny", "--contexts", "64", "--batches", "2", "--json-out", str(out)])
     assert res.exit_code == 0, res.output
     rows = json.loads(out.read_text())["rows"]
     assert {r["mode"] for r in rows} == {"attention", "model"}

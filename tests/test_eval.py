@@ -188,7 +188,7 @@ def test_eval_loss_on_the_val_split(tiny_run: Path) -> None:
 def test_cli_needle_end_to_end(tiny_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     code, stdout, stderr = _eval(str(tiny_run), "--task", "needle", "--contexts", "16,32", "--depths", "0,0.5,1",
-                                 "--samples", "4", "--json", str(out))
+                                 "--samples", "4", "--json-out", str(out))
     assert code == 0, stderr
     data = json.loads(out.read_text())
     assert set(data) == {"task", "run", "checkpoint", "results", "settings", "env"}
@@ -209,7 +209,7 @@ def test_cli_needle_end_to_end(tiny_run: Path, tmp_path: Path) -> None:
 
 def test_cli_mqar_and_loss(tiny_run: Path, tmp_path: Path) -> None:
     code, stdout, stderr = _eval(str(tiny_run), "--task", "mqar", "--contexts", "32", "--pairs", "4", "--queries", "4",
-                                 "--samples", "4", "--json", str(tmp_path / "mqar.json"))
+                                 "--samples", "4", "--json-out", str(tmp_path / "mqar.json"))
     assert code == 0, stderr
     data = json.loads((tmp_path / "mqar.json").read_text())
     assert data["task"] == "mqar" and (data["settings"]["pairs"], data["settings"]["queries"]) == (4, 4)
@@ -217,7 +217,7 @@ def test_cli_mqar_and_loss(tiny_run: Path, tmp_path: Path) -> None:
     assert (tiny_run / "eval" / "mqar.json").is_file() and "keys asked" in stdout
 
     code, stdout, stderr = _eval(str(tiny_run), "--task", "loss", "--contexts", "16,32", "--samples", "4",
-                                 "--json", str(tmp_path / "loss.json"))
+                                 "--json-out", str(tmp_path / "loss.json"))
     assert code == 0, stderr
     rows = json.loads((tmp_path / "loss.json").read_text())["results"]
     assert [r["context"] for r in rows] == [16, 32]
@@ -231,9 +231,9 @@ def test_cli_checkpoint_saves_into_its_run_and_json_to_stdout(tiny_run: Path, tm
     run = _copy(tiny_run, tmp_path)
     ckpt = next((run / "checkpoints").iterdir())
     code, stdout, stderr = _eval(str(ckpt), "--task", "needle", "--contexts", "16", "--depths", "1",
-                                 "--samples", "2", "--json", "-")
+                                 "--samples", "2", "--json")
     assert code == 0, stderr
-    data = json.loads(stdout)  # tables go to stderr with --json -
+    data = json.loads(stdout)  # tables go to stderr with --json
     assert data["run"] == str(run) and data["checkpoint"] == str(ckpt / "state.pt")
     assert (run / "eval" / "needle.json").is_file() and not (ckpt / "eval").exists()
 
@@ -243,7 +243,7 @@ def test_cli_unwritable_run_dir_warns_and_goes_on(tiny_run: Path, tmp_path: Path
     (run / "eval").write_text("a file where the eval folder would go\n")  # mkdir fails like a read-only dir
     out = tmp_path / "keep.json"
     code, _, stderr = _eval(str(run), "--task", "mqar", "--contexts", "32", "--pairs", "2", "--samples", "2",
-                            "--json", str(out))
+                            "--json-out", str(out))
     assert code == 0, stderr
     warnings = [line for line in stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "cannot write the results" in warnings[0]

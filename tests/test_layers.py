@@ -2,7 +2,8 @@
 module-level or inside a function, of every module under ``nsa/`` and ``nsa_cli/``:
 
 - ``nsa.ops`` (kernels and their references) knows nothing of config, model, training, runs or the CLI;
-- ``nsa.config`` imports nothing of ``nsa`` above it (only ``nsa.errors``, ``nsa.fileio`` and ``nsa.params``);
+- ``nsa.config`` imports nothing of ``nsa`` above it (only ``nsa.errors``, ``nsa.fileio``, ``nsa.params`` and the
+  list of shipped configs, ``nsa.configs``);
 - ``nsa.model`` knows nothing of training, checks, benchmarks, evaluation or the CLI;
 - the library (``nsa``) never imports the CLI (``nsa_cli``) nor Rich: it returns results and emits
   structured events (``nsa.train.events``), the CLI renders them;
@@ -78,7 +79,7 @@ _ALL_ABOVE_OPS = ("nsa.config", "nsa.model", "nsa.train", "nsa.runs", "nsa.rundi
                   "nsa.checks", "nsa.bench", "nsa_cli", "nsa.__init__")
 CONTRACTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("nsa.ops", _ALL_ABOVE_OPS, ()),
-    ("nsa.config", ("nsa", "nsa_cli"), ("nsa.config", "nsa.errors", "nsa.fileio", "nsa.params")),
+    ("nsa.config", ("nsa", "nsa_cli"), ("nsa.config", "nsa.configs", "nsa.errors", "nsa.fileio", "nsa.params")),
     ("nsa.model", ("nsa.train", "nsa.checks", "nsa.bench", "nsa.eval", "nsa.runs", "nsa_cli", "nsa.__init__"), ()),
     ("nsa", ("nsa_cli", "rich"), ()),
     ("nsa.rundir", ("torch", "triton", "nsa", "nsa_cli"), ("nsa.rundir", "nsa.errors", "nsa.fileio")),

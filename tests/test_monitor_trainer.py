@@ -17,20 +17,20 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 def test_train_log_holds_every_printed_line_with_fetch_latency(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    Trainer(resolve(run, 6, train__eval_every=0, train__log_every=2), reporter=quiet()).fit()
+    Trainer(resolve(run, 6, eval__every=0, logging__every=2), reporter=quiet()).fit()
     log = (run / "train.log").read_text()
     assert "nsa train run" in log and "resolved config" in log and "done 6 steps" in log
     steps = [line for line in log.splitlines() if " step " in line and "fetch p50/p95" in line]
     assert len(steps) == 4  # steps 1, 2, 4, 6
     assert all(line[:4].isdigit() for line in steps)  # time-stamped
-    Trainer(resolve(run, 8, train__eval_every=0, train__log_every=2, train__resume="auto"), reporter=quiet()).fit()
+    Trainer(resolve(run, 8, eval__every=0, logging__every=2, train__resume="auto"), reporter=quiet()).fit()
     again = (run / "train.log").read_text()
     assert again.startswith(log) and "resumed from" in again  # appended on resume
 
 
 def test_heartbeat_every_step_without_extra_csv_rows(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    Trainer(resolve(run, 8, train__eval_every=0, train__log_every=4, train__heartbeat_every=1),
+    Trainer(resolve(run, 8, eval__every=0, logging__every=4, logging__heartbeat_every=1),
             reporter=quiet()).fit()
     progress = [e["step"] for e in events(run) if e["event"] == "progress"]
     assert progress == list(range(1, 9))
@@ -38,15 +38,15 @@ def test_heartbeat_every_step_without_extra_csv_rows(tmp_path: Path) -> None:
 
 
 def test_long_run_warnings_name_the_keys(tmp_path: Path) -> None:
-    long = load_run_config("tiny", environ={}, sets=["train.steps=50000", "train.save_every=0", "train.eval_every=0",
-                                                     "train.keep_last=1", "train.log_every=5000"]).config
+    long = load_run_config("tiny", environ={}, sets=["train.steps=50000", "checkpoint.every=0", "eval.every=0",
+                                                     "checkpoint.keep_last=1", "logging.every=5000"]).config
     text = " ".join(long_run_warnings(long))
-    for key in ("train.save_every=0", "train.eval_every=0", "train.log_every=5000"):
+    for key in ("checkpoint.every=0", "eval.every=0", "logging.every=5000"):
         assert key in text
     assert long_run_warnings(load_run_config("tiny", environ={}).config) == []
     run = tmp_path / "run"
     console = quiet()
-    Trainer(resolve(run, 3, train__eval_every=0, data__synthetic_on_fail=True), reporter=console).fit()
+    Trainer(resolve(run, 3, eval__every=0, data__synthetic_on_fail=True), reporter=console).fit()
     assert "data.synthetic_on_fail=true" in (run / "train.log").read_text()
 
 
@@ -54,13 +54,13 @@ def test_preflight_warns_on_long_run_settings() -> None:
     from nsa.checks.preflight import run_preflight
 
     report = run_preflight(profile="cpu", config="tiny", environ={},
-                           sets=["train.steps=50000", "train.save_every=0"])
+                           sets=["train.steps=50000", "checkpoint.every=0"])
     check = next(c for c in report.checks if c.name == "config")
-    assert check.status.value == "WARN" and "train.save_every=0" in check.reason
+    assert check.status.value == "WARN" and "checkpoint.every=0" in check.reason
 
 
 def test_old_knobs_are_named_with_their_replacement(tmp_path: Path) -> None:
-    assert "NSA_WINDOW_BACKEND" in describe_unknown("NSA_USE_FA2")
+    assert "NSA_ATTN_BACKEND" in describe_unknown("NSA_USE_FA2")
     assert "NSA_ATTN_BACKEND=reference" in describe_unknown("NSA_FORCE_PARITY")
     assert describe_unknown("NSA_PREFECH_DEPTH") == "NSA_PREFECH_DEPTH (did you mean NSA_PREFETCH_DEPTH?)"
     migrating = (DOCS / "migrating.md").read_text()
@@ -71,7 +71,7 @@ def test_old_knobs_are_named_with_their_replacement(tmp_path: Path) -> None:
     run = tmp_path / "run"
     resolved = load_run_config("tiny", environ={"NSA_USE_SEL_PACK": "1"},
                                flags={"train.steps": 2, "train.out_dir": str(run), "train.seq_len": 32,
-                                      "train.batch_size": 2, "train.eval_every": 0})
+                                      "train.batch_size": 2, "eval.every": 0})
     Trainer(resolved, reporter=quiet()).fit()
     assert "NSA_USE_SEL_PACK=1 (older system: replaced by NSA_ATTN_BACKEND=triton" in (run / "train.log").read_text()
     assert json.loads((run / "env.json").read_text())["nsa_unknown_variables"] == ["NSA_USE_SEL_PACK"]

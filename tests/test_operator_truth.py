@@ -312,7 +312,7 @@ def test_5_the_trainer_knows_it_was_halted_by_the_watchdog(tmp_path: Path) -> No
 
     run = tmp_path / "run"
     payload = json.dumps({"reason": "watchdog: rank 0 heartbeat is 412 s old (> 180 s) at step 2", "rule": "stale"})
-    res = Trainer(resolve(run, 6, train__eval_every=0, train__save_every=0), reporter=quiet(),
+    res = Trainer(resolve(run, 6, eval__every=0, checkpoint__every=0), reporter=quiet(),
                   step_hook=halt_at(run, 2, payload)).fit()
     assert res.status == "halted" and res.halted_by == "watchdog" and halted_by_watchdog(run)
 

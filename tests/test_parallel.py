@@ -20,7 +20,7 @@ from nsa.rundir.checkpoints import verify
 from tests.conftest import free_port
 from tests.test_train_process import _env, cmd, run_ok
 
-COMMON = ["--steps", "6", "--nproc-per-node", "2", "--set", "train.eval_every=0", "--set", "train.save_every=3"]
+COMMON = ["--steps", "6", "--nproc-per-node", "2", "--set", "eval.every=0", "--set", "checkpoint.every=3"]
 
 
 def _rows(run: Path) -> list[dict[str, str]]:
@@ -99,7 +99,7 @@ def test_a_checkpoint_moves_between_numbers_of_ranks_exactly(runs: dict[str, Pat
 
     src = runs["fsdp"] / "checkpoints" / "step_00000003"
     one, back = tmp_path / "one", tmp_path / "back"
-    res = run_ok(cmd("--steps", "3", "--set", "train.eval_every=0", "--out-dir", str(one), "--resume", str(src)))
+    res = run_ok(cmd("--steps", "3", "--set", "eval.every=0", "--out-dir", str(one), "--resume", str(src)))
     assert "resumed a checkpoint of 2 rank(s) on 1" in res.stdout + res.stderr
     whole = torch.load(one / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
     ref = _shards(src, tmp_path)
@@ -109,7 +109,7 @@ def test_a_checkpoint_moves_between_numbers_of_ranks_exactly(runs: dict[str, Pat
     model = build_model(cfg)
     _same_optimizer(by_name(model, build_optimizer(model, cfg, "cpu"), whole["optimizer"]), ref["optimizer"])
 
-    run_ok(cmd("--steps", "3", "--nproc-per-node", "2", "--set", "runtime.parallel=fsdp", "--set", "train.eval_every=0",
+    run_ok(cmd("--steps", "3", "--nproc-per-node", "2", "--set", "runtime.parallel=fsdp", "--set", "eval.every=0",
                "--out-dir", str(back), "--resume", str(one / "checkpoints" / "step_00000003")))
     again = _shards(back / "checkpoints" / "step_00000003", tmp_path)
     assert all(torch.equal(again["model"][k], ref["model"][k]) for k in ref["model"])
@@ -179,7 +179,7 @@ def test_nodes_that_resolve_different_configs_are_refused(tmp_path: Path) -> Non
              for i, lr in ((0, "0.003"), (1, "0.001"))]
     outs = [p.communicate(timeout=240)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [2, 2], outs
-    assert all("resolved another config than rank 0: train.lr" in o and "Traceback" not in o for o in outs), outs
+    assert all("resolved another config than rank 0: optimizer.lr" in o and "Traceback" not in o for o in outs), outs
     assert not (run / "checkpoints").exists()
 
 

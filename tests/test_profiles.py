@@ -77,8 +77,8 @@ def test_precedence_flags_env_profile_config_defaults(tmp_path: Path) -> None:
     r = load_run_config("tiny", profile=str(p), environ={})
     assert r.config.data.prefetch_depth == a and r.source_of("data.prefetch_depth") == "profile custom"
     assert r.config.train.seq_len == 64 and r.source_of("train.seq_len") == "profile custom"
-    assert r.config.train.lr == 3e-3 and r.source_of("train.lr") == "config tiny.yaml"
-    assert r.source_of("train.beta1") == "default"
+    assert r.config.optimizer.lr == 3e-3 and r.source_of("optimizer.lr") == "config tiny.yaml"
+    assert r.source_of("optimizer.beta1") == "default"
     # the environment beats the profile
     r = load_run_config("tiny", profile=str(p), environ={"NSA_PREFETCH_DEPTH": str(b)})
     assert r.config.data.prefetch_depth == b and r.source_of("data.prefetch_depth") == "env NSA_PREFETCH_DEPTH"

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from nsa.config import ModelConfig, NSAConfig, RunConfig, RuntimeConfig, load_run_config
 from nsa.config.data import DataConfig
 from nsa.config.settings import NSASettings, read_settings
-from nsa.config.train import TrainConfig
+from nsa.config.train import OptimizerConfig, TrainConfig
 from nsa.errors import ConfigError
 from nsa_cli.app import app
 from tests.conftest import dead_pid, write_run
@@ -203,7 +203,7 @@ def _numeric_fields() -> list[tuple[str, str]]:
 
 def test_every_numeric_field_refuses_booleans() -> None:
     fields = _numeric_fields()
-    assert {("train", "steps"), ("train", "lr"), ("model", "dim"), ("nsa", "gate_bias"), ("nsa", "fixed_gates"),
+    assert {("train", "steps"), ("optimizer", "lr"), ("model", "dim"), ("nsa", "gate_bias"), ("nsa", "fixed_gates"),
             ("data", "prefetch_depth"), ("model", "norm_eps"), ("nsa", "gate_scale")} <= set(fields)
     for section, key in fields:
         for raw in ("true", "false"):
@@ -218,16 +218,17 @@ def test_every_numeric_field_refuses_booleans() -> None:
 
 def test_numbers_still_validate_and_sections_refuse_bools() -> None:
     res = load_run_config("tiny", environ={}, sets=[
-        "train.steps=10", "train.lr=3e-3", "train.grad_clip=1", "nsa.gate_bias=[0, -1, 2.5]",
+        "train.steps=10", "optimizer.lr=3e-3", "optimizer.grad_clip=1", "nsa.gate_bias=[0, -1, 2.5]",
         "nsa.fixed_gates=[1, 0, 0]", "runtime.compile=true", "data.timeout_s=5",
     ])
     cfg = res.config
-    assert cfg.train.steps == 10 and cfg.train.lr == pytest.approx(3e-3) and cfg.runtime.compile is True
-    assert cfg.train.grad_clip == 1.0 and isinstance(cfg.train.grad_clip, float) and cfg.data.timeout_s == 5.0
+    assert cfg.train.steps == 10 and cfg.optimizer.lr == pytest.approx(3e-3) and cfg.runtime.compile is True
+    assert cfg.optimizer.grad_clip == 1.0 and isinstance(cfg.optimizer.grad_clip, float) and cfg.data.timeout_s == 5.0
     assert cfg.nsa.gate_bias == (0.0, -1.0, 2.5) and cfg.nsa.fixed_gates == (1.0, 0.0, 0.0)
     assert RuntimeConfig(compile=True, tf32=False).compile is True  # real booleans are untouched
     for make in (lambda: ModelConfig(dim=True), lambda: NSAConfig(w=False), lambda: NSAConfig(gate_scale=True),
-                 lambda: TrainConfig(lr=True), lambda: DataConfig(prefetch_depth=False)):
+                 lambda: OptimizerConfig(lr=True), lambda: TrainConfig(steps=True),
+                 lambda: DataConfig(prefetch_depth=False)):
         with pytest.raises(ValidationError, match="not a boolean"):
             make()
     cfg = RunConfig()

@@ -26,13 +26,13 @@ from nsa.train import rundir
 from nsa.train.schedule import lr_multiplier
 from nsa.train.trainer import Trainer
 from nsa_cli.app import app
-from tests.conftest import clean_env, csv_rows, events, halt_at, nsa, quiet, resolve
+from tests.conftest import clean_env, csv_rows, events, halt_at, nan_loss_at, nsa, quiet, resolve
 
 runner = CliRunner()
 
 
-def _train(run: Path, steps: int, **extra: object):
-    return Trainer(resolve(run, steps, train__eval_every=0, **extra), reporter=quiet()).fit()
+def _train(run: Path, steps: int, step_hook=None, **extra: object):
+    return Trainer(resolve(run, steps, eval__every=0, **extra), reporter=quiet(), step_hook=step_hook).fit()
 
 
 def _corrupt_same_size(path: Path) -> None:
@@ -78,8 +78,8 @@ def test_a_live_run_refuses_a_second_trainer_and_stays_whole(tmp_path: Path) -> 
     run = tmp_path / "live"
     first = subprocess.Popen(
         [sys.executable, "-m", "nsa_cli", "train", "--config", "tiny", "--steps", "2000", "--out-dir", str(run),
-         "--seq-len", "32", "--batch-size", "2", "--set", "train.log_every=1", "--set", "train.eval_every=0",
-         "--set", "train.save_every=5"],
+         "--seq-len", "32", "--batch-size", "2", "--set", "logging.every=1", "--set", "eval.every=0",
+         "--set", "checkpoint.every=5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
     try:
         deadline = time.time() + 120
@@ -120,7 +120,7 @@ def test_halt_file_of_any_shape_gives_a_reason(tmp_path: Path, payload: bytes, r
 
 def test_a_non_utf8_halt_file_halts_with_a_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    result = Trainer(resolve(run, 40, train__eval_every=0, train__save_every=0), reporter=quiet(),
+    result = Trainer(resolve(run, 40, eval__every=0, checkpoint__every=0), reporter=quiet(),
                      step_hook=halt_at(run, 2, b"\xff\xfe stop \x80")).fit()
     assert result.status == "halted" and result.steps_done == 3
     halt = next(e for e in events(run) if e["event"] == "halt")
@@ -134,7 +134,7 @@ def test_a_checkpoint_corrupted_in_place_is_skipped_by_resume_and_loaders(tmp_pa
     from nsa.model.load import find_weights
 
     run = tmp_path / "run"
-    _train(run, 6, train__save_every=2)
+    _train(run, 6, checkpoint__every=2)
     newest = run / "checkpoints" / "step_00000006"
     size = (newest / "state.pt").stat().st_size
     _corrupt_same_size(newest / "state.pt")
@@ -157,7 +157,7 @@ def test_a_checkpoint_corrupted_in_place_is_skipped_by_resume_and_loaders(tmp_pa
     # an explicit resume of the corrupted one is refused; auto walks back and says so
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         Trainer(resolve(run, 8, train__resume=str(newest)), reporter=quiet())
-    out = Trainer(resolve(run, 8, train__resume="auto", train__eval_every=0), reporter=quiet())
+    out = Trainer(resolve(run, 8, train__resume="auto", eval__every=0), reporter=quiet())
     assert out.resume_from == run / "checkpoints" / "step_00000004"
     result = out.fit()
     assert result.status == "completed" and result.steps_done == 8 and math_finite(result.final_loss)
@@ -170,9 +170,9 @@ def math_finite(x: float | None) -> bool:
 
 def test_the_last_good_checkpoint_of_an_anomaly_is_one_that_verifies(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    _train(run, 4, train__save_every=2)
+    _train(run, 4, checkpoint__every=2)
     _corrupt_same_size(run / "checkpoints" / "step_00000004" / "state.pt")
-    result = _train(run, 8, train__resume="auto", train__save_every=0, train__fault_nan_at_step=6)
+    result = _train(run, 8, train__resume="auto", checkpoint__every=0, step_hook=nan_loss_at(6))
     assert result.status == "failed"
     record = json.loads((run / "anomalies" / "step_6.json").read_text())
     assert record["last_good_checkpoint"] == str(run / "checkpoints" / "step_00000002")
@@ -258,7 +258,7 @@ def test_a_full_disk_tears_no_line_leaves_no_temp_file_and_keeps_checkpoints(
     import nsa.train.telemetry as telemetry
 
     run = tmp_path / "run"
-    _train(run, 4, train__save_every=2)
+    _train(run, 4, checkpoint__every=2)
     _full_disk_after(monkeypatch, telemetry, 12)
     real_replace = os.replace
 
@@ -269,8 +269,8 @@ def test_a_full_disk_tears_no_line_leaves_no_temp_file_and_keeps_checkpoints(
 
     monkeypatch.setattr(telemetry.os, "replace", replace)
     res = runner.invoke(app, ["train", "--config", "tiny", "--steps", "40", "--out-dir", str(run), "--resume", "auto",
-                              "--seq-len", "32", "--batch-size", "2", "--set", "train.log_every=1",
-                              "--set", "train.eval_every=0", "--set", "train.save_every=2"], env={})
+                              "--seq-len", "32", "--batch-size", "2", "--set", "logging.every=1",
+                              "--set", "eval.every=0", "--set", "checkpoint.every=2"], env={})
     monkeypatch.undo()
     assert res.exit_code == 1, res.output
     line = res.output.strip().splitlines()[-1]
@@ -322,11 +322,11 @@ def test_json_written_atomically_keeps_the_old_file_on_failure(tmp_path: Path, m
 
 def test_resume_with_more_steps_uses_the_new_schedule_from_the_first_step(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    _train(run, 6, train__warmup_steps=2)
-    _train(run, 12, train__warmup_steps=2, train__resume="auto")
+    _train(run, 6, schedule__warmup_steps=2)
+    _train(run, 12, schedule__warmup_steps=2, train__resume="auto")
     rows = {int(r["step"]): float(r["lr"]) for r in csv_rows(run / "training.csv")}
-    peak = resolve(run, 12).config.train.lr
-    min_ratio = resolve(run, 12).config.train.min_lr_ratio
+    peak = resolve(run, 12).config.optimizer.lr
+    min_ratio = resolve(run, 12).config.schedule.min_lr_ratio
     assert rows[7] == pytest.approx(peak * lr_multiplier(6, 12, 2, min_ratio), rel=1e-9)
     assert rows[6] == pytest.approx(peak * lr_multiplier(5, 6, 2, min_ratio), rel=1e-9)
 

@@ -106,7 +106,7 @@ def _prepare(argv: list[str], scratch: Path) -> list[str]:
                 and not (scratch / "artifacts").exists():
             write_run(scratch / "artifacts" / "newest", steps=20, steps_total=20)
     if argv[0] == "train":
-        argv = [*argv, "--steps", TINY_STEPS, "--set", "train.eval_every=0", "--set", "train.save_every=0"]
+        argv = [*argv, "--steps", TINY_STEPS, "--set", "eval.every=0", "--set", "checkpoint.every=0"]
     return argv
 
 

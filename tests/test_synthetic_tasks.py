@@ -109,17 +109,17 @@ def test_the_trainer_reports_answer_loss_and_accuracy(tmp_path: Path) -> None:
     from tests.conftest import events, quiet, resolve
 
     run = tmp_path / "needle"
-    Trainer(resolve(run, 3, train__eval_every=0, data__source="synthetic", data__synthetic_task="needle"),
+    Trainer(resolve(run, 3, eval__every=0, data__source="synthetic", data__synthetic_task="needle"),
             reporter=quiet()).fit()
     rows = _rows(run)
     assert all(0 < float(r["answer_loss"]) < 20 and 0 <= float(r["answer_acc"]) <= 1 for r in rows)
     progress = [e for e in events(run) if e["event"] == "progress"]
     assert progress[-1]["answer_loss"] == pytest.approx(float(rows[-1]["answer_loss"]))
     answers_only = tmp_path / "answers"
-    Trainer(resolve(answers_only, 2, train__eval_every=0, data__source="synthetic", data__synthetic_task="mqar",
+    Trainer(resolve(answers_only, 2, eval__every=0, data__source="synthetic", data__synthetic_task="mqar",
                     data__synthetic_pairs=2, data__loss_on="answers"), reporter=quiet()).fit()
     for r in _rows(answers_only):
         assert float(r["loss"]) == pytest.approx(float(r["answer_loss"]), rel=1e-5)
     text = tmp_path / "text"
-    Trainer(resolve(text, 2, train__eval_every=0), reporter=quiet()).fit()
+    Trainer(resolve(text, 2, eval__every=0), reporter=quiet()).fit()
     assert all(r["answer_loss"] == "" and r["answer_acc"] == "" for r in _rows(text))

@@ -24,7 +24,7 @@ def test_precedence_defaults_yaml_profile_env_flags_set(tmp_path: Path) -> None:
     """defaults < config YAML < profile < NSA_* environment < flags < --set, with sources recorded."""
     cfg = _yaml(
         tmp_path / "c.yaml",
-        "train: {steps: 11, seq_len: 40, batch_size: 5, accum: 3, lr: 0.01, seed: 7}\n"
+        "train: {steps: 11, seq_len: 40, batch_size: 5, accum: 3, seed: 7}\noptimizer: {lr: 0.01}\n"
         "runtime: {device: cpu}\n",
     )
     prof = _yaml(
@@ -36,8 +36,8 @@ def test_precedence_defaults_yaml_profile_env_flags_set(tmp_path: Path) -> None:
     flags = flags_to_keys(accum=6, steps=None, lr=None)
     r = load_run_config(config=cfg, profile=str(prof), environ=env, flags=flags, sets=["train.accum=9"])
     t = r.config.train
-    assert t.weight_decay == 0.1 and r.source_of("train.weight_decay") == "default"
-    assert (t.steps, t.lr, t.seed) == (11, 0.01, 7) and r.source_of("train.steps") == "config c.yaml"
+    assert r.config.optimizer.weight_decay == 0.1 and r.source_of("optimizer.weight_decay") == "default"
+    assert (t.steps, r.config.optimizer.lr, t.seed) == (11, 0.01, 7) and r.source_of("train.steps") == "config c.yaml"
     assert t.seq_len == 48 and r.source_of("train.seq_len") == "profile p"
     assert t.batch_size == 7 and r.source_of("train.batch_size") == "env NSA_BATCH_SIZE"
     assert r.config.data.prefetch_depth == 1 and r.source_of("data.prefetch_depth") == "env NSA_PREFETCH_DEPTH"
@@ -52,7 +52,7 @@ def test_flag_mapping_covers_every_documented_flag() -> None:
         tokenizer="byte", seed=5, resume="auto", attention="dense", compile=False,
     )
     assert keys == {
-        "train.steps": 1, "train.seq_len": 2, "train.batch_size": 3, "train.accum": 4, "train.lr": 0.5,
+        "train.steps": 1, "train.seq_len": 2, "train.batch_size": 3, "train.accum": 4, "optimizer.lr": 0.5,
         "train.out_dir": "o", "data.source": "local", "data.path": "p", "data.tokenizer": "byte",
         "train.seed": 5, "train.resume": "auto", "model.attention": "dense", "runtime.compile": False,
     }
@@ -77,7 +77,7 @@ BAD = [
     (["--seq-len", "128", "--set", "model.max_seq_len=64"], {}, "train.seq_len"),
     (["--set", "runtime.device=cpu", "--set", "runtime.precision=bf16"], {}, "runtime.precision"),
     (["--set", "runtime.precision=fp16"], {}, "runtime.precision"),
-    (["--set", "train.eval_every=5", "--set", "data.val_fraction=0"], {}, "train.eval_every"),
+    (["--set", "eval.every=5", "--set", "data.val_fraction=0"], {}, "eval.every"),
     (["--dataset", "local"], {}, "data.path"),
     (["--dataset", "nowhere"], {}, "data.source"),
     (["--attention", "sparse"], {}, "model.attention"),
@@ -86,7 +86,7 @@ BAD = [
     (["--resume", "/nonexistent/ckpt"], {}, "train.resume"),
     (["--profile", "no-such-profile"], {}, "profile"),
     (["--set", "train.fault_nan_at_step=99"], {}, "train.fault_nan_at_step"),
-    (["--set", "train.lr=-1"], {}, "train.lr"),
+    (["--set", "optimizer.lr=-1"], {}, "optimizer.lr"),
     ([], {"NSA_COMPILE_MODE": "fastest"}, "NSA_COMPILE_MODE"),
 ]
 

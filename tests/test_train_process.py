@@ -20,8 +20,8 @@ import torch
 from nsa.runs.dump import dump_stacks
 from nsa.train.checkpoint import latest_checkpoint, load_state
 
-TINY = ["--config", "tiny", "--seq-len", "32", "--batch-size", "2", "--set", "train.log_every=1",
-        "--set", "train.warmup_steps=2", "--set", "runtime.deterministic=true"]
+TINY = ["--config", "tiny", "--seq-len", "32", "--batch-size", "2", "--set", "logging.every=1",
+        "--set", "schedule.warmup_steps=2", "--set", "runtime.deterministic=true"]
 
 
 def _env() -> dict[str, str]:
@@ -75,7 +75,7 @@ def run_ok(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess
 def test_sigusr_then_sigkill_then_resume_reproduces_the_losses(tmp_path: Path) -> None:
     """SIGUSR1 dumps stacks, SIGUSR2 checkpoints and continues; after a SIGKILL, ``--resume auto``
     continues from the newest complete checkpoint and logs exactly the losses of an uninterrupted run."""
-    steps = ["--steps", "24", "--set", "train.save_every=5", "--set", "train.eval_every=0"]
+    steps = ["--steps", "24", "--set", "checkpoint.every=5", "--set", "eval.every=0"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     proc = subprocess.Popen(cmd(*steps, "--out-dir", str(cut)), env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -113,8 +113,8 @@ def test_two_rank_gloo_run_halted_through_the_launcher(tmp_path: Path) -> None:
     at the same step with one checkpoint holding both ranks' data positions, and exits 0."""
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        cmd("--nproc-per-node", "2", "--steps", "500", "--accum", "2", "--set", "train.save_every=2",
-            "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--out-dir", str(run)),
+        cmd("--nproc-per-node", "2", "--steps", "500", "--accum", "2", "--set", "checkpoint.every=2",
+            "--set", "eval.every=2", "--set", "eval.batches=1", "--out-dir", str(run)),
         env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     try:

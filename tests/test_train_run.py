@@ -18,7 +18,7 @@ from nsa.config import load_run_config
 from nsa.train.checkpoint import latest_checkpoint, list_checkpoints, load_state
 from nsa.train.telemetry import COMMON_FIELDS, EVENT_FIELDS, TRAIN_CSV_HEADER, VAL_CSV_HEADER
 from nsa.train.trainer import Trainer
-from tests.conftest import csv_rows, events, halt_at, quiet, resolve, signal_at
+from tests.conftest import cli_trainer_hook, csv_rows, events, halt_at, nan_loss_at, quiet, resolve, signal_at
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "run-directory.md"
 
@@ -38,7 +38,7 @@ def documented_events() -> dict[str, set[str]]:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("full") / "run"
-    r = resolve(out, 16, train__save_every=8, train__eval_every=8, train__keep_last=1)
+    r = resolve(out, 16, checkpoint__every=8, eval__every=8, checkpoint__keep_last=1)
     result = Trainer(r, reporter=quiet()).fit()
     assert result.status == "completed" and result.steps_done == 16 and result.run_dir == out
     return out
@@ -54,7 +54,7 @@ def test_run_directory_is_complete(full_run: Path) -> None:
     assert list((full_run / "tb").glob("events.out.tfevents.*"))
     assert {p.name for p in (full_run / "export").iterdir()} == {"model.safetensors", "config.yaml", "tokenizer.json"}
     cfg = yaml.safe_load((full_run / "config.yaml").read_text())
-    assert cfg["train"]["steps"] == 16 and cfg["train"]["seq_len"] == 32 and set(cfg) == {"model", "nsa", "runtime", "train", "data", "monitor"}
+    assert cfg["train"]["steps"] == 16 and cfg["train"]["seq_len"] == 32 and set(cfg) == {"model", "nsa", "runtime", "train", "optimizer", "schedule", "checkpoint", "logging", "eval", "data", "monitor"}
     assert "# _sources" in (full_run / "config.yaml").read_text()
     env = json.loads((full_run / "env.json").read_text())
     for key in ("versions", "device", "driver", "git", "nsa_settings", "environment"):
@@ -117,7 +117,7 @@ def test_loss_falls(full_run: Path) -> None:
 def test_halt_file_then_resume_archives_stale_halt(tmp_path: Path) -> None:
     run = tmp_path / "run"
     hook = halt_at(run, 2, json.dumps({"reason": "operator test", "who": "pytest"}))
-    result = Trainer(resolve(run, 40, train__save_every=0), reporter=quiet(), step_hook=hook).fit()
+    result = Trainer(resolve(run, 40, checkpoint__every=0), reporter=quiet(), step_hook=hook).fit()
     assert result.status == "halted" and result.steps_done == 3  # written after step 2, read during step 3
     evs = events(run)
     halt = next(e for e in evs if e["event"] == "halt")
@@ -129,7 +129,7 @@ def test_halt_file_then_resume_archives_stale_halt(tmp_path: Path) -> None:
     assert (run / ".HALT").exists()
 
     # resume: the .HALT from before is archived, not obeyed
-    resumed = Trainer(resolve(run, result.steps_done + 2, train__resume="auto", train__save_every=0), reporter=quiet()).fit()
+    resumed = Trainer(resolve(run, result.steps_done + 2, train__resume="auto", checkpoint__every=0), reporter=quiet()).fit()
     assert resumed.status == "completed" and resumed.steps_done == result.steps_done + 2
     assert not (run / ".HALT").exists()
     archived = list((run / "halts").iterdir())
@@ -142,13 +142,13 @@ def test_halt_file_then_resume_archives_stale_halt(tmp_path: Path) -> None:
     assert again.metrics["steps_this_session"] == 0
 
 
-def test_nan_injection_halts_with_last_good_checkpoint(tmp_path: Path) -> None:
+def test_nan_injection_halts_with_last_good_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from nsa_cli.app import app
 
     run = tmp_path / "run"
+    cli_trainer_hook(monkeypatch, nan_loss_at(5))  # the loss of step 5 becomes NaN
     args = ["train", "--config", "tiny", "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--out-dir", str(run),
-            "--set", "train.save_every=2", "--set", "train.fault_nan_at_step=5", "--set", "train.log_every=1",
-            "--set", "train.eval_every=0"]
+            "--set", "checkpoint.every=2", "--set", "logging.every=1", "--set", "eval.every=0"]
     res = CliRunner().invoke(app, args, env={})
     assert res.exit_code == 1, res.output
     assert [p.name for p in list_checkpoints(run)][-1] == "step_00000004"
@@ -172,7 +172,7 @@ def test_loader_position_round_trip(tmp_path: Path) -> None:
     from nsa.data.tokenizers import get_tokenizer
 
     run = tmp_path / "run"
-    r = resolve(run, 3, train__accum=2, train__save_every=3, train__eval_every=0)
+    r = resolve(run, 3, train__accum=2, checkpoint__every=3, eval__every=0)
     Trainer(r, reporter=quiet()).fit()
     state = load_state(latest_checkpoint(run))
     assert len(state["loader"]) == 1 and state["loader"][0]["batches"] == 6
@@ -197,7 +197,7 @@ def test_bad_records_are_counted(tmp_path: Path) -> None:
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
     r = resolve(run, 4, data__source="local", data__path=str(data), data__val_fraction=0.0,
-                train__eval_every=0, train__save_every=0)
+                eval__every=0, checkpoint__every=0)
     assert Trainer(r, reporter=quiet()).fit().status == "completed"
     skipped = json.loads((run / "metrics.json").read_text())["data"]["skipped"]
     assert skipped.get("empty", 0) >= 1 and skipped.get("not_str", 0) >= 1 and skipped.get("missing_field", 0) >= 1
@@ -217,7 +217,7 @@ def test_resume_with_another_model_is_refused_before_work(full_run: Path) -> Non
 @pytest.mark.gpu
 def test_gpu_bf16_run_reports_memory_and_mfu(tmp_path: Path) -> None:
     r = resolve(tmp_path / "run", 6, runtime__device="cuda", runtime__precision="auto",
-                runtime__deterministic=False, train__save_every=3, train__eval_every=3)
+                runtime__deterministic=False, checkpoint__every=3, eval__every=3)
     result = Trainer(r, reporter=quiet()).fit()
     assert result.status == "completed"
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
@@ -238,7 +238,7 @@ def test_synthetic_fallback_is_recorded_loudly(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     run = tmp_path / "run"
     r = resolve(run, 2, data__source="fineweb_edu", data__hf_dataset="nsa-test/not-a-dataset",
-                data__synthetic_on_fail=True, data__timeout_s=30, train__eval_every=0, train__save_every=0)
+                data__synthetic_on_fail=True, data__timeout_s=30, eval__every=0, checkpoint__every=0)
     console = quiet()
     assert Trainer(r, reporter=console).fit().status == "completed"
     assert "WARNING" in console.text() and "SYNTHETIC" in console.text()
@@ -283,7 +283,7 @@ def test_sigterm_halts_like_the_halt_file(tmp_path: Path) -> None:
 
     run = tmp_path / "run"
     previous = signal.getsignal(signal.SIGTERM)
-    result = Trainer(resolve(run, 40, train__save_every=0, train__eval_every=0), reporter=quiet(),
+    result = Trainer(resolve(run, 40, checkpoint__every=0, eval__every=0), reporter=quiet(),
                      step_hook=signal_at(2, signal.SIGTERM)).fit()
     assert signal.getsignal(signal.SIGTERM) is previous  # handlers are removed after the run
     assert result.status == "halted" and result.steps_done == 3  # sent after step 2, acted on in step 3
@@ -318,7 +318,7 @@ def test_init_from_starts_from_the_weights(full_run: Path, tmp_path: Path) -> No
     from safetensors.torch import load_file
 
     out = tmp_path / "b"
-    r = resolve(out, 1, train__save_every=0, train__init_from=str(full_run), train__lr=1e-12, train__seq_len=64)
+    r = resolve(out, 1, checkpoint__every=0, train__init_from=str(full_run), optimizer__lr=1e-12, train__seq_len=64)
     result = Trainer(r, reporter=quiet()).fit()
     assert result.status == "completed" and result.steps_done == 1
     a, b = load_file(full_run / "export" / "model.safetensors"), load_file(out / "export" / "model.safetensors")
@@ -340,8 +340,8 @@ def test_init_from_an_export_with_tied_embeddings(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     src, dst = tmp_path / "a", tmp_path / "b"
-    Trainer(resolve(src, 2, train__save_every=0, model__tie_embeddings=True), reporter=quiet()).fit()
-    r = resolve(dst, 1, train__save_every=0, train__init_from=str(src), train__lr=1e-12, model__tie_embeddings=True)
+    Trainer(resolve(src, 2, checkpoint__every=0, model__tie_embeddings=True), reporter=quiet()).fit()
+    r = resolve(dst, 1, checkpoint__every=0, train__init_from=str(src), optimizer__lr=1e-12, model__tie_embeddings=True)
     assert Trainer(r, reporter=quiet()).fit().status == "completed"
     a, b = load_file(src / "export" / "model.safetensors"), load_file(dst / "export" / "model.safetensors")
     assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6

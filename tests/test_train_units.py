@@ -154,7 +154,7 @@ def test_peak_flops_table() -> None:
     assert peak_flops("NVIDIA A100-SXM4-80GB", None)[0] == 312e12
     assert peak_flops("NVIDIA H100 PCIe", None)[0] == 756e12
     assert peak_flops("cpu", None)[0] is None
-    assert peak_flops("cpu", 2.0) == (2e12, "train.mfu_peak_tflops")
+    assert peak_flops("cpu", 2.0) == (2e12, "logging.mfu_peak_tflops")
 
 
 def test_signal_flags_set_by_handlers() -> None:

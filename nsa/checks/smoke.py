@@ -162,6 +162,9 @@ def run_smoke(
     prof = load_profile(name)  # a bad --profile is a usage error (ConfigError)
     smoke = prof.smoke
     config = config or smoke.config
+    # each value's origin as typed: the flag, or where the smoke's own default came from
+    origins = {"train.steps": "--steps" if steps else f"profile {prof.name} smoke.steps",
+               "train.out_dir": "--out-dir" if out_dir is not None else "nsa smoke (its default run directory)"}
     steps = steps or smoke.steps
     if out_dir is None:
         out_dir = Path("artifacts") / f"smoke-{prof.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -189,7 +192,8 @@ def run_smoke(
 
     # 2. resolve the smoke run's config (usage errors surface as ConfigError)
     flags: dict[str, Any] = {"train.steps": steps, "train.out_dir": str(out_dir)}
-    resolved = load_run_config(config, profile=profile or prof.name, environ=environ, flags=flags, sets=sets)
+    resolved = load_run_config(config, profile=profile or prof.name, environ=environ, flags=flags, sets=sets,
+                               flag_names=origins)
     device = resolved.config.runtime.device
     if device == "auto":
         import torch

@@ -6,16 +6,20 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from nsa.config.section import ConfigSection
+from nsa.config.section import ConfigSection, exposed
 
 
 class DataConfig(ConfigSection):
     """Where tokens come from and how they are loaded."""
 
-    source: Literal["embedded", "local", "synthetic", "fineweb_edu"] = "embedded"
-    path: str | None = Field(None, description="file or folder for source=local")
+    source: Literal["embedded", "local", "synthetic", "fineweb_edu"] = Field(
+        "embedded", description="data source: embedded, local, synthetic, fineweb_edu",
+        json_schema_extra=exposed(env="NSA_DATASET", flag="--dataset"))
+    path: str | None = Field(None, description="file or folder for source=local",
+                             json_schema_extra=exposed(env="NSA_DATA_PATH", flag="--data-path"))
     text_field: str = "text"
-    tokenizer: Literal["byte", "gpt2"] = "byte"
+    tokenizer: Literal["byte", "gpt2"] = Field("byte", description="byte or gpt2",
+                                               json_schema_extra=exposed(env="NSA_TOKENIZER", flag="--tokenizer"))
     tokenizer_path: str | None = Field(None, description="folder of a local HF tokenizer (gpt2)")
     synthetic_task: Literal["random", "assoc_recall", "needle", "mqar"] = "assoc_recall"
     synthetic_pairs: int = Field(8, ge=1, le=32, description="key/value pairs (and queries) of synthetic_task=mqar")
@@ -25,9 +29,11 @@ class DataConfig(ConfigSection):
     hf_dataset: str = "HuggingFaceFW/fineweb-edu"
     hf_config: str = "sample-10BT"
     hf_split: str = "train"
-    timeout_s: float = Field(60.0, gt=0, description="connect/first-batch timeout for streaming")
+    timeout_s: float = Field(60.0, gt=0, description="connect/first-batch timeout for streaming, seconds",
+                             json_schema_extra=exposed(env="NSA_LOADER_TIMEOUT"))
     synthetic_on_fail: bool = False
-    prefetch_depth: int = Field(4, ge=0, description="batches prepared ahead; 0 loads inline")
+    prefetch_depth: int = Field(4, ge=0, description="batches prepared ahead; 0 loads inline",
+                                json_schema_extra=exposed(env="NSA_PREFETCH_DEPTH"))
     val_fraction: float = Field(0.02, ge=0, lt=1, description="share of documents held out")
     max_doc_chars: int = Field(1_000_000, ge=1, description="longer documents are skipped and counted")
     document_mask: bool = Field(

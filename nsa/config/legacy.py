@@ -1,9 +1,12 @@
-"""The older system's inputs, mapped to today's settings (``docs/migrating.md``): its YAML keys, its
-``NSA_*`` knobs (hints that depend on the value set) and its ``CONFIG=path`` variable.
+"""Inputs of earlier versions, mapped to today's settings (``docs/migrating.md``): the older system's YAML
+keys, its ``NSA_*`` knobs (hints that depend on the value set) and its ``CONFIG=path`` variable; and this
+toolkit's own keys that moved or went away (deprecated, read for one release).
 
-An old YAML key becomes today's key with a one-line note (``train.accumulate_grad_batches: 2`` ->
-``train.accum=2``), or is dropped with a note saying why (``runtime.sel_triton_min_L``: the dispatcher
-picks per call); a value with no equivalent is refused, all such keys in one message.
+An old key becomes today's key with a one-line note (``train.accumulate_grad_batches: 2`` ->
+``train.accum=2``; ``train.lr`` -> ``optimizer.lr``), or is dropped with a note saying why
+(``runtime.sel_triton_min_L``: the dispatcher picks per call); a value with no equivalent is refused, all
+such keys in one message. A config saved by a run (``config.yaml``, a checkpoint) is mapped silently, and
+keys that went away are dropped whatever their value (the run it describes did not use them).
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ def _accum(value: Any) -> Change:
     return {"train.accum": value}, f"train.accumulate_grad_batches={value} -> train.accum={value}"
 
 
+_WINDOW_KERNEL = "the window branch's kernel comes with runtime.attn_backend (Triton on CUDA)"
+
+
 def _use_flash(value: Any) -> Change:
     return {}, (f"runtime.use_flash={value} dropped: dense attention uses torch SDPA's own backend choice and "
-                "the window branch's kernel is picked per call (runtime.window_backend)")
+                f"{_WINDOW_KERNEL}")
 
 
 def _use_triton_sel(value: Any) -> Change:
@@ -59,18 +65,19 @@ def _sel_triton_min_len(value: Any) -> Change:
 def _lr_schedule(value: Any) -> Change:
     name = str(value).strip().lower()
     if name in ("cosine", "warmup_cosine", "cos"):
-        return {}, f"train.lr_schedule={value} dropped: the schedule is always linear warmup, then cosine to train.min_lr_ratio"
+        return {}, (f"train.lr_schedule={value} dropped: the schedule is always linear warmup, then cosine to "
+                    "schedule.min_lr_ratio")
     if name in ("constant", "const", "none"):
-        return {"train.min_lr_ratio": 1.0}, (f"train.lr_schedule={value} -> train.min_lr_ratio=1.0 (warmup, then the "
-                                             "peak rate throughout)")
-    raise ValueError("no equivalent: the schedule is linear warmup then cosine (train.min_lr_ratio sets its floor; "
-                     "1.0 keeps the rate constant)")
+        return {"schedule.min_lr_ratio": 1.0}, (f"train.lr_schedule={value} -> schedule.min_lr_ratio=1.0 (warmup, "
+                                                "then the peak rate throughout)")
+    raise ValueError("no equivalent: the schedule is linear warmup then cosine (schedule.min_lr_ratio sets its "
+                     "floor; 1.0 keeps the rate constant)")
 
 
 def _fa2_enabled(value: Any) -> Change:
     if _truthy(value):
-        return {"runtime.window_backend": "flash"}, f"runtime.fa2_enabled={value} -> runtime.window_backend=flash"
-    return {}, f"runtime.fa2_enabled={value} dropped: flash-attn is not used by default (runtime.window_backend=auto)"
+        return {}, f"runtime.fa2_enabled={value} dropped: flash-attn is not used; {_WINDOW_KERNEL}"
+    return {}, f"runtime.fa2_enabled={value} dropped: flash-attn is not used by default"
 
 
 def _fa2_min_len(key: str) -> Callable[[Any], Change]:
@@ -93,36 +100,98 @@ OLD_KEYS: dict[str, Callable[[Any], Change]] = {
 }
 
 
-def translate_old_keys(tree: dict[str, Any], origin: str) -> tuple[dict[str, Any], list[str]]:
-    """``tree`` (a config file's sections) with the older system's keys replaced by today's, and one note
-    per key. An old key whose value has no equivalent raises ``ConfigError`` naming every such key at once;
-    a key set both ways (``accumulate_grad_batches`` and ``accum``) keeps today's and says so."""
+# This toolkit's keys that moved when ``train`` was split into one section per component (deprecated: read,
+# with a note, until the next release). old dotted key -> today's dotted key
+MOVED_KEYS: dict[str, str] = {
+    "train.lr": "optimizer.lr",
+    "train.weight_decay": "optimizer.weight_decay",
+    "train.beta1": "optimizer.beta1",
+    "train.beta2": "optimizer.beta2",
+    "train.grad_clip": "optimizer.grad_clip",
+    "train.warmup_steps": "schedule.warmup_steps",
+    "train.min_lr_ratio": "schedule.min_lr_ratio",
+    "train.save_every": "checkpoint.every",
+    "train.keep_last": "checkpoint.keep_last",
+    "train.log_every": "logging.every",
+    "train.heartbeat_every": "logging.heartbeat_every",
+    "train.mfu_peak_tflops": "logging.mfu_peak_tflops",
+    "train.eval_every": "eval.every",
+    "train.eval_batches": "eval.batches",
+}
+
+
+def _window_backend(value: Any) -> Change:
+    if str(value).strip().lower() == "auto":
+        return {}, f"runtime.window_backend={value} dropped: {_WINDOW_KERNEL}"
+    raise ValueError(f"removed: {_WINDOW_KERNEL}; set runtime.attn_backend instead")
+
+
+def _fault_nan_at_step(value: Any) -> Change:
+    if value is None or str(value).strip().lower() in ("", "null", "none"):
+        return {}, "train.fault_nan_at_step=null dropped: fault injection is a test's Trainer(step_hook=...)"
+    raise ValueError("removed: tests inject faults through Trainer(step_hook=...)")
+
+
+# This toolkit's keys that went away (a config saved by an earlier version holds them): old dotted key ->
+# translator (ValueError: refused, a value that asked for something)
+REMOVED_KEYS: dict[str, Callable[[Any], Change]] = {
+    "runtime.window_backend": _window_backend,
+    "train.fault_nan_at_step": _fault_nan_at_step,
+}
+
+
+def _moved(new: str) -> Callable[[Any], Change]:
+    def translate(value: Any) -> Change:
+        return {new: value}, ""
+
+    return translate
+
+
+def translate_old_keys(tree: dict[str, Any], origin: str, *, saved: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """``tree`` (a config's sections) with earlier keys replaced by today's, and one note per key. An old key
+    whose value has no equivalent raises ``ConfigError`` naming every such key at once; a key set both ways
+    (``accumulate_grad_batches`` and ``accum``, ``train.lr`` and ``optimizer.lr``) keeps today's and says so.
+    ``saved``: a config written by a run (``config.yaml``, a checkpoint): keys that went away are dropped
+    whatever their value."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
     notes: list[str] = []
     refused: list[str] = []
-    for old, translate in OLD_KEYS.items():
+    table: list[tuple[str, Callable[[Any], Change], str]] = [
+        *((old, fn, "older system's key") for old, fn in OLD_KEYS.items()),
+        *((old, _moved(new), "") for old, new in MOVED_KEYS.items()),
+        *((old, fn, "removed key") for old, fn in REMOVED_KEYS.items()),
+    ]
+    for old, translate, kind in table:
         section, key = old.split(".")
         sec = out.get(section)
         if not isinstance(sec, dict) or key not in sec:
             continue
         value = sec.pop(key)
-        try:
-            changes, note = translate(_yaml(value) if isinstance(value, bool) else value)
+        if saved and old in REMOVED_KEYS:
+            continue
+        try:  # a moved key keeps its value as written (a boolean for a number is refused as such)
+            changes, note = translate(_yaml(value) if isinstance(value, bool) and kind else value)
         except ValueError as exc:
             refused.append(f"{old}={_yaml(value)} ({exc})")
             continue
-        for dotted, new in changes.items():
+        if not note:  # a moved key
+            new = next(iter(changes))
+            note = f"{old} is deprecated, use {new} (the old key is read until the next release)"
+        for dotted, new_value in changes.items():
             s2, k2 = dotted.split(".")
             target = out.setdefault(s2, {})
-            if k2 in target and target[k2] != new:
+            if k2 in target and target[k2] != new_value:
                 note = f"{old}={_yaml(value)} ignored: {dotted}={_yaml(target[k2])} is also set"
                 continue
-            target[k2] = new
-        notes.append(f"{origin}: {note} (older system's key)")
+            target[k2] = new_value
+        notes.append(f"{origin}: {note}" + (f" ({kind})" if kind else ""))
     if refused:
-        raise ConfigError(f"{origin}: older system's key(s) without an equivalent: {'; '.join(refused)}",
+        raise ConfigError(f"{origin}: key(s) without an equivalent: {'; '.join(refused)}",
                           hint="remove them (docs/migrating.md maps every older key)")
-    return out, notes
+    for section, keys in tree.items():  # a section that held only old keys is gone, not an empty leaf
+        if isinstance(keys, dict) and keys and out.get(section) == {}:
+            del out[section]
+    return out, ([] if saved else notes)
 
 
 # ---- NSA_* knobs of the older system: hints that depend on the value ---------------------------------
@@ -157,9 +226,9 @@ def _timeout(value: str | None) -> str:
     return f"replaced by NSA_LOADER_TIMEOUT{shown} (data.timeout_s, seconds)"
 
 
-_FA2_ON = "replaced by NSA_WINDOW_BACKEND=flash (runtime.window_backend; auto picks the window path per call)"
-_FA2_OFF = (f"{_NOTHING}: flash-attn is not used by default (NSA_WINDOW_BACKEND=auto); to name a window path, "
-            "NSA_WINDOW_BACKEND=triton, flex or torch")
+_FA2_ON = ("gone: flash-attn is not used; the window branch's kernel comes with NSA_ATTN_BACKEND "
+           "(runtime.attn_backend; Triton on CUDA)")
+_FA2_OFF = f"{_NOTHING}: flash-attn is not used"
 _BACKEND_FAST = "nothing to set: the dispatcher picks the fastest exact path per call (NSA_ATTN_BACKEND=auto)"
 _DEBUG_OFF = f"{_NOTHING}: off is the default"
 
@@ -201,9 +270,21 @@ LEGACY_VARS: dict[str, Callable[[str | None], str]] = {
     "NSA_ROPE_SCALE": _fixed("gone: set model.rope_theta instead"),
 }
 
+# ``NSA_*`` variables of earlier versions of this toolkit, with what replaced them
+REMOVED_VARS: dict[str, Callable[[str | None], str]] = {
+    "NSA_WINDOW_BACKEND": _fixed("removed: the window branch's kernel comes with NSA_ATTN_BACKEND "
+                                 "(runtime.attn_backend; Triton on CUDA)"),
+}
+
 
 def legacy_hint(name: str, value: str | None = None) -> str | None:
     """What replaced the older system's ``NSA_*`` knob ``name`` given the value it is set to (None: not
     one of them). ``NSA_USE_FA2=0`` says there is nothing to set, ``=1`` how to ask for flash-attn."""
     fn = LEGACY_VARS.get(name.upper())
+    return None if fn is None else fn(value)
+
+
+def removed_hint(name: str, value: str | None = None) -> str | None:
+    """What replaced an ``NSA_*`` variable this toolkit read before (None: not one of them)."""
+    fn = REMOVED_VARS.get(name.upper())
     return None if fn is None else fn(value)

@@ -11,11 +11,13 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from nsa.config.fields import key_flags
 from nsa.config.files import format_validation_error, read_yaml
 from nsa.config.legacy import CONFIG_VAR, translate_old_keys
 from nsa.config.profiles import load_profile
 from nsa.config.run import CONFIG_DIR, RunConfig
 from nsa.config.settings import config_from_env, describe_unknown_env, env_overlay
+from nsa.configs import named_configs as named_configs  # the one list of shipped configs (a torch-free leaf)
 from nsa.errors import ConfigError
 
 
@@ -33,11 +35,6 @@ class ResolvedConfig:
 
     def source_of(self, dotted: str) -> str:
         return self.sources.get(dotted, "default")
-
-
-def named_configs() -> list[str]:
-    """Names of the configs shipped with the package (``--config NAME``)."""
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def find_config(name_or_path: str | Path) -> Path:
@@ -110,7 +107,7 @@ def parse_set(item: str) -> tuple[str, Any]:
     key, raw = item.split("=", 1)
     key = key.strip()
     if key.count(".") != 1:
-        raise ConfigError(f"--set '{item}': key must be section.key (e.g. train.lr=3e-4)")
+        raise ConfigError(f"--set '{item}': key must be section.key (e.g. optimizer.lr=3e-4)")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
@@ -136,8 +133,10 @@ def fill_legacy(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def saved_run_config(tree: dict[str, Any]) -> RunConfig:
-    """Validate a config saved by a run (see ``fill_legacy``)."""
-    return validate_run_config(fill_legacy(tree))
+    """Validate a config saved by a run (see ``fill_legacy``); keys of earlier versions are mapped silently
+    (``train.lr`` -> ``optimizer.lr``) and those that went away dropped (``nsa.config.legacy``)."""
+    mapped, _ = translate_old_keys(tree, "saved config", saved=True)
+    return validate_run_config(fill_legacy(mapped))
 
 
 def validate_run_config(tree: dict[str, Any], sources: dict[str, str] | None = None) -> RunConfig:
@@ -158,15 +157,21 @@ def load_run_config(
     """Resolve a run config from its sources (see module docstring for precedence).
 
     ``flag_names`` maps a dotted key of ``flags`` to the flag the user typed (``data.source`` ->
-    ``--dataset``), for the origin of each value. Without ``config``, the older system's ``CONFIG=path``
-    variable is read in its place; the older system's YAML keys are mapped (``nsa.config.legacy``); both
-    with a line in ``ResolvedConfig.notes``."""
+    ``--dataset``, ``runtime.compile`` -> ``--no-compile``), for the origin of each value (``flag --dataset``);
+    a name that is not a flag is the origin itself (``profile cpu smoke.steps``); without one, the key's flag
+    from the config's metadata. Without ``config``, the older system's ``CONFIG=path`` variable is read in
+    its place; keys of earlier versions (the older system's YAML keys, ``train.lr`` before the sections
+    split) are mapped in the config file, ``flags`` and ``--set`` (``nsa.config.legacy``); each with a line
+    in ``ResolvedConfig.notes``."""
 
     tree: dict[str, Any] = {}
     sources: dict[str, str] = {}
     notes: list[str] = []
 
-    def apply(layer: dict[str, Any], origin: str) -> None:
+    def apply(layer: dict[str, Any], origin: str, translate: bool = False) -> None:
+        if translate:  # keys of earlier versions, one note each (the config file is translated as it is read)
+            layer, changed = translate_old_keys(layer, origin)
+            notes.extend(changed)
         _check_keys(layer, origin)
         for dotted, value in leaves(layer).items():
             _set_dotted(tree, dotted, copy.deepcopy(value))
@@ -193,11 +198,10 @@ def load_run_config(
         apply(_nest(dotted, value), f"env {var}")
     for dotted, value in (flags or {}).items():
         if value is not None:
-            flag = (flag_names or {}).get(dotted) or f"--{dotted.split('.')[-1].replace('_', '-')}"
-            apply(_nest(dotted, value), f"flag {flag}")
+            apply(_nest(dotted, value), _flag_origin(dotted, flag_names), translate=True)
     for item in sets or []:
         dotted, value = parse_set(item)
-        apply(_nest(dotted, value), f"--set {dotted}")
+        apply(_nest(dotted, value), f"--set {dotted}", translate=True)
     cfg = validate_run_config(tree, sources)
     return ResolvedConfig(cfg, sources, unknown, profile_name, config_path, notes, describe_unknown_env(environ))
 
@@ -212,7 +216,7 @@ def default_config_note(resolved: ResolvedConfig) -> str | None:
     data = ("the small corpus shipped with nsa (Python stdlib docstrings, 1.3M characters)" if d.source == "embedded"
             else f"data.source={d.source}")
     return (f"no --config given: the default model (dim {m.dim} x {m.n_layers} layers, {m.n_heads} heads, "
-            f"{m.attention}) trains on {data}; pass --config tiny, m7c-125m or a YAML path for another")
+            f"{m.attention}) trains on {data}; pass --config {', '.join(named_configs())} or a YAML path for another")
 
 
 def _config_or_env(config: str | Path | None, environ: dict[str, str] | None) -> tuple[str | Path | None, str | None, bool]:
@@ -236,6 +240,13 @@ def _find_env_config(name: str | Path) -> Path:
                           hint=f"pass --config NAME|PATH, or unset {CONFIG_VAR}") from None
 
 
+def _flag_origin(dotted: str, flag_names: dict[str, str] | None) -> str:
+    """``flag --dataset`` for ``data.source``: the name the caller gives (a flag, or a whole origin such as
+    ``profile cpu smoke.steps``), else the key's flag in the config's metadata, else one made of the key."""
+    name = (flag_names or {}).get(dotted) or key_flags().get(dotted) or f"--{dotted.split('.')[-1].replace('_', '-')}"
+    return f"flag {name}" if name.startswith("-") else name
+
+
 def _nest(dotted: str, value: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     _set_dotted(out, dotted, value)
@@ -254,6 +265,6 @@ def leaves_with_vars(env_layer: dict[str, Any]) -> dict[str, tuple[Any, str]]:
 def load_named(name: str) -> RunConfig:
     """A shipped config (``tiny``, ``m7c-125m``) with defaults for everything it leaves out."""
     path = find_config(name)
-    tree = read_yaml(path)
+    tree, _ = translate_old_keys(read_yaml(path), f"config {path.name}")
     _check_keys(tree, f"config {path.name}")
     return validate_run_config(tree)

@@ -1,4 +1,4 @@
-"""Validated configuration: model, NSA, runtime, train and data sections, and their resolution.
+"""Validated configuration: the model, NSA and runtime sections, and ``RunConfig`` holding every section.
 
 Precedence, lowest to highest: defaults < config YAML < hardware profile < ``NSA_*`` environment <
 command-line flags and ``--set section.key=value``. ``load_run_config`` records where each value came
@@ -7,7 +7,6 @@ from so that ``nsa profiles show`` and the run directory can say it.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 import yaml
@@ -15,11 +14,17 @@ from pydantic import Field, model_validator
 
 from nsa.config.data import DataConfig
 from nsa.config.monitor import MonitorConfig
-from nsa.config.section import ConfigSection
-from nsa.config.train import TrainConfig
+from nsa.config.section import ConfigSection, exposed
+from nsa.config.train import (
+    CheckpointConfig,
+    EvalConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
+from nsa.configs import CONFIG_DIR as CONFIG_DIR  # the shipped configs (nsa/configs/*.yaml)
 from nsa.params import NSAParams
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 class _Section(ConfigSection):
@@ -40,7 +45,8 @@ class ModelConfig(_Section):
     norm_eps: float = Field(1e-5, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
     max_seq_len: int = Field(65536, ge=1)
-    attention: Literal["nsa", "dense"] = "nsa"
+    attention: Literal["nsa", "dense"] = Field("nsa", description="nsa or dense (SDPA causal)",
+                                               json_schema_extra=exposed(flag="--attention"))
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
 
@@ -99,23 +105,29 @@ class NSAConfig(_Section):
 class RuntimeConfig(_Section):
     """Where and how the math runs."""
 
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    attn_backend: Literal["auto", "reference", "torch", "triton"] = "auto"
-    window_backend: Literal["auto", "triton", "flex", "flash", "torch"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", json_schema_extra=exposed(env="NSA_DEVICE"))
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", json_schema_extra=exposed(env="NSA_PRECISION"))
+    attn_backend: Literal["auto", "reference", "torch", "triton"] = Field(
+        "auto", description="nsa.ops backend (the window branch's kernel comes with it)",
+        json_schema_extra=exposed(env="NSA_ATTN_BACKEND"))
     compile: bool | Literal["auto"] = Field(
-        "auto", description="torch.compile the model; auto: on CUDA (where it is faster), not on CPU")
+        "auto", description="torch.compile the model; auto: on CUDA (where it is faster), not on CPU",
+        json_schema_extra=exposed(env="NSA_COMPILE", flag="--compile"))
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="torch.compile mode; reduce-overhead replays each step as CUDA graphs")
-    gradient_checkpointing: bool = False
+        "default", description="torch.compile mode; reduce-overhead replays each step as CUDA graphs",
+        json_schema_extra=exposed(env="NSA_COMPILE_MODE"))
+    gradient_checkpointing: bool = Field(False, description="gradient checkpointing",
+                                         json_schema_extra=exposed(env="NSA_GRAD_CKPT"))
     parallel: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="several ranks: ddp (replicas) or fsdp (FSDP2: parameters, gradients, optimizer sharded)")
+        "ddp", description="several ranks: ddp (replicas) or fsdp (FSDP2: parameters, gradients, optimizer sharded)",
+        json_schema_extra=exposed(env="NSA_PARALLEL"))
     fsdp_cpu_offload: bool = Field(False, description="fsdp: keep the sharded parameters and optimizer state in host memory")
     fsdp_reshard_after_forward: bool = Field(
         True, description="fsdp: free gathered parameters after each block's forward (less memory, one more gather)")
-    deterministic: bool = False
-    tf32: bool = True
-    alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the run")
+    deterministic: bool = Field(False, json_schema_extra=exposed(env="NSA_DETERMINISTIC"))
+    tf32: bool = Field(True, json_schema_extra=exposed(env="NSA_TF32"))
+    alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the run",
+                                   json_schema_extra=exposed(env="NSA_ALLOC_CONF"))
 
     def compiles(self, device_type: str) -> bool:
         """Whether the model runs under ``torch.compile`` on ``device_type`` (``auto``: on CUDA)."""
@@ -129,6 +141,11 @@ class RunConfig(_Section):
     nsa: NSAConfig = Field(default_factory=NSAConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 

@@ -6,7 +6,27 @@ import types
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
+
+
+def exposed(*, env: str | None = None, flag: str | None = None) -> dict[str, Any]:
+    """Field metadata (``json_schema_extra``) naming the ``NSA_*`` variable and the ``nsa train`` flag that set
+    this key: ``Field(1000, json_schema_extra=exposed(env="NSA_STEPS", flag="--steps"))``. The settings map
+    (:mod:`nsa.config.settings`) and the CLI's flag map are derived from it (:mod:`nsa.config.fields`)."""
+    out: dict[str, Any] = {}
+    if env is not None:
+        out["env"] = env
+    if flag is not None:
+        out["flag"] = flag
+    return out
+
+
+def exposed_as(info: FieldInfo, what: str) -> str | None:
+    """The ``env`` or ``flag`` of a field declared with :func:`exposed` (None when it has none)."""
+    extra = info.json_schema_extra
+    value = extra.get(what) if isinstance(extra, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def numeric_kind(annotation: Any) -> str | None:

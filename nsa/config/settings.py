@@ -1,60 +1,31 @@
 """``NSA_*`` environment settings: the only place the process environment is read for them.
 
-Each field of :class:`NSASettings` is one variable (``NSA_<FIELD>``) and maps to one run-config key
-(:data:`ENV_TO_CONFIG`). Unknown ``NSA_*`` names are reported so that typos never pass silently.
+Each field of :data:`NSASettings` is one variable (``NSA_<FIELD>``) and maps to one run-config key
+(:data:`ENV_TO_CONFIG`); both are derived from the run config's field metadata (``exposed(env=...)``, see
+:mod:`nsa.config.fields`). Unknown ``NSA_*`` names are reported so that typos never pass silently.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Literal
+from typing import Any, Optional
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from nsa.config.legacy import CONFIG_VAR, legacy_hint
+from nsa.config.fields import config_fields, env_keys
+from nsa.config.legacy import CONFIG_VAR, legacy_hint, removed_hint
 from nsa.config.legacy import LEGACY_VARS as LEGACY_VARS  # re-exported: the older system's knobs
 from nsa.config.section import reject_bool
 from nsa.errors import ConfigError
 
 PREFIX = "NSA_"
 
-# field name -> dotted run-config key ("_profile" is the profile name, not a config key)
-ENV_TO_CONFIG: dict[str, str] = {
-    "profile": "_profile",
-    "device": "runtime.device",
-    "precision": "runtime.precision",
-    "attn_backend": "runtime.attn_backend",
-    "window_backend": "runtime.window_backend",
-    "compile": "runtime.compile",
-    "compile_mode": "runtime.compile_mode",
-    "grad_ckpt": "runtime.gradient_checkpointing",
-    "parallel": "runtime.parallel",
-    "deterministic": "runtime.deterministic",
-    "tf32": "runtime.tf32",
-    "alloc_conf": "runtime.alloc_conf",
-    "steps": "train.steps",
-    "seq_len": "train.seq_len",
-    "batch_size": "train.batch_size",
-    "accum": "train.accum",
-    "lr": "train.lr",
-    "seed": "train.seed",
-    "out_dir": "train.out_dir",
-    "save_every": "train.save_every",
-    "dataset": "data.source",
-    "data_path": "data.path",
-    "tokenizer": "data.tokenizer",
-    "prefetch_depth": "data.prefetch_depth",
-    "loader_timeout": "data.timeout_s",
-}
 
-
-class NSASettings(BaseSettings):
-    """Every ``NSA_*`` variable the toolkit understands. Unset fields are ``None``.
-
-    Values come only from the arguments (``read_settings`` passes the environment mapping it is
-    given): pydantic-settings would otherwise fill missing fields from ``os.environ``."""
+class SettingsBase(BaseSettings):
+    """The base of :data:`NSASettings`: values only from the arguments, no booleans for numbers, and
+    ``NSA_PROFILE`` (a profile name, not a config key)."""
 
     model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", case_sensitive=False)
 
@@ -76,36 +47,32 @@ class NSASettings(BaseSettings):
         return value if field is None else reject_bool(value, field.annotation)
 
     profile: str | None = Field(None, description="hardware profile name (like --profile)")
-    device: Literal["auto", "cpu", "cuda"] | None = None
-    precision: Literal["auto", "fp32", "bf16", "fp16"] | None = None
-    attn_backend: Literal["auto", "reference", "torch", "triton"] | None = Field(
-        None, description="nsa.ops backend"
-    )
-    window_backend: Literal["auto", "triton", "flex", "flash", "torch"] | None = Field(
-        None, description="sliding-window branch backend on GPU"
-    )
-    compile: bool | Literal["auto"] | None = None
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] | None = Field(
-        None, description="torch.compile mode (reduce-overhead: CUDA graphs)"
-    )
-    grad_ckpt: bool | None = Field(None, description="gradient checkpointing")
-    parallel: Literal["ddp", "fsdp"] | None = Field(None, description="data parallelism over several ranks")
-    deterministic: bool | None = None
-    tf32: bool | None = None
-    alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the run")
-    steps: int | None = None
-    seq_len: int | None = None
-    batch_size: int | None = None
-    accum: int | None = None
-    lr: float | None = None
-    seed: int | None = None
-    out_dir: str | None = None
-    save_every: int | None = None
-    dataset: str | None = Field(None, description="data source: embedded, local, synthetic, fineweb_edu")
-    data_path: str | None = None
-    tokenizer: str | None = None
-    prefetch_depth: int | None = None
-    loader_timeout: float | None = Field(None, description="dataset connect/first-batch timeout, seconds")
+
+
+def _field_name(var: str) -> str:
+    """``NSA_PREFETCH_DEPTH`` -> ``prefetch_depth``."""
+    return var[len(PREFIX):].lower()
+
+
+def _setting_fields() -> dict[str, Any]:
+    """One optional field per ``NSA_*`` variable of the config's metadata, typed like the key it sets."""
+    fields: dict[str, Any] = {}
+    for var, dotted in env_keys().items():
+        info = config_fields()[dotted]
+        fields[_field_name(var)] = (Optional[info.annotation], Field(None, description=info.description))  # noqa: UP045
+    return fields
+
+
+# Every NSA_* variable the toolkit understands, one field each (unset: None). Values come only from the
+# arguments (``read_settings`` passes the environment mapping it is given): pydantic-settings would otherwise
+# fill missing fields from ``os.environ``. The fields are derived from the run config's metadata
+# (``exposed(env=...)``), so a variable and the key it sets are declared once, next to each other.
+NSASettings: type[SettingsBase] = create_model(  # type: ignore[call-overload]
+    "NSASettings", __base__=SettingsBase, __module__=__name__, **_setting_fields()
+)
+
+# field name -> dotted run-config key ("_profile" is the profile name, not a config key)
+ENV_TO_CONFIG: dict[str, str] = {"profile": "_profile", **{_field_name(v): k for v, k in env_keys().items()}}
 
 
 KNOWN = {PREFIX + name.upper() for name in NSASettings.model_fields}
@@ -117,8 +84,8 @@ def _environ(environ: dict[str, str] | None) -> dict[str, str]:
 
 def describe_unknown(name: str, value: str | None = None) -> str:
     """An unknown ``NSA_*`` name (with the ``value`` it is set to, when given) and what replaced it: the
-    older system's knob, with a hint that depends on the value (``NSA_USE_FA2=0`` needs nothing set), or the
-    closest known name."""
+    older system's knob, with a hint that depends on the value (``NSA_USE_FA2=0`` needs nothing set), a
+    variable an earlier version read (``NSA_WINDOW_BACKEND``), or the closest known name."""
     import difflib
 
     upper = name.upper()
@@ -126,6 +93,9 @@ def describe_unknown(name: str, value: str | None = None) -> str:
     hint = legacy_hint(upper, value)
     if hint is not None:
         return f"{shown} (older system: {hint})"
+    hint = removed_hint(upper, value)
+    if hint is not None:
+        return f"{shown} ({hint})"
     close = difflib.get_close_matches(upper, sorted(KNOWN), n=1)
     return f"{shown} (did you mean {close[0]}?)" if close else shown
 
@@ -148,7 +118,7 @@ def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
     return sorted(k for k in env if k.upper().startswith(PREFIX) and k.upper() not in KNOWN)
 
 
-def read_settings(environ: dict[str, str] | None = None) -> NSASettings:
+def read_settings(environ: dict[str, str] | None = None) -> SettingsBase:
     """Settings from ``environ`` only (``None``: ``os.environ``)."""
     env = {k: v for k, v in _environ(environ).items() if k.upper() in KNOWN}
     try:
@@ -195,11 +165,11 @@ def settings_table(environ: dict[str, str] | None = None) -> list[dict[str, Any]
 
 
 @functools.lru_cache(maxsize=1)
-def get_settings() -> NSASettings:
+def get_settings() -> SettingsBase:
     """Settings of this process, read once (``reload_settings`` to read again)."""
     return read_settings()
 
 
-def reload_settings() -> NSASettings:
+def reload_settings() -> SettingsBase:
     get_settings.cache_clear()
     return get_settings()

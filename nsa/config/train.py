@@ -1,47 +1,79 @@
-"""The ``train`` section of the run config."""
+"""The trainer's sections of the run config, one per component: ``train`` (the loop itself), ``optimizer``,
+``schedule``, ``checkpoint``, ``logging`` and ``eval``.
+
+Keys that lived in ``train`` before the split (``train.lr``, ``train.save_every``, ...) are still read, with a
+note each, for one release (:data:`nsa.config.legacy.MOVED_KEYS`).
+"""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from nsa.config.section import ConfigSection
+from nsa.config.section import ConfigSection, exposed
 
 
 class TrainConfig(ConfigSection):
-    """Optimisation, schedule, checkpoints and logging of a run."""
+    """The training loop: how long, on what batches, from where, into which run directory."""
 
-    steps: int = Field(1000, ge=1, description="optimizer steps")
-    seq_len: int = Field(2048, ge=2)
-    batch_size: int = Field(8, ge=1, description="sequences per micro-batch per rank")
-    accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    lr: float = Field(3e-4, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
-    warmup_steps: int = Field(100, ge=0, description="linear warmup; clamped to steps")
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
-    seed: int = 1337
-    save_every: int = Field(1000, ge=0, description="0: only final/halt checkpoints")
-    keep_last: int = Field(3, ge=1)
-    eval_every: int = Field(0, ge=0, description="0 disables evaluation")
-    eval_batches: int = Field(8, ge=1)
-    log_every: int = Field(10, ge=1)
-    heartbeat_every: int | None = Field(
-        None, ge=1, description="progress heartbeat cadence in steps (default: log_every; 1 = every step)"
-    )
-    out_dir: str = "artifacts/run"
-    resume: str | None = Field(None, description="'auto', a checkpoint path, or null")
+    steps: int = Field(1000, ge=1, description="optimizer steps", json_schema_extra=exposed(env="NSA_STEPS", flag="--steps"))
+    seq_len: int = Field(2048, ge=2, description="tokens per sequence",
+                         json_schema_extra=exposed(env="NSA_SEQ_LEN", flag="--seq-len"))
+    batch_size: int = Field(8, ge=1, description="sequences per micro-batch per rank",
+                            json_schema_extra=exposed(env="NSA_BATCH_SIZE", flag="--batch-size"))
+    accum: int = Field(1, ge=1, description="micro-batches per optimizer step",
+                       json_schema_extra=exposed(env="NSA_ACCUM", flag="--accum"))
+    seed: int = Field(1337, description="seed of model init and data order",
+                      json_schema_extra=exposed(env="NSA_SEED", flag="--seed"))
+    out_dir: str = Field("artifacts/run", description="the run directory",
+                         json_schema_extra=exposed(env="NSA_OUT_DIR", flag="--out-dir"))
+    resume: str | None = Field(None, description="'auto', a checkpoint path, or null",
+                               json_schema_extra=exposed(flag="--resume"))
     init_from: str | None = Field(
         None, description="start from these weights (a run directory, its export/ or a checkpoint): step 0, fresh "
         "optimizer and data; the model config must match. Ignored when the run resumes"
     )
     run_name: str | None = Field(None, description="name in reports; default: the out_dir folder name")
+
+
+class OptimizerConfig(ConfigSection):
+    """AdamW (weight decay on matrices only) and gradient clipping."""
+
+    lr: float = Field(3e-4, gt=0, description="peak learning rate", json_schema_extra=exposed(env="NSA_LR", flag="--lr"))
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="gradient norm clip; 0 disables clipping")
+
+
+class ScheduleConfig(ConfigSection):
+    """The learning-rate schedule: linear warmup, then half a cosine down to a floor."""
+
+    warmup_steps: int = Field(100, ge=0, description="linear warmup; clamped to train.steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of optimizer.lr")
+
+
+class CheckpointConfig(ConfigSection):
+    """Periodic checkpoints and how many are kept."""
+
+    every: int = Field(1000, ge=0, description="steps between periodic checkpoints; 0: only final/halt checkpoints",
+                       json_schema_extra=exposed(env="NSA_SAVE_EVERY"))
+    keep_last: int = Field(3, ge=1, description="complete checkpoints kept")
+
+
+class LoggingConfig(ConfigSection):
+    """Log steps (CSV, TensorBoard, printed lines), the heartbeat cadence and the MFU estimate."""
+
+    every: int = Field(10, ge=1, description="steps between log steps")
+    heartbeat_every: int | None = Field(
+        None, ge=1, description="progress heartbeat cadence in steps (default: logging.every; 1 = every step)"
+    )
     mfu_peak_tflops: float | None = Field(
         None, gt=0, description="per-device peak for the MFU estimate; default: a table of known GPUs"
     )
-    fault_nan_at_step: int | None = Field(
-        None,
-        ge=1,
-        description="FAULT INJECTION for tests: make the loss NaN at this optimizer step (1-based)",
-    )
+
+
+class EvalConfig(ConfigSection):
+    """Held-out loss during training."""
+
+    every: int = Field(0, ge=0, description="steps between evaluations; 0 disables evaluation")
+    batches: int = Field(8, ge=1, description="held-out batches per evaluation")

@@ -95,7 +95,7 @@ class Recorder:
         s = self.s
         if tps is None or s.plan.rt.device_type != "cuda":
             return None
-        peak, _ = peak_flops(s.device_name, s.cfg.train.mfu_peak_tflops)
+        peak, _ = peak_flops(s.device_name, s.cfg.logging.mfu_peak_tflops)
         return None if peak is None else tps * self.flops_per_token / (s.dist.world_size * peak)
 
     def new_data_warnings(self) -> list[str]:
@@ -149,7 +149,7 @@ class Recorder:
     def log_step(self, step: int, loss: float, lr: float, grad_norm: float,
                  answers: tuple[float, float] | None, heartbeat_only: bool = False) -> None:
         """A log step: the heartbeat's ``progress`` event, a CSV row, TensorBoard and the console line
-        (``heartbeat_only``: the event alone, for ``train.heartbeat_every`` between log steps)."""
+        (``heartbeat_only``: the event alone, for ``logging.heartbeat_every`` between log steps)."""
         s, tr = self.s, self.s.cfg.train
         n, win_time, fetch_s = self.clock.window if heartbeat_only else self.clock.take_window()
         n = int(n)
@@ -219,7 +219,7 @@ class Recorder:
         s, plan, c = self.s, self.s.plan, self.clock
         st = s.state
         tps = c.tokens_per_s()
-        peak, peak_source = peak_flops(s.device_name, s.cfg.train.mfu_peak_tflops)
+        peak, peak_source = peak_flops(s.device_name, s.cfg.logging.mfu_peak_tflops)
         loader_stats = s.loader.stats()
         done_here = st.step - c.start_step
         return {

@@ -73,10 +73,10 @@ def resolve_runtime(cfg: RunConfig, local_rank: int = 0) -> Runtime:
 def check_training_config(cfg: RunConfig) -> None:
     """Combinations the schema alone cannot reject; raises ``ConfigError`` naming the key."""
     tr = cfg.train
-    if tr.eval_every > 0 and cfg.data.val_fraction <= 0:
+    if cfg.eval.every > 0 and cfg.data.val_fraction <= 0:
         raise ConfigError(
-            f"train.eval_every={tr.eval_every} needs data.val_fraction > 0 (it is {cfg.data.val_fraction})",
-            hint="set data.val_fraction (e.g. 0.02) or train.eval_every=0",
+            f"eval.every={cfg.eval.every} needs data.val_fraction > 0 (it is {cfg.data.val_fraction})",
+            hint="set data.val_fraction (e.g. 0.02) or eval.every=0",
         )
     if cfg.model.max_seq_len < tr.seq_len:
         raise ConfigError(f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
@@ -89,11 +89,6 @@ def check_training_config(cfg: RunConfig) -> None:
             f"data.synthetic_task={data.synthetic_task})",
             hint="use data.source=synthetic with data.synthetic_task=needle, mqar or assoc_recall, or data.loss_on=all",
         )
-    if tr.fault_nan_at_step is not None and tr.fault_nan_at_step > tr.steps:
-        raise ConfigError(
-            f"train.fault_nan_at_step={tr.fault_nan_at_step} is beyond train.steps={tr.steps}",
-            hint="fault injection must target a step of the run",
-        )
 
 
 LONG_RUN_STEPS = 1000
@@ -101,18 +96,18 @@ LONG_RUN_STEPS = 1000
 
 def long_run_warnings(cfg: RunConfig) -> list[str]:
     """Settings a long run (``train.steps >= 1000``) should not have; each a line naming the key."""
-    tr, out = cfg.train, []
+    tr, ck, out = cfg.train, cfg.checkpoint, []
     long = tr.steps >= LONG_RUN_STEPS
-    if long and (tr.save_every == 0 or tr.save_every >= tr.steps):
-        out.append(f"train.save_every={tr.save_every}: no periodic checkpoint in a {tr.steps}-step run, so a crash "
-                   f"loses everything since the start (set e.g. train.save_every={max(100, tr.steps // 20)})")
-    if long and tr.eval_every == 0:
-        out.append(f"train.eval_every=0: no held-out loss over {tr.steps} steps (set e.g. train.eval_every="
+    if long and (ck.every == 0 or ck.every >= tr.steps):
+        out.append(f"checkpoint.every={ck.every}: no periodic checkpoint in a {tr.steps}-step run, so a crash "
+                   f"loses everything since the start (set e.g. checkpoint.every={max(100, tr.steps // 20)})")
+    if long and cfg.eval.every == 0:
+        out.append(f"eval.every=0: no held-out loss over {tr.steps} steps (set e.g. eval.every="
                    f"{max(100, tr.steps // 20)})")
-    if long and tr.log_every > tr.steps // 20:
-        out.append(f"train.log_every={tr.log_every}: fewer than 20 progress points over {tr.steps} steps")
-    if tr.keep_last < 2 and tr.save_every > 0:
-        out.append("train.keep_last=1: a corrupted newest checkpoint leaves none to fall back to (keep 2 or more)")
+    if long and cfg.logging.every > tr.steps // 20:
+        out.append(f"logging.every={cfg.logging.every}: fewer than 20 progress points over {tr.steps} steps")
+    if ck.keep_last < 2 and ck.every > 0:
+        out.append("checkpoint.keep_last=1: a corrupted newest checkpoint leaves none to fall back to (keep 2 or more)")
     if cfg.data.synthetic_on_fail and cfg.data.source != "synthetic":
         out.append(f"data.synthetic_on_fail=true: an outage of data.source={cfg.data.source} would train on "
                    "synthetic tokens (loudly recorded, but the run goes on)")

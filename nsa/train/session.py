@@ -127,14 +127,14 @@ class Session:
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str) -> torch.optim.Optimizer:
     """AdamW, weight decay on matrices only, fused on CUDA."""
-    tr = cfg.train
+    opt = cfg.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": tr.weight_decay},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     extra = {"fused": True} if device_type == "cuda" else {}
-    return torch.optim.AdamW(groups, lr=tr.lr, betas=(tr.beta1, tr.beta2), **extra)
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), **extra)
 
 
 def _check_same_config(plan: Plan, dist: D.DistInfo) -> None:
@@ -261,7 +261,7 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     # wrapped before the optimizer is built: FSDP replaces the parameters by their shards
     train_model = parallel.wrap(model, cfg, dist, rt.precision, rt.device_type, compiled)
     optimizer = build_optimizer(model, cfg, rt.device_type)
-    scheduler = build_scheduler(optimizer, tr.steps, tr.warmup_steps, tr.min_lr_ratio)
+    scheduler = build_scheduler(optimizer, tr.steps, cfg.schedule.warmup_steps, cfg.schedule.min_lr_ratio)
 
     t_loader = time.perf_counter()
     common: dict[str, Any] = dict(seq_len=tr.seq_len, batch_size=tr.batch_size, seed=tr.seed, rank=dist.rank,
@@ -269,7 +269,7 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     loader = build_loader(cfg.data, plan.tokenizer, split="train", **common)
     _on_close(closers, loader.close)
     val_loader = val_start = None
-    if tr.eval_every > 0:
+    if cfg.eval.every > 0:
         val_loader = build_loader(cfg.data, plan.tokenizer, split="val", **common)
         _on_close(closers, val_loader.close)
         val_start = val_loader.state_dict()

@@ -240,8 +240,8 @@ MFU_FORMULA = "mfu = tokens_per_s * flops_per_token(seq_len) / (world_size * pea
 def peak_flops(device_name: str, override_tflops: float | None) -> tuple[float | None, str]:
     """Per-device peak FLOP/s assumed for MFU, and where it came from (``None`` when unknown)."""
     if override_tflops is not None:
-        return override_tflops * 1e12, "train.mfu_peak_tflops"
+        return override_tflops * 1e12, "logging.mfu_peak_tflops"
     for key, value in PEAK_BF16_FLOPS.items():
         if key.lower() in device_name.lower():
             return value, f"bf16 dense datasheet peak for '{key}'"
-    return None, f"no known peak for '{device_name}' (set train.mfu_peak_tflops)"
+    return None, f"no known peak for '{device_name}' (set logging.mfu_peak_tflops)"

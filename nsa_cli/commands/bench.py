@@ -1,13 +1,16 @@
-"""``nsa bench attention`` and ``nsa bench train``: timings as a table, optionally saved as JSON."""
+"""``nsa bench attention`` and ``nsa bench train``: timings as a table, or JSON (``--json``: stdout;
+``--json-out PATH``: a file)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from nsa_cli import options
+from nsa_cli.commands import bench_decode, bench_retrieval
+from nsa_cli.compat import command_class
 from nsa_cli.errors import fail, user_errors
 
 bench_app = typer.Typer(help="Benchmarks: NSA attention kernels, training steps and decode against dense attention; retrieval learning.",
@@ -44,15 +47,7 @@ def _parse_tune(items: list[str] | None) -> dict[str, int | str]:
     return out
 
 
-def _save(path: Path | None, payload: dict[str, Any]) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    typer.echo(f"saved {path}")
-
-
-@bench_app.command("attention")
+@bench_app.command("attention", cls=command_class(json_path=True))
 def attention(
     seq_lens: Annotated[str | None, typer.Option("--seq-lens", help="Comma-separated sequence lengths [default: 2048..65536, --tiny: 64,128].")] = None,
     shape: Annotated[list[str] | None, typer.Option("--shape", help="paper (HQ=64,H=4,D=128), m7c (HQ=12,H=2,D=64) or HQ,H,D; repeatable.")] = None,
@@ -65,7 +60,8 @@ def attention(
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (seq 64,128; tiny shape; small NSA blocks).")] = False,
     tune: Annotated[list[str] | None, typer.Option("--tune", help="Triton tile override key=value (sweeps), e.g. sel_bm=16.")] = None,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Time every side as CUDA-graph replays (no launch overhead).")] = False,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write rows and environment here.")] = None,
+    as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
+    json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
 ) -> None:
     """Forward and forward+backward time and peak memory: NSA vs dense causal SDPA (and fla-core)."""
     with user_errors():
@@ -75,6 +71,7 @@ def attention(
 
         from nsa.bench.attention import DEFAULT_SEQ_LENS, SHAPES, TINY_SEQ_LENS, bench_attention
         from nsa.envinfo import environment
+        from nsa_cli import render
 
         if backend not in ("auto", "triton", "torch", "reference"):
             raise fail(f"--backend {backend!r} is not one of auto, triton, torch, reference")
@@ -118,17 +115,17 @@ def attention(
                           _fmt(r.nsa_fwdbwd_ms), _fmt(r.dense_fwdbwd_ms), _fmt(r.speedup_fwdbwd, ".2f"),
                           _fmt(r.peer_fwdbwd_ms), _fmt(r.vs_peer_fwdbwd, ".2f"), _fmt(d["nsa_fwd_tflops"]),
                           _fmt(r.nsa_peak_mib, ".0f"), _fmt(r.dense_peak_mib, ".0f"))
-        Console(width=200).print(table)
+        Console(width=200, stderr=as_json).print(table)
         for r in rows:
             for note in r.notes:
-                typer.echo(f"note ({r.shape}, S={r.seq_len}): {note}")
-        _save(json_out, {"command": "bench attention", "environment": environment(), "tune": tuned,
-                         "rows": [r.to_dict() for r in rows]})
+                typer.echo(f"note ({r.shape}, S={r.seq_len}): {note}", err=as_json)
+        render.json_outputs({"command": "bench attention", "environment": environment(), "tune": tuned,
+                             "rows": [r.to_dict() for r in rows]}, as_json=as_json, json_out=json_out)
 
 
-@bench_app.command("train")
+@bench_app.command("train", cls=command_class(json_path=True))
 def train(
-    config: Annotated[str, typer.Option("--config", help="Named config or YAML path.")] = "m7c-125m",
+    config: Annotated[str, typer.Option("--config", help=options.config_help())] = "m7c-125m",
     seq_lens: Annotated[str, typer.Option("--seq-lens", help="Comma-separated sequence lengths.")] = "2048,16384",
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Batch size per sequence length.")] = "16,2",
     attention: Annotated[list[str] | None, typer.Option("--attention", help="nsa and/or dense; repeatable.")] = None,
@@ -141,7 +138,8 @@ def train(
         "--modes", help="eager and/or compiled, comma-separated (default: both on CUDA, eager on CPU).")] = None,
     profile_step: Annotated[bool, typer.Option(
         "--profile-step", help="Profile one more step per row: kernels by time and launches (CPU: operators), in the JSON.")] = False,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write rows and environment here.")] = None,
+    as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
+    json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
 ) -> None:
     """Training-step tokens/s, MFU and peak memory: NSA model vs the same model with dense attention,
     eager and compiled."""
@@ -154,6 +152,7 @@ def train(
         from nsa.config import load_run_config
         from nsa.envinfo import environment
         from nsa.train.telemetry import MFU_FORMULA
+        from nsa_cli import render
 
         atts = tuple(attention or ["nsa", "dense"])
         if any(a not in ("nsa", "dense") for a in atts):
@@ -190,33 +189,24 @@ def train(
             table.add_row(r.attention, r.path, r.mode, str(r.seq_len), str(r.batch_size), f"{r.params_m:.1f}",
                           f"{r.step_ms:.1f}", f"{r.tokens_per_s:,.0f}", _fmt(r.mfu, ".1%") if r.mfu else "-",
                           _fmt(r.peak_mib, ".0f"), _fmt(r.compile_s, ".0f") if r.compile_s else "-")
-        Console(width=200).print(table)
-        typer.echo(f"MFU: {MFU_FORMULA} (world_size 1)")
+        Console(width=200, stderr=as_json).print(table)
+        typer.echo(f"MFU: {MFU_FORMULA} (world_size 1)", err=as_json)
         ratio = speedups(rows)
         for key, x in ratio.items():
-            typer.echo(f"{key}: NSA/dense tokens/s = {x:.2f}")
+            typer.echo(f"{key}: NSA/dense tokens/s = {x:.2f}", err=as_json)
         for r in rows:
             if r.fallbacks:
-                typer.echo(f"fallbacks ({r.attention}, S={r.seq_len}): {r.fallbacks}")
+                typer.echo(f"fallbacks ({r.attention}, S={r.seq_len}): {r.fallbacks}", err=as_json)
             if r.kernels:
                 top = ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms" for k in r.kernels[:5])
-                typer.echo(f"profile ({r.attention} {r.mode}, S={r.seq_len}): {r.launches} launches; {top}")
-        _save(json_out, {"command": "bench train", "config": config, "environment": environment(), "tune": tuned,
-                         "rows": [r.to_dict() for r in rows], "nsa_over_dense": ratio})
+                typer.echo(f"profile ({r.attention} {r.mode}, S={r.seq_len}): {r.launches} launches; {top}", err=as_json)
+        render.json_outputs({"command": "bench train", "config": config, "environment": environment(), "tune": tuned,
+                             "rows": [r.to_dict() for r in rows], "nsa_over_dense": ratio},
+                            as_json=as_json, json_out=json_out)
 
 
 def register(app: typer.Typer) -> None:
-    """Attach ``nsa bench`` (and ``bench decode`` when the decode benchmark module exists)."""
-    import importlib
-
-    try:
-        bench_decode = importlib.import_module("nsa_cli.commands.bench_decode")
-    except ModuleNotFoundError as exc:  # the decode benchmark is not in this checkout
-        if exc.name != "nsa_cli.commands.bench_decode":
-            raise
-    else:
-        bench_decode.register(bench_app)
-    from nsa_cli.commands import bench_retrieval
-
+    """Attach ``nsa bench`` with its commands (attention, train, decode, retrieval)."""
+    bench_decode.register(bench_app)
     bench_retrieval.register(bench_app)
     app.add_typer(bench_app, name="bench")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from nsa_cli import options
+from nsa_cli.compat import command_class
 from nsa_cli.errors import fail, user_errors
 
 
@@ -32,13 +33,14 @@ def decode(
     batches: Annotated[str | None, typer.Option("--batches", help="Comma-separated batch sizes [default: 1,32; --tiny: 1,2].")] = None,
     shape: Annotated[list[str] | None, typer.Option("--shape", help="paper (HQ=64,H=4,D=128) and/or m7c (HQ=12,H=2,D=64); repeatable.")] = None,
     mode: Annotated[list[str] | None, typer.Option("--mode", help="attention and/or model; repeatable [default: both].")] = None,
-    config: Annotated[str | None, typer.Option("--config", help="Config of the model rows [default: m7c-125m; --tiny: tiny].")] = None,
+    config: Annotated[str | None, typer.Option("--config", help=options.config_help("Config of the model rows [default: m7c-125m; --tiny: tiny]"))] = None,
     model_contexts: Annotated[str | None, typer.Option("--model-contexts", help="Contexts of the model rows [default: 2048,65536].")] = None,
     backend: Annotated[str, typer.Option("--backend", help="NSA decode path: auto (fused Triton step on CUDA), triton, or torch.")] = "auto",
     compile: Annotated[bool, typer.Option("--compile", help="NSA op / each block's decode step through torch.compile.")] = False,
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Also time CUDA-graph replays of each step.")] = True,
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (tiny shape and config, contexts 64/128).")] = False,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write rows and environment here.")] = None,
+    as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
+    json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
 ) -> None:
     """Milliseconds per decode step and keys read per step: NSA caches vs a dense KV cache."""
     with user_errors():
@@ -48,6 +50,7 @@ def decode(
 
         from nsa.bench.decode import SHAPES, TINY_SHAPES, bench_decode
         from nsa.envinfo import environment
+        from nsa_cli import render
 
         modes = tuple(mode or ["attention", "model"])
         if any(m not in ("attention", "model") for m in modes):
@@ -73,17 +76,14 @@ def decode(
             table.add_row(r.mode, r.shape, str(r.context), str(r.batch), _fmt(r.nsa_ms), _fmt(r.dense_ms),
                           _fmt(r.nsa_graph_ms), _fmt(r.dense_graph_ms), _fmt(r.speedup, ".2f"),
                           _fmt(r.nsa_reads, ".0f"), _fmt(r.dense_reads, ".0f"), _fmt(r.reads_ratio, ".1f"))
-        Console(width=200).print(table)
+        Console(width=200, stderr=as_json).print(table)
         for r in rows:
             for note in r.notes:
-                typer.echo(f"note ({r.mode} {r.shape}, context {r.context}, batch {r.batch}): {note}")
-        if json_out is not None:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-            payload = {"command": "bench decode", "environment": environment(), "rows": [r.to_dict() for r in rows]}
-            json_out.write_text(json.dumps(payload, indent=2) + "\n")
-            typer.echo(f"saved {json_out}")
+                typer.echo(f"note ({r.mode} {r.shape}, context {r.context}, batch {r.batch}): {note}", err=as_json)
+        payload = {"command": "bench decode", "environment": environment(), "rows": [r.to_dict() for r in rows]}
+        render.json_outputs(payload, as_json=as_json, json_out=json_out)
 
 
 def register(bench_app: typer.Typer) -> None:
     """Add ``decode`` to the ``nsa bench`` sub-app."""
-    bench_app.command("decode")(decode)
+    bench_app.command("decode", cls=command_class(json_path=True))(decode)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from nsa_cli import options
+from nsa_cli.compat import command_class
 from nsa_cli.errors import fail, user_errors
 
 # --tiny: the CPU setting of the CI regression test (tests/test_retrieval_learning.py)
@@ -17,7 +18,7 @@ TINY_SETS = ["model.dim=32", "model.n_heads=4", "model.d_k=8", "model.d_v=8", "m
 
 
 def retrieval(
-    config: Annotated[str, typer.Option("--config", help="Named config or YAML path (its model and nsa sections).")] = "retrieval",
+    config: Annotated[str, typer.Option("--config", help=options.config_help("Config of the model and nsa sections"))] = "retrieval",
     set_: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value; repeatable.")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len", min=8, help="Model inputs per sequence.")] = 2048,
     gap: Annotated[int, typer.Option("--gap", min=1, help="The needle sits at least this many positions before the query.")] = 600,
@@ -30,7 +31,8 @@ def retrieval(
     eval_samples: Annotated[int, typer.Option("--eval-samples", min=1)] = 256,
     target: Annotated[float, typer.Option("--target", min=0.0, max=1.0, help="Accuracy whose first step is reported.")] = 0.5,
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (the CI test's setting): 2-layer dim-32 model, S=128, gap 48, 1200 steps; overrides --seq-len, --gap, --steps.")] = False,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the curves and environment here.")] = None,
+    as_json: Annotated[bool, options.json_flag("the curves and environment")] = False,
+    json_out: Annotated[Path | None, options.json_out("the curves and environment")] = None,
 ) -> None:
     """Train each variant from scratch on key/value retrieval beyond the window; report steps to --target."""
     with user_errors():
@@ -41,6 +43,7 @@ def retrieval(
         from nsa.config import load_run_config
         from nsa.data.retrieval import RetrievalTask
         from nsa.envinfo import environment
+        from nsa_cli import render
 
         names = [v for v in variants.replace(" ", "").split(",") if v]
         if not names or any(v not in VARIANTS for v in names):
@@ -60,7 +63,7 @@ def retrieval(
         import torch
 
         device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
-        console = Console(width=200)
+        console = Console(width=200, stderr=as_json)
         curves = []
         for seed in seed_list:
             for v in names:
@@ -78,16 +81,13 @@ def retrieval(
             table.add_row(c.variant, str(c.seed), "-" if c.steps_to_target is None else str(c.steps_to_target),
                           f"{c.final_accuracy:.3f}", f"{last.loss:.3f}", str(last.gates or "-"))
         console.print(table)
-        if json_out is not None:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-            payload = {"command": "bench retrieval", "config": config, "sets": sets, "seq_len": seq_len, "gap": gap,
-                       "recipe": recipe.__dict__, "nsa": cfg.nsa.model_dump(mode="json"),
-                       "model": cfg.model.model_dump(mode="json"), "environment": environment(),
-                       "curves": [c.to_dict() for c in curves]}
-            json_out.write_text(json.dumps(payload, indent=1) + "\n")
-            typer.echo(f"saved {json_out}")
+        payload = {"command": "bench retrieval", "config": config, "sets": sets, "seq_len": seq_len, "gap": gap,
+                   "recipe": recipe.__dict__, "nsa": cfg.nsa.model_dump(mode="json"),
+                   "model": cfg.model.model_dump(mode="json"), "environment": environment(),
+                   "curves": [c.to_dict() for c in curves]}
+        render.json_outputs(payload, as_json=as_json, json_out=json_out, indent=1)
 
 
 def register(app: typer.Typer) -> None:
     """Attach ``nsa bench retrieval``."""
-    app.command("retrieval")(retrieval)
+    app.command("retrieval", cls=command_class(json_path=True))(retrieval)

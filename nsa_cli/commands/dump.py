@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from nsa_cli import options
 from nsa_cli.errors import EXIT_FAILED, user_errors
 
 EPILOG = """\
@@ -24,9 +26,9 @@ Exit code 0 when a dump appeared, 1 when the trainer is not running or no dump a
 
 
 def dump(
-    run_dir: Annotated[str, typer.Argument(help="Run directory (train.out_dir).")],
+    run_dir: Annotated[Path, options.run_dir()],
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the dump.", min=0.1)] = 10.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON (the stacks in 'text').")] = False,
+    as_json: Annotated[bool, options.json_flag("the outcome (the stacks in 'text')")] = False,
 ) -> None:
     """Send SIGUSR1 to the run's trainer (PID from RUN/.lock): it appends every thread's stack to
     stackdump_rank{r}.txt, even while blocked in a collective or a read; print what it wrote."""

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
+from nsa_cli import options
+from nsa_cli.compat import command_class
 from nsa_cli.errors import fail, user_errors
 
 EPILOG = """\
@@ -19,10 +21,13 @@ Examples:
 
   nsa eval artifacts/prod --task mqar --contexts 4096 --pairs 8 --queries 8
 
-  nsa eval artifacts/prod/checkpoints/step_00050000 --task loss --contexts 2048,8192 --json loss.json
+  nsa eval artifacts/prod/checkpoints/step_00050000 --task loss --contexts 2048,8192 --json-out loss.json
+
+  nsa eval artifacts/tiny --task mqar --contexts 128 --json | jq .results
 
 Results go to RUN/eval/<task>.json (and RUN/eval/needle.png, a depth x context heat map) unless
---no-save; `nsa report RUN` shows them. --json PATH writes the same payload there (- for stdout).
+--no-save; `nsa report RUN` shows them. --json prints the same payload on stdout (the table goes to
+stderr), --json-out PATH writes it there.
 Exit code 0 on success, 2 for bad input (unknown task, a context above model.max_seq_len or too
 short for the task, a depth outside [0, 1], a path without weights).
 """
@@ -100,7 +105,7 @@ def _table(payload: dict[str, Any]) -> tuple[str, Any]:
 
 
 def eval_cmd(
-    path: Annotated[Path, typer.Argument(help="Run directory, its export/ folder, a checkpoint folder or file.")],
+    path: Annotated[Path, options.run_dir("Run directory, its export/ folder, a checkpoint folder or file.")],
     task: Annotated[str, typer.Option("--task", help="needle, mqar or loss.")],
     contexts: Annotated[str | None, typer.Option(
         "--contexts", help="Comma-separated context lengths (4k = 4096); default the run's train.seq_len.")] = None,
@@ -115,7 +120,8 @@ def eval_cmd(
     batch_size: Annotated[int | None, typer.Option(
         "--batch-size", min=1, help="Sequences per forward (default: about 32k tokens).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
-    json_out: Annotated[str | None, typer.Option("--json", help="Also write the results JSON here (- for stdout).")] = None,
+    as_json: Annotated[bool, options.json_flag("the results")] = False,
+    json_out: Annotated[Path | None, options.json_out("the results")] = None,
     no_save: Annotated[bool, typer.Option("--no-save", help="Do not write RUN/eval/<task>.json (and needle.png).")] = False,
 ) -> None:
     """Score a trained model on needle retrieval or MQAR at chosen contexts, or its held-out loss.
@@ -153,7 +159,8 @@ def eval_cmd(
             check_contexts(ctx_list, task, None, pairs, q)
         ctx_list = check_contexts(ctx_list, task, limit, pairs, q)
         tok = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-        console = render.console(stderr=json_out == "-")
+        to_stdout = as_json or str(json_out) == "-"
+        console = render.console(stderr=to_stdout)
         typer.echo(f"[{loaded.source}, {dev}, task {task}, contexts {','.join(map(str, ctx_list))}]", err=True)
 
         settings: dict[str, Any] = {"samples": n, "depths": depth_list, "contexts": ctx_list,
@@ -193,16 +200,16 @@ def eval_cmd(
                 written = save_results(run_dir, payload)
             except NSAError as exc:
                 typer.echo(f"warning: results not saved in the run directory: {exc.one_line()}", err=True)
-        if json_out == "-":
-            typer.echo(to_json(payload), nl=False)
-        elif json_out is not None:
+        if json_out is not None and str(json_out) != "-":
             try:
                 written.append(write_json(json_out, payload))
             except OSError as exc:
-                raise fail(f"cannot write --json {json_out}: {exc.strerror or exc}", hint="choose a writable path") from None
+                raise fail(f"cannot write --json-out {json_out}: {exc.strerror or exc}", hint="choose a writable path") from None
+        if to_stdout:
+            typer.echo(to_json(payload), nl=False)
         for p in written:
             console.print(f"saved {p}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("eval", epilog=EPILOG)(eval_cmd)
+    app.command("eval", epilog=EPILOG, cls=command_class(json_path=True))(eval_cmd)

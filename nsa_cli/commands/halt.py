@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from nsa_cli import options
 from nsa_cli.errors import EXIT_FAILED, user_errors
 
 EPILOG = """\
@@ -24,11 +26,11 @@ RUN_DIR is not a run directory or .HALT cannot be written there (read-only, no p
 
 
 def halt(
-    run_dir: Annotated[str, typer.Argument(help="Run directory (train.out_dir).")],
+    run_dir: Annotated[Path, options.run_dir()],
     reason: Annotated[str, typer.Option("--reason", "-r", help="Why (recorded in .HALT and the heartbeat).")] = "operator request",
     wait: Annotated[bool, typer.Option("--wait", help="Follow the heartbeat until the trainer acknowledges.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait with --wait.", min=0.1)] = 600.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON.")] = False,
+    as_json: Annotated[bool, options.json_flag("the outcome")] = False,
 ) -> None:
     """Write RUN_DIR/.HALT atomically (reason, time, who); with --wait, report the final checkpoint."""
     from nsa_cli import render

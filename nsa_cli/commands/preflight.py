@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from nsa_cli import options
 from nsa_cli.errors import EXIT_FAILED, user_errors
 
 EPILOG = """\
@@ -23,11 +25,11 @@ Exit code 0 when nothing FAILs (WARNs are fine), 1 on any FAIL, 2 on a usage err
 
 def preflight(
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile name or YAML path.")] = None,
-    config: Annotated[str | None, typer.Option("--config", "-c", help="Run config name (tiny, m7c-125m) or YAML path.")] = None,
-    out_dir: Annotated[str | None, typer.Option("--out-dir", help="Where the run will write (disk check); default train.out_dir.")] = None,
+    config: Annotated[str | None, typer.Option("--config", "-c", help=options.config_help())] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out-dir", "-o", help="Where the run will write (disk check); default train.out_dir.")] = None,
     sets: Annotated[list[str] | None, typer.Option("--set", help="Config override section.key=value (repeatable).")] = None,
     data_timeout: Annotated[float, typer.Option("--data-timeout", help="Dataset probe timeout, seconds.", min=0.1)] = 10.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the checks as JSON.")] = False,
+    as_json: Annotated[bool, options.json_flag("the checks")] = False,
 ) -> None:
     """Check Python, torch, Triton, flash-attn, GPUs (NVML), bf16, an NSA forward+backward against the
     reference, disk, RAM, dataset, tokenizer, config and git: PASS / WARN / FAIL with a fix hint each."""

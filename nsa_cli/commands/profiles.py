@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from nsa_cli import options
 from nsa_cli.errors import user_errors
 
 EPILOG = """\
@@ -30,7 +31,7 @@ profiles_app = typer.Typer(
 
 
 @profiles_app.command("list", epilog="Example: nsa profiles list --json")
-def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False) -> None:
+def list_cmd(as_json: Annotated[bool, options.json_flag("the profiles")] = False) -> None:
     """Every shipped profile with its GPU expectation and training defaults."""
     from nsa_cli import render
 
@@ -61,9 +62,9 @@ def list_cmd(as_json: Annotated[bool, typer.Option("--json", help="Print as JSON
 @profiles_app.command("show", epilog=EPILOG)
 def show_cmd(
     name: Annotated[str, typer.Argument(help="Profile name or YAML path.")],
-    config: Annotated[str | None, typer.Option("--config", "-c", help="Run config to resolve against.")] = None,
+    config: Annotated[str | None, typer.Option("--config", "-c", help=options.config_help("Run config to resolve against"))] = None,
     show_all: Annotated[bool, typer.Option("--all", help="Also list keys left at their defaults.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+    as_json: Annotated[bool, options.json_flag("the profile and the resolved config")] = False,
 ) -> None:
     """The profile's expectations and the resolved run config with the origin of every value."""
     from nsa_cli import render

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from nsa_cli import options
+from nsa_cli.compat import command_class
 from nsa_cli.errors import EXIT_FAILED, user_errors
 
 EPILOG = """\
@@ -37,12 +40,12 @@ output path that cannot be written.
 
 
 def report(
-    run_dirs: Annotated[list[str] | None, typer.Argument(help="Run directories (default: newest under artifacts/).")] = None,
-    out: Annotated[str | None, typer.Option(
-        "--out", "-o", help="Report folder (default Documentation/Reports), or a .md file to write.")] = None,
+    run_dirs: Annotated[list[Path] | None, typer.Argument(help="Run directories (default: newest under artifacts/).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Report folder (default Documentation/Reports), or a .md file to write.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the --out file if it exists.")] = False,
     title: Annotated[str | None, typer.Option("--title", help="Name used in the title and file name.")] = None,
-    artifacts: Annotated[str, typer.Option("--artifacts", help="Where to look for the newest run.")] = "artifacts",
+    artifacts: Annotated[Path, typer.Option("--artifacts", help="Where to look for the newest run.")] = Path("artifacts"),
     no_charts: Annotated[bool, typer.Option("--no-charts", help="Skip the PNG charts.")] = False,
     limits: Annotated[str | None, typer.Option(
         "--limits", help="Profile name or YAML path whose monitor: block overrides the runs' saved limits.")] = None,
@@ -50,7 +53,7 @@ def report(
         "--note", help="Engineer's note or deviation for the report; repeatable.")] = None,
     note_file: Annotated[list[str] | None, typer.Option(
         "--note-file", help="Markdown/text file of notes ('-': stdin); repeatable.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report path and verdicts as JSON.")] = False,
+    as_json: Annotated[bool, options.json_flag("the report path and verdicts")] = False,
 ) -> None:
     """Verdict with its checks (figure, limit, result), git state, versions, profile and environment
     (NSA_*, CUDA_*, NCCL_*, PYTORCH_*; secrets redacted), config, tokens/s trend, charts (loss with
@@ -78,4 +81,4 @@ def report(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("report", epilog=EPILOG)(report)
+    app.command("report", epilog=EPILOG, cls=command_class(short={"-o": ("--out", "-o means --out-dir in every command")}))(report)

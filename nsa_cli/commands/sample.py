@@ -7,12 +7,14 @@ from typing import Annotated
 
 import typer
 
+from nsa_cli import options
+from nsa_cli.compat import command_class
 from nsa_cli.errors import user_errors
 
 
 def sample(
-    path: Annotated[Path, typer.Argument(help="Run directory, its export/ folder, a checkpoint folder or file.")],
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue (empty: start a new document).")] = "",
+    path: Annotated[Path, options.run_dir("Run directory, its export/ folder, a checkpoint folder or file.")],
+    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue (empty: start a new document).")] = "",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 200,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy.")] = 0.8,
     top_k: Annotated[int | None, typer.Option("--top-k", min=1, help="Sample among the k most likely tokens.")] = None,
@@ -41,4 +43,4 @@ def sample(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("sample")(sample)
+    app.command("sample", cls=command_class(short={"-p": ("--prompt", "-p means --profile in every command")}))(sample)

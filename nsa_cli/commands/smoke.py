@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from nsa_cli import options
 from nsa_cli.errors import EXIT_FAILED, user_errors
 
-EPILOG = """\
+# How long the CPU smoke takes (the README says the same; tests/test_cli_help.py holds them together).
+CPU_DURATION = "under a minute"
+
+EPILOG = f"""\
 Examples:
 
-  nsa smoke                                       # CPU: offline, embedded corpus, tiny config, < 2 min
+  nsa smoke                                       # CPU: offline, embedded corpus, tiny config, {CPU_DURATION}
 
   nsa smoke --profile h100-80g                    # m7c-125m, 200 steps, the profile's floors
 
@@ -25,10 +30,10 @@ p95 under its limit, gate health, fallback counters at zero, heartbeat fresh. Ex
 def smoke(
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile (default: detected; cpu without CUDA).")] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="Training steps (default: the profile's smoke.steps).", min=2)] = None,
-    config: Annotated[str | None, typer.Option("--config", "-c", help="Run config (default: the profile's smoke.config).")] = None,
-    out_dir: Annotated[str | None, typer.Option("--out-dir", "-o", help="Run directory (default artifacts/smoke-<profile>-<time>).")] = None,
+    config: Annotated[str | None, typer.Option("--config", "-c", help=options.config_help("Run config (default: the profile's smoke.config)"))] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out-dir", "-o", help="Run directory (default artifacts/smoke-<profile>-<time>).")] = None,
     skip_preflight: Annotated[bool, typer.Option("--skip-preflight", help="Go straight to parity and training.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    as_json: Annotated[bool, options.json_flag("the result")] = False,
 ) -> None:
     """Preflight, parity of every fast path on this device against the reference, a short training run,
     then a verdict against explicit criteria."""

@@ -3,37 +3,38 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from nsa_cli import options
 from nsa_cli.errors import EXIT_FAILED, EXIT_OK, EXIT_WATCHDOG, fail, user_errors
 
-# command-line flag -> dotted run-config key (``--set section.key=value`` reaches every other key)
-FLAG_KEYS = {
-    "steps": "train.steps",
-    "seq_len": "train.seq_len",
-    "batch_size": "train.batch_size",
-    "accum": "train.accum",
-    "lr": "train.lr",
-    "out_dir": "train.out_dir",
-    "dataset": "data.source",
-    "data_path": "data.path",
-    "tokenizer": "data.tokenizer",
-    "seed": "train.seed",
-    "resume": "train.resume",
-    "attention": "model.attention",
-    "compile": "runtime.compile",
-}
+
+def _flag(name: str) -> str:
+    """A parameter's flag: ``seq_len`` -> ``--seq-len``."""
+    return "--" + name.replace("_", "-")
 
 
 def flags_to_keys(**values: Any) -> dict[str, Any]:
-    """The flags that were given (not ``None``) as ``{dotted key: value}`` for ``load_run_config``."""
-    return {FLAG_KEYS[name]: v for name, v in values.items() if v is not None}
+    """The flags that were given (not ``None``), by parameter name (``seq_len`` for ``--seq-len``), as
+    ``{dotted key: value}`` for ``load_run_config``. Which key a flag sets is declared once, in the config
+    field's metadata (``nsa.config.flag_keys``; ``--set section.key=value`` reaches every other key)."""
+    from nsa.config import flag_keys
+
+    keys = flag_keys()
+    return {keys[_flag(name)]: (str(v) if isinstance(v, Path) else v) for name, v in values.items() if v is not None}
 
 
-# dotted key -> the flag as typed (``data.source`` -> ``--dataset``), for each value's recorded origin
-FLAG_NAMES = {key: "--" + name.replace("_", "-") for name, key in FLAG_KEYS.items()}
+def flags_as_typed(**values: Any) -> dict[str, str]:
+    """``{dotted key: the flag as the user typed it}`` for each value's recorded origin (``data.source`` ->
+    ``--dataset``; a ``--x/--no-x`` switch turned off -> ``--no-x``)."""
+    from nsa.config import flag_keys
+
+    keys = flag_keys()
+    return {keys[_flag(name)]: (_flag(f"no_{name}") if v is False else _flag(name))
+            for name, v in values.items() if v is not None}
 
 
 LAUNCH_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id")
@@ -74,14 +75,14 @@ def _early_lock(cfg: Any, nproc_per_node: int | None) -> Any:
 
 
 def train(
-    config: Annotated[str | None, typer.Option("--config", "-c", help="Shipped config name (tiny, m7c-125m) or YAML path.")] = None,
+    config: Annotated[str | None, typer.Option("--config", "-c", help=options.config_help())] = None,
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile name or YAML path.")] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="Optimizer steps (train.steps).")] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence (train.seq_len).")] = None,
     batch_size: Annotated[int | None, typer.Option("--batch-size", help="Sequences per micro-batch per rank.")] = None,
     accum: Annotated[int | None, typer.Option("--accum", help="Micro-batches per optimizer step.")] = None,
-    lr: Annotated[float | None, typer.Option("--lr", help="Peak learning rate.")] = None,
-    out_dir: Annotated[str | None, typer.Option("--out-dir", "-o", help="Run directory (train.out_dir).")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Peak learning rate (optimizer.lr).")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out-dir", "-o", help="Run directory (train.out_dir).")] = None,
     dataset: Annotated[str | None, typer.Option("--dataset", help="embedded, local, synthetic or fineweb_edu.")] = None,
     data_path: Annotated[str | None, typer.Option("--data-path", help="File or folder for --dataset local.")] = None,
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="byte or gpt2.")] = None,
@@ -110,12 +111,13 @@ def train(
     with user_errors():
         from nsa.config import load_run_config
 
-        flags = flags_to_keys(
+        given = dict(
             steps=steps, seq_len=seq_len, batch_size=batch_size, accum=accum, lr=lr, out_dir=out_dir,
             dataset=dataset, data_path=data_path, tokenizer=tokenizer, seed=seed, resume=resume,
             attention=attention, compile=compile_,
         )
-        resolved = load_run_config(config=config, profile=profile, flags=flags, sets=set_, flag_names=FLAG_NAMES)
+        resolved = load_run_config(config=config, profile=profile, flags=flags_to_keys(**given), sets=set_,
+                                   flag_names=flags_as_typed(**given))
         lock = _early_lock(resolved.config, nproc_per_node)
 
         from rich.console import Console

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from nsa_cli import options
 from nsa_cli.errors import EXIT_FAILED, EXIT_OK, EXIT_WATCHDOG, fail, user_errors
 
 EPILOG = """\
@@ -205,7 +206,7 @@ def status_line(summary: Any, alarms: list[Any], now: float) -> str:
 
 
 def watch(
-    run_dir: Annotated[str, typer.Argument(help="Run directory (train.out_dir).")],
+    run_dir: Annotated[Path, options.run_dir()],
     once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
     wait: Annotated[bool | None, typer.Option(
         "--wait/--no-wait", help="Wait for a run directory that does not exist yet or has no heartbeat yet "
@@ -224,8 +225,7 @@ def watch(
     stale_after: Annotated[float | None, typer.Option(
         "--stale-after", help="Heartbeat age (s) for the stale status and rule (default: monitor.stale_s).",
         min=1)] = None,
-    as_json: Annotated[bool, typer.Option(
-        "--json", help="JSON: one object with --once, else one object per refresh (JSON lines).")] = False,
+    as_json: Annotated[bool, options.json_flag("the state (one object with --once, else one per refresh: JSON lines)")] = False,
     timeout: Annotated[float | None, typer.Option(
         "--timeout", help="Stop after this many seconds (waiting included).", min=0)] = None,
 ) -> None:

@@ -1,0 +1,121 @@
+"""Spellings the CLI had before its conventions were made one (deprecated, read until the next release).
+
+- ``--json`` prints JSON to stdout in every command; the five commands that wrote a file with ``--json PATH``
+  (``nsa eval``, ``nsa bench attention|train|decode|retrieval``) take ``--json-out PATH`` for that, and
+  still read ``--json PATH`` (``--json -`` as ``--json``).
+- A short flag means one thing in every command: ``-p`` is ``--profile``, ``-o`` is ``--out-dir``. ``nsa
+  sample -p TEXT`` (``--prompt``) and ``nsa report -o PATH`` (``--out``) are still read.
+
+Each old spelling is rewritten to today's before the command parses its arguments, with one line on
+stderr: ``warning: ... is deprecated ...: use ...``. The commands declare only today's options, so
+``--help`` and the option table of every command show one meaning per flag.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import typer
+from typer.core import TyperCommand
+
+NEXT_RELEASE = "read until the next release"
+
+
+def deprecation(old: str, new: str, why: str = "") -> str:
+    """The one stderr line of a deprecated spelling."""
+    return f"warning: {old} is deprecated ({NEXT_RELEASE}): use {new}" + (f"; {why}" if why else "")
+
+
+class Command(TyperCommand):
+    """A command that still reads its deprecated spellings (see the module docstring). Subclasses (made by
+    :func:`command_class`) set the tables; a command without any is a plain Typer command."""
+
+    short_aliases: ClassVar[dict[str, tuple[str, str]]] = {}  # "-p" -> ("--prompt", why)
+    json_path: ClassVar[bool] = False  # --json PATH (old) -> --json-out PATH
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        new, lines = self.upgrade(list(args))
+        if not ctx.resilient_parsing:
+            for line in lines:
+                typer.echo(line, err=True)
+        return super().parse_args(ctx, new)
+
+    # -- the rewrite --------------------------------------------------------------------------------
+    def _takes_value(self) -> set[str]:
+        names: set[str] = set()
+        for p in self.params:
+            if p.param_type_name == "option" and not getattr(p, "is_flag", False) and not getattr(p, "count", False):
+                names.update(p.opts)
+        return names
+
+    def _positional_room(self) -> float:
+        room = 0.0
+        for p in self.params:
+            if p.param_type_name == "argument":
+                room += float("inf") if p.nargs == -1 else p.nargs
+        return room
+
+    def upgrade(self, args: list[str]) -> tuple[list[str], list[str]]:
+        """``args`` with deprecated spellings replaced by today's, and one warning line per replacement."""
+        lines: list[str] = []
+        out: list[str] = []
+        for tok in args:
+            if tok == "--":
+                out.append(tok)
+                continue
+            short = tok[:2]
+            if short in self.short_aliases and (tok == short or not tok.startswith("--")):
+                long, why = self.short_aliases[short]
+                lines.append(deprecation(short, long, why))
+                out += [long, tok[2:]] if len(tok) > 2 else [long]
+                continue
+            out.append(tok)
+        if self.json_path:
+            out = self._json_path(out, lines)
+        return out, lines
+
+    def _json_path(self, args: list[str], lines: list[str]) -> list[str]:
+        """``--json PATH`` / ``--json=PATH`` -> ``--json-out PATH``; ``--json -`` -> ``--json``. A token after
+        ``--json`` is its old value only when the command has no room for it as a positional argument."""
+        takes = self._takes_value()
+        positionals, candidate = 0, None
+        i = 0
+        while i < len(args):
+            tok = args[i]
+            if tok == "--":
+                positionals += len(args) - i - 1
+                break
+            if tok == "--json" and i + 1 < len(args) and (args[i + 1] == "-" or not args[i + 1].startswith("-")):
+                candidate = i
+                positionals += 1
+                i += 2
+                continue
+            if tok in takes:
+                i += 2
+                continue
+            if tok == "-" or not tok.startswith("-"):
+                positionals += 1
+            i += 1
+        out = list(args)
+        for i, tok in enumerate(out):
+            if tok.startswith("--json="):
+                value = tok.split("=", 1)[1]
+                out[i] = "--json" if value == "-" else f"--json-out={value}"
+                lines.append(self._json_line(value))
+        if candidate is not None and positionals > self._positional_room():
+            value = out[candidate + 1]
+            out[candidate:candidate + 2] = ["--json"] if value == "-" else ["--json-out", value]
+            lines.append(self._json_line(value))
+        return out
+
+    @staticmethod
+    def _json_line(value: str) -> str:
+        if value == "-":
+            return deprecation("--json -", "--json", "it prints the JSON to stdout")
+        return deprecation("--json PATH", "--json-out PATH", "--json alone prints the JSON to stdout")
+
+
+def command_class(*, json_path: bool = False, short: dict[str, tuple[str, str]] | None = None) -> type[Command]:
+    """A :class:`Command` subclass that reads ``--json PATH`` (``json_path``) and the short flags ``short``
+    (``{"-p": ("--prompt", why)}``) as their deprecated spellings."""
+    return type("Command", (Command,), {"json_path": json_path, "short_aliases": dict(short or {})})

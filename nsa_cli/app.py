@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from nsa import __version__
+from nsa.errors import NSAError
 from nsa_cli.commands import (
     bench,
     dump,
@@ -25,6 +26,7 @@ from nsa_cli.commands import (
     watch,
 )
 from nsa_cli.commands import eval as eval_command
+from nsa_cli.errors import STATE
 
 app = typer.Typer(
     name="nsa",
@@ -38,7 +40,6 @@ app = typer.Typer(
 # Each module exposes ``register(app)``; order is the order of ``nsa --help``.
 COMMAND_MODULES = (preflight, smoke, train, watch, halt, dump, report, sample, eval_command, profiles, bench)
 
-STATE = {"debug": False}
 
 
 def _version(value: bool) -> None:
@@ -67,8 +68,6 @@ for _module in COMMAND_MODULES:
 
 def main() -> None:
     """Console entry point: user errors become one line and exit code 2."""
-    from nsa.errors import NSAError
-
     try:
         app(standalone_mode=True)
     except NSAError as exc:  # raised outside a command's own handler

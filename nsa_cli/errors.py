@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import typer
 
+from nsa.errors import NSAError
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_WATCHDOG = 3  # the watchdog halted the run (nsa.rundir.layout.EXIT_WATCHDOG; kept light: no import here)
 
@@ -18,12 +20,13 @@ def fail(message: str, hint: str | None = None, code: int = EXIT_USAGE) -> typer
     return typer.Exit(code)
 
 
+# process-wide CLI state: ``--debug`` (set by the app's callback) shows tracebacks instead of one line
+STATE = {"debug": False}
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Wrap a command body: ``NSAError`` -> one line on stderr, exit 2 (traceback with --debug)."""
-    from nsa.errors import NSAError
-    from nsa_cli.app import STATE
-
     try:
         yield
     except NSAError as exc:

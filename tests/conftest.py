@@ -215,15 +215,15 @@ def _disarm_fault_hooks() -> Iterator[None]:
 
 def cli_trainer_hook(monkeypatch: pytest.MonkeyPatch, hook: Callable[[int], None]) -> None:
     """Make ``nsa train`` run in this process (``CliRunner``) build its ``Trainer`` with ``step_hook=hook``."""
-    import nsa.train
+    import nsa.train.trainer
 
-    base = nsa.train.Trainer
+    base = nsa.train.trainer.Trainer
 
     class Hooked(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, step_hook=hook, **kwargs)
 
-    monkeypatch.setattr(nsa.train, "Trainer", Hooked)
+    monkeypatch.setattr(nsa.train.trainer, "Trainer", Hooked)
 
 
 # --- run directories, trainer and CLI helpers shared by the test modules ------------------------------

@@ -135,7 +135,7 @@ def test_help_stays_light() -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from nsa.train import Trainer
+    from nsa.train.trainer import Trainer
     from tests.conftest import quiet, resolve
 
     run = tmp_path_factory.mktemp("conventions") / "run"

@@ -140,17 +140,17 @@ def test_the_removed_variable_is_named_with_its_replacement() -> None:
 def test_the_cli_records_each_origin_as_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    import nsa.train
+    import nsa.train.trainer
     from nsa_cli.app import app
 
     seen = {}
 
-    class Stop(nsa.train.Trainer):  # type: ignore[misc, name-defined]
+    class Stop(nsa.train.trainer.Trainer):  # type: ignore[misc, name-defined]
         def __init__(self, resolved, **_: object) -> None:
             seen["sources"] = resolved.sources
             raise ConfigError("stopped before any work")
 
-    monkeypatch.setattr(nsa.train, "Trainer", Stop)
+    monkeypatch.setattr(nsa.train.trainer, "Trainer", Stop)
     res = CliRunner().invoke(app, ["train", "--config", "tiny", "--no-compile", "--lr", "0.01", "--dataset", "embedded",
                                    "--set", "train.log_every=2", "-o", str(tmp_path / "r")], env={"NSA_SEED": "3"})
     assert res.exit_code == 2 and "stopped before any work" in res.stderr

@@ -169,7 +169,7 @@ def test_2_a_crashed_run_being_resumed_is_not_over(tmp_path: Path) -> None:
 def test_2_a_resume_takes_the_run_lock_before_the_trainer_loads(tmp_path: Path) -> None:
     """``nsa train --resume`` holds ``RUN/.lock`` before torch and the Trainer load (seconds on a GPU box),
     so a watch started right after it sees the new session coming; a fresh run creates nothing early."""
-    import nsa.train
+    import nsa.train.trainer
     from nsa.rundir.layout import read_lock
 
     run = write_run(tmp_path / "r", seed=2, end="halted", halt_reason="planned stop")
@@ -188,7 +188,7 @@ def test_2_a_resume_takes_the_run_lock_before_the_trainer_loads(tmp_path: Path) 
             raise SystemExit(0)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(nsa.train, "Trainer", Probe, raising=False)
+        mp.setattr(nsa.train.trainer, "Trainer", Probe)
         runner.invoke(app, ["train", "--config", "tiny", "--out-dir", str(run), "--resume", "auto"])
         assert seen == [os.getpid(), False]  # held by this process (the ended session's own pid: not "new")
         fresh = tmp_path / "fresh"
@@ -289,7 +289,7 @@ def test_5_a_watchdog_halt_has_its_own_exit_code(tmp_path: Path) -> None:
     assert not halted_by_watchdog(operator)
     assert runner.invoke(app, ["watch", str(operator)]).exit_code == 0
 
-    import nsa.train
+    import nsa.train.trainer
 
     class Halted:  # `nsa train` maps a watchdog halt to exit 3
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -299,7 +299,7 @@ def test_5_a_watchdog_halt_has_its_own_exit_code(tmp_path: Path) -> None:
             return TrainResult("halted", self.run_dir, 4, 2.0, halted_by="watchdog")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(nsa.train, "Trainer", Halted, raising=False)
+        mp.setattr(nsa.train.trainer, "Trainer", Halted)
         out = runner.invoke(app, ["train", "--config", "tiny", "--steps", "4", "--out-dir", str(tmp_path / "t")])
     assert out.exit_code == 3, out.output
     help_text = runner.invoke(app, ["train", "--help"]).output

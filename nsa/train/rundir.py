@@ -161,13 +161,14 @@ def config_summary(resolved: ResolvedConfig) -> list[str]:
     """Lines for the start-up print: each section's values, then values not from defaults or the YAML."""
     data = resolved.config.model_dump(mode="json")
     lines = []
+    width = max([len("sources"), *(len(section) for section in data)])
     for section, values in data.items():
         body = " ".join(f"{k}={v}" for k, v in values.items() if v is not None)
-        lines.append(f"  {section:<8} {body}")
+        lines.append(f"  {section:<{width}} {body}")
     overrides = {k: v for k, v in resolved.sources.items() if not v.startswith("config ")}
     config_name = Path(resolved.config_path).name if resolved.config_path else "none"
     lines.append(
-        f"  sources  config {config_name}; "
+        f"  {'sources':<{width}} config {config_name}; "
         + ("; ".join(f"{k} <- {v}" for k, v in overrides.items()) or "no overrides")
     )
     return lines

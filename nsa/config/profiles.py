@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nsa.config.files import format_validation_error, read_yaml
+from nsa.config.monitor import MonitorConfig
 from nsa.config.settings import ENV_TO_CONFIG, PREFIX, NSASettings
 from nsa.errors import ConfigError
 
@@ -95,8 +96,6 @@ class Profile(_Strict):
     @field_validator("monitor", mode="before")
     @classmethod
     def _monitor(cls, value: Any) -> dict[str, Any]:
-        from nsa.config.monitor import MonitorConfig
-
         if value is None:
             return {}
         if not isinstance(value, dict):

@@ -37,6 +37,7 @@ from nsa.rundir.layout import CHECKPOINTS_DIR
 from nsa.runs.alarms import KeptAlarm, kept_alarms
 from nsa.runs.charts import Chart, RunSeries, combined_charts, run_charts
 from nsa.runs.reader import DEFAULT_STALE_S, RunState, is_run_dir, read_run
+from nsa.runs.rules import monitor_config
 from nsa.runs.summary import RunSummary, anomaly_text, halt_checkpoint_text, step_ranges, summarize
 from nsa.runs.verdict import (
     WARN_MARGIN,
@@ -544,8 +545,6 @@ def _notes_section(notes: Sequence[str]) -> list[str]:
 
 def _stale_s(st: RunState) -> float:
     """The run's own ``monitor.stale_s`` (its default when the section is missing or invalid)."""
-    from nsa.runs.rules import monitor_config
-
     try:
         return monitor_config(st).stale_s
     except NSAError:

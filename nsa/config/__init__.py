@@ -43,6 +43,7 @@ from nsa.config.train import (
     LoggingConfig,
     OptimizerConfig,
     ScheduleConfig,
+    ScorerConfig,
     TrainConfig,
 )
 
@@ -62,6 +63,7 @@ __all__ = [
     "RunConfig",
     "RuntimeConfig",
     "ScheduleConfig",
+    "ScorerConfig",
     "TrainConfig",
     "config_fields",
     "env_keys",

@@ -117,7 +117,7 @@ def parse_set(item: str) -> tuple[str, Any]:
 
 # Fields added after runs were first saved, with the values that rebuild those runs' models exactly
 # (today's defaults differ: see docs/design.md, "Gates").
-LEGACY_DEFAULTS: dict[str, Any] = {"nsa.gate_bias": [0.0, 0.0, 0.0], "nsa.gate_scale": 1.0}
+LEGACY_DEFAULTS: dict[str, Any] = {"nsa.gate_bias": [0.0, 0.0, 0.0], "nsa.gate_scale": 1.0, "nsa.gate_init": None}
 
 
 def fill_legacy(tree: dict[str, Any]) -> dict[str, Any]:

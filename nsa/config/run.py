@@ -21,6 +21,7 @@ from nsa.config.train import (
     LoggingConfig,
     OptimizerConfig,
     ScheduleConfig,
+    ScorerConfig,
     TrainConfig,
 )
 from nsa.configs import CONFIG_DIR as CONFIG_DIR  # the shipped configs (nsa/configs/*.yaml)
@@ -69,6 +70,17 @@ class ModelConfig(_Section):
         return self.mlp_hidden or 4 * self.dim
 
 
+DEFAULT_GATE_BIAS = (-2.0, -2.0, -2.0)
+# gate logits per preset (cmp, sel, win): sigmoid(-2) = 0.12, sigmoid(0) = 0.5, sigmoid(2) = 0.88,
+# sigmoid(-ln 2) = 1/3 (docs/design.md, "Quality")
+GATE_PRESETS: dict[str, tuple[float, float, float]] = {
+    "slow": DEFAULT_GATE_BIAS,
+    "half": (0.0, 0.0, 0.0),
+    "window": (-2.0, -2.0, 2.0),
+    "uniform": (-0.6931471805599453,) * 3,
+}
+
+
 class NSAConfig(_Section):
     """NSA hyper-parameters (paper defaults) and module options."""
 
@@ -81,6 +93,9 @@ class NSAConfig(_Section):
     gate: Literal["sigmoid", "softmax"] = "sigmoid"
     shared_kv: bool = False
     gate_hidden: int | None = Field(None, ge=1, description="gate MLP hidden size; default dim // 4")
+    gate_init: Literal["slow", "half", "window", "uniform"] | None = Field(
+        None, description="gate start: slow (0.12 each, the default), half (0.5 each, fla), window (0.12, 0.12, "
+        "0.88, lucidrains), uniform (1/3 each); sets gate_bias (sigmoid gates)")
     gate_bias: tuple[float, float, float] = Field(
         (-2.0, -2.0, -2.0), description="constant gate logits (cmp, sel, win): logits = gate_bias + gate_scale * mlp(x)"
     )
@@ -95,6 +110,13 @@ class NSAConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> NSAConfig:
         self.params()  # the ops layer owns the rules (d divides l and l_sel)
+        if self.gate_init is not None:
+            preset = GATE_PRESETS[self.gate_init]
+            if self.gate_bias not in (preset, DEFAULT_GATE_BIAS):
+                raise ValueError(f"nsa.gate_init={self.gate_init} and nsa.gate_bias={list(self.gate_bias)} disagree: "
+                                 "set one of them")
+            if self.gate_bias != preset:
+                object.__setattr__(self, "gate_bias", preset)  # no re-validation loop
         return self
 
     def params(self) -> NSAParams:
@@ -146,6 +168,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    scorer: ScorerConfig = Field(default_factory=ScorerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 

@@ -1,5 +1,5 @@
 """The trainer's sections of the run config, one per component: ``train`` (the loop itself), ``optimizer``,
-``schedule``, ``checkpoint``, ``logging`` and ``eval``.
+``schedule``, ``checkpoint``, ``logging``, ``eval`` and ``scorer`` (the auxiliary selection loss).
 
 Keys that lived in ``train`` before the split (``train.lr``, ``train.save_every``, ...) are still read, with a
 note each, for one release (:data:`nsa.config.legacy.MOVED_KEYS`).
@@ -73,7 +73,21 @@ class LoggingConfig(ConfigSection):
 
 
 class EvalConfig(ConfigSection):
-    """Held-out loss during training."""
+    """Held-out loss during training, and the selection diagnostics of NSA models at the same steps."""
 
     every: int = Field(0, ge=0, description="steps between evaluations; 0 disables evaluation")
     batches: int = Field(8, ge=1, description="held-out batches per evaluation")
+    selection_queries: int = Field(
+        64, ge=0, description="query positions per NSA layer for selection recall, compressed entropy and gates "
+        "at each evaluation (first held-out batch); 0: off")
+
+
+class ScorerConfig(ConfigSection):
+    """The scorer loss: ``KL(dense attention mass per block || the compressed branch's block scores)`` on
+    sampled queries of every NSA layer, added to the backward pass (not to the reported loss). It gives the
+    block scorer the gradient top-n selection never does (nsa.model.selection)."""
+
+    weight: float = Field(0.0, ge=0, description="loss weight; 0: off (nothing computed)")
+    queries: int = Field(64, ge=1, description="query positions per layer and micro-batch")
+    until: int | None = Field(
+        None, ge=1, description="last step with the loss (a warm-up of the scorer); null: the whole run")

@@ -14,7 +14,8 @@ from nsa.model import documents
 from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
 from nsa.model.compress import Compressor
 from nsa.model.rope import RotaryEmbedding
-from nsa.model.stats import N_FIELDS, gate_sums, selection_sums, summarise
+from nsa.model.selection import AttachLoss, block_scores, dense_block_mass, layer_report, probe_positions, scorer_kl
+from nsa.model.stats import N_FIELDS, gate_sums, scorer_sums, selection_sums, summarise
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.decode_cache import NewToken
@@ -54,6 +55,11 @@ class NSAAttention(nn.Module):
 
     On every training forward the gate and selection statistics are added to a device-side vector
     (no host sync); ``consume_stats()`` reads and resets it with one transfer.
+
+    ``scorer_queries > 0``: every training forward also computes the scorer loss
+    (:func:`nsa.model.selection.scorer_kl` on that many query positions) and adds
+    ``scorer_weight * loss`` to the backward pass (not to the reported loss); ``scorer_weight`` is a
+    buffer, so a schedule changes it without recompiling. :meth:`arm_probe` measures selection recall.
     """
 
     def __init__(
@@ -74,6 +80,8 @@ class NSAAttention(nn.Module):
         fixed_gates: tuple[float, float, float] | None = None,
         collapse_threshold: float = 0.9,
         backend: str | None = None,
+        scorer_queries: int = 0,
+        scorer_weight: float = 0.0,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_groups:
@@ -107,6 +115,10 @@ class NSAAttention(nn.Module):
         # meets it missing or on another device (each would be a guard failure and a recompilation)
         self._stat_acc = torch.zeros(N_FIELDS, dtype=torch.float64)
         self._suppress_stats = False
+        self.scorer_queries = int(scorer_queries)
+        self.register_buffer("scorer_weight", torch.tensor(float(scorer_weight)), persistent=False)
+        self._probe_queries = 0  # > 0 inside probe(): the next forward records layer_report here
+        self._probe_out: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------
     # shared pieces
@@ -173,16 +185,37 @@ class NSAAttention(nn.Module):
     def attend(self, p: Projected, collect: bool) -> torch.Tensor:
         """Compress, run the NSA op, and (if ``collect``) add the statistics: ``[B, S, HQ, Dv]``."""
         k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw)
+        want_idx = collect or self._probe_queries > 0
         res = nsa_attention(
             p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, p.gates, self.hp, scale=self.scale,
-            return_block_idx=collect, backend=self.backend,
+            return_block_idx=want_idx, backend=self.backend,
         )
-        if not collect:
+        if not want_idx:
             assert isinstance(res, torch.Tensor)
             return res
         o, idx = res
-        self._accumulate(p.gates, idx)
+        if self._probe_queries > 0:
+            self._probe_out = layer_report(p.q, p.k_sel, k_cmp, idx, p.gates, self.hp, self.scale, self._probe_queries)
+        if collect:
+            self._accumulate(p.gates, idx)
+            o = self._scorer_loss(p, k_cmp, o)
         return o
+
+    def _scorer_loss(self, p: Projected, k_cmp: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """``o``, carrying ``scorer_weight * scorer_kl`` into the backward (training forwards with
+        ``scorer_queries > 0`` and gradients on)."""
+        S = p.q.shape[1]
+        ts = probe_positions(S, self.hp, self.scorer_queries, p.q.device)
+        if ts is None or not torch.is_grad_enabled():
+            return o
+        target = dense_block_mass(p.q, p.k_sel, ts, self.hp, self.scale)
+        P, _ = block_scores(p.q, k_cmp, ts, S, self.hp, self.scale)
+        kl = scorer_kl(target, P)
+        with torch.no_grad():
+            self._stat_acc[N_FIELDS - 2:].add_(scorer_sums(kl))
+        weight = self.scorer_weight
+        assert isinstance(weight, torch.Tensor)
+        return AttachLoss.apply(o, kl * weight)
 
     def attend_documents(self, p: Projected, cu_seqlens: torch.Tensor, collect: bool) -> torch.Tensor:
         """:meth:`attend` for packed documents (``cu_seqlens`` over the flattened batch)."""
@@ -264,11 +297,22 @@ class NSAAttention(nn.Module):
 
     @torch.no_grad()
     def _accumulate(self, gates: torch.Tensor, block_idx: torch.Tensor) -> None:
-        add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.hp.l_sel)])
+        zero = torch.zeros(2, dtype=torch.float64, device=gates.device)  # the scorer's fields: _scorer_loss
+        add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.hp.l_sel), zero])
         if self._stat_acc.device != add.device:  # a module used on a device it was not moved to
             self._stat_acc = torch.zeros_like(add)
         # in place: torch.compile keeps one graph
         self._stat_acc.add_(add)
+
+    def arm_probe(self, queries: int) -> None:
+        """The next forward records :func:`nsa.model.selection.layer_report` on ``queries`` positions
+        (read it with :meth:`take_probe`; ``NSALM.selection_report`` drives both)."""
+        self._probe_queries, self._probe_out = int(queries), None
+
+    def take_probe(self) -> dict[str, Any]:
+        """The recorded report (empty if no forward ran, or it ran over packed documents), disarmed."""
+        out, self._probe_out, self._probe_queries = self._probe_out or {}, None, 0
+        return out
 
     def _apply(self, fn: Any, recurse: bool = True) -> NSAAttention:
         """``.to()``/``.cuda()``: the statistics follow the module's device (zeroed), staying float64."""

@@ -124,6 +124,36 @@ class NSALM(nn.Module):
             out["gate_entropy_per_layer"] = [r[0] / r[8] if r[8] > 0 else None for r in rows]
         return out
 
+    @torch.no_grad()
+    def selection_report(self, input_ids: torch.Tensor, queries: int = 64) -> list[dict[str, Any]]:
+        """Per NSA layer, on one forward over ``input_ids [B, S]`` (eval mode, one sequence per row):
+        ``layer``, selection ``recall`` (share of dense attention mass inside the selected blocks),
+        ``cmp_entropy`` (compressed attention entropy / log of its visible tokens), the scorer's ``kl``
+        and the mean ``gates`` [cmp, sel, win] (:mod:`nsa.model.selection`). Empty for dense models."""
+        layers = [(i, b.attn) for i, b in enumerate(self.block_list()) if isinstance(b.attn, NSAAttention)]
+        if not layers:
+            return []
+        was_training = self.training
+        self.eval()
+        for _, attn in layers:
+            attn.arm_probe(queries)
+        try:
+            self.forward(input_ids)
+        finally:
+            reports = [{"layer": i, **attn.take_probe()} for i, attn in layers]
+            self.train(was_training)
+        return reports
+
+    def configure_scorer(self, queries: int, weight: float) -> None:
+        """The scorer loss in every NSA layer: ``queries`` positions per forward (0: off, nothing computed)
+        and its ``weight`` (a buffer: changing only the weight does not recompile)."""
+        for block in self.block_list():
+            if isinstance(block.attn, NSAAttention):
+                block.attn.scorer_queries = int(queries)
+                buf = block.attn.scorer_weight
+                assert isinstance(buf, torch.Tensor)
+                buf.fill_(float(weight))
+
     # ------------------------------------------------------------------------------------------
     # sizes
 

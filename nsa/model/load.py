@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,9 +124,11 @@ def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
     return state, weights
 
 
-def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
-    """A ``CheckpointError`` naming the first difference when ``state`` does not fit ``model`` exactly."""
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path,
+               fresh: Collection[str] = ()) -> None:
+    """A ``CheckpointError`` naming the first difference when ``state`` does not fit ``model`` exactly
+    (``fresh``: the model's keys that may be missing from ``state``)."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in fresh}
     theirs = {k: tuple(v.shape) for k, v in state.items()}
     missing, extra = sorted(own.keys() - theirs.keys()), sorted(theirs.keys() - own.keys())
     hint = "train with the same model section as the run the weights come from"
@@ -136,6 +139,39 @@ def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: P
         if theirs[k] != shape:
             raise CheckpointError(f"the weights of {source} do not fit this model: {k} is {list(theirs[k])} there, "
                                   f"{list(shape)} here", hint=hint)
+
+
+def dense_to_nsa(state: dict[str, torch.Tensor], model: NSALM) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A dense model's weights for the NSA ``model`` of the same model section (the dense warm-start):
+    every shared weight copied, each layer's key/value projection copied into every NSA branch (cmp, sel,
+    win), and the NSA-only parameters (gate MLP, compression MLP) left to the model's own initialisation.
+    Returns ``(state, the fresh keys)``."""
+    out: dict[str, torch.Tensor] = {}
+    fresh: list[str] = []
+    for key, mine in model.state_dict().items():
+        theirs = state.get(key)
+        if theirs is not None and theirs.shape == mine.shape:
+            out[key] = theirs
+        elif theirs is not None and key.endswith("attn.kv_proj.weight") and mine.shape[0] % theirs.shape[0] == 0:
+            out[key] = torch.cat([theirs] * (mine.shape[0] // theirs.shape[0]))  # NSA rows: [cmp | sel | win]
+        elif theirs is None and (".gate_mlp." in key or ".compress." in key):
+            fresh.append(key)
+        else:
+            out[key] = theirs if theirs is not None else mine  # check_fits names the mismatch
+    out.update({k: v for k, v in state.items() if k not in out and k not in fresh})
+    return out, fresh
+
+
+def read_init_weights(path: str | Path, model: NSALM) -> tuple[dict[str, torch.Tensor], Path, list[str]]:
+    """``train.init_from``: the weights at ``path`` checked against ``model`` (may be on the meta device), the
+    file, and the keys ``model`` keeps from its own initialisation. The same architecture must fit exactly;
+    a dense run's weights into an NSA model go through :func:`dense_to_nsa`."""
+    state, cfg, source = _read(path)
+    fresh: list[str] = []
+    if cfg.model.attention == "dense" and model.model_cfg.attention == "nsa":
+        state, fresh = dense_to_nsa(state, model)
+    check_fits(model, state, source, fresh)
+    return state, source, fresh
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -2,8 +2,8 @@
 
 Each NSA layer keeps a small float64 vector of running sums (see ``FIELDS``); nothing in the forward
 pass reads a value back to the host. ``summarise`` turns summed vectors into the heartbeat fields
-``gate_entropy_mean``, ``gate_branch_shares``, ``gate_collapse_fraction``, ``gate_mean`` and
-``sel_keys_mean``.
+``gate_entropy_mean``, ``gate_branch_shares``, ``gate_collapse_fraction``, ``gate_mean``,
+``sel_keys_mean`` and ``scorer_kl``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ FIELDS = (
     "gate_count",  # number of (token, head)
     "sel_keys",  # sum over (token, group) of raw positions the selected branch attends
     "sel_count",  # number of (token, group)
+    "scorer_kl",  # sum over training forwards of the scorer loss (nsa.model.selection.scorer_kl)
+    "scorer_count",  # number of those forwards
 )
 N_FIELDS = len(FIELDS)
 LN3 = math.log(3.0)
@@ -75,4 +77,12 @@ def summarise(sums: Sequence[float]) -> dict[str, float | list[float]]:
         out["gate_collapse_fraction"] = sums[7] / n
     if sums[10] > 0:
         out["sel_keys_mean"] = sums[9] / sums[10]
+    if sums[12] > 0:
+        out["scorer_kl"] = sums[11] / sums[12]
     return out
+
+
+@torch.no_grad()
+def scorer_sums(kl: torch.Tensor) -> torch.Tensor:
+    """Running-sum contributions (fields 11, 12) of one forward's scorer loss."""
+    return torch.stack([kl.detach().to(torch.float64), torch.ones((), dtype=torch.float64, device=kl.device)])

@@ -63,6 +63,7 @@ class Plan:
     tokenizer: Any
     alloc_conf_note: str | None
     init_state: dict[str, torch.Tensor] | None = None  # train.init_from's weights (fresh starts only)
+    init_fresh: list[str] = field(default_factory=list)  # model keys init_state lacks (a dense warm-start)
     init_source: Path | None = None
     lock: Any = None  # the run lock, when the caller took it already (nsa train resuming: before torch loads)
 
@@ -252,9 +253,13 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     cfg, tr, rt = plan.cfg, plan.cfg.train, plan.rt
     model: Any = build_model(cfg)
     if plan.init_state is not None:
-        model.load_state_dict(plan.init_state)
+        model.load_state_dict(plan.init_state, strict=not plan.init_fresh)
         plan.init_state = None  # the weights now live in the model
         out.message(f"starting from the weights of {plan.init_source} (step 0, fresh optimizer)")
+        if plan.init_fresh:
+            out.message(f"dense warm-start: key/value projections copied into every NSA branch; "
+                        f"{len(plan.init_fresh)} NSA-only tensors (gates, compression) freshly initialised")
+    model.configure_scorer(cfg.scorer.queries if cfg.scorer.weight > 0 else 0, cfg.scorer.weight)
     model = model.to(rt.device)
     model.set_gradient_checkpointing(cfg.runtime.gradient_checkpointing)
     compiled = cfg.runtime.compiles(rt.device_type)

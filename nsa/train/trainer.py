@@ -29,7 +29,7 @@ from nsa.data import check_local_inputs
 from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import CheckpointError, ConfigError, NSAError
 from nsa.model import build_model
-from nsa.model.load import check_fits, read_weights
+from nsa.model.load import read_init_weights
 from nsa.rundir import RunDir
 from nsa.rundir.layout import WATCHDOG_PREFIX
 from nsa.train import checkpoint as ckpt
@@ -71,16 +71,15 @@ class StepOutcome:
     fetch_s: float
 
 
-def _read_init_weights(cfg: RunConfig, path: str) -> tuple[dict[str, torch.Tensor], Path]:
-    """``train.init_from``'s weights, checked against this config's model (built on the meta device)."""
+def _read_init_weights(cfg: RunConfig, path: str) -> tuple[dict[str, torch.Tensor], Path, list[str]]:
+    """``train.init_from``'s weights, checked against this config's model (built on the meta device), their
+    file, and the keys the model keeps fresh (a dense run's weights into an NSA model: gates, compression)."""
 
     try:
-        state, source = read_weights(path)
         with torch.device("meta"):
-            check_fits(build_model(cfg), state, source)
+            return read_init_weights(path, build_model(cfg))
     except NSAError as exc:
         raise type(exc)(f"train.init_from: {exc.message}", hint=exc.hint) from None
-    return state, source
 
 
 class Trainer:
@@ -123,8 +122,9 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         if resume_from is not None:
             self._check_resume_manifest(resume_from)
         init_state = init_source = None
+        init_fresh: list[str] = []
         if tr.init_from and resume_from is None:
-            init_state, init_source = _read_init_weights(cfg, tr.init_from)
+            init_state, init_source, init_fresh = _read_init_weights(cfg, tr.init_from)
 
         tokenizer = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
         if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -136,6 +136,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         self.plan = Plan(resolved=resolved, rt=rt, run_dir=run_dir, run_name=tr.run_name or run_dir.resolve().name,
                          resume_from=resume_from, skipped=skipped, tokenizer=tokenizer,
                          alloc_conf_note=alloc_conf_note, init_state=init_state, init_source=init_source,
+                         init_fresh=init_fresh,
                          lock=run_lock)
         self.state = TrainState()  # replaced by the session's (restored) state in fit
 
@@ -184,8 +185,12 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         rec.started()
         s.out.start(s.state.step)
         s.train_model.train()
+        scorer_until = s.cfg.scorer.until if s.cfg.scorer.weight > 0 else None
         while s.state.step < tr.steps:
             step = s.state.step + 1
+            if scorer_until is not None and step > scorer_until:  # the scorer's warm-up is over
+                s.model.configure_scorer(0, 0.0)
+                scorer_until = None
             t0 = time.perf_counter()
             lr = s.optimizer.param_groups[0]["lr"]
             r = self._step(s, step)

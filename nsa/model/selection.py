@@ -1,0 +1,129 @@
+"""Does selection find what dense attention would attend to? Diagnostics and the scorer loss.
+
+For a sample of query positions ``ts`` of one NSA layer (the selected branch's ``q``/``k``):
+
+- :func:`dense_block_mass`: dense causal attention ``softmax(q k^T * scale)`` over every key ``<= t``,
+  summed per selection block and averaged over the group's heads: ``[B, H, C, nb]``.
+- :func:`recall`: the share of that mass inside the blocks the layer selected (1.0: selection lost
+  nothing dense attention would have read).
+- :func:`block_scores`: the block importance the op ranks by (spec Eq. 8-9: the compressed branch's
+  probabilities, summed over the group's heads and spread over the blocks they overlap), normalised
+  over the candidate blocks ``b <= t // l_sel``; and the compressed attention's entropy per row.
+- :func:`scorer_kl`: ``KL(dense block mass || block scores)`` (the target detached): a gradient to the
+  scorer (``q`` and the compressed keys), which top-n selection otherwise never gives it.
+
+:func:`probe_positions` picks the positions: evenly spaced from the first one with more candidate
+blocks than ``n_sel`` (before it every block is selected and recall is 1 by construction).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nsa.ops.indexing import masked_softmax, overlap_weights, visible_cmp_counts
+from nsa.params import NSAParams
+
+
+def probe_positions(S: int, hp: NSAParams, n: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+    """``n`` (at most) distinct positions, evenly spaced over ``[n_sel * l_sel, S)``; ``None`` when that
+    range is empty (every query selects all its blocks) or ``n <= 0``."""
+    t0 = hp.n_sel * hp.l_sel
+    if n <= 0 or t0 >= S:
+        return None
+    C = min(n, S - t0)
+    step = (S - 1 - t0) // max(C - 1, 1)
+    return t0 + torch.arange(C, device=device) * step
+
+
+def _group_rows(q: torch.Tensor, ts: torch.Tensor, H: int) -> torch.Tensor:
+    """Queries at ``ts`` as ``[B, H, h, C, Dk]`` float32 (the group's heads together)."""
+    B, _, HQ, Dk = q.shape
+    qs = q[:, ts].float()
+    return qs.view(B, qs.shape[1], H, HQ // H, Dk).permute(0, 2, 3, 1, 4)
+
+
+def dense_block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSAParams, scale: float) -> torch.Tensor:
+    """Dense attention mass per selection block at ``ts``, mean over each group's heads: ``[B, H, C, nb]``.
+
+    ``q [B, S, HQ, Dk]``, ``k [B, S, H, Dk]`` (the selected branch's keys); float32, no gradient."""
+    with torch.no_grad():
+        B, S, H, _ = k.shape
+        qg = _group_rows(q, ts, H)
+        logits = torch.einsum("bhgcd,bshd->bhgcs", qg, k.float()) * scale
+        mask = torch.arange(S, device=q.device)[None, :] <= ts[:, None]
+        p = masked_softmax(logits, mask[None, None, None])
+        nb = -(-S // hp.l_sel)
+        p = F.pad(p, (0, nb * hp.l_sel - S))
+        return p.view(*p.shape[:-1], nb, hp.l_sel).sum(-1).mean(dim=2)
+
+
+def block_scores(q: torch.Tensor, k_cmp: torch.Tensor, ts: torch.Tensor, S: int, hp: NSAParams,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P, entropy)``: block importance at ``ts`` normalised over the candidate blocks ``[B, H, C, nb]``
+    (differentiable in ``q`` and ``k_cmp``), and the compressed attention's entropy divided by
+    ``log(visible compressed tokens)`` per (batch, head, position) ``[B, HQ, C]`` (1: uniform)."""
+    B, n, H, _ = k_cmp.shape
+    nb = -(-S // hp.l_sel)
+    qg = _group_rows(q, ts, H)
+    n_vis = visible_cmp_counts(S, hp.l, hp.d, device=q.device)[ts]
+    vis = torch.arange(n, device=q.device)[None, :] < n_vis[:, None]
+    p = masked_softmax(torch.einsum("bhgcd,bnhd->bhgcn", qg, k_cmp.float()) * scale, vis[None, None, None])
+    W = overlap_weights(n, nb, hp.l, hp.d, hp.l_sel, device=q.device)
+    P = torch.matmul(p.sum(dim=2), W)
+    cand = torch.arange(nb, device=q.device)[None, :] <= (ts // hp.l_sel)[:, None]
+    P = P * cand
+    P = P / P.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+    with torch.no_grad():
+        ent = -torch.xlogy(p, p).sum(dim=-1)
+        norm = torch.log(n_vis.clamp_min(2).to(ent.dtype))
+        ent = ent / norm
+    return P, ent.reshape(B, -1, ent.shape[-1])
+
+
+def recall(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
+    """Share of ``mass [B, H, C, nb]`` inside the selected blocks ``block_idx [B, C, H, n_sel]`` (``-1``:
+    none): ``[B, H, C]``."""
+    idx = block_idx.permute(0, 2, 1, 3).long()
+    picked = mass.gather(-1, idx.clamp(min=0)) * (idx >= 0)
+    return picked.sum(dim=-1)
+
+
+def scorer_kl(target: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    """Mean over (batch, group, position) of ``KL(target || P)`` over blocks; ``target`` is not differentiated."""
+    t = target.detach()
+    kl = torch.xlogy(t, t) - t * torch.log(P.clamp_min(1e-9))
+    return kl.sum(dim=-1).mean()
+
+
+def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
+                 gates: torch.Tensor, hp: NSAParams, scale: float, queries: int) -> dict[str, float | list[float] | None]:
+    """One layer's diagnostics on one batch: ``recall`` and ``cmp_entropy`` over the probe positions
+    (``None`` when the sequence is too short for selection to choose), the scorer's ``kl`` to the dense
+    mass, and the mean gate per branch ``gates`` ([cmp, sel, win])."""
+    g = [float(x) for x in gates.float().mean(dim=(0, 1, 2)).tolist()]
+    S = q.shape[1]
+    ts = probe_positions(S, hp, queries, q.device)
+    if ts is None:
+        return {"recall": None, "cmp_entropy": None, "kl": None, "gates": g}
+    with torch.no_grad():
+        mass = dense_block_mass(q, k_sel, ts, hp, scale)
+        P, ent = block_scores(q, k_cmp, ts, S, hp, scale)
+        rec = recall(mass, block_idx[:, ts])
+        kl = scorer_kl(mass, P)
+    return {"recall": float(rec.mean()), "cmp_entropy": float(ent.mean()), "kl": float(kl), "gates": g}
+
+
+class AttachLoss(torch.autograd.Function):
+    """``x`` unchanged forward; backward also sends a gradient of 1 to ``loss`` (an auxiliary loss joins
+    the backward pass without entering the reported loss)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_ones(ctx.loss_shape, dtype=torch.float32)  # type: ignore[attr-defined]
+

@@ -14,7 +14,14 @@ from nsa.model import documents
 from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
 from nsa.model.compress import Compressor
 from nsa.model.rope import RotaryEmbedding
-from nsa.model.selection import AttachLoss, block_scores, dense_block_mass, layer_report, probe_positions, scorer_kl
+from nsa.model.selection import (
+    AttachLoss,
+    block_scores,
+    dense_block_mass,
+    layer_report,
+    probe_positions,
+    scorer_kl,
+)
 from nsa.model.stats import N_FIELDS, gate_sums, scorer_sums, selection_sums, summarise
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode

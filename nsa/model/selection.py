@@ -48,7 +48,7 @@ def dense_block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSA
 
     ``q [B, S, HQ, Dk]``, ``k [B, S, H, Dk]`` (the selected branch's keys); float32, no gradient."""
     with torch.no_grad():
-        B, S, H, _ = k.shape
+        _, S, H, _ = k.shape
         qg = _group_rows(q, ts, H)
         logits = torch.einsum("bhgcd,bshd->bhgcs", qg, k.float()) * scale
         mask = torch.arange(S, device=q.device)[None, :] <= ts[:, None]

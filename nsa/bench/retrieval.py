@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nsa.config import ModelConfig, NSAConfig
+from nsa.config import ModelConfig, NSAConfig, ScorerConfig
 from nsa.data.retrieval import RetrievalTask
 from nsa.model.lm import NSALM
 
@@ -71,8 +71,10 @@ def learn_retrieval(
     model_cfg: ModelConfig, nsa_cfg: NSAConfig, task: RetrievalTask, variant: str = "nsa", *,
     recipe: RetrievalRecipe | None = None, seed: int = 0, device: str | torch.device | None = None,
     backend: str | None = None, on_point: Callable[[RetrievalPoint], None] | None = None,
+    scorer: ScorerConfig | None = None,
 ) -> RetrievalCurve:
-    """Train one variant from scratch on ``task`` and return its curve (see the module docstring)."""
+    """Train one variant from scratch on ``task`` and return its curve (see the module docstring);
+    ``scorer``: the NSA scorer loss (``nsa.model.selection``) as the trainer applies it."""
 
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {', '.join(VARIANTS)}")
@@ -86,6 +88,10 @@ def learn_retrieval(
         nsa_cfg = nsa_cfg.model_copy(update={"fixed_gates": (0.0, 0.0, 1.0)})
     torch.manual_seed(seed)
     model = NSALM(cfg, nsa_cfg, backend=backend).to(dev)
+    scorer_on = scorer is not None and scorer.weight > 0 and variant != "dense"
+    if scorer_on:
+        assert scorer is not None
+        model.configure_scorer(scorer.queries, scorer.weight)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=0.0)
     train_gen = torch.Generator().manual_seed(1234 + seed)
@@ -97,6 +103,9 @@ def learn_retrieval(
     losses: list[torch.Tensor] = []
     t0 = time.perf_counter()
     for step in range(1, r.steps + 1):
+        if scorer_on and scorer is not None and scorer.until is not None and step > scorer.until:
+            model.configure_scorer(0, 0.0)
+            scorer_on = False
         for group in opt.param_groups:
             group["lr"] = r.lr * min(1.0, step / max(1, r.warmup))
         inputs, labels = task.batch(train_gen, r.batch_size)

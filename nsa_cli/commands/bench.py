@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from nsa_cli import options
-from nsa_cli.commands import bench_decode, bench_retrieval
+from nsa_cli.commands import bench_decode, bench_quality, bench_retrieval
 from nsa_cli.compat import command_class
 from nsa_cli.errors import fail, user_errors
 
@@ -209,4 +209,5 @@ def register(app: typer.Typer) -> None:
     """Attach ``nsa bench`` with its commands (attention, train, decode, retrieval)."""
     bench_decode.register(bench_app)
     bench_retrieval.register(bench_app)
+    bench_quality.register(bench_app)
     app.add_typer(bench_app, name="bench")

@@ -1,0 +1,218 @@
+"""Quality benchmark: NSA recipes against dense attention on the same data, tokens, model and seeds.
+
+Each *arm* is the base run config plus a few overrides (:data:`ARMS`, or ``label=key=value;key=value``).
+Per arm and seed, :func:`run_text_arm` trains with the real trainer (``nsa.train.Trainer``, the
+config's data, held-out evaluation at the end) into ``out_dir/<arm>/seed<N>`` and reports the final
+held-out loss and, for NSA, the selection diagnostics of the trained model on a held-out batch
+(:meth:`nsa.model.lm.NSALM.selection_report`: recall, compressed entropy, gates per layer).
+``dense-warm`` arms first train the dense model for ``warm_frac`` of the steps and continue as NSA
+from its weights (``train.init_from``), so every arm sees the same number of tokens.
+:func:`run_needle_arm` trains the same arm on single-needle retrieval (``nsa.bench.retrieval``) and
+reports the accuracy curve and the first step at 50%.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nsa.bench.retrieval import RetrievalRecipe, learn_retrieval
+from nsa.config import ResolvedConfig, load_run_config, parse_set
+from nsa.data.loader import build_loader
+from nsa.data.retrieval import RetrievalTask
+from nsa.data.tokenizers import get_tokenizer
+from nsa.errors import ConfigError
+from nsa.model.load import load_model
+from nsa.train.events import PlainReporter
+from nsa.train.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class Arm:
+    """A recipe: ``sets`` on top of the base config; ``warm_frac > 0``: a dense run of that share of the
+    steps first, then NSA from its weights."""
+
+    name: str
+    sets: tuple[str, ...] = ()
+    warm_frac: float = 0.0
+
+    @property
+    def dense(self) -> bool:
+        return "model.attention=dense" in self.sets
+
+
+ARMS: dict[str, Arm] = {
+    "dense": Arm("dense", ("model.attention=dense",)),
+    "nsa": Arm("nsa", ("model.attention=nsa",)),
+    "nsa-half": Arm("nsa-half", ("model.attention=nsa", "nsa.gate_init=half")),
+    "nsa-window": Arm("nsa-window", ("model.attention=nsa", "nsa.gate_init=window")),
+    "nsa-uniform": Arm("nsa-uniform", ("model.attention=nsa", "nsa.gate_init=uniform")),
+    "nsa-scorer": Arm("nsa-scorer", ("model.attention=nsa", "scorer.weight=0.1")),
+    "dense-warm": Arm("dense-warm", ("model.attention=nsa",), warm_frac=0.25),
+}
+
+
+def parse_arm(text: str) -> Arm:
+    """A name of :data:`ARMS`, or ``label=key=value;key=value`` (NSA plus those overrides)."""
+    if text in ARMS:
+        return ARMS[text]
+    label, sep, rest = text.partition("=")
+    if not sep or not label or not rest:
+        raise ConfigError(f"arm {text!r} is neither one of {', '.join(ARMS)} nor label=key=value;key=value",
+                          hint="e.g. --arms dense,nsa,'lr3=optimizer.lr=3e-3'")
+    sets = tuple(s for s in rest.split(";") if s)
+    for s in sets:
+        parse_set(s)
+    return Arm(label, ("model.attention=nsa", *sets))
+
+
+@dataclass
+class QualityRow:
+    """One arm and seed: held-out loss, selection per layer, needle accuracy, wall time."""
+
+    arm: str
+    seed: int
+    val_loss: float | None = None
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    recall_mean: float | None = None
+    recall_min: float | None = None
+    cmp_entropy_mean: float | None = None
+    selection: list[dict[str, Any]] = field(default_factory=list)
+    needle_acc: float | None = None
+    needle_steps_to_target: int | None = None
+    needle_curve: list[tuple[int, float]] = field(default_factory=list)
+    status: str = "completed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _resolve(config: str, sets: list[str]) -> ResolvedConfig:
+    return load_run_config(config=config, sets=sets)
+
+
+def _quiet_train(resolved: ResolvedConfig, log: Callable[[str], None] | None) -> dict[str, Any]:
+    """Train ``resolved`` (its lines to ``log``, or nowhere) and return ``metrics.json``'s content."""
+    buf = io.StringIO()
+    result = Trainer(resolved, reporter=PlainReporter(buf)).fit()
+    if log is not None:
+        for line in buf.getvalue().splitlines():
+            log(line)
+    if result.status != "completed":
+        raise ConfigError(f"arm run {resolved.config.train.out_dir} ended {result.status}: "
+                          f"{result.metrics.get('error')}", hint="see its run directory")
+    return result.metrics
+
+
+def selection_of(run_dir: Path, queries: int = 64, batches: int = 1) -> list[dict[str, Any]]:
+    """Per-layer selection diagnostics of a finished run's model on ``batches`` held-out batches (mean)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load_model(run_dir, device=device)
+    cfg = loaded.config
+    if cfg.model.attention != "nsa":
+        return []
+    tok = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    loader = build_loader(cfg.data, tok, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+                          seed=cfg.train.seed, split="val", device=device)
+    reports: list[list[dict[str, Any]]] = []
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    with loader, autocast:
+        for _ in range(batches):
+            x, _ = next(loader)
+            reports.append(loaded.model.selection_report(x, queries))
+    return [_mean_layer([r[i] for r in reports]) for i in range(len(reports[0]))]
+
+
+def _mean_layer(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"layer": rows[0]["layer"]}
+    for k in ("recall", "cmp_entropy", "kl"):
+        vals = [r[k] for r in rows if r.get(k) is not None]
+        out[k] = sum(vals) / len(vals) if vals else None
+    out["gates"] = [sum(r["gates"][b] for r in rows) / len(rows) for b in range(3)]
+    return out
+
+
+def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,
+                 queries: int = 64, log: Callable[[str], None] | None = None) -> QualityRow:
+    """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it."""
+    run_dir = out_dir / arm.name / f"seed{seed}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    common = [*base_sets, f"train.seed={seed}", "checkpoint.every=0", "train.resume=null"]
+    row = QualityRow(arm.name, seed, steps=steps)
+    init: list[str] = []
+    seconds = 0.0
+    if arm.warm_frac > 0:
+        warm_steps = max(1, round(steps * arm.warm_frac))
+        warm_dir = run_dir / "warm-dense"
+        warm = _resolve(config, [*common, "model.attention=dense", f"train.steps={warm_steps}", "eval.every=0",
+                                 f"train.out_dir={warm_dir}"])
+        m = _quiet_train(warm, log)
+        seconds += float(m.get("elapsed_s") or 0.0)
+        init = [f"train.init_from={warm_dir}", f"train.steps={steps - warm_steps}"]
+        steps_main = steps - warm_steps
+    else:
+        steps_main = steps
+    main_dir = run_dir / "main" if arm.warm_frac > 0 else run_dir
+    resolved = _resolve(config, [*common, *arm.sets, f"train.steps={steps_main}", f"eval.every={steps_main}",
+                                 f"train.out_dir={main_dir}", *init])
+    m = _quiet_train(resolved, log)
+    seconds += float(m.get("elapsed_s") or 0.0)
+    row.val_loss = m.get("last_val_loss")
+    row.tokens = int(m.get("tokens_seen") or 0) + (int(m.get("tokens_per_step") or 0) * (steps - steps_main))
+    row.seconds = seconds
+    if not arm.dense:
+        row.selection = selection_of(main_dir, queries, batches=resolved.config.eval.batches)
+        recalls = [r["recall"] for r in row.selection if r.get("recall") is not None]
+        ents = [r["cmp_entropy"] for r in row.selection if r.get("cmp_entropy") is not None]
+        row.recall_mean = sum(recalls) / len(recalls) if recalls else None
+        row.recall_min = min(recalls) if recalls else None
+        row.cmp_entropy_mean = sum(ents) / len(ents) if ents else None
+    return row
+
+
+def run_needle_arm(config: str, base_sets: list[str], arm: Arm, seed: int, *, seq_len: int, gap: int,
+                   recipe: RetrievalRecipe, device: str | None = None, backend: str | None = None,
+                   log: Callable[[str], None] | None = None) -> QualityRow:
+    """Single-needle retrieval from scratch (``nsa.bench.retrieval``) with ``arm``'s model, gates and scorer
+    loss; ``dense-warm`` arms are trained as plain NSA here (the needle task has no dense phase)."""
+    cfg = _resolve(config, [*base_sets, *arm.sets]).config
+    task = RetrievalTask(seq_len, gap, vocab_size=cfg.model.vocab_size)
+
+    def show(p: Any) -> None:
+        if log is not None:
+            log(f"{arm.name} seed {seed} step {p.step}: loss {p.loss:.3f} acc {p.accuracy:.3f} gates {p.gates}")
+
+    variant = "dense" if arm.dense else "nsa"
+    curve = learn_retrieval(cfg.model, cfg.nsa, task, variant, recipe=recipe, seed=seed, device=device,
+                            backend=backend, on_point=show, scorer=cfg.scorer)
+    row = QualityRow(arm.name, seed, steps=recipe.steps)
+    row.needle_acc = curve.final_accuracy
+    row.needle_steps_to_target = curve.steps_to_target
+    row.needle_curve = [(p.step, p.accuracy) for p in curve.points]
+    row.seconds = curve.points[-1].seconds if curve.points else 0.0
+    return row
+
+
+def relative_to_dense(rows: list[QualityRow]) -> dict[str, float | None]:
+    """Mean held-out loss of each arm over its seeds, relative to the dense arm's mean (+0.036 = 3.6% worse)."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        if r.val_loss is not None and math.isfinite(r.val_loss):
+            by.setdefault(r.arm, []).append(r.val_loss)
+    means = {a: sum(v) / len(v) for a, v in by.items()}
+    dense = means.get("dense")
+    return {a: (m / dense - 1.0) if dense else None for a, m in means.items()}
+
+
+__all__ = ["ARMS", "Arm", "QualityRow", "parse_arm", "relative_to_dense", "run_needle_arm",
+           "run_text_arm", "selection_of"]

@@ -1,0 +1,131 @@
+"""``nsa bench quality``: NSA recipes against dense attention on the same data, tokens, model and seeds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from nsa_cli import options
+from nsa_cli.compat import command_class
+from nsa_cli.errors import fail, user_errors
+
+# --tiny: the CPU setting of the CI test (tests/test_quality_bench.py)
+TINY_STEPS, TINY_NEEDLE_STEPS, TINY_NEEDLE_SEQ, TINY_NEEDLE_GAP = 40, 60, 128, 48
+TINY_SETS = ["train.batch_size=4", "eval.batches=2", "logging.every=20"]
+
+
+def _csv(text: str, flag: str) -> list[str]:
+    out = [p for p in text.replace(" ", "").split(",") if p]
+    if not out:
+        raise fail(f"{flag} {text!r} lists nothing", hint=f"e.g. {flag} dense,nsa")
+    return out
+
+
+def quality(
+    config: Annotated[str | None, typer.Option("--config", help=options.config_help("Base run config of every arm"))] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value for every arm; repeatable.")] = None,
+    arms: Annotated[str, typer.Option("--arms", help="Comma-separated arms: dense, nsa, nsa-half, nsa-window, nsa-uniform, nsa-scorer, dense-warm, or label=key=value;key=value (NSA plus overrides).")] = "dense,nsa",
+    seeds: Annotated[str, typer.Option("--seeds", help="Comma-separated seeds; every arm trains once per seed.")] = "0",
+    steps: Annotated[int | None, typer.Option("--steps", min=1, help="Training steps per arm [default: the config's].")] = None,
+    task: Annotated[str, typer.Option("--task", help="text (held-out loss, selection recall), needle (single-needle retrieval) or both.")] = "text",
+    needle_seq_len: Annotated[int, typer.Option("--needle-seq-len", min=8)] = 2048,
+    needle_gap: Annotated[int, typer.Option("--needle-gap", min=1)] = 600,
+    needle_steps: Annotated[int, typer.Option("--needle-steps", min=1)] = 5000,
+    needle_batch: Annotated[int, typer.Option("--needle-batch", min=1)] = 16,
+    queries: Annotated[int, typer.Option("--queries", min=1, help="Query positions per layer for selection recall.")] = 64,
+    out_dir: Annotated[Path, typer.Option("--out-dir", "-o", help="Run directories go to OUT_DIR/<arm>/seed<N> (replaced).")] = Path("artifacts/quality"),
+    tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (the CI test): config tiny, 40 steps, needle S=128 gap 48, 60 steps.")] = False,
+    as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
+    json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
+) -> None:
+    """Train every arm on the same data and tokens; print held-out loss, selection recall and needle accuracy."""
+    with user_errors():
+        from rich.console import Console
+        from rich.table import Table
+
+        from nsa.bench.quality import parse_arm, relative_to_dense, run_needle_arm, run_text_arm
+        from nsa.bench.retrieval import RetrievalRecipe
+        from nsa.config import load_run_config
+        from nsa.envinfo import environment
+        from nsa_cli import render
+
+        if task not in ("text", "needle", "both"):
+            raise fail(f"--task {task!r} must be text, needle or both")
+        arm_list = [parse_arm(a) for a in _csv(arms, "--arms")]
+        try:
+            seed_list = [int(s) for s in _csv(seeds, "--seeds")]
+        except ValueError:
+            raise fail(f"--seeds {seeds!r} must be comma-separated integers", hint="e.g. --seeds 0,1") from None
+        sets = list(set_ or [])
+        cfg_name = config or ("tiny" if tiny else "m7c-125m")
+        if tiny:
+            sets = [*TINY_SETS, *sets]
+            steps = steps or TINY_STEPS
+            needle_steps, needle_seq_len, needle_gap = TINY_NEEDLE_STEPS, TINY_NEEDLE_SEQ, TINY_NEEDLE_GAP
+        base = load_run_config(config=cfg_name, sets=sets).config  # bad config: one line before any training
+        steps = steps or base.train.steps
+        console = Console(width=200, stderr=as_json)
+
+        def log(line: str) -> None:
+            if "eval step" in line or line.startswith(("done", "anomaly")) or " acc " in line:
+                console.print(f"  {line}", highlight=False, markup=False)
+
+        rows = []
+        for seed in seed_list:
+            for arm in arm_list:
+                if task in ("text", "both"):
+                    console.print(f"[bold]{arm.name}[/] seed {seed}: text, {steps} steps", highlight=False)
+                    rows.append(run_text_arm(cfg_name, sets, arm, seed, out_dir, steps=steps, queries=queries, log=log))
+                if task in ("needle", "both"):
+                    import torch
+
+                    device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
+                    recipe = RetrievalRecipe(steps=needle_steps, batch_size=needle_batch,
+                                             eval_every=max(1, needle_steps // 20), eval_samples=64 if tiny else 256)
+                    console.print(f"[bold]{arm.name}[/] seed {seed}: needle S={needle_seq_len} gap {needle_gap}, "
+                                  f"{needle_steps} steps", highlight=False)
+                    needle = run_needle_arm(cfg_name, sets, arm, seed, seq_len=needle_seq_len, gap=needle_gap,
+                                            recipe=recipe, device=device, backend="torch" if device == "cpu" else None,
+                                            log=log)
+                    if task == "both":
+                        rows[-1].needle_acc, rows[-1].needle_steps_to_target = needle.needle_acc, needle.needle_steps_to_target
+                        rows[-1].needle_curve = needle.needle_curve
+                    else:
+                        rows.append(needle)
+        rel = relative_to_dense(rows)
+        table = Table(title=f"quality: config {cfg_name}, {steps} steps, seeds {','.join(map(str, seed_list))}")
+        for col in ("arm", "seed", "held-out loss", "vs dense (arm mean)", "recall mean", "recall min",
+                    "cmp entropy", "needle acc", "steps to 0.5", "s"):
+            table.add_column(col, justify="right")
+
+        def f(x: Any, spec: str = ".4f") -> str:
+            return "-" if x is None else format(x, spec)
+
+        for r in rows:
+            d = rel.get(r.arm)
+            table.add_row(r.arm, str(r.seed), f(r.val_loss), "-" if d is None else f"{100 * d:+.1f}%",
+                          f(r.recall_mean, ".3f"), f(r.recall_min, ".3f"), f(r.cmp_entropy_mean, ".3f"),
+                          f(r.needle_acc, ".3f"), "-" if r.needle_steps_to_target is None else str(r.needle_steps_to_target),
+                          f"{r.seconds:.0f}")
+        console.print(table)
+        for r in rows:
+            if r.selection and r.seed == seed_list[0]:
+                layers = Table(title=f"selection per layer: {r.arm} (seed {r.seed}, held-out batches)")
+                for col in ("layer", "recall", "cmp entropy", "scorer KL", "gates cmp / sel / win"):
+                    layers.add_column(col, justify="right")
+                for L in r.selection:
+                    layers.add_row(str(L["layer"]), f(L.get("recall"), ".3f"), f(L.get("cmp_entropy"), ".3f"),
+                                   f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
+                console.print(layers)
+        payload = {"command": "bench quality", "config": cfg_name, "sets": sets, "steps": steps, "task": task,
+                   "arms": [{"name": a.name, "sets": list(a.sets), "warm_frac": a.warm_frac} for a in arm_list],
+                   "seeds": seed_list, "relative_to_dense": rel, "environment": environment(),
+                   "rows": [r.to_dict() for r in rows]}
+        render.json_outputs(payload, as_json=as_json, json_out=json_out, indent=1)
+
+
+def register(app: typer.Typer) -> None:
+    """Attach ``nsa bench quality``."""
+    app.command("quality", cls=command_class(json_path=True))(quality)

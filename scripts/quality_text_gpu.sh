@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 24's real-text quality runs on one GPU: every arm/seed in its own process, concurrently
+# (compilation is CPU-bound; the small model leaves the GPU room). Corpus: the Python standard library's
+# .py files as .txt documents (byte tokenizer). Usage: scripts/quality_text_gpu.sh OUT_DIR ARM:SEED ...
+set -u
+out=${1:?out dir}; shift
+corpus=/tmp/pystd
+if [ ! -d "$corpus" ]; then
+  mkdir -p "$corpus"
+  std=$(python3 -c "import os, sysconfig; print(sysconfig.get_paths()['stdlib'])")
+  find "$std" -name '*.py' -not -path '*/site-packages/*' -not -path '*/test/*' -not -path '*/tests/*' \
+    -size +2k | sort | head -517 | while read -r f; do cp "$f" "$corpus/$(echo "$f" | tr '/' '_').txt"; done
+fi
+echo "corpus: $(ls "$corpus" | wc -l) files, $(cat "$corpus"/* | wc -c) bytes"
+SETS=(--set data.source=local --set data.path=$corpus --set data.tokenizer=byte --set model.vocab_size=256
+      --set model.dim=384 --set model.n_layers=6 --set model.n_heads=6 --set model.n_kv_groups=2
+      --set model.d_k=64 --set model.d_v=64 --set model.mlp_hidden=1536 --set train.seq_len=${SEQ:-2048}
+      --set train.batch_size=${BATCH:-16} --set optimizer.lr=1e-3 --set schedule.warmup_steps=100
+      --set eval.batches=8 --set logging.every=100 --set data.prefetch_depth=2 ${EXTRA:-})
+for spec in "$@"; do
+  arm=${spec%%:*}; seed=${spec##*:}
+  tag=$(printf %s "$arm" | tr -c "a-zA-Z0-9-" "_")-s$seed
+  python3 -m nsa_cli bench quality --config m7c-125m "${SETS[@]}" --arms "$arm" --seeds "$seed" \
+    --steps ${STEPS:-1200} -o /tmp/quality --json-out "$out/$tag.json" > "$out/$tag.log" 2>&1 &
+done
+wait

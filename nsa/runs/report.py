@@ -56,7 +56,7 @@ from nsa.runs.verdict import (
 )
 
 DEFAULT_OUT = Path("Documentation") / "Reports"
-EVAL_TASKS = ("needle", "mqar", "loss")  # RUN/eval/<task>.json written by `nsa eval`, in report order
+EVAL_TASKS = ("needle", "mqar", "loss", "selection")  # RUN/eval/<task>.json written by `nsa eval`, in report order
 
 
 @dataclass
@@ -518,6 +518,19 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None) -> list
                   f"haystack {st.get('haystack')}; {source}.", "",
                   "| context | accuracy | keys asked |", "|---|---|---|"]
             L += [f"| {context_label(r.get('context'))} | {fmt_value(r.get('accuracy'), '.3f')} | {fmt_value(r.get('n'), ',')} |" for r in rows]
+            L.append("")
+        elif task == "selection":
+            L += ["#### Selection (nsa eval)", "",
+                  f"Validation split, {st.get('samples')} sequences per context, {st.get('queries')} query positions per "
+                  f"layer; {source}. Recall \"–\": every block is selected at that length.", "",
+                  "| context | layer | recall | compressed entropy | scorer KL | gates cmp / sel / win |",
+                  "|---|---|---|---|---|---|"]
+            for r in rows:
+                gates = r.get("gates")
+                shown = " / ".join(fmt_value(g, ".3f") for g in gates) if isinstance(gates, list) else "n/a"
+                recall = "–" if r.get("recall") is None else fmt_value(r.get("recall"), ".3f")
+                L.append(f"| {context_label(r.get('context'))} | {r.get('layer')} | {recall} "
+                         f"| {fmt_value(r.get('cmp_entropy'), '.3f')} | {fmt_value(r.get('kl'), '.3f')} | {shown} |")
             L.append("")
         else:
             L += ["#### Held-out loss", "",

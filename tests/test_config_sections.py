@@ -35,7 +35,7 @@ VARIABLES = {
 
 def test_the_sections() -> None:
     assert list(RunConfig.model_fields) == ["model", "nsa", "runtime", "train", "optimizer", "schedule", "checkpoint",
-                                            "logging", "eval", "data", "monitor"]
+                                            "logging", "eval", "scorer", "data", "monitor"]
     train = set(RunConfig.model_fields["train"].annotation.model_fields)  # type: ignore[union-attr]
     assert train == {"steps", "seq_len", "batch_size", "accum", "seed", "out_dir", "resume", "init_from", "run_name"}
     assert "window_backend" not in RunConfig.model_fields["runtime"].annotation.model_fields  # type: ignore[union-attr]

@@ -54,7 +54,7 @@ def test_run_directory_is_complete(full_run: Path) -> None:
     assert list((full_run / "tb").glob("events.out.tfevents.*"))
     assert {p.name for p in (full_run / "export").iterdir()} == {"model.safetensors", "config.yaml", "tokenizer.json"}
     cfg = yaml.safe_load((full_run / "config.yaml").read_text())
-    assert cfg["train"]["steps"] == 16 and cfg["train"]["seq_len"] == 32 and set(cfg) == {"model", "nsa", "runtime", "train", "optimizer", "schedule", "checkpoint", "logging", "eval", "data", "monitor"}
+    assert cfg["train"]["steps"] == 16 and cfg["train"]["seq_len"] == 32 and set(cfg) == {"model", "nsa", "runtime", "train", "optimizer", "schedule", "checkpoint", "logging", "eval", "scorer", "data", "monitor"}
     assert "# _sources" in (full_run / "config.yaml").read_text()
     env = json.loads((full_run / "env.json").read_text())
     for key in ("versions", "device", "driver", "git", "nsa_settings", "environment"):

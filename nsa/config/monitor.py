@@ -44,3 +44,5 @@ class MonitorConfig(ConfigSection):
     max_fetch_p95_ms: float | None = Field(None, gt=0, description="report: fetch p95 ceiling (ms)")
     max_memory_gib: float | None = Field(None, gt=0, description="report: peak GPU memory ceiling (GiB)")
     min_eval_accuracy: float | None = Field(None, ge=0, le=1, description="report: lowest needle/mqar accuracy")
+    min_selection_recall: float | None = Field(
+        None, ge=0, description="report: mean selection recall of the last evaluation (NSA models) below this: FAIL")

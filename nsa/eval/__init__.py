@@ -1,4 +1,5 @@
-"""Evaluating a trained model: needle retrieval, multi-query associative recall, held-out loss.
+"""Evaluating a trained model: needle retrieval, multi-query associative recall, held-out loss, and an NSA
+model's selection diagnostics.
 
 ``nsa.eval.tasks`` scores a model (anything whose ``forward(input_ids)`` returns an object with
 ``.logits [B, S, V]``) on the episodes of ``nsa.data.retrieval`` and on the run's validation split;
@@ -16,6 +17,7 @@ _EXPORTS = {
     "eval_needle": "nsa.eval.tasks",
     "eval_mqar": "nsa.eval.tasks",
     "eval_loss": "nsa.eval.tasks",
+    "eval_selection": "nsa.eval.tasks",
     "text_haystack": "nsa.eval.tasks",
     "resolve_device": "nsa.eval.tasks",
     "check_contexts": "nsa.eval.tasks",

@@ -1,4 +1,5 @@
-"""Scoring a language model on needle retrieval, MQAR and held-out loss.
+"""Scoring a language model on needle retrieval, MQAR and held-out loss, and measuring an NSA model's selection
+(recall of the dense attention mass, compressed entropy, scorer KL, gates per layer) on held-out data.
 
 A model is anything whose ``forward(input_ids [B, S])`` returns an object with ``.logits [B, S, V]``
 (``NSALM``, the dense baseline, or a test stub). Retrieval episodes come from ``nsa.data.retrieval``;
@@ -24,7 +25,7 @@ from nsa.data.retrieval import TaskLayout, mqar_episode, needle_episode
 from nsa.data.tokenizers import ByteTokenizer
 from nsa.errors import ConfigError
 
-TASKS = ("needle", "mqar", "loss")
+TASKS = ("needle", "mqar", "loss", "selection")
 HAYSTACKS = ("random", "text")
 TOKENS_PER_BATCH = 32768  # the automatic batch size keeps about this many tokens per forward
 NEEDLE_MIN_CONTEXT = 6
@@ -43,13 +44,13 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 def min_context(task: str, pairs: int | None = None, queries: int | None = None) -> int:
-    """The shortest context a task can use (needle: 6; mqar: ``2 * (pairs + queries)``; loss: 2)."""
+    """The shortest context a task can use (needle: 6; mqar: ``2 * (pairs + queries)``; loss, selection: 2)."""
     if task == "needle":
         return NEEDLE_MIN_CONTEXT
     if task == "mqar":
         p = pairs or 1
         return 2 * (p + (queries or p))
-    if task == "loss":
+    if task in ("loss", "selection"):
         return 2
     raise ConfigError(f"unknown task {task!r}", hint=f"use one of {', '.join(TASKS)}")
 
@@ -296,6 +297,65 @@ def eval_loss(
             loss = nats / tokens if tokens else float("nan")
             bpb = nats / math.log(2) / n_bytes if n_bytes else None
             rows.append({"context": c, "loss": loss, "bits_per_byte": bpb, "n": tokens})
+    return rows
+
+
+SELECTION_FIELDS = ("recall", "cmp_entropy", "kl")
+
+
+def _mean(values: list[Any]) -> float | None:
+    vals = [float(v) for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def eval_selection(
+    model: nn.Module,
+    run_cfg: Any,
+    tokenizer: Any,
+    contexts: Sequence[int],
+    batches: int,
+    queries: int = 64,
+    batch_size: int | None = None,
+    device: str | torch.device | None = None,
+    max_seq_len: int | None = None,
+) -> list[dict[str, Any]]:
+    """An NSA model's selection diagnostics on the run's validation split (``NSALM.selection_report`` with
+    ``queries`` positions per layer), averaged over ``batches`` batches per context: rows ``{"context",
+    "layer", "recall", "cmp_entropy", "kl", "gates", "n"}`` (``n`` = sequences), contexts outer. ``recall``,
+    ``cmp_entropy`` and ``kl`` are None at a context too short for selection to choose (every block is
+    selected). The loader is seeded with ``train.seed`` (the same batches every time). A model without NSA
+    layers is a ``ConfigError``."""
+    report = getattr(model, "selection_report", None)
+    if not callable(report) or getattr(getattr(model, "model_cfg", None), "attention", "nsa") == "dense":
+        raise ConfigError("the selection task needs an NSA model (this one has dense attention)",
+                          hint="evaluate a run trained with model.attention: nsa")
+    limit = max_seq_len if max_seq_len is not None else _model_max_seq_len(model)
+    ctxs = check_contexts(contexts, "selection", limit)
+    if batches < 1:
+        raise ConfigError(f"batches={batches} must be >= 1")
+    if queries < 1:
+        raise ConfigError(f"queries={queries} must be >= 1")
+    dev = _device_of(model, device)
+    rows: list[dict[str, Any]] = []
+    with _inference(model, dev):
+        for c in ctxs:
+            per_layer: dict[int, list[dict[str, Any]]] = {}
+            sequences = 0
+            with _val_loader(run_cfg, tokenizer, c, _batch_size(batch_size, c, 8), dev) as loader:
+                for _ in range(batches):
+                    x, _ = next(loader)
+                    sequences += x.shape[0]
+                    for r in report(x, queries):
+                        per_layer.setdefault(int(r["layer"]), []).append(r)
+            if not per_layer:
+                raise ConfigError("the selection task needs an NSA model (this one has no NSA layers)")
+            for layer, reps in sorted(per_layer.items()):
+                gates = [r["gates"] for r in reps if r.get("gates") is not None]
+                row: dict[str, Any] = {"context": c, "layer": layer}
+                row.update({k: _mean([r.get(k) for r in reps]) for k in SELECTION_FIELDS})
+                row["gates"] = [sum(float(g[i]) for g in gates) / len(gates) for i in range(3)] if gates else None
+                row["n"] = sequences
+                rows.append(row)
     return rows
 
 

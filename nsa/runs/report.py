@@ -56,7 +56,7 @@ from nsa.runs.verdict import (
 )
 
 DEFAULT_OUT = Path("Documentation") / "Reports"
-EVAL_TASKS = ("needle", "mqar", "loss")  # RUN/eval/<task>.json written by `nsa eval`, in report order
+EVAL_TASKS = ("needle", "mqar", "loss", "selection")  # RUN/eval/<task>.json written by `nsa eval`, in report order
 
 
 @dataclass
@@ -358,6 +358,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append(f"| unreadable heartbeat/CSV lines | {s.corrupt_lines} corrupt, {s.truncated_lines} truncated |")
     L.append("")
     L += _img(run, "gates", "gate entropy, collapsed-gate fraction and branch shares", out_dir)
+    L += selection_section(s)
     L += _eval_section(st.run_dir, out_dir, run.charts.get("needle"))
     L += ["### Anomalies, halts and alarms", ""]
     resumes = [b for b in run.boots if b.get("resumed_from")]
@@ -398,6 +399,54 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
                 p = rd.checkpoints / Path(str(c["path"])).name
             L.append(f"- checkpoint ({c.get('reason')}, step {c.get('step')}): {_link(p, out_dir, p.name)}")
     L.append("")
+    return L
+
+
+RECALL_LOW = 0.5  # a layer whose selection recall is below this misses most of what dense attention reads
+CMP_FLAT = 0.95  # compressed attention entropy (normalised) above this: near uniform, the block scores say little
+
+
+def selection_reading(layers: Sequence[dict[str, Any]]) -> str:
+    """One line that reads a per-layer selection table: which layers lose most of the dense attention mass,
+    which score blocks from a near-uniform compressed attention."""
+    recalls = [(r["layer"], r["recall"]) for r in layers if r.get("recall") is not None]
+    if not recalls:
+        return "Every block is selected at this sequence length (seq_len <= n_sel * l_sel): recall is 1 by construction."
+    low = [i for i, v in recalls if v < RECALL_LOW]
+    flat = [r["layer"] for r in layers if r.get("cmp_entropy") is not None and r["cmp_entropy"] > CMP_FLAT]
+    worst = min(recalls, key=lambda x: x[1])
+    parts = [f"recall below {RECALL_LOW:g} in layer{'s' if len(low) > 1 else ''} {', '.join(map(str, low))}: "
+             "selection misses most of what dense attention reads there" if low else
+             f"recall at least {RECALL_LOW:g} in every layer (lowest {worst[1]:.2f}, layer {worst[0]})"]
+    if flat:
+        parts.append(f"compressed attention near uniform (entropy > {CMP_FLAT:g}) in layer{'s' if len(flat) > 1 else ''} "
+                     f"{', '.join(map(str, flat))}: its block scores carry little information")
+    text = "; ".join(parts)
+    return text[0].upper() + text[1:] + "."
+
+
+def selection_section(s: RunSummary) -> list[str]:
+    """"Selection (last evaluation, step N)": per NSA layer recall, compressed entropy, scorer KL and gates,
+    and one line reading them (nothing for a run without the diagnostics: dense, or before the first eval)."""
+    if s.selection_step is None:
+        return []
+    L = [f"### Selection (last evaluation, step {s.selection_step})", "",
+         "On the first held-out batch: recall = share of dense attention mass (same q/k) inside the selected "
+         "blocks (1 = nothing lost); compressed entropy = compressed attention entropy / log(visible tokens) "
+         "(1 = uniform); scorer KL = KL(dense block mass || the compressed branch's block scores); gates = mean "
+         "gate per branch.", ""]
+    if s.selection:
+        L += ["| layer | recall | compressed entropy | scorer KL | gates cmp / sel / win |", "|---|---|---|---|---|"]
+        for r in s.selection:
+            gates = " / ".join(f"{g:.3f}" for g in r["gates"]) if r.get("gates") else "n/a"
+            L.append(f"| {r['layer']} | {fmt_value(r.get('recall'), '.3f')} | {fmt_value(r.get('cmp_entropy'), '.3f')} "
+                     f"| {fmt_value(r.get('kl'), '.3f')} | {gates} |")
+        L += ["", selection_reading(s.selection), ""]
+    else:  # val.csv alone (no heartbeat): the means only
+        L += [f"Mean recall {fmt_value(s.sel_recall_mean, '.3f')}, lowest {fmt_value(s.sel_recall_min, '.3f')}, "
+              f"compressed entropy {fmt_value(s.cmp_entropy_mean, '.3f')} (val.csv; no per-layer figures).", ""]
+    if s.scorer_kl is not None:
+        L += [f"Scorer loss (training, last log step): {s.scorer_kl:.4f}.", ""]
     return L
 
 
@@ -469,6 +518,19 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None) -> list
                   f"haystack {st.get('haystack')}; {source}.", "",
                   "| context | accuracy | keys asked |", "|---|---|---|"]
             L += [f"| {context_label(r.get('context'))} | {fmt_value(r.get('accuracy'), '.3f')} | {fmt_value(r.get('n'), ',')} |" for r in rows]
+            L.append("")
+        elif task == "selection":
+            L += ["#### Selection (nsa eval)", "",
+                  f"Validation split, {st.get('samples')} sequences per context, {st.get('queries')} query positions per "
+                  f"layer; {source}. Recall \"–\": every block is selected at that length.", "",
+                  "| context | layer | recall | compressed entropy | scorer KL | gates cmp / sel / win |",
+                  "|---|---|---|---|---|---|"]
+            for r in rows:
+                gates = r.get("gates")
+                shown = " / ".join(fmt_value(g, ".3f") for g in gates) if isinstance(gates, list) else "n/a"
+                recall = "–" if r.get("recall") is None else fmt_value(r.get("recall"), ".3f")
+                L.append(f"| {context_label(r.get('context'))} | {r.get('layer')} | {recall} "
+                         f"| {fmt_value(r.get('cmp_entropy'), '.3f')} | {fmt_value(r.get('kl'), '.3f')} | {shown} |")
             L.append("")
         else:
             L += ["#### Held-out loss", "",

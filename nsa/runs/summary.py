@@ -110,6 +110,14 @@ class RunSummary:
     data_fallback: str | None = None  # why the run trained on synthetic tokens instead of its source
     gpu_mem_errors: dict[str, int] | None = None  # GPU memory error counters (all ranks' last), when telemetry has them
     gpu_mem_errors_new: int | None = None  # how many of them appeared during the current session
+    scorer_kl: float | None = None  # the scorer loss of the last progress line (scorer.weight > 0)
+    # the selection diagnostics of the last evaluation that has them (NSA models; see last_selection)
+    selection_step: int | None = None
+    selection: list[dict[str, Any]] | None = None  # per layer: layer, recall, cmp_entropy, kl, gates
+    sel_recall_mean: float | None = None
+    sel_recall_min: float | None = None
+    sel_recall_min_layer: int | None = None
+    cmp_entropy_mean: float | None = None
 
     @property
     def loss_decreased(self) -> bool:
@@ -187,6 +195,12 @@ def summarize(state: RunState, now: float, stale_s: float = DEFAULT_STALE_S) -> 
     s.gate_collapse_fraction = _num(last.get("gate_collapse_fraction"))
     s.sel_keys_mean = _num(last.get("sel_keys_mean"))
     s.mfu = _num(last.get("mfu"))
+    s.scorer_kl = _num(last.get("scorer_kl")) if "scorer_kl" in last else _num(last_row.get("scorer_kl"))
+    sel = last_selection(state)
+    if sel is not None:
+        s.selection_step, s.selection = sel["step"], sel["layers"]
+        s.sel_recall_mean, s.sel_recall_min = sel["recall_mean"], sel["recall_min"]
+        s.sel_recall_min_layer, s.cmp_entropy_mean = sel["recall_min_layer"], sel["cmp_entropy_mean"]
     fb: dict[str, int] = {}
     for rs in state.ranks.values():
         d = (rs.last_progress or {}).get("fallback")
@@ -214,6 +228,43 @@ def summarize(state: RunState, now: float, stale_s: float = DEFAULT_STALE_S) -> 
     s.host = str(boot["host"]) if boot.get("host") else None
     s.pid = int(boot["pid"]) if isinstance(boot.get("pid"), int) and not isinstance(boot.get("pid"), bool) else None
     return s
+
+
+def _layer(r: Any) -> dict[str, Any] | None:
+    """One layer of an ``eval`` event's ``selection`` with its numbers checked (None when it is not a layer)."""
+    if not isinstance(r, dict) or not finite(r.get("layer")):
+        return None
+    gates = r.get("gates")
+    return {"layer": int(r["layer"]), "recall": _num(r.get("recall")), "cmp_entropy": _num(r.get("cmp_entropy")),
+            "kl": _num(r.get("kl")),
+            "gates": [float(g) for g in gates] if isinstance(gates, list) and all(finite(g) for g in gates) else None}
+
+
+def last_selection(state: RunState) -> dict[str, Any] | None:
+    """The selection diagnostics of the last evaluation that has them: ``{"step", "layers", "recall_mean",
+    "recall_min", "recall_min_layer", "cmp_entropy_mean"}`` from rank 0's ``eval`` events (their ``selection``
+    list), else from ``val.csv``'s columns (no per-layer list); None for a dense model, a run before these
+    diagnostics, or one without an evaluation yet."""
+    for ev in reversed(state.evals):
+        raw = ev.get("selection")
+        layers = [x for x in map(_layer, raw) if x is not None] if isinstance(raw, list) else []
+        if not layers and _num(ev.get("sel_recall_mean")) is None:
+            continue
+        recalls = [(r["recall"], r["layer"]) for r in layers if r["recall"] is not None]
+        low = min(recalls) if recalls else None
+        ents = [r["cmp_entropy"] for r in layers if r["cmp_entropy"] is not None]
+        mean, ent = _num(ev.get("sel_recall_mean")), _num(ev.get("cmp_entropy_mean"))
+        return {"step": int(ev["step"]) if finite(ev.get("step")) else None, "layers": layers,
+                "recall_mean": statistics.fmean(v for v, _ in recalls) if mean is None and recalls else mean,
+                "recall_min": low[0] if low else _num(ev.get("sel_recall_min")),
+                "recall_min_layer": low[1] if low else None,
+                "cmp_entropy_mean": statistics.fmean(ents) if ent is None and ents else ent}
+    for row in reversed(state.val_rows):
+        if _num(row.get("sel_recall_mean")) is not None or _num(row.get("cmp_entropy_mean")) is not None:
+            return {"step": int(row["step"]) if finite(row.get("step")) else None, "layers": [],
+                    "recall_mean": _num(row.get("sel_recall_mean")), "recall_min": _num(row.get("sel_recall_min")),
+                    "recall_min_layer": None, "cmp_entropy_mean": _num(row.get("cmp_entropy_mean"))}
+    return None
 
 
 def gpu_errors(state: RunState) -> tuple[dict[str, int] | None, int | None]:

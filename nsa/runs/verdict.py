@@ -25,7 +25,7 @@ RETRIEVAL_TASKS = ("needle", "mqar")  # the tasks whose accuracy monitor.min_eva
 # monitor.* keys that judge the report's verdict (MonitorConfig fields)
 LIMIT_KEYS = ("min_tokens_per_s", "max_fetch_p95_ms", "gate_entropy_min", "gate_entropy_early_min",
               "gate_entropy_early_steps", "gate_collapse_max", "max_memory_gib", "min_eval_accuracy",
-              "throughput_drop_ratio", "throughput_tail_min_s")
+              "throughput_drop_ratio", "throughput_tail_min_s", "min_selection_recall")
 WINDOW_MIN_POINTS = 3  # a throughput window holds at least this many progress points (and a tenth of the run)
 FETCH_SETTLED_STEP = 20  # fetch p95 windows from this step on hold >= 20 fetches: one slow first fetch is no p95
 WARN_MARGIN = 0.1  # a figure within 10% of its limit (still on the right side) is a WARN
@@ -435,6 +435,7 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
                       missing="no GPU memory figure (CPU run" + (f"; host RSS peak {s.rss_mib / 1024:.2f} GiB)"
                                                                  if s.rss_mib is not None else ")")))
     out.append(_gpu_errors_check(s))
+    out.append(_selection_check(s, limits))
     low, where, bad = eval_accuracy(evals)
     if bad and limits.values.get("min_eval_accuracy") is not None:
         out.append(Check("eval accuracy", f"{', '.join(bad)} unreadable", f">= {limits.values['min_eval_accuracy']:g}",
@@ -444,6 +445,20 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
                           f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
                           missing="no needle/mqar results in eval/"))
     return out
+
+
+def _selection_check(s: RunSummary, limits: Limits) -> Check:
+    """The last evaluation's mean selection recall against ``monitor.min_selection_recall`` (informational
+    while that is not set)."""
+    shown = ""
+    if s.sel_recall_mean is not None:
+        where = f" in layer {s.sel_recall_min_layer}" if s.sel_recall_min_layer is not None else ""
+        shown = (f"mean {s.sel_recall_mean:.3f}, lowest {fmt_value(s.sel_recall_min, '.3f')}{where} "
+                 f"(evaluation at step {s.selection_step})")
+    missing = ("sequence too short to select (seq_len <= n_sel * l_sel)" if s.selection_step is not None
+               else "no selection diagnostics (dense model, eval.selection_queries 0, or no evaluation yet)")
+    return _judge("selection recall", "min_selection_recall", limits, s.sel_recall_mean, shown, "", floor=True,
+                  margin=False, missing=missing)
 
 
 def _data_check(s: RunSummary) -> Check:

@@ -167,6 +167,7 @@ class Recorder:
             "elapsed_s": self.clock.elapsed(), "eta_s": eta,
             "answer_loss": answers[0] if answers else None, "answer_acc": answers[1] if answers else None,
             "fetch_p50_ms": loader_stats.get("fetch_p50_ms"), "fetch_p95_ms": loader_stats.get("fetch_p95_ms"),
+            "scorer_kl": _float(stats.get("scorer_kl")),
         }
         shares = stats.get("gate_branch_shares")
         s.hb.emit(
@@ -180,6 +181,7 @@ class Recorder:
             data_skipped=_skipped(loader_stats), data_warnings=list(self.warnings),
             answer_loss=row["answer_loss"], answer_acc=row["answer_acc"],
             gpu_mem_errors=self.gpu_errors.read() if self.gpu_errors is not None else None,
+            scorer_kl=row["scorer_kl"],
         )
         if heartbeat_only:
             s.out.step(step)
@@ -195,7 +197,7 @@ class Recorder:
             "mem/allocated_mib": mem["mem_allocated_mib"], "mem/reserved_mib": mem["mem_reserved_mib"],
             "gate/entropy_mean": _float(stats.get("gate_entropy_mean")),
             "gate/collapse_fraction": _float(stats.get("gate_collapse_fraction")),
-            "sel/keys_mean": _float(stats.get("sel_keys_mean")),
+            "sel/keys_mean": _float(stats.get("sel_keys_mean")), "sel/scorer_kl": row["scorer_kl"],
         }
         if answers is not None:
             scalars.update({"train/answer_loss": answers[0], "train/answer_acc": answers[1]})
@@ -205,14 +207,21 @@ class Recorder:
         s.out.step(step, row)
         s.out.log(row)
 
-    def eval_row(self, step: int, val_loss: float, ppl: float, seconds: float) -> None:
+    def eval_row(self, step: int, val_loss: float, ppl: float, seconds: float,
+                 selection: list[dict[str, Any]] | None = None) -> None:
+        """An evaluation: the heartbeat's ``eval`` event, a ``val.csv`` row, TensorBoard and the message line;
+        ``selection``: the NSA layers' :meth:`NSALM.selection_report` (None: not measured, dense model)."""
         s = self.s
-        s.hb.emit("eval", step, val_loss=val_loss, val_ppl=ppl, seconds=seconds)
+        fig = selection_figures(selection or [])
+        s.hb.emit("eval", step, val_loss=val_loss, val_ppl=ppl, seconds=seconds, selection=selection or None,
+                  sel_recall_mean=fig["sel_recall_mean"], sel_recall_min=fig["sel_recall_min"],
+                  cmp_entropy_mean=fig["cmp_entropy_mean"])
         if s.dist.is_main:
             assert s.val_csv is not None and s.tb is not None
-            s.val_csv.row({"step": step, "val_loss": val_loss, "val_ppl": ppl})
-            s.tb.scalars({"val/loss": val_loss, "val/ppl": ppl}, step)
-            s.out.message(f"eval step {step}: val_loss {val_loss:.4f} | ppl {ppl:.2f}")
+            s.val_csv.row({"step": step, "val_loss": val_loss, "val_ppl": ppl, "sel_recall_mean": fig["sel_recall_mean"],
+                           "sel_recall_min": fig["sel_recall_min"], "cmp_entropy_mean": fig["cmp_entropy_mean"]})
+            s.tb.scalars({"val/loss": val_loss, "val/ppl": ppl, **selection_scalars(selection or [])}, step)
+            s.out.message(f"eval step {step}: val_loss {val_loss:.4f} | ppl {ppl:.2f}{selection_text(fig)}")
 
     def summary(self, status: str, error: str | None) -> dict[str, Any]:
         """The content of ``metrics.json``."""
@@ -248,6 +257,58 @@ class Recorder:
             "data": {k: v for k, v in loader_stats.items() if k != "warnings"},
             "data_warnings": list(self.warnings),
         }
+
+
+def measure_selection(s: Session, x: torch.Tensor) -> list[dict[str, Any]] | None:
+    """The NSA layers' selection diagnostics on the held-out inputs ``x`` (:meth:`NSALM.selection_report`,
+    ``eval.selection_queries`` query positions per layer, under the run's autocast, no gradient); None when
+    off (``eval.selection_queries: 0``), for a dense model, or under FSDP (the report runs the model's own
+    forward, which the sharded root does not gather)."""
+    queries = s.cfg.eval.selection_queries
+    if queries <= 0 or s.cfg.model.attention == "dense" or s.checkpointable.is_sharded:
+        return None
+    with torch.no_grad(), s.plan.rt.autocast():
+        layers = s.model.selection_report(x, queries)
+    return [_layer_record(r) for r in layers] or None
+
+
+def _layer_record(r: dict[str, Any]) -> dict[str, Any]:
+    gates = r.get("gates")
+    return {"layer": int(r["layer"]), "recall": _float(r.get("recall")), "cmp_entropy": _float(r.get("cmp_entropy")),
+            "kl": _float(r.get("kl")), "gates": [float(g) for g in gates] if gates is not None else None}
+
+
+def selection_figures(layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """``sel_recall_mean``, ``sel_recall_min`` (and ``sel_recall_min_layer``) and ``cmp_entropy_mean`` over the
+    layers that have them (None each when none does: a dense model, or a sequence too short to select)."""
+    recalls = [(r["recall"], r["layer"]) for r in layers if r.get("recall") is not None]
+    ents = [r["cmp_entropy"] for r in layers if r.get("cmp_entropy") is not None]
+    low = min(recalls) if recalls else None
+    return {"sel_recall_mean": sum(v for v, _ in recalls) / len(recalls) if recalls else None,
+            "sel_recall_min": low[0] if low else None, "sel_recall_min_layer": low[1] if low else None,
+            "cmp_entropy_mean": sum(ents) / len(ents) if ents else None}
+
+
+def selection_scalars(layers: list[dict[str, Any]]) -> dict[str, float | None]:
+    """TensorBoard scalars: ``sel/recall_L{i}``, ``sel/cmp_entropy_L{i}``, ``sel/kl_L{i}``, ``gate/L{i}_{cmp|sel|win}``
+    and ``sel/recall_mean``."""
+    out: dict[str, float | None] = {}
+    for r in layers:
+        i = r["layer"]
+        out.update({f"sel/recall_L{i}": r.get("recall"), f"sel/cmp_entropy_L{i}": r.get("cmp_entropy"),
+                    f"sel/kl_L{i}": r.get("kl")})
+        for name, g in zip(("cmp", "sel", "win"), r.get("gates") or [], strict=False):
+            out[f"gate/L{i}_{name}"] = g
+    if layers:
+        out["sel/recall_mean"] = selection_figures(layers)["sel_recall_mean"]
+    return out
+
+
+def selection_text(fig: dict[str, Any]) -> str:
+    """`` | recall 0.83 (min L3 0.61)`` for the eval line; empty without a recall."""
+    if fig.get("sel_recall_mean") is None:
+        return ""
+    return f" | recall {fig['sel_recall_mean']:.2f} (min L{fig['sel_recall_min_layer']} {fig['sel_recall_min']:.2f})"
 
 
 def _gpu_error_probe(s: Session) -> Any:

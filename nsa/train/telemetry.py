@@ -36,9 +36,9 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
         "fetch_p95_ms", "tokens_seen", "elapsed_s", "eta_s", "mem_allocated_mib", "mem_reserved_mib",
         "mem_peak_mib", "rss_mib", "gate_entropy_mean", "gate_branch_shares", "gate_collapse_fraction",
         "sel_keys_mean", "fallback", "mfu", "data_skipped", "data_warnings", "answer_loss", "answer_acc",
-        "gpu_mem_errors",
+        "gpu_mem_errors", "scorer_kl",
     ),
-    "eval": ("val_loss", "val_ppl", "seconds"),
+    "eval": ("val_loss", "val_ppl", "seconds", "selection", "sel_recall_mean", "sel_recall_min", "cmp_entropy_mean"),
     "checkpoint": ("path", "seconds", "reason"),
     "anomaly": ("kind", "value", "record"),
     "halt": ("reason", "source", "checkpoint"),
@@ -47,9 +47,9 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
 
 TRAIN_CSV_HEADER = (
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "fetch_ms", "tokens_seen", "elapsed_s",
-    "answer_loss", "answer_acc",
+    "answer_loss", "answer_acc", "scorer_kl",
 )
-VAL_CSV_HEADER = ("step", "val_loss", "val_ppl")
+VAL_CSV_HEADER = ("step", "val_loss", "val_ppl", "sel_recall_mean", "sel_recall_min", "cmp_entropy_mean")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -132,9 +132,14 @@ class CsvLog:
             self._f.append(_csv_line(header))
 
     def _truncate(self, step: int) -> None:
+        """Keep the rows up to ``step``, rewritten under this header (a run resumed by a newer version
+        may have more columns: the old rows get empty cells there)."""
         with open(self.path, newline="") as f:
             rows = list(csv.reader(f))
+        old = rows[0] if rows else list(self.header)
         kept = [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
+        if list(old) != list(self.header):
+            kept = [[dict(zip(old, r, strict=False)).get(k, "") for k in self.header] for r in kept]
         with open(self.path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(self.header)

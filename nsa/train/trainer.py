@@ -36,7 +36,7 @@ from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
 from nsa.train.events import Reporter
-from nsa.train.metrics import Clock, Recorder
+from nsa.train.metrics import Clock, Recorder, measure_selection
 from nsa.train.runtime import apply_alloc_conf, check_training_config, resolve_runtime
 from nsa.train.session import Plan, Session, open_session
 from nsa.train.state import TrainState
@@ -275,26 +275,32 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         )
 
     def _evaluate(self, s: Session, rec: Recorder, step: int) -> None:
-        """Mean loss over the same ``eval.batches`` held-out batches every time."""
+        """Mean loss over the same ``eval.batches`` held-out batches every time, and the selection diagnostics
+        of the NSA layers on the first of them (:func:`nsa.train.metrics.measure_selection`)."""
         assert s.val_loader is not None
         batches = s.cfg.eval.batches
         t0 = time.perf_counter()
         s.model.eval()
         s.val_loader.load_state_dict(s.val_start)
         total = torch.zeros((), device=s.plan.rt.device)
+        first: torch.Tensor | None = None
         with torch.no_grad():
             for _ in range(batches):
                 x, y = next(s.val_loader)
+                first = x if first is None else first
                 with s.plan.rt.autocast():
                     total += s.model(x, labels=y, cu_seqlens=s.documents(x)).loss.float()
         D.all_reduce_sum(total, s.dist)
         val_loss = total.item() / (batches * s.dist.world_size)
+        assert first is not None
+        selection = measure_selection(s, first)  # per NSA layer, on the first held-out batch (every rank)
         s.model.consume_stats()  # gate statistics of evaluation do not belong to training
         s.model.train()
         s.state.last_val_loss = val_loss
         if s.state.best_val_loss is None or val_loss < s.state.best_val_loss:
             s.state.best_val_loss = val_loss
-        rec.eval_row(step, val_loss, math.exp(val_loss) if val_loss < 700 else float("inf"), time.perf_counter() - t0)
+        rec.eval_row(step, val_loss, math.exp(val_loss) if val_loss < 700 else float("inf"), time.perf_counter() - t0,
+                     selection)
 
     # -- checkpoints and endings ---------------------------------------------------------------------
     def _save(self, s: Session, clock: Clock, reason: str) -> Path:

@@ -1,4 +1,5 @@
-"""``nsa eval``: does a trained model retrieve (needle, MQAR), and what is its held-out loss?"""
+"""``nsa eval``: does a trained model retrieve (needle, MQAR), what is its held-out loss, and how well does an
+NSA model's selection find what dense attention reads (selection)?"""
 
 from __future__ import annotations
 
@@ -25,14 +26,22 @@ Examples:
 
   nsa eval artifacts/tiny --task mqar --contexts 128 --json | jq .results
 
+  nsa eval artifacts/tiny --task selection --contexts 128,512 --samples 8
+
+The selection task (NSA models) measures per layer, on the run's val split: recall (share of the dense
+attention mass, same q/k, inside the selected blocks; 1 = nothing lost), compressed entropy (1 =
+uniform), the scorer KL and the mean gates; averaged over --samples sequences at --queries positions
+per layer (default 64). At a context <= n_sel * l_sel every block is selected and recall is not measured.
+
 Results go to RUN/eval/<task>.json (and RUN/eval/needle.png, a depth x context heat map) unless
 --no-save; `nsa report RUN` shows them. --json prints the same payload on stdout (the table goes to
 stderr), --json-out PATH writes it there.
 Exit code 0 on success, 2 for bad input (unknown task, a context above model.max_seq_len or too
-short for the task, a depth outside [0, 1], a path without weights).
+short for the task, a depth outside [0, 1], a path without weights, the selection task on a dense model).
 """
 
-DEFAULT_SAMPLES = {"needle": 32, "mqar": 32, "loss": 16}
+DEFAULT_SAMPLES = {"needle": 32, "mqar": 32, "loss": 16, "selection": 8}
+SELECTION_QUERIES = 64  # query positions per layer of the selection task (--queries)
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -62,6 +71,44 @@ def _floats(text: str, flag: str) -> list[float]:
 
 def _style(acc: float) -> str:
     return "green" if acc >= 0.9 else "yellow" if acc >= 0.5 else "red"
+
+
+def _selection_tables(payload: dict[str, Any]) -> list[tuple[str, Any]]:
+    """One heading and table per context: layer, recall, compressed entropy, KL, gates."""
+    from rich.table import Table
+
+    from nsa.eval.results import context_label
+
+    rows, s = payload["results"], payload["settings"]
+    name = Path(str(payload["run"])).name
+    out = []
+    for c in sorted({r["context"] for r in rows}):
+        here = [r for r in rows if r["context"] == c]
+        heading = (f"selection of {name} at context {context_label(c)} ({here[0]['n']} val sequences, "
+                   f"{s['queries']} query positions per layer)")
+        t = Table()
+        for col in ("layer", "recall", "compressed entropy", "KL", "gates cmp/sel/win"):
+            t.add_column(col, justify="right")
+        for r in here:
+            gates = "/".join(f"{g:.2f}" for g in r["gates"]) if r.get("gates") else "n/a"
+            if r.get("recall") is None:
+                t.add_row(str(r["layer"]), "– (all blocks selected at this length)", "–", "–", gates)
+                continue
+            rec = r["recall"]
+            t.add_row(str(r["layer"]), f"[{_style(rec)}]{rec:.3f}[/]", _num(r.get("cmp_entropy")), _num(r.get("kl")), gates)
+        out.append((heading, t))
+    return out
+
+
+def _num(v: Any) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def _tables(payload: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Heading lines and Rich tables of the results (one per context for the selection task)."""
+    if payload["task"] == "selection":
+        return _selection_tables(payload)
+    return [_table(payload)]
 
 
 def _table(payload: dict[str, Any]) -> tuple[str, Any]:
@@ -106,14 +153,16 @@ def _table(payload: dict[str, Any]) -> tuple[str, Any]:
 
 def eval_cmd(
     path: Annotated[Path, options.run_dir("Run directory, its export/ folder, a checkpoint folder or file.")],
-    task: Annotated[str, typer.Option("--task", help="needle, mqar or loss.")],
+    task: Annotated[str, typer.Option("--task", help="needle, mqar, loss or selection (NSA models).")],
     contexts: Annotated[str | None, typer.Option(
         "--contexts", help="Comma-separated context lengths (4k = 4096); default the run's train.seq_len.")] = None,
     depths: Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1] (0 = first token).")] = "0,0.25,0.5,0.75,1",
     samples: Annotated[int | None, typer.Option(
-        "--samples", min=1, help="Episodes per cell (needle 32, mqar 32) or val sequences per context (loss 16).")] = None,
+        "--samples", min=1, help="Episodes per cell (needle 32, mqar 32) or val sequences per context (loss 16, "
+        "selection 8).")] = None,
     pairs: Annotated[int, typer.Option("--pairs", min=1, help="MQAR key/value pairs per episode.")] = 8,
-    queries: Annotated[int | None, typer.Option("--queries", min=1, help="MQAR keys asked (default: --pairs).")] = None,
+    queries: Annotated[int | None, typer.Option(
+        "--queries", min=1, help="MQAR keys asked (default: --pairs); selection: query positions per layer (default 64).")] = None,
     haystack: Annotated[str, typer.Option(
         "--haystack", help="random (uniform filler) or text (the run's val split).")] = "random",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the episodes (results are reproducible).")] = 0,
@@ -124,7 +173,8 @@ def eval_cmd(
     json_out: Annotated[Path | None, options.json_out("the results")] = None,
     no_save: Annotated[bool, typer.Option("--no-save", help="Do not write RUN/eval/<task>.json (and needle.png).")] = False,
 ) -> None:
-    """Score a trained model on needle retrieval or MQAR at chosen contexts, or its held-out loss.
+    """Score a trained model on needle retrieval or MQAR at chosen contexts, its held-out loss, or (NSA models)
+    its selection recall, compressed entropy, scorer KL and gates per layer.
 
     Example: nsa eval artifacts/tiny --task needle --contexts 64,128 --depths 0,0.5,1 --samples 16
     """
@@ -153,6 +203,9 @@ def eval_cmd(
 
         loaded = load_model(path, device=dev)
         cfg, model = loaded.config, loaded.model
+        if task == "selection" and cfg.model.attention != "nsa":
+            raise ConfigError(f"the selection task needs an NSA model; {loaded.source} has {cfg.model.attention} attention",
+                              hint="evaluate a run trained with model.attention: nsa")
         limit = cfg.model.max_seq_len
         if ctx_list is None:
             ctx_list = [min(cfg.train.seq_len, limit)]
@@ -164,16 +217,22 @@ def eval_cmd(
         typer.echo(f"[{loaded.source}, {dev}, task {task}, contexts {','.join(map(str, ctx_list))}]", err=True)
 
         settings: dict[str, Any] = {"samples": n, "depths": depth_list, "contexts": ctx_list,
-                                    "haystack": haystack if task != "loss" else None,
+                                    "haystack": haystack if task in ("needle", "mqar") else None,
                                     "pairs": pairs if task == "mqar" else None, "queries": q if task == "mqar" else None,
                                     "seed": seed, "batch_size": batch_size, "device": str(dev)}
-        if task == "loss":
-            from nsa.eval.tasks import TOKENS_PER_BATCH, eval_loss
+        if task in ("loss", "selection"):
+            from nsa.eval.tasks import TOKENS_PER_BATCH, eval_loss, eval_selection
 
             bs = batch_size or max(1, min(n, TOKENS_PER_BATCH // max(ctx_list)))
             batches = math.ceil(n / bs)
             settings.update(samples=batches * bs, batch_size=bs, batches=batches, seed=cfg.train.seed)
-            rows = eval_loss(model, cfg, tok, ctx_list, batches, batch_size=bs, device=dev, max_seq_len=limit)
+            if task == "loss":
+                rows = eval_loss(model, cfg, tok, ctx_list, batches, batch_size=bs, device=dev, max_seq_len=limit)
+            else:
+                sq = queries or SELECTION_QUERIES
+                settings.update(queries=sq)
+                rows = eval_selection(model, cfg, tok, ctx_list, batches, queries=sq, batch_size=bs, device=dev,
+                                      max_seq_len=limit)
         else:
             from nsa.eval.tasks import eval_mqar, eval_needle, text_haystack
 
@@ -191,9 +250,9 @@ def eval_cmd(
         run_dir = run_dir_of(path)
         payload = build_payload(task, rows, run=run_dir, checkpoint=loaded.source, settings=settings)
 
-        heading, table = _table(payload)
-        console.print(heading, highlight=False)
-        console.print(table)
+        for heading, table in _tables(payload):
+            console.print(heading, highlight=False)
+            console.print(table)
         written: list[Path] = []
         if not no_save:
             try:

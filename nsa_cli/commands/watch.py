@@ -129,6 +129,8 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
     t.add_row("gates", f"H {render.fmt_num(s.gate_entropy_mean, '.3f')} coll "
               f"{render.fmt_num(s.gate_collapse_fraction, '.2f')}",
               "cmp/sel/win " + ("/".join(f"{x:.2f}" for x in shares) if shares else "n/a"))
+    now_sel, detail_sel = selection_cells(s)
+    t.add_row("selection", now_sel, detail_sel)
     t.add_row("fallbacks", str(s.fallback_total), ", ".join(f"{k}: {v}" for k, v in sorted(s.fallback.items())))
     if s.data_source or s.data_fallback:
         t.add_row("data", "SYNTHETIC" if s.data_fallback else "ok", s.data_fallback or s.data_source or "",
@@ -193,6 +195,22 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
     return Panel(Group(*parts), title="nsa watch", title_align="left", width=width)
 
 
+def selection_cells(s: Any) -> tuple[str, str]:
+    """The dashboard's selection row: ``("recall 0.83 mean", "min 0.61 (L3) | cmp H 0.72 | step 900")`` from
+    the last evaluation's diagnostics; ``("–", why)`` for a dense model or before the first evaluation."""
+    from nsa_cli import render
+
+    if s.selection_step is None:
+        return "–", "none yet (NSA models, at evaluations)"
+    if s.sel_recall_mean is None:
+        recall, low = "recall –", "sequence too short to select"
+    else:
+        recall = f"recall {s.sel_recall_mean:.2f} mean"
+        where = f" (L{s.sel_recall_min_layer})" if s.sel_recall_min_layer is not None else ""
+        low = f"min {render.fmt_num(s.sel_recall_min, '.2f')}{where}"
+    return recall, f"{low} | cmp H {render.fmt_num(s.cmp_entropy_mean, '.2f')} | step {s.selection_step}"
+
+
 def status_line(summary: Any, alarms: list[Any], now: float) -> str:
     """One plain line: time, status, step/total, loss, tokens/s, ETA, alarms."""
     from nsa.runs.rules import now_iso
@@ -230,7 +248,8 @@ def watch(
         "--timeout", help="Stop after this many seconds (waiting included).", min=0)] = None,
 ) -> None:
     """Live dashboard: identity, progress/ETA, loss, tokens/s and grad-norm sparklines, lr, fetch p50/p95,
-    memory, per-GPU utilisation/memory/temperature/power (NVML), gate health, fallbacks, last checkpoint,
+    memory, per-GPU utilisation/memory/temperature/power (NVML), gate health, selection recall and compressed
+    entropy of the last evaluation, fallbacks, last checkpoint,
     heartbeat age, anomalies, halts and alarms. Exits when the run ends or crashes."""
     from nsa_cli import render
 

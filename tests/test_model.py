@@ -267,18 +267,19 @@ def test_stats_accumulation_does_not_sync_on_cuda() -> None:
 
 def test_gates_start_small_and_the_learned_term_is_scaled() -> None:
     """Gate logits are ``gate_bias + gate_scale * mlp(x)`` (docs/design.md, "Gates"); with the
-    defaults every gate starts near sigmoid(-2) = 0.12, for every token and head."""
+    defaults (the window preset) the compressed and selected gates start near sigmoid(-2) = 0.12 and the
+    window gate near sigmoid(2) = 0.88, for every token and head."""
     torch.manual_seed(0)
     m = _tiny_lm()
     attn = m.blocks[0].attn
-    assert isinstance(attn, NSAAttention) and attn.gate_bias == (-2.0, -2.0, -2.0) and attn.gate_scale == 0.1
+    assert isinstance(attn, NSAAttention) and attn.gate_bias == (-2.0, -2.0, 2.0) and attn.gate_scale == 0.1
     assert "gate_offset" not in m.state_dict()  # a constant of the config, not a weight
     x = torch.randn(2, 11, 32)
     fc1, fc2 = attn.gate_mlp[0], attn.gate_mlp[2]
     with torch.no_grad():  # trained-looking weights, so the scale is visible
         fc2.weight.normal_()
         fc2.bias.normal_()
-    want = -2.0 + 0.1 * fc2(torch.nn.functional.silu(fc1(x)))
+    want = torch.tensor([-2.0, -2.0, 2.0]).repeat(attn.n_heads) + 0.1 * fc2(torch.nn.functional.silu(fc1(x)))
     torch.testing.assert_close(attn.gate_logits(x), want)  # the batched path
     torch.testing.assert_close(attn.gate_logits(x[:1, :3]), want[:1, :3])  # the few-rows (decode) path
     fresh = _tiny_lm(gate_bias=(-1.0, 2.0, -3.0))

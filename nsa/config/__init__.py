@@ -35,7 +35,7 @@ from nsa.config.resolve import (
     saved_run_config,
     validate_run_config,
 )
-from nsa.config.run import CONFIG_DIR, ModelConfig, NSAConfig, RunConfig, RuntimeConfig
+from nsa.config.run import CONFIG_DIR, GATE_PRESETS, ModelConfig, NSAConfig, RunConfig, RuntimeConfig
 from nsa.config.section import ConfigSection
 from nsa.config.train import (
     CheckpointConfig,
@@ -49,6 +49,7 @@ from nsa.config.train import (
 
 __all__ = [
     "CONFIG_DIR",
+    "GATE_PRESETS",
     "LEGACY_DEFAULTS",
     "CheckpointConfig",
     "ConfigSection",

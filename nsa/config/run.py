@@ -70,15 +70,15 @@ class ModelConfig(_Section):
         return self.mlp_hidden or 4 * self.dim
 
 
-DEFAULT_GATE_BIAS = (-2.0, -2.0, -2.0)
 # gate logits per preset (cmp, sel, win): sigmoid(-2) = 0.12, sigmoid(0) = 0.5, sigmoid(2) = 0.88,
 # sigmoid(-ln 2) = 1/3 (docs/design.md, "Quality")
 GATE_PRESETS: dict[str, tuple[float, float, float]] = {
-    "slow": DEFAULT_GATE_BIAS,
+    "slow": (-2.0, -2.0, -2.0),
     "half": (0.0, 0.0, 0.0),
     "window": (-2.0, -2.0, 2.0),
     "uniform": (-0.6931471805599453,) * 3,
 }
+DEFAULT_GATE_BIAS = GATE_PRESETS["window"]
 
 
 class NSAConfig(_Section):
@@ -94,10 +94,10 @@ class NSAConfig(_Section):
     shared_kv: bool = False
     gate_hidden: int | None = Field(None, ge=1, description="gate MLP hidden size; default dim // 4")
     gate_init: Literal["slow", "half", "window", "uniform"] | None = Field(
-        None, description="gate start: slow (0.12 each, the default), half (0.5 each, fla), window (0.12, 0.12, "
-        "0.88, lucidrains), uniform (1/3 each); sets gate_bias (sigmoid gates)")
+        None, description="gate start: window (0.12, 0.12, 0.88, lucidrains; the default), slow (0.12 each: "
+        "retrieval), half (0.5 each, fla), uniform (1/3 each); sets gate_bias (sigmoid gates)")
     gate_bias: tuple[float, float, float] = Field(
-        (-2.0, -2.0, -2.0), description="constant gate logits (cmp, sel, win): logits = gate_bias + gate_scale * mlp(x)"
+        DEFAULT_GATE_BIAS, description="constant gate logits (cmp, sel, win): logits = gate_bias + gate_scale * mlp(x)"
     )
     gate_scale: float = Field(
         0.1, gt=0, le=1, description="multiplier on the learned gate MLP (slows the gates under Adam)"

@@ -82,7 +82,7 @@ class NSAAttention(nn.Module):
         shared_kv: bool = False,
         rope_theta: float = 10000.0,
         gate_hidden: int | None = None,
-        gate_bias: tuple[float, float, float] = (-2.0, -2.0, -2.0),
+        gate_bias: tuple[float, float, float] = (-2.0, -2.0, 2.0),
         gate_scale: float = 0.1,
         fixed_gates: tuple[float, float, float] | None = None,
         collapse_threshold: float = 0.9,

@@ -138,7 +138,7 @@ class NSALM(nn.Module):
         for _, attn in layers:
             attn.arm_probe(queries)
         try:
-            self.forward(input_ids)
+            self(input_ids)  # through __call__: wrappers' hooks (FSDP2 gathers) run
         finally:
             reports = [{"layer": i, **attn.take_probe()} for i, attn in layers]
             self.train(was_training)

@@ -1,0 +1,234 @@
+"""Selection diagnostics, the scorer loss, gate presets, the dense warm-start and ``nsa bench quality``
+(issue 24). The index maths is checked against loops written here, not against the library's helpers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nsa.config import GATE_PRESETS, ModelConfig, NSAConfig, load_run_config
+from nsa.errors import CheckpointError, NSAError
+from nsa.model.lm import NSALM
+from nsa.model.load import read_init_weights
+from nsa.model.selection import (
+    AttachLoss,
+    block_scores,
+    dense_block_mass,
+    probe_positions,
+    recall,
+    scorer_kl,
+)
+from nsa.ops import NSAParams
+from nsa.ops.torch_path import compress_avg, select_blocks
+from nsa.train.trainer import Trainer
+from nsa_cli.app import app
+from tests.conftest import csv_rows, quiet, resolve
+
+runner = CliRunner()
+HP = NSAParams(l=8, d=4, l_sel=8, n_sel=4, w=16)
+TINY_MODEL = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_groups=2, d_k=16, d_v=16, mlp_hidden=128)
+TINY_NSA = NSAConfig(l=8, d=4, l_sel=8, n_sel=4, w=32)
+
+
+def _qk(seed: int, S: int = 96, HQ: int = 4, H: int = 2, D: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, S, HQ, D, generator=g), torch.randn(2, S, H, D, generator=g)
+
+
+def test_probe_positions_start_where_selection_chooses() -> None:
+    ts = probe_positions(96, HP, 16)
+    assert ts is not None and ts[0] == HP.n_sel * HP.l_sel and ts[-1] <= 95
+    assert len(set(ts.tolist())) == len(ts) == 16
+    assert probe_positions(32, HP, 16) is None  # every query selects all of its blocks
+    assert probe_positions(96, HP, 0) is None
+
+
+def test_dense_block_mass_matches_a_loop_over_keys() -> None:
+    """Seed 11: per (batch, group, position) the softmax over keys <= t, summed per block of l_sel keys,
+    averaged over the group's heads."""
+    q, k = _qk(11)
+    ts = torch.tensor([40, 63, 95])
+    scale = 0.25
+    got = dense_block_mass(q, k, ts, HP, scale)
+    assert got.shape == (2, 2, 3, 12)
+    for b in range(2):
+        for g in range(2):
+            for c, t in enumerate(ts.tolist()):
+                want = torch.zeros(12, dtype=torch.float64)
+                for head in (2 * g, 2 * g + 1):
+                    p = torch.softmax((k[b, : t + 1, g].double() @ q[b, t, head].double()) * scale, dim=0)
+                    for key in range(t + 1):
+                        want[key // HP.l_sel] += p[key] / 2
+                torch.testing.assert_close(got[b, g, c].double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.sum(-1), torch.ones(2, 2, 3))
+
+
+def test_recall_is_the_mass_of_the_selected_blocks() -> None:
+    """Seed 12: recall sums the chosen blocks' mass (-1 slots add nothing); all blocks give 1."""
+    g = torch.Generator().manual_seed(12)
+    mass = torch.softmax(torch.randn(1, 2, 3, 6, generator=g), dim=-1)
+    idx = torch.tensor([[[[0, 2, -1], [5, -1, -1]], [[1, 3, 4], [0, 1, 2]], [[-1, -1, -1], [0, 1, 2]]]])  # [1, C, H, 3]
+    got = recall(mass, idx)
+    for c in range(3):
+        for h in range(2):
+            want = sum(float(mass[0, h, c, b]) for b in idx[0, c, h].tolist() if b >= 0)
+            assert math.isclose(float(got[0, h, c]), want, rel_tol=1e-6, abs_tol=1e-7)
+    every = torch.arange(6).expand(1, 3, 2, 6)
+    torch.testing.assert_close(recall(mass, every), torch.ones(1, 2, 3))
+
+
+def test_block_scores_rank_blocks_as_the_op_selects() -> None:
+    """Seed 13: the normalised scores at the probe positions order the candidate blocks as the op's own
+    selection does (the same Eq. 9 importance), so their top-n (forced blocks first) is the op's choice."""
+    q, k = _qk(13)
+    k_cmp = compress_avg(k, HP)
+    ts = probe_positions(96, HP, 8)
+    assert ts is not None
+    P, ent = block_scores(q, k_cmp, ts, 96, HP, 0.25)
+    torch.testing.assert_close(P.sum(-1), torch.ones_like(P.sum(-1)))
+    assert ((ent > 0) & (ent <= 1 + 1e-5)).all() and ent.shape == (2, 4, len(ts))
+    chosen = select_blocks(q, k_cmp, HP, scale=0.25)[:, ts]  # [B, C, H, n_sel]
+    for b in range(2):
+        for h in range(2):
+            for c, t in enumerate(ts.tolist()):
+                bt = t // HP.l_sel
+                forced = [x for x in (bt, 0, bt - 1) if 0 <= x <= bt]
+                rest = sorted((x for x in range(bt + 1) if x not in forced), key=lambda x: (-float(P[b, h, c, x]), x))
+                want = sorted((forced + rest)[: HP.n_sel])
+                assert sorted(chosen[b, c, h].tolist()) == want
+
+
+def test_scorer_kl_is_zero_at_the_target_and_positive_elsewhere() -> None:
+    g = torch.Generator().manual_seed(14)
+    target = torch.softmax(torch.randn(2, 2, 3, 6, generator=g), dim=-1)
+    assert float(scorer_kl(target, target)) == pytest.approx(0.0, abs=1e-6)
+    other = torch.softmax(torch.randn(2, 2, 3, 6, generator=g), dim=-1)
+    assert float(scorer_kl(target, other)) > 0.01
+
+
+def test_attach_loss_sends_the_aux_gradient_without_changing_the_output() -> None:
+    x = torch.randn(3, requires_grad=True)
+    w = torch.tensor(2.0, requires_grad=True)
+    y = AttachLoss.apply(x, w * 3.0)
+    torch.testing.assert_close(y, x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3))
+    assert float(w.grad) == pytest.approx(3.0)  # d(w * 3)/dw, times the attached gradient of 1
+
+
+def test_scorer_loss_reaches_the_scorer_and_not_the_reported_loss() -> None:
+    """Seed 15: with the scorer on, the reported loss is unchanged; in the last layer the gradient of q and
+    of the compressed branch's projection changes and the selected and window branches' do not; weight 0
+    is exactly off."""
+    torch.manual_seed(15)
+    m = NSALM(TINY_MODEL, TINY_NSA)
+    m.train()
+    x = torch.randint(0, 256, (2, 96))
+
+    def grads(queries: int, weight: float) -> tuple[float, torch.Tensor, torch.Tensor]:
+        m.zero_grad()
+        m.configure_scorer(queries, weight)
+        out = m(x, labels=x)
+        assert out.loss is not None
+        out.loss.backward()
+        attn = m.blocks[-1].attn  # the last layer: no later layer's scorer reaches it through its output
+        kv = attn.kv_proj.weight.grad.view(3, -1, 64)  # [cmp | sel | win] rows
+        return float(out.loss.detach()), attn.q_proj.weight.grad.clone(), kv.clone()
+
+    loss0, q0, kv0 = grads(0, 0.0)
+    loss1, q1, kv1 = grads(16, 1.0)
+    loss2, q2, _ = grads(16, 0.0)
+    assert loss0 == loss1 == loss2
+    assert (q1 - q0).norm() > 1e-6 and (kv1[0] - kv0[0]).norm() > 1e-6
+    torch.testing.assert_close(kv1[1:], kv0[1:])  # selected (the target is detached) and window: none
+    torch.testing.assert_close(q2, q0)
+    stats = m.consume_stats()
+    assert stats["scorer_kl"] > 0
+
+
+def test_selection_report_per_layer() -> None:
+    torch.manual_seed(16)
+    m = NSALM(TINY_MODEL, TINY_NSA)
+    rep = m.selection_report(torch.randint(0, 256, (2, 96)), queries=8)
+    assert [r["layer"] for r in rep] == [0, 1]
+    for r in rep:
+        assert 0 < r["recall"] <= 1 and 0 < r["cmp_entropy"] <= 1 + 1e-5 and r["kl"] >= 0
+        assert r["gates"] == pytest.approx([0.119, 0.119, 0.881], abs=0.01)  # the default preset: window
+    assert m.training  # the report leaves the mode as it found it
+    short = m.selection_report(torch.randint(0, 256, (1, 24)), queries=8)
+    assert short[0]["recall"] is None  # every query selects all of its blocks at this length
+    dense = NSALM(TINY_MODEL.model_copy(update={"attention": "dense"}), TINY_NSA)
+    assert dense.selection_report(torch.randint(0, 256, (1, 96))) == []
+
+
+@pytest.mark.parametrize("preset", sorted(GATE_PRESETS))
+def test_gate_presets_set_the_starting_gates(preset: str) -> None:
+    cfg = NSAConfig(gate_init=preset)
+    want = [1 / (1 + math.exp(-b)) for b in GATE_PRESETS[preset]]
+    torch.manual_seed(17)
+    m = NSALM(TINY_MODEL, TINY_NSA.model_copy(update={"gate_init": preset, "gate_bias": cfg.gate_bias}))
+    rep = m.selection_report(torch.randint(0, 256, (1, 96)), queries=4)
+    assert rep[0]["gates"] == pytest.approx(want, abs=0.01)
+
+
+def test_gate_init_and_a_different_gate_bias_are_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(NSAError, match="disagree"):
+        load_run_config("tiny", environ={}, sets=["nsa.gate_init=half", "nsa.gate_bias=[1,1,1]"])
+    assert load_run_config("tiny", environ={}, sets=["nsa.gate_init=half"]).config.nsa.gate_bias == (0.0, 0.0, 0.0)
+
+
+def test_dense_warm_start_copies_shared_weights_and_keeps_nsa_parts_fresh(tmp_path: Path) -> None:
+    dense_dir = tmp_path / "dense"
+    r = Trainer(resolve(dense_dir, 2, model__attention="dense"), reporter=quiet()).fit()
+    assert r.status == "completed"
+    rep = quiet()
+    nsa_dir = tmp_path / "nsa"
+    r = Trainer(resolve(nsa_dir, 2, train__init_from=str(dense_dir)), reporter=rep).fit()
+    assert r.status == "completed"
+    assert "dense warm-start" in rep.text()
+    cfg = load_run_config("tiny", environ={}, flags={"train.seq_len": 32}).config
+    with torch.device("meta"):
+        meta = NSALM(cfg.model, cfg.nsa)
+    state, _, fresh = read_init_weights(dense_dir, meta)
+    assert fresh and all(".gate_mlp." in k or ".compress." in k for k in fresh)
+    dense_kv = state["blocks.0.attn.kv_proj.weight"]
+    rows = dense_kv.shape[0] // 3
+    torch.testing.assert_close(dense_kv[:rows], dense_kv[rows : 2 * rows])  # one dense projection per branch
+    # the other way round is not a warm-start: one line naming what does not fit
+    with pytest.raises(CheckpointError, match="do not fit"):
+        dcfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attention": "dense"})})
+        with torch.device("meta"):
+            read_init_weights(nsa_dir, NSALM(dcfg.model, dcfg.nsa))
+
+
+def test_scorer_until_ends_the_scorer_loss(tmp_path: Path) -> None:
+    r = Trainer(resolve(tmp_path / "run", 4, train__seq_len=64, scorer__weight=0.5, scorer__queries=8,
+                        scorer__until=2), reporter=quiet()).fit()
+    assert r.status == "completed"
+    rows = csv_rows(tmp_path / "run" / "training.csv")
+    kl = {int(row["step"]): row.get("scorer_kl") for row in rows}
+    assert kl[1] and float(kl[1]) > 0 and kl[2] and not kl[4]
+
+
+def test_bench_quality_tiny_prints_loss_and_recall_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "q.json"
+    res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "dense,nsa-half", "--steps", "4",
+                              "--set", "train.seq_len=64", "-o", str(tmp_path / "runs"), "--json-out", str(out)])
+    assert res.exit_code == 0, res.output
+    payload = json.loads(out.read_text())
+    rows = {r["arm"]: r for r in payload["rows"]}
+    assert rows["dense"]["val_loss"] > 0 and rows["nsa-half"]["val_loss"] > 0
+    assert rows["dense"]["recall_mean"] is None and 0 < rows["nsa-half"]["recall_mean"] <= 1
+    assert payload["relative_to_dense"]["dense"] == 0.0
+    assert "held-out loss" in res.output and "selection per layer: nsa-half" in res.output
+
+
+def test_bench_quality_refuses_an_unknown_arm_in_one_line(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "dense,bogus", "-o", str(tmp_path)])
+    assert res.exit_code == 2
+    assert "arm 'bogus'" in res.output and "Traceback" not in res.output

@@ -50,7 +50,7 @@ COMMANDS = _commands()
 def test_every_command_is_registered() -> None:
     assert set(COMMANDS) == {
         "preflight", "smoke", "train", "watch", "halt", "dump", "report", "sample", "eval", "profiles list",
-        "profiles show", "bench attention", "bench train", "bench decode", "bench retrieval"}
+        "profiles show", "bench attention", "bench train", "bench decode", "bench retrieval", "bench quality"}
 
 
 def test_a_short_flag_means_one_thing_across_the_cli() -> None:
@@ -76,7 +76,7 @@ def test_json_is_a_switch_everywhere_and_files_take_json_out() -> None:
             assert not any(o.startswith("--json") and o not in ("--json", "--json-out") for o in opt.opts), path
     assert set(with_json) == set(COMMANDS) - {"train", "sample"}
     json_out = {p for p, c in COMMANDS.items() if any("--json-out" in o.opts for o in _options(c))}
-    assert json_out == {"eval", "bench attention", "bench train", "bench decode", "bench retrieval"}
+    assert json_out == {"eval", "bench attention", "bench train", "bench decode", "bench retrieval", "bench quality"}
 
 
 def test_run_directories_are_paths_everywhere() -> None:
@@ -162,6 +162,8 @@ def _argv(path: str, tmp: Path, trained: Path) -> list[str]:
                          "--no-graphs", "--json"],
         "bench retrieval": ["bench", "retrieval", "--config", "tiny", "--seq-len", "64", "--gap", "20", "--steps", "2",
                             "--eval-every", "2", "--eval-samples", "4", "--variants", "nsa", "--json"],
+        "bench quality": ["bench", "quality", "--tiny", "--arms", "nsa", "--steps", "2", "-o", str(tmp / "q"),
+                          "--json"],
     }[path]
 
 

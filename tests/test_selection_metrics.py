@@ -47,6 +47,12 @@ def dense_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _train(tmp_path_factory.mktemp("sel") / "dense", 2, model__attention="dense")[0]
 
 
+def _failing(report: Any) -> list[str]:
+    """Names of the checks that FAIL in the report's first run (the verdict also weighs timing checks, which
+    a loaded CI machine can fail on a tiny run)."""
+    return [c.name for c in report.checks[0] if c.result == "FAIL"]
+
+
 def _copy(run: Path, tmp_path: Path) -> Path:
     dst = tmp_path / run.name
     shutil.copytree(run, dst, ignore=shutil.ignore_patterns("tb", "eval"))
@@ -131,7 +137,8 @@ def test_dense_run_leaves_the_selection_empty(dense_run: Path, tmp_path: Path) -
     rep = build_report([dense_run], tmp_path / "rep", charts=False)
     assert "### Selection" not in rep.path.read_text()
     check = next(c for c in rep.checks[0] if c.name == "selection recall")
-    assert check.result == "not set" and "dense model" in check.figure and rep.verdicts[0][0] == "PASS"
+    assert check.result == "not set" and "dense model" in check.figure
+    assert "selection recall" not in _failing(rep)
 
 
 def test_a_resumed_csv_keeps_old_rows_under_the_wider_header(tmp_path: Path) -> None:
@@ -196,7 +203,7 @@ def test_report_has_the_selection_section(nsa_run: tuple[Path, str], tmp_path: P
     assert selection_reading(s.selection) in section
     check = next(c for c in res.checks[0] if c.name == "selection recall")
     assert check.result == "not set" and f"mean {s.sel_recall_mean:.3f}" in check.figure
-    assert res.verdicts[0][0] == "PASS"
+    assert "selection recall" not in _failing(res)
 
 
 def test_selection_reading_names_the_weak_layers() -> None:
@@ -215,13 +222,13 @@ def test_min_selection_recall_fails_the_verdict_when_set(nsa_run: tuple[Path, st
     res = build_report([run], tmp_path / "rep", charts=False)
     check = next(c for c in res.checks[0] if c.name == "selection recall")
     assert check.result == "FAIL" and check.key == "min_selection_recall"
-    verdict, why = res.verdicts[0]
-    assert verdict == "FAIL" and "selection recall mean 0." in why and "below the minimum 1.01" in why
-    assert "(evaluation at step 4)" in why
+    assert res.verdicts[0][0] == "FAIL"
+    line = f"{check.figure} {check.why}"
+    assert "selection recall mean 0." in line and "below the minimum 1.01" in line and "(evaluation at step 4)" in line
     _set_monitor(run, min_selection_recall=0.05)
     res = build_report([run], tmp_path / "rep2", charts=False)
     assert next(c for c in res.checks[0] if c.name == "selection recall").result == "PASS"
-    assert res.verdicts[0][0] == "PASS"
+    assert "selection recall" not in _failing(res)  # (other checks, e.g. the throughput tail under load, may vary)
 
 
 # ------------------------------------------------------------------------------------------ nsa eval

@@ -25,10 +25,10 @@ import torch
 
 from nsa.bench.retrieval import RetrievalRecipe, learn_retrieval
 from nsa.config import ResolvedConfig, load_run_config, parse_set
-from nsa.data.loader import build_loader
 from nsa.data.retrieval import RetrievalTask
 from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import ConfigError
+from nsa.eval.tasks import eval_selection
 from nsa.model.load import load_model
 from nsa.train.events import PlainReporter
 from nsa.train.trainer import Trainer
@@ -114,31 +114,18 @@ def _quiet_train(resolved: ResolvedConfig, log: Callable[[str], None] | None) ->
 
 
 def selection_of(run_dir: Path, queries: int = 64, batches: int = 1) -> list[dict[str, Any]]:
-    """Per-layer selection diagnostics of a finished run's model on ``batches`` held-out batches (mean)."""
+    """Per-layer selection diagnostics of a finished run's model at its training length, averaged over
+    ``batches`` held-out batches (``nsa eval --task selection``); empty for a dense model."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(run_dir, device=device)
     cfg = loaded.config
     if cfg.model.attention != "nsa":
         return []
     tok = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-    loader = build_loader(cfg.data, tok, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
-                          seed=cfg.train.seed, split="val", device=device)
-    reports: list[list[dict[str, Any]]] = []
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    with loader, autocast:
-        for _ in range(batches):
-            x, _ = next(loader)
-            reports.append(loaded.model.selection_report(x, queries))
-    return [_mean_layer([r[i] for r in reports]) for i in range(len(reports[0]))]
-
-
-def _mean_layer(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"layer": rows[0]["layer"]}
-    for k in ("recall", "cmp_entropy", "kl"):
-        vals = [r[k] for r in rows if r.get(k) is not None]
-        out[k] = sum(vals) / len(vals) if vals else None
-    out["gates"] = [sum(r["gates"][b] for r in rows) / len(rows) for b in range(3)]
-    return out
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        rows = eval_selection(loaded.model, cfg, tok, [cfg.train.seq_len], batches, queries=queries,
+                              batch_size=cfg.train.batch_size, device=device)
+    return [{k: r[k] for k in ("layer", "recall", "cmp_entropy", "kl", "gates")} for r in rows]
 
 
 def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,

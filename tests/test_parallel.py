@@ -24,7 +24,11 @@ COMMON = ["--steps", "6", "--nproc-per-node", "2", "--set", "eval.every=0", "--s
 
 
 def _rows(run: Path) -> list[dict[str, str]]:
-    with open(run / "training.csv", newline="") as f:
+    return _rows_of(run / "training.csv")
+
+
+def _rows_of(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
 
@@ -221,3 +225,16 @@ def test_both_nodes_report_their_ranks_code_when_the_store_host_stops_first(tmp_
     outs = [p.communicate(timeout=240)[0] for p in (first, second)]
     assert [first.returncode, second.returncode] == [2, 2], outs
     assert all("stops (a user error)" in o and "RendezvousConnectionError" not in o for o in outs), outs
+
+
+@pytest.mark.slow
+def test_fsdp_runs_record_the_selection_diagnostics(tmp_path: Path) -> None:
+    """The selection report runs through the sharded root's forward (its hooks gather the shards)."""
+    out = tmp_path / "fsdp-eval"
+    run_ok(cmd("--steps", "3", "--nproc-per-node", "2", "--set", "runtime.parallel=fsdp", "--set", "eval.every=3",
+               "--set", "eval.batches=1", "--set", "train.seq_len=64", "--set", "checkpoint.every=0",
+               "--out-dir", str(out)))
+    rows = _rows_of(out / "val.csv")
+    assert rows and all(0 < float(r["sel_recall_mean"]) <= 1 and 0 < float(r["cmp_entropy_mean"]) <= 1 + 1e-5
+                        for r in rows)
+

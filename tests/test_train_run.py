@@ -312,6 +312,26 @@ def test_resume_of_a_checkpoint_from_before_the_gate_fields_names_the_sets(tmp_p
     Trainer(legacy, reporter=quiet())  # the old gates: accepted
 
 
+def test_resume_of_a_run_with_the_former_default_gates_names_the_set(tmp_path: Path) -> None:
+    """Runs started before issue 24 saved the slow gates ``(-2, -2, -2)`` and no ``nsa.gate_init``: resuming
+    one with today's default (window) is refused with the ``--set`` of its bias; ``gate_init`` is only a
+    name for a bias, so ``--set nsa.gate_init=slow`` resumes it as well."""
+    from nsa.errors import CheckpointError
+    from nsa.train.checkpoint import save_checkpoint
+
+    run = tmp_path / "run"
+    r = resolve(run, 4, train__resume="auto")
+    sections = r.config.model_dump(mode="json")
+    old_nsa = {k: v for k, v in sections["nsa"].items() if k != "gate_init"}
+    old_nsa["gate_bias"] = [-2.0, -2.0, -2.0]
+    save_checkpoint(run, 2, {"w": torch.randn(2)}, {"world_size": 1, "model": sections["model"], "nsa": old_nsa})
+    with pytest.raises(CheckpointError, match=r"\(nsa\.gate_bias\)") as err:
+        Trainer(r, reporter=quiet())
+    assert err.value.hint is not None and "--set nsa.gate_bias=[-2.0,-2.0,-2.0]" in err.value.hint
+    Trainer(resolve(run, 4, train__resume="auto", nsa__gate_bias=[-2.0, -2.0, -2.0]), reporter=quiet())
+    Trainer(resolve(run, 4, train__resume="auto", nsa__gate_init="slow"), reporter=quiet())
+
+
 def test_init_from_starts_from_the_weights(full_run: Path, tmp_path: Path) -> None:
     """``train.init_from``: step 0 and a fresh optimizer, the weights of the given run (an lr of ~0 keeps
     them); a model that does not fit, or a path that does not exist, is one line with exit code 2."""

@@ -225,6 +225,7 @@ def test_bench_quality_tiny_prints_loss_and_recall_side_by_side(tmp_path: Path) 
     assert rows["dense"]["val_loss"] > 0 and rows["nsa-half"]["val_loss"] > 0
     assert rows["dense"]["recall_mean"] is None and 0 < rows["nsa-half"]["recall_mean"] <= 1
     assert payload["relative_to_dense"]["dense"] == 0.0
+    assert [step for step, _ in rows["nsa-half"]["loss_curve"]][-1] == 4  # the training-loss curve comes along
     assert "held-out loss" in res.output and "selection per layer: nsa-half" in res.output
 
 

@@ -13,6 +13,7 @@ reports the accuracy curve and the first step at 50%.
 
 from __future__ import annotations
 
+import csv
 import io
 import math
 import shutil
@@ -30,6 +31,7 @@ from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import ConfigError
 from nsa.eval.tasks import eval_selection
 from nsa.model.load import load_model
+from nsa.rundir import RunDir
 from nsa.train.events import PlainReporter
 from nsa.train.trainer import Trainer
 
@@ -75,7 +77,7 @@ def parse_arm(text: str) -> Arm:
 
 @dataclass
 class QualityRow:
-    """One arm and seed: held-out loss, selection per layer, needle accuracy, wall time."""
+    """One arm and seed: held-out loss, selection per layer, needle accuracy, the training-loss curve, wall time."""
 
     arm: str
     seed: int
@@ -90,10 +92,20 @@ class QualityRow:
     needle_acc: float | None = None
     needle_steps_to_target: int | None = None
     needle_curve: list[tuple[int, float]] = field(default_factory=list)
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, training loss) at log steps
     status: str = "completed"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def loss_curve(run_dir: Path, offset: int = 0) -> list[tuple[int, float]]:
+    """``(step + offset, loss)`` of a run's ``training.csv`` (its log steps)."""
+    path = RunDir(run_dir).train_csv
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return [(int(r["step"]) + offset, float(r["loss"])) for r in csv.DictReader(f) if r.get("loss")]
 
 
 def _resolve(config: str, sets: list[str]) -> ResolvedConfig:
@@ -145,6 +157,7 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
                                  f"train.out_dir={warm_dir}"])
         m = _quiet_train(warm, log)
         seconds += float(m.get("elapsed_s") or 0.0)
+        row.loss_curve = loss_curve(warm_dir)
         init = [f"train.init_from={warm_dir}", f"train.steps={steps - warm_steps}"]
         steps_main = steps - warm_steps
     else:
@@ -154,6 +167,7 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
                                  f"train.out_dir={main_dir}", *init])
     m = _quiet_train(resolved, log)
     seconds += float(m.get("elapsed_s") or 0.0)
+    row.loss_curve += loss_curve(main_dir, offset=steps - steps_main)
     row.val_loss = m.get("last_val_loss")
     row.tokens = int(m.get("tokens_seen") or 0) + (int(m.get("tokens_per_step") or 0) * (steps - steps_main))
     row.seconds = seconds

@@ -18,6 +18,8 @@ from nsa.model.load import read_init_weights
 from nsa.model.selection import (
     AttachLoss,
     block_scores,
+    cmp_entropy,
+    compressed_probs,
     dense_block_mass,
     probe_positions,
     recall,
@@ -89,7 +91,8 @@ def test_block_scores_rank_blocks_as_the_op_selects() -> None:
     k_cmp = compress_avg(k, HP)
     ts = probe_positions(96, HP, 8)
     assert ts is not None
-    P, ent = block_scores(q, k_cmp, ts, 96, HP, 0.25)
+    p, n_vis = compressed_probs(q, k_cmp, ts, 96, HP, 0.25)
+    P, ent = block_scores(p, ts, 96, HP), cmp_entropy(p, n_vis)
     torch.testing.assert_close(P.sum(-1), torch.ones_like(P.sum(-1)))
     assert ((ent > 0) & (ent <= 1 + 1e-5)).all() and ent.shape == (2, 4, len(ts))
     chosen = select_blocks(q, k_cmp, HP, scale=0.25)[:, ts]  # [B, C, H, n_sel]

@@ -88,10 +88,10 @@ def learn_retrieval(
         nsa_cfg = nsa_cfg.model_copy(update={"fixed_gates": (0.0, 0.0, 1.0)})
     torch.manual_seed(seed)
     model = NSALM(cfg, nsa_cfg, backend=backend).to(dev)
-    scorer_on = scorer is not None and scorer.weight > 0 and variant != "dense"
-    if scorer_on:
-        assert scorer is not None
+    scorer_until: int | None = None
+    if scorer is not None and scorer.weight > 0 and variant != "dense":
         model.configure_scorer(scorer.queries, scorer.weight)
+        scorer_until = scorer.until
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=0.0)
     train_gen = torch.Generator().manual_seed(1234 + seed)
@@ -103,9 +103,9 @@ def learn_retrieval(
     losses: list[torch.Tensor] = []
     t0 = time.perf_counter()
     for step in range(1, r.steps + 1):
-        if scorer_on and scorer is not None and scorer.until is not None and step > scorer.until:
+        if scorer_until is not None and step > scorer_until:  # the scorer's warm-up is over
             model.configure_scorer(0, 0.0)
-            scorer_on = False
+            scorer_until = None
         for group in opt.param_groups:
             group["lr"] = r.lr * min(1.0, step / max(1, r.warmup))
         inputs, labels = task.batch(train_gen, r.batch_size)

@@ -117,7 +117,11 @@ def parse_set(item: str) -> tuple[str, Any]:
 
 # Fields added after runs were first saved, with the values that rebuild those runs' models exactly
 # (today's defaults differ: see docs/design.md, "Gates").
-LEGACY_DEFAULTS: dict[str, Any] = {"nsa.gate_bias": [0.0, 0.0, 0.0], "nsa.gate_scale": 1.0, "nsa.gate_init": None}
+LEGACY_DEFAULTS: dict[str, Any] = {"nsa.gate_bias": [0.0, 0.0, 0.0], "nsa.gate_scale": 1.0}
+
+
+# Keys that only name another key's value (not saved with a run: the value is): `nsa.gate_init` -> `nsa.gate_bias`.
+NAMES_OF: dict[str, str] = {"nsa.gate_init": "nsa.gate_bias"}
 
 
 def fill_legacy(tree: dict[str, Any]) -> dict[str, Any]:
@@ -203,6 +207,9 @@ def load_run_config(
         dotted, value = parse_set(item)
         apply(_nest(dotted, value), f"--set {dotted}", translate=True)
     cfg = validate_run_config(tree, sources)
+    for name, target in NAMES_OF.items():  # the named value comes from where its name was set
+        if name in sources and target not in sources:
+            sources[target] = f"{sources[name]} ({name})"
     return ResolvedConfig(cfg, sources, unknown, profile_name, config_path, notes, describe_unknown_env(environ))
 
 

@@ -94,8 +94,9 @@ class NSAConfig(_Section):
     shared_kv: bool = False
     gate_hidden: int | None = Field(None, ge=1, description="gate MLP hidden size; default dim // 4")
     gate_init: Literal["slow", "half", "window", "uniform"] | None = Field(
-        None, description="gate start: window (0.12, 0.12, 0.88, lucidrains; the default), slow (0.12 each: "
-        "retrieval), half (0.5 each, fla), uniform (1/3 each); sets gate_bias (sigmoid gates)")
+        None, exclude=True, description="gate start: window (0.12, 0.12, 0.88, lucidrains; the default), slow "
+        "(0.12 each: retrieval), half (0.5 each, fla), uniform (1/3 each); sets gate_bias (sigmoid gates), which is "
+        "what a run saves")
     gate_bias: tuple[float, float, float] = Field(
         DEFAULT_GATE_BIAS, description="constant gate logits (cmp, sel, win): logits = gate_bias + gate_scale * mlp(x)"
     )

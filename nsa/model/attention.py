@@ -17,6 +17,7 @@ from nsa.model.rope import RotaryEmbedding
 from nsa.model.selection import (
     AttachLoss,
     block_scores,
+    compressed_probs,
     dense_block_mass,
     layer_report,
     probe_positions,
@@ -216,8 +217,8 @@ class NSAAttention(nn.Module):
         if ts is None or not torch.is_grad_enabled():
             return o
         target = dense_block_mass(p.q, p.k_sel, ts, self.hp, self.scale)
-        P, _ = block_scores(p.q, k_cmp, ts, S, self.hp, self.scale)
-        kl = scorer_kl(target, P)
+        probs, _ = compressed_probs(p.q, k_cmp, ts, S, self.hp, self.scale)
+        kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))
         with torch.no_grad():
             self._stat_acc[N_FIELDS - 2:].add_(scorer_sums(kl))
         weight = self.scorer_weight
@@ -304,12 +305,11 @@ class NSAAttention(nn.Module):
 
     @torch.no_grad()
     def _accumulate(self, gates: torch.Tensor, block_idx: torch.Tensor) -> None:
-        zero = torch.zeros(2, dtype=torch.float64, device=gates.device)  # the scorer's fields: _scorer_loss
-        add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.hp.l_sel), zero])
+        add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.hp.l_sel)])
         if self._stat_acc.device != add.device:  # a module used on a device it was not moved to
-            self._stat_acc = torch.zeros_like(add)
-        # in place: torch.compile keeps one graph
-        self._stat_acc.add_(add)
+            self._stat_acc = torch.zeros(N_FIELDS, dtype=torch.float64, device=add.device)
+        # in place: torch.compile keeps one graph (the last two fields are the scorer's: _scorer_loss)
+        self._stat_acc[: add.numel()].add_(add)
 
     def arm_probe(self, queries: int) -> None:
         """The next forward records :func:`nsa.model.selection.layer_report` on ``queries`` positions

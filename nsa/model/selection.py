@@ -6,9 +6,10 @@ For a sample of query positions ``ts`` of one NSA layer (the selected branch's `
   summed per selection block and averaged over the group's heads: ``[B, H, C, nb]``.
 - :func:`recall`: the share of that mass inside the blocks the layer selected (1.0: selection lost
   nothing dense attention would have read).
-- :func:`block_scores`: the block importance the op ranks by (spec Eq. 8-9: the compressed branch's
-  probabilities, summed over the group's heads and spread over the blocks they overlap), normalised
-  over the candidate blocks ``b <= t // l_sel``; and the compressed attention's entropy per row.
+- :func:`compressed_probs`, :func:`block_scores`: the block importance the op ranks by (spec Eq. 8-9:
+  the compressed branch's probabilities, summed over the group's heads and spread over the blocks they
+  overlap), normalised over the candidate blocks ``b <= t // l_sel``; :func:`cmp_entropy` of those
+  probabilities (diagnostics only: the scorer loss does not compute it).
 - :func:`scorer_kl`: ``KL(dense block mass || block scores)`` (the target detached): a gradient to the
   scorer (``q`` and the compressed keys), which top-n selection otherwise never gives it.
 
@@ -58,27 +59,33 @@ def dense_block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSA
         return p.view(*p.shape[:-1], nb, hp.l_sel).sum(-1).mean(dim=2)
 
 
-def block_scores(q: torch.Tensor, k_cmp: torch.Tensor, ts: torch.Tensor, S: int, hp: NSAParams,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(P, entropy)``: block importance at ``ts`` normalised over the candidate blocks ``[B, H, C, nb]``
-    (differentiable in ``q`` and ``k_cmp``), and the compressed attention's entropy divided by
-    ``log(visible compressed tokens)`` per (batch, head, position) ``[B, HQ, C]`` (1: uniform)."""
-    B, n, H, _ = k_cmp.shape
-    nb = -(-S // hp.l_sel)
-    qg = _group_rows(q, ts, H)
+def compressed_probs(q: torch.Tensor, k_cmp: torch.Tensor, ts: torch.Tensor, S: int, hp: NSAParams,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, n_vis)``: the compressed branch's attention at ``ts`` over its visible tokens, ``[B, H, h, C, n]``
+    float32 (differentiable in ``q`` and ``k_cmp``), and the visible count per position ``[C]``."""
+    n, H = k_cmp.shape[1], k_cmp.shape[2]
     n_vis = visible_cmp_counts(S, hp.l, hp.d, device=q.device)[ts]
     vis = torch.arange(n, device=q.device)[None, :] < n_vis[:, None]
-    p = masked_softmax(torch.einsum("bhgcd,bnhd->bhgcn", qg, k_cmp.float()) * scale, vis[None, None, None])
-    W = overlap_weights(n, nb, hp.l, hp.d, hp.l_sel, device=q.device)
-    P = torch.matmul(p.sum(dim=2), W)
-    cand = torch.arange(nb, device=q.device)[None, :] <= (ts // hp.l_sel)[:, None]
-    P = P * cand
-    P = P / P.sum(dim=-1, keepdim=True).clamp_min(1e-12)
-    with torch.no_grad():
-        ent = -torch.xlogy(p, p).sum(dim=-1)
-        norm = torch.log(n_vis.clamp_min(2).to(ent.dtype))
-        ent = ent / norm
-    return P, ent.reshape(B, -1, ent.shape[-1])
+    logits = torch.einsum("bhgcd,bnhd->bhgcn", _group_rows(q, ts, H), k_cmp.float()) * scale
+    return masked_softmax(logits, vis[None, None, None]), n_vis
+
+
+def block_scores(p: torch.Tensor, ts: torch.Tensor, S: int, hp: NSAParams) -> torch.Tensor:
+    """Block importance of :func:`compressed_probs` ``p`` (spec Eq. 9: summed over the group's heads, spread
+    over the blocks each compressed token overlaps), normalised over the candidate blocks: ``[B, H, C, nb]``."""
+    nb = -(-S // hp.l_sel)
+    W = overlap_weights(p.shape[-1], nb, hp.l, hp.d, hp.l_sel, device=p.device)
+    cand = torch.arange(nb, device=p.device)[None, :] <= (ts // hp.l_sel)[:, None]
+    P = torch.matmul(p.sum(dim=2), W) * cand
+    return P / P.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+@torch.no_grad()
+def cmp_entropy(p: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
+    """Entropy of :func:`compressed_probs` ``p`` over ``log(visible tokens)`` per (batch, head, position),
+    ``[B, HQ, C]`` (1: uniform)."""
+    ent = -torch.xlogy(p, p).sum(dim=-1) / torch.log(n_vis.clamp_min(2).to(p.dtype))
+    return ent.reshape(ent.shape[0], -1, ent.shape[-1])
 
 
 def recall(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
@@ -108,9 +115,10 @@ def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, bloc
         return {"recall": None, "cmp_entropy": None, "kl": None, "gates": g}
     with torch.no_grad():
         mass = dense_block_mass(q, k_sel, ts, hp, scale)
-        P, ent = block_scores(q, k_cmp, ts, S, hp, scale)
+        p, n_vis = compressed_probs(q, k_cmp, ts, S, hp, scale)
         rec = recall(mass, block_idx[:, ts])
-        kl = scorer_kl(mass, P)
+        kl = scorer_kl(mass, block_scores(p, ts, S, hp))
+        ent = cmp_entropy(p, n_vis)
     return {"recall": float(rec.mean()), "cmp_entropy": float(ent.mean()), "kl": float(kl), "gates": g}
 
 

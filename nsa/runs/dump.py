@@ -100,7 +100,7 @@ def dump_stacks(run_dir: str | Path, timeout_s: float = 10.0, poll_s: float = 0.
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
-            pass
+            continue  # a rank that exited since it was listed: nothing to dump there
         except PermissionError:
             raise RunDirError(f"not allowed to signal the trainer of {run} (PID {pid})",
                               hint="run nsa dump as the user who started the run") from None

@@ -383,10 +383,7 @@ def check_same_model(mine: dict[str, Any], saved: dict[str, Any], path: Path) ->
         theirs = saved.get(section)
         if theirs is None or theirs == mine[section]:
             continue
-        # nsa.gate_init only names a gate_bias: the bias is the fact compared
-        diff = sorted(k for k in mine[section] if theirs.get(k) != mine[section][k] and (section, k) != ("nsa", "gate_init"))
-        if not diff:
-            continue
+        diff = sorted(k for k in mine[section] if theirs.get(k) != mine[section][k])
         sets = " ".join(f"--set {section}.{k}={json.dumps(theirs.get(k), separators=(',', ':'))}" for k in diff)
         raise CheckpointError(
             f"checkpoint {path} has a different '{section}' section ({', '.join(f'{section}.{k}' for k in diff)})",

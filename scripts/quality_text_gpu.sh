@@ -2,6 +2,8 @@
 # Issue 24's real-text quality runs on one GPU: every arm/seed in its own process, concurrently
 # (compilation is CPU-bound; the small model leaves the GPU room). Corpus: the Python standard library's
 # .py files as .txt documents (byte tokenizer). Usage: scripts/quality_text_gpu.sh OUT_DIR ARM:SEED ...
+# GATE_VARIANT=NAME:PARAM runs every arm with that learning-dynamics variant (scripts/gate_variants.py);
+# EXTRA="--set k=v ..." adds overrides to every arm.
 set -u
 out=${1:?out dir}; shift
 corpus=/tmp/pystd
@@ -20,7 +22,8 @@ SETS=(--set data.source=local --set data.path=$corpus --set data.tokenizer=byte 
 for spec in "$@"; do
   arm=${spec%%:*}; seed=${spec##*:}
   tag=$(printf %s "$arm" | tr -c "a-zA-Z0-9-" "_")-s$seed
-  python3 -m nsa_cli bench quality --config m7c-125m "${SETS[@]}" --arms "$arm" --seeds "$seed" \
+  if [ -n "${GATE_VARIANT:-}" ]; then cli=(scripts/gate_variants.py "$GATE_VARIANT" --); else cli=(-m nsa_cli); fi
+  python3 "${cli[@]}" bench quality --config m7c-125m "${SETS[@]}" --arms "$arm" --seeds "$seed" \
     --steps ${STEPS:-1200} -o /tmp/quality --json-out "$out/$tag.json" > "$out/$tag.log" 2>&1 &
 done
 wait

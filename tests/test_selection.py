@@ -185,6 +185,23 @@ def test_gate_init_and_a_different_gate_bias_are_refused_in_one_line(tmp_path: P
     assert load_run_config("tiny", environ={}, sets=["nsa.gate_init=half"]).config.nsa.gate_bias == (0.0, 0.0, 0.0)
 
 
+def test_a_gate_start_that_does_not_learn_retrieval_is_said_once_at_the_start(tmp_path: Path) -> None:
+    """docs/design.md, "Gates against retrieval": the window start (the default) learned key/value retrieval
+    in none of 4 seeds; ``nsa train`` says so in one warning line, and not for other starts, fixed gates
+    or dense attention."""
+    rep = quiet()
+    assert Trainer(resolve(tmp_path / "window", 1), reporter=rep).fit().status == "completed"
+    said = [ln for ln in rep.text().splitlines() if "does not learn long-range retrieval" in ln]
+    assert len(said) == 1 and "nsa.gate_init=slow" in said[0] and "the default" in said[0]
+    for name, extra in {"slow": {"nsa__gate_init": "slow"}, "dense": {"model__attention": "dense"},
+                        "fixed": {"nsa__fixed_gates": [0.0, 1.0, 0.0]}}.items():
+        rep = quiet()
+        assert Trainer(resolve(tmp_path / name, 1, **extra), reporter=rep).fit().status == "completed"
+        assert "long-range retrieval" not in rep.text(), name
+    assert NSAConfig(gate_bias=(-2.0, -2.0, 1.0)).retrieval_concern() is None  # a bias of its own: not measured
+    assert NSAConfig(gate_init="window").gate_preset() == "window"
+
+
 def test_dense_warm_start_copies_shared_weights_and_keeps_nsa_parts_fresh(tmp_path: Path) -> None:
     dense_dir = tmp_path / "dense"
     r = Trainer(resolve(dense_dir, 2, model__attention="dense"), reporter=quiet()).fit()

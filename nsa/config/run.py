@@ -79,6 +79,11 @@ GATE_PRESETS: dict[str, tuple[float, float, float]] = {
     "uniform": (-0.6931471805599453,) * 3,
 }
 DEFAULT_GATE_BIAS = GATE_PRESETS["window"]
+# gate starts measured not to learn key/value retrieval beyond the window from scratch, with what was
+# measured (docs/design.md, "Gates against retrieval"; docs/benchmarks/gates-h200.md)
+NO_RETRIEVAL_GATES: dict[str, str] = {
+    "window": "learned it in none of 4 seeds at S=128-512 where dense attention and the slow gates did",
+}
 
 
 class NSAConfig(_Section):
@@ -119,6 +124,20 @@ class NSAConfig(_Section):
             if self.gate_bias != preset:
                 object.__setattr__(self, "gate_bias", preset)  # no re-validation loop
         return self
+
+    def gate_preset(self) -> str | None:
+        """The name of the preset whose bias this config's gates start from (None: a bias of its own)."""
+        return next((name for name, bias in GATE_PRESETS.items() if tuple(self.gate_bias) == bias), None)
+
+    def retrieval_concern(self) -> str | None:
+        """One line when the gates start from a preset measured not to learn long-range retrieval."""
+        name = self.gate_preset()
+        if self.fixed_gates is not None or name not in NO_RETRIEVAL_GATES:
+            return None
+        default = ", the default" if GATE_PRESETS[name] == DEFAULT_GATE_BIAS else ""
+        return (f"nsa.gate_bias={list(self.gate_bias)} (gate start {name}{default}) does not learn long-range "
+                f"retrieval from scratch: it {NO_RETRIEVAL_GATES[name]} (docs/design.md, \"Gates against "
+                "retrieval\"); to train retrieval set nsa.gate_init=slow (held-out text loss about 7% worse at 2k)")
 
     def params(self) -> NSAParams:
         """The five hyper-parameters as the ``nsa.ops`` object every layer passes on."""

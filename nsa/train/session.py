@@ -192,6 +192,8 @@ def _announce(plan: Plan, dist: D.DistInfo, out: Output, archived: Path | None) 
         out.warn(plan.alloc_conf_note)
     for concern in long_run_warnings(plan.cfg):
         out.warn(concern)
+    if plan.cfg.model.attention == "nsa" and (gates := plan.cfg.nsa.retrieval_concern()) is not None:
+        out.warn(gates)
     for note in plan.resolved.notes:  # the older system's CONFIG variable and YAML keys, mapped
         out.warn(note)
     default = default_config_note(plan.resolved)

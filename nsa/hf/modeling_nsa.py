@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
@@ -62,7 +63,7 @@ _GENERATE_CACHE_KWARG = (
     "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     else "past_key_values"
 )
-_TRANSFORMERS_MAJOR = int(__import__("transformers").__version__.split(".")[0])
+_TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 
 class NSAConfig(PretrainedConfig):
@@ -176,6 +177,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim where ``mask``; rows without any key give zeros (never NaN)."""
+    if scores.shape[-1] == 0:
+        return scores
     s = scores.float().masked_fill(~mask, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

@@ -97,7 +97,7 @@ def _cached_gpt2() -> dict[str, Any]:
 def tokenizer_config(eot: str, max_len: int) -> dict[str, Any]:
     return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot, "pad_token": eot,
             "model_max_length": max_len, "padding_side": "left", "clean_up_tokenization_spaces": False,
-            "split_special_tokens": True}
+            "split_special_tokens": True, "model_input_names": ["input_ids", "attention_mask"]}
 
 
 def tokenizer_files(data: DataConfig, tokenizer: Tokenizer, max_len: int) -> dict[str, str]:

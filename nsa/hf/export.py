@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from nsa.config import RunConfig
 from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import RunDirError
 from nsa.hf.format import (
@@ -133,7 +134,7 @@ def is_hf_folder(path: str | Path) -> bool:
     return p.is_dir() and (p / CONFIG_JSON).is_file() and not (p / "config.yaml").is_file()
 
 
-def read_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], Any, Path]:
+def read_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
     """``(state dict with the nsa model's names, run config, weights file)`` of an export."""
     folder = Path(path)
     for name in (CONFIG_JSON, WEIGHTS):

@@ -624,10 +624,13 @@ class NSACache(Cache):
 
     def __init__(self, model: NSAForCausalLM, max_len: int | None = None) -> None:
         # no Cache.__init__: its arguments changed across transformers versions and its layer list is not used
+        if isinstance(self, nn.Module):  # transformers 4.4x: Cache is an nn.Module
+            nn.Module.__init__(self)
         self.layers: list[Any] = []
         self.layer_class_to_replicate = None
         self.offloading = False
-        self.model = model
+        object.__setattr__(self, "model", model)  # a reference, never a submodule
+        self.model: NSAForCausalLM
         self.max_len = max_len
         self.seen = 0
         self.lengths: torch.Tensor | None = None  # real tokens per sequence

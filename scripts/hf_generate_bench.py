@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     dtype = next(sampler.model.parameters()).dtype
-    hf = AutoModelForCausalLM.from_pretrained(str(exported.out), trust_remote_code=True, dtype=dtype)
-    hf = hf.to(args.device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(exported.out), trust_remote_code=True)
+    hf = hf.to(device=args.device, dtype=dtype).eval()  # as Sampler.open casts the nsa model
 
     def hf_run() -> torch.Tensor:
         return hf.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None,

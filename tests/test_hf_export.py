@@ -368,10 +368,14 @@ def test_export_cli(trained: Path, tmp_path: Path) -> None:
     data = json.loads(res.stdout)
     assert data["out"] == str(out) and data["format_version"] == FORMAT_VERSION and data["tokenizer"] == "byte"
     assert data["source"] == str(trained / "export" / "model.safetensors") and "model.safetensors" in data["files"]
+    partial = tmp_path / "partial"  # an export/ without its config.yaml, and no checkpoint
+    (partial / "export").mkdir(parents=True)
+    shutil.copy(trained / "export" / "model.safetensors", partial / "export")
     bad = {
         "not empty": (["export", str(trained), "--format", "hf", str(out)], "exists and is not empty"),
         "format": (["export", str(trained), "--format", "gguf", str(tmp_path / "x")], "--format gguf"),
         "no run": (["export", str(tmp_path / "nothere"), str(tmp_path / "y")], "does not exist"),
+        "no config": (["export", str(partial), str(tmp_path / "y")], "has no export/model.safetensors"),
     }
     for name, (argv, says) in bad.items():
         r = runner.invoke(app, argv)

@@ -16,6 +16,7 @@ from nsa.errors import NSAError
 from nsa_cli.commands import (
     bench,
     dump,
+    export,
     halt,
     preflight,
     profiles,
@@ -38,7 +39,7 @@ app = typer.Typer(
 )
 
 # Each module exposes ``register(app)``; order is the order of ``nsa --help``.
-COMMAND_MODULES = (preflight, smoke, train, watch, halt, dump, report, sample, eval_command, profiles, bench)
+COMMAND_MODULES = (preflight, smoke, train, watch, halt, dump, report, sample, eval_command, export, profiles, bench)
 
 
 

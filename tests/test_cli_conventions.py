@@ -49,7 +49,7 @@ COMMANDS = _commands()
 
 def test_every_command_is_registered() -> None:
     assert set(COMMANDS) == {
-        "preflight", "smoke", "train", "watch", "halt", "dump", "report", "sample", "eval", "profiles list",
+        "preflight", "smoke", "train", "watch", "halt", "dump", "report", "sample", "eval", "export", "profiles list",
         "profiles show", "bench attention", "bench train", "bench decode", "bench retrieval", "bench quality"}
 
 
@@ -80,9 +80,9 @@ def test_json_is_a_switch_everywhere_and_files_take_json_out() -> None:
 
 
 def test_run_directories_are_paths_everywhere() -> None:
-    for path in ("watch", "halt", "dump", "sample", "eval", "report"):
-        (arg,) = [p for p in COMMANDS[path].params if p.param_type_name == "argument"]
-        assert arg.type_descriptor.annotation in (Path, list[Path]), f"{path}: {arg.name}"
+    for path in ("watch", "halt", "dump", "sample", "eval", "report", "export"):
+        args = [p for p in COMMANDS[path].params if p.param_type_name == "argument"]
+        assert args and all(a.type_descriptor.annotation in (Path, list[Path]) for a in args), path
     for path in ("train", "smoke", "preflight"):
         (opt,) = [o for o in _options(COMMANDS[path]) if "--out-dir" in o.opts]
         assert opt.type_descriptor.annotation is Path, path
@@ -156,6 +156,7 @@ def _argv(path: str, tmp: Path, trained: Path) -> list[str]:
         "profiles show": ["profiles", "show", "cpu", "--json"],
         "eval": ["eval", str(trained), "--task", "mqar", "--contexts", "32", "--pairs", "2", "--samples", "2",
                  "--no-save", "--json"],
+        "export": ["export", str(trained), "--format", "hf", str(tmp / "hf"), "--json"],
         "bench attention": ["bench", "attention", "--tiny", "--seq-lens", "64", "--no-peer", "--json"],
         "bench train": ["bench", "train", "--tiny", "--attention", "nsa", "--json"],
         "bench decode": ["bench", "decode", "--tiny", "--contexts", "64", "--batches", "1", "--mode", "attention",

@@ -13,8 +13,8 @@ from nsa_cli.app import app
 runner = CliRunner()
 
 
-@pytest.mark.parametrize("cmd", [["preflight"], ["smoke"], ["watch"], ["halt"], ["dump"], ["report"], ["profiles"],
-                                 ["profiles", "show"], ["profiles", "list"]])
+@pytest.mark.parametrize("cmd", [["preflight"], ["smoke"], ["watch"], ["halt"], ["dump"], ["report"], ["export"],
+                                 ["profiles"], ["profiles", "show"], ["profiles", "list"]])
 def test_help_has_examples(cmd: list[str]) -> None:
     res = runner.invoke(app, [*cmd, "--help"])
     assert res.exit_code == 0, res.output
@@ -32,7 +32,7 @@ def test_completion_is_available() -> None:
     assert "--install-completion" in res.output and "--show-completion" in res.output
 
 
-@pytest.mark.parametrize("module", ["preflight", "smoke", "watch", "halt", "dump", "report", "profiles"])
+@pytest.mark.parametrize("module", ["preflight", "smoke", "watch", "halt", "dump", "report", "export", "profiles"])
 def test_help_examples_parse(module: str) -> None:
     import importlib
 

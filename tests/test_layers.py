@@ -76,11 +76,14 @@ def _under(mod: str, prefixes: tuple[str, ...]) -> bool:
 
 # (layer, what it may not import, what it may import despite that)
 _ALL_ABOVE_OPS = ("nsa.config", "nsa.model", "nsa.train", "nsa.runs", "nsa.rundir", "nsa.data", "nsa.eval",
-                  "nsa.checks", "nsa.bench", "nsa_cli", "nsa.__init__")
+                  "nsa.checks", "nsa.bench", "nsa.hf", "nsa_cli", "nsa.__init__")
 CONTRACTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("nsa.ops", _ALL_ABOVE_OPS, ()),
     ("nsa.config", ("nsa", "nsa_cli"), ("nsa.config", "nsa.configs", "nsa.errors", "nsa.fileio", "nsa.params")),
-    ("nsa.model", ("nsa.train", "nsa.checks", "nsa.bench", "nsa.eval", "nsa.runs", "nsa_cli", "nsa.__init__"), ()),
+    ("nsa.model", ("nsa.train", "nsa.checks", "nsa.bench", "nsa.eval", "nsa.runs", "nsa.hf", "nsa_cli", "nsa.__init__"),
+     ()),
+    # the Hugging Face format sits above the model (it reads weights) and below the trainer and the CLI
+    ("nsa.hf", ("nsa.train", "nsa.checks", "nsa.bench", "nsa.eval", "nsa.runs", "nsa_cli", "nsa.__init__"), ()),
     ("nsa", ("nsa_cli", "rich"), ()),
     ("nsa.rundir", ("torch", "triton", "nsa", "nsa_cli"), ("nsa.rundir", "nsa.errors", "nsa.fileio")),
     ("nsa.runs", ("torch", "triton", "nsa.train", "nsa.model", "nsa.ops", "nsa_cli", "nsa.__init__"), ()),

@@ -29,7 +29,8 @@ class TrainConfig(ConfigSection):
     resume: str | None = Field(None, description="'auto', a checkpoint path, or null",
                                json_schema_extra=exposed(flag="--resume"))
     init_from: str | None = Field(
-        None, description="start from these weights (a run directory, its export/ or a checkpoint): step 0, fresh "
+        None, description="start from these weights (a run directory, its export/, a checkpoint, or a Hugging Face "
+        "folder written by nsa export --format hf): step 0, fresh "
         "optimizer and data; the model config must match. Ignored when the run resumes"
     )
     run_name: str | None = Field(None, description="name in reports; default: the out_dir folder name")
@@ -53,11 +54,13 @@ class ScheduleConfig(ConfigSection):
 
 
 class CheckpointConfig(ConfigSection):
-    """Periodic checkpoints and how many are kept."""
+    """Periodic checkpoints, how many are kept, and the Hugging Face export at the end."""
 
     every: int = Field(1000, ge=0, description="steps between periodic checkpoints; 0: only final/halt checkpoints",
                        json_schema_extra=exposed(env="NSA_SAVE_EVERY"))
     keep_last: int = Field(3, ge=1, description="complete checkpoints kept")
+    export_hf: bool = Field(False, description="at the end of the run also write RUN/hf/, the model in Hugging Face "
+                            "format (what nsa export RUN --format hf RUN/hf writes)")
 
 
 class LoggingConfig(ConfigSection):

@@ -118,6 +118,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def token(self, token_id: int) -> str:
+        """The text of token ``token_id`` (its vocabulary entry)."""
+        return str(self._tok.id_to_token(token_id))
+
 
 def tiktoken_cache_dir() -> str:
     """The folder tiktoken reads cached BPE files from (its own rule, see ``tiktoken.load``)."""

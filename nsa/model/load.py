@@ -118,6 +118,12 @@ def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
     return strip_prefixes(state["model"]), saved_run_config(state["config"]), weights
 
 
+def read_state(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
+    """``(state dict on the CPU, its run config, its file)`` for anything :func:`find_weights` takes (every name
+    of a tied tensor present)."""
+    return _read(path)
+
+
 def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
     """The model weights at ``path`` (see :func:`find_weights`) as a state dict on the CPU, and their file."""
     state, _, weights = _read(path)
@@ -167,6 +173,12 @@ def read_init_weights(path: str | Path, model: NSALM) -> tuple[dict[str, torch.T
     file, and the keys ``model`` keeps from its own initialisation. The same architecture must fit exactly;
     a dense run's weights into an NSA model go through :func:`dense_to_nsa`."""
     state, cfg, source = _read(path)
+    return fit_init_weights(state, cfg, source, model)
+
+
+def fit_init_weights(state: dict[str, torch.Tensor], cfg: RunConfig, source: Path,
+                     model: NSALM) -> tuple[dict[str, torch.Tensor], Path, list[str]]:
+    """:func:`read_init_weights` for weights already read (``cfg``: the run config they were trained with)."""
     fresh: list[str] = []
     if cfg.model.attention == "dense" and model.model_cfg.attention == "nsa":
         state, fresh = dense_to_nsa(state, model)

@@ -22,6 +22,7 @@ CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DIR = "export"  # model.safetensors + config.yaml (+ tokenizer.json) of a finished run
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_TOKENIZER = "tokenizer.json"
+HF_EXPORT_DIR = "hf"  # the model in Hugging Face format (checkpoint.export_hf; nsa export --format hf)
 TENSORBOARD_DIR = "tb"
 ANOMALIES_DIR = "anomalies"  # one JSON record per non-finite loss (step_<n>.json)
 EVAL_DIR = "eval"  # `nsa eval` results kept with the run (<task>.json, needle.png)
@@ -115,6 +116,10 @@ class RunDir:
     @property
     def export(self) -> Path:
         return self.root / EXPORT_DIR
+
+    @property
+    def hf_export(self) -> Path:
+        return self.root / HF_EXPORT_DIR
 
     @property
     def tensorboard(self) -> Path:

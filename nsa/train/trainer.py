@@ -28,6 +28,8 @@ from nsa.config import ResolvedConfig, RunConfig, fill_legacy
 from nsa.data import check_local_inputs
 from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import CheckpointError, ConfigError, NSAError
+from nsa.hf import export_hf, is_hf_folder
+from nsa.hf import read_init_weights as read_hf_init_weights
 from nsa.model import build_model
 from nsa.model.load import read_init_weights
 from nsa.rundir import RunDir
@@ -77,7 +79,10 @@ def _read_init_weights(cfg: RunConfig, path: str) -> tuple[dict[str, torch.Tenso
 
     try:
         with torch.device("meta"):
-            return read_init_weights(path, build_model(cfg))
+            model = build_model(cfg)
+        if is_hf_folder(path):  # an export in Hugging Face format (nsa export --format hf)
+            return read_hf_init_weights(path, model)
+        return read_init_weights(path, model)
     except NSAError as exc:
         raise type(exc)(f"train.init_from: {exc.message}", hint=exc.hint) from None
 
@@ -231,6 +236,10 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             path = rundir.export_model(s.plan.run_dir, s.model, s.plan.resolved, s.plan.tokenizer, full_state=full)
             s.out.stop()
             s.out.message(f"exported {path}")
+            if s.cfg.checkpoint.export_hf:
+                hf_path = RunDir(s.plan.run_dir).hf_export
+                export_hf(path, hf_path, overwrite=True)
+                s.out.message(f"exported {hf_path} (Hugging Face format)")
         return self._finish(s, rec, "completed", None)
 
     def _step(self, s: Session, step: int) -> StepOutcome:

@@ -172,3 +172,29 @@ def test_signal_flags_set_by_handlers() -> None:
     finally:
         flags.uninstall()
     assert signal.getsignal(signal.SIGTERM) is not flags._on_halt
+
+
+def test_cuda_random_state_is_this_ranks_device_and_restores_on_fewer_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32: a 2-GPU run resumed on one GPU crashed in ``torch.cuda.set_rng_state_all`` (every rank saved
+    one state per visible GPU). Now a rank saves its own device's state and restores it to its own device;
+    older checkpoints (a list per visible GPU) restore the entry of this device, or the first one."""
+    from nsa.train import runtime
+
+    states = {0: torch.tensor([1], dtype=torch.uint8), 1: torch.tensor([2], dtype=torch.uint8)}
+    restored: list[tuple[int, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: states[device])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: restored.append((int(s[0]), device)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("one device's state, not all"))
+    saved = runtime.rng_state()
+    assert torch.equal(saved["cuda_device"], states[1]) and "cuda" not in saved
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # resumed where only one GPU is visible
+    runtime.set_rng_state(saved)
+    legacy = {**saved, "cuda": [states[0], states[1]]}
+    del legacy["cuda_device"]
+    runtime.set_rng_state(legacy)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    runtime.set_rng_state(legacy)  # a device the saver did not see: its first state
+    assert restored == [(2, 0), (1, 0), (1, 3)]

@@ -178,8 +178,8 @@ def rng_state() -> dict[str, Any]:
         "numpy": _numpy_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's own device only
+        state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -194,5 +194,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     n = state["numpy"]
     np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available():
+        return
+    device = torch.cuda.current_device()
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], device)
+    elif state.get("cuda"):  # checkpoints before 2026-11-26: every device the saving process could see
+        saved = state["cuda"]
+        torch.cuda.set_rng_state(saved[device] if device < len(saved) else saved[0], device)

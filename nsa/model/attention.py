@@ -13,6 +13,7 @@ from torch import nn
 from nsa.model import documents
 from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
 from nsa.model.compress import Compressor
+from nsa.model.context import ContextParallel
 from nsa.model.rope import RotaryEmbedding
 from nsa.model.selection import (
     AttachLoss,
@@ -27,6 +28,7 @@ from nsa.model.stats import N_FIELDS, gate_sums, scorer_sums, selection_sums, su
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.decode_cache import NewToken
+from nsa.ops.indexing import num_cmp
 
 
 class Projected:
@@ -125,6 +127,7 @@ class NSAAttention(nn.Module):
         self._suppress_stats = False
         self.scorer_queries = int(scorer_queries)
         self.register_buffer("scorer_weight", torch.tensor(float(scorer_weight)), persistent=False)
+        self.context: ContextParallel | None = None  # set by NSALM.set_context_parallel
         self._probe_queries = 0  # > 0 inside probe(): the next forward records layer_report here
         self._probe_out: dict[str, Any] | None = None
 
@@ -243,13 +246,50 @@ class NSAAttention(nn.Module):
         return o
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, S, dim]`` -> ``[B, S, dim]``; ``cu_seqlens``: packed documents (:mod:`nsa.model.documents`)."""
+        """``[B, S, dim]`` -> ``[B, S, dim]``; ``cu_seqlens``: packed documents (:mod:`nsa.model.documents`).
+        Under context parallelism (``self.context``) ``x`` holds this rank's rows of the sequence."""
+        if self.context is not None:
+            return self._forward_context(x, self.context)
         B, S, _ = x.shape
         pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
         p = self.project(x, pos)
         collect = self.training and not self._suppress_stats
         o = self.attend(p, collect) if cu_seqlens is None else self.attend_documents(p, cu_seqlens, collect)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
+
+    def _forward_context(self, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        """This rank's rows (:mod:`nsa.model.context`): the keys and values of the whole sequence gathered,
+        each of the rank's chunks attending to the prefix that ends with it."""
+        if self._probe_queries > 0 or self.scorer_queries > 0:
+            raise ValueError("the scorer loss and selection probes do not run under context parallelism")
+        B, S_local, _ = x.shape
+        S = S_local * cp.size
+        p = self.project(x, cp.positions(S, x.device))
+        raw = [p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win]
+        whole: dict[int, torch.Tensor] = {}
+        for t in raw:  # shared K/V: the same tensors for every branch, gathered once
+            if id(t) not in whole:
+                whole[id(t)] = cp.gather(t)
+        kc, vc, ks, vs, kw, vw = (whole[id(t)] for t in raw)
+        k_cmp, v_cmp = self.compress(kc, vc)
+        collect = self.training and not self._suppress_stats
+        outs, idxs = [], []
+        for i, (start, stop) in enumerate(cp.chunks(S)):
+            rows = slice(i * (S_local // 2), (i + 1) * (S_local // 2))
+            n = num_cmp(stop, self.hp.l, self.hp.d)
+            res = nsa_attention(
+                p.q[:, rows], k_cmp[:, :n], v_cmp[:, :n], ks[:, :stop], vs[:, :stop], kw[:, :stop], vw[:, :stop],
+                p.gates[:, rows], self.hp, scale=self.scale, q_start=start, return_block_idx=collect,
+                backend=self.backend)
+            if isinstance(res, tuple):
+                outs.append(res[0])
+                idxs.append(res[1])
+            else:
+                outs.append(res)
+        if collect:
+            self._accumulate(p.gates, torch.cat(idxs, dim=1))
+        o = torch.cat(outs, dim=1)
+        return self.o_proj(o.reshape(B, S_local, self.n_heads * self.d_v))
 
     # ------------------------------------------------------------------------------------------
     # decode with caches (nsa.model.cache)

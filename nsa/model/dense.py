@@ -8,6 +8,7 @@ from torch import nn
 
 from nsa.model import documents
 from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
+from nsa.model.context import ContextParallel
 from nsa.model.rope import RotaryEmbedding
 
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -50,6 +51,7 @@ class DenseAttention(nn.Module):
         self.kv_proj = nn.Linear(dim, n_kv_groups * (d_k + d_v), bias=False)
         self.o_proj = nn.Linear(n_heads * d_v, dim, bias=False)
         self.rope = RotaryEmbedding(d_k, rope_theta)
+        self.context: ContextParallel | None = None  # set by NSALM.set_context_parallel
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q [B, S, HQ, Dk]``, ``k [B, S, H, Dk]`` (RoPE'd at ``positions``), ``v [B, S, H, Dv]``."""
@@ -62,7 +64,10 @@ class DenseAttention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, S, dim]`` -> ``[B, S, dim]``; ``cu_seqlens``: packed documents (:mod:`nsa.model.documents`)."""
+        """``[B, S, dim]`` -> ``[B, S, dim]``; ``cu_seqlens``: packed documents (:mod:`nsa.model.documents`).
+        Under context parallelism (``self.context``) ``x`` holds this rank's rows of the sequence."""
+        if self.context is not None:
+            return self._forward_context(x, self.context)
         B, S, _ = x.shape
         pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
         q, k, v = self.project(x, pos)
@@ -71,6 +76,23 @@ class DenseAttention(nn.Module):
         else:
             (o,) = documents.attend(_causal, [q, k, v], cu_seqlens)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
+
+    def _forward_context(self, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        """This rank's rows (:mod:`nsa.model.context`): keys and values of the whole sequence gathered, each
+        chunk attending to the prefix that ends with it (an explicit mask: SDPA's causal mask is top-left)."""
+        B, S_local, _ = x.shape
+        S = S_local * cp.size
+        q, k, v = self.project(x, cp.positions(S, x.device))
+        k, v = cp.gather(k), cp.gather(v)
+        outs = []
+        for i, (start, stop) in enumerate(cp.chunks(S)):
+            qc = q[:, i * (S_local // 2):(i + 1) * (S_local // 2)]
+            keys = torch.arange(stop, device=x.device)
+            mask = keys[None, :] <= torch.arange(start, stop, device=x.device)[:, None]
+            outs.append(sdpa_gqa(qc.transpose(1, 2), k[:, :stop].transpose(1, 2), v[:, :stop].transpose(1, 2),
+                                 attn_mask=mask).transpose(1, 2))
+        o = torch.cat(outs, dim=1)
+        return self.o_proj(o.reshape(B, S_local, self.n_heads * self.d_v))
 
     # decode with a plain KV cache (nsa.model.cache.DenseLayerCache)
 

@@ -16,6 +16,7 @@ from nsa.model.attention import NSAAttention
 from nsa.model.block import Block
 from nsa.model.cache import ModelCache
 from nsa.model.compress import BlockMLP
+from nsa.model.context import ContextParallel
 from nsa.model.generate import generate
 from nsa.model.norm import RMSNorm
 from nsa.model.stats import N_FIELDS, summarise
@@ -87,14 +88,20 @@ class NSALM(nn.Module):
         logits = self.head(self.norm(x))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-            )
+            wide = logits if logits.dtype == torch.float64 else logits.float()  # never narrower than float32
+            loss = F.cross_entropy(wide.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
         return LMOutput(logits, loss)
 
     def block_list(self) -> list[Block]:
         """The blocks, typed (wrappers such as FSDP keep their ``attn``/``mlp`` attributes)."""
         return cast(list[Block], list(self.blocks))
+
+    def set_context_parallel(self, cp: ContextParallel | None) -> None:
+        """Split every sequence over ``cp``'s ranks (:mod:`nsa.model.context`): ``forward`` then takes this
+        rank's rows (``cp.shard(input_ids)``, same for ``labels``) and returns their logits and mean loss;
+        ``None`` goes back to whole sequences. (A group of one runs the chunked arithmetic alone.)"""
+        for block in self.block_list():
+            block.attn.context = cp
 
     def set_gradient_checkpointing(self, enabled: bool) -> None:
         """Recompute each block in the backward pass (``torch.utils.checkpoint``, non-reentrant)."""

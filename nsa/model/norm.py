@@ -8,7 +8,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, normalised in float32 and cast back to the input dtype."""
+    """``x / rms(x) * weight``, normalised in float32 (float64 stays float64) and cast back to the input dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -16,9 +16,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        wide = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(wide)
         y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(wide)).to(x.dtype)
 
 
 class SwiGLU(nn.Module):

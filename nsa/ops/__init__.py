@@ -84,8 +84,15 @@ def nsa_attention(
     return_block_idx: bool = False,
     backend: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    q_start: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Gated NSA attention ``[B, S, HQ, Dv]``; with ``return_block_idx`` also the blocks used."""
+    if q_start:  # TEMPORARY development shim (helper branch brings the real one): pad the queries in front
+        pad = lambda t: torch.cat([t.new_zeros(t.shape[0], q_start, *t.shape[2:]), t], dim=1)  # noqa: E731
+        r = nsa_attention(pad(q), k_cmp, v_cmp, k_sel[:, :q_start + q.shape[1]], v_sel[:, :q_start + q.shape[1]],
+                          k_win[:, :q_start + q.shape[1]], v_win[:, :q_start + q.shape[1]], pad(gates), hp,
+                          scale=scale, return_block_idx=return_block_idx, backend=backend)
+        return (r[0][:, q_start:], r[1][:, q_start:]) if isinstance(r, tuple) else r[:, q_start:]
     tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
     name, impl = pick("nsa_attention", backend, tensors)
     if cu_seqlens is not None:

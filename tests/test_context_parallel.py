@@ -1,0 +1,139 @@
+"""Context parallelism (issue 32; nsa/model/context.py): the head/tail layout, and the split model against the
+whole one in float64: logits of every rank's rows, the loss and every gradient, alone (two chunks with
+``q_start``) and over two and three CPU gloo ranks."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nsa.config import ModelConfig, NSAConfig
+from nsa.model.context import ContextParallel
+from nsa.model.lm import NSALM
+from tests.conftest import free_port
+
+MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, mlp_hidden=64,
+                    max_seq_len=96)
+NSA = NSAConfig(l=8, d=4, l_sel=8, n_sel=3, w=12)
+S = 48  # 2 chunks of 24 alone, 4 of 12 over two ranks, 6 of 8 over three
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_head_tail_layout_covers_every_position_once(size: int) -> None:
+    ranks = [ContextParallel(None if size == 1 else object(), r, size) for r in range(size)]
+    seen = torch.cat([cp.positions(S) for cp in ranks])
+    assert sorted(seen.tolist()) == list(range(S))
+    c = S // (2 * size)
+    assert ranks[0].chunks(S) == [(0, c), (S - c, S)]  # the first rank: the head and the tail
+    assert all(len(cp.positions(S)) == S // size for cp in ranks)
+    x = torch.arange(2 * S).view(2, S)
+    assert torch.equal(ranks[-1].shard(x), x[:, ranks[-1].positions(S)])
+    assert torch.equal(ranks[0]._rank_major_positions(S), seen)
+
+
+def test_layout_refuses_what_does_not_split() -> None:
+    with pytest.raises(ValueError, match="does not split into 4 equal chunks"):
+        ContextParallel(object(), 0, 2).chunks(50)
+    with pytest.raises(ValueError, match="process group"):
+        ContextParallel(None, 0, 2)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        ContextParallel(object(), 2, 2)
+
+
+def _models(attention: str, seed: int = 5) -> tuple[NSALM, NSALM]:
+    torch.manual_seed(seed)
+    cfg = MODEL.model_copy(update={"attention": attention})
+    whole = NSALM(cfg, NSA, backend="torch").double()
+    split = NSALM(cfg, NSA, backend="torch").double()
+    split.load_state_dict(whole.state_dict())
+    return whole, split
+
+
+def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (2, S), generator=g)
+    return ids, torch.randint(0, 64, (2, S), generator=g)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_one_rank_in_two_chunks_is_the_whole_model(attention: str) -> None:
+    """Seed 5 weights, seed 7 data: the chunked forward (queries at an offset) equals the whole one."""
+    whole, split = _models(attention)
+    ids, labels = _data(7)
+    cp = ContextParallel(None, 0, 1)
+    split.set_context_parallel(cp)
+    a, b = whole(ids, labels), split(cp.shard(ids), cp.shard(labels))
+    assert torch.allclose(b.logits, a.logits[:, cp.positions(S)], atol=1e-12, rtol=0)
+    assert b.loss is not None and a.loss is not None
+    assert torch.allclose(b.loss, a.loss, atol=1e-12, rtol=0)
+    a.loss.backward()
+    b.loss.backward()
+    for (name, p), q in zip(whole.named_parameters(), split.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert torch.allclose(q.grad, p.grad, atol=1e-12, rtol=0), name
+    split.set_context_parallel(None)
+    assert torch.allclose(split(ids).logits, a.logits, atol=1e-12, rtol=0)
+
+
+def _worker(rank: int, size: int, port: int, attentions: list[str], out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        for attention in attentions:
+            _, split = _models(attention)
+            ids, labels = _data(11)
+            cp = ContextParallel(dist.group.WORLD, rank, size)
+            split.set_context_parallel(cp)
+            res = split(cp.shard(ids), cp.shard(labels))
+            assert res.loss is not None
+            res.loss.backward()
+            grads = []
+            for p in split.parameters():
+                assert p.grad is not None
+                dist.all_reduce(p.grad)  # data-parallel reduction over the ranks: the mean of the rows' means
+                grads.append(p.grad / size)
+            loss = res.loss.detach().clone()
+            dist.all_reduce(loss)
+            # numpy arrays travel by value (tensors would travel as handles to memory of a finished process)
+            out.put((attention, rank, cp.positions(S).numpy(), res.logits.detach().numpy(), float(loss) / size,
+                     [g.numpy() for g in grads] if rank == 0 else None))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("size", "attentions"), [(2, ["nsa", "dense"]), (3, ["nsa"])])
+def test_split_over_gloo_ranks_is_the_whole_model(size: int, attentions: list[str]) -> None:
+    """Seed 5 weights, seed 11 data, float64: each rank's logits are the whole model's at its positions, the
+    mean of the ranks' losses is the whole loss, and their reduced gradients are the whole gradients."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, size, port, attentions, q)) for r in range(size)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=300) for _ in range(size * len(attentions))]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for attention in attentions:
+        whole, _ = _models(attention)
+        ids, labels = _data(11)
+        ref = whole(ids, labels)
+        assert ref.loss is not None
+        ref.loss.backward()
+        for att, rank, pos, logits, loss, grads in results:
+            if att != attention:
+                continue
+            assert torch.allclose(torch.from_numpy(logits), ref.logits.detach()[:, torch.from_numpy(pos)],
+                                  atol=1e-12, rtol=0), (attention, rank)
+            assert loss == pytest.approx(float(ref.loss.detach()), abs=1e-12)
+            if grads is not None:
+                for (name, p), g in zip(whole.named_parameters(), grads, strict=True):
+                    assert p.grad is not None
+                    assert torch.allclose(torch.from_numpy(g), p.grad, atol=1e-12, rtol=0), (attention, name)

@@ -8,7 +8,7 @@ from typing import Any
 
 from nsa.envinfo import environment
 from nsa.errors import RunDirError
-from nsa.fileio import json_safe, write_atomic
+from nsa.fileio import json_safe, write_atomic, write_failure
 from nsa.rundir import RunDir
 from nsa.rundir.layout import CHECKPOINTS_DIR, EXPORT_DIR, is_run_dir
 
@@ -105,7 +105,8 @@ def save_results(run_dir: str | Path | None, payload: dict[str, Any]) -> list[Pa
         paths = [write_json(folder / f"{payload['task']}.json", payload)]
         if payload["task"] == "needle":
             paths.append(needle_heatmap(payload, folder / "needle.png"))
-    except OSError as exc:
-        raise RunDirError(f"cannot write the results to {folder}: {exc.strerror or exc}",
-                          hint="the run directory is read-only? use --json PATH to keep them elsewhere") from None
+    except OSError as exc:  # the files written before stay whole (atomic writes)
+        raise RunDirError(write_failure(exc, folder).replace("cannot write ", "cannot write the results to ", 1),
+                          hint="free disk space or make the run directory writable; --json-out PATH keeps them "
+                               "elsewhere") from None
     return paths

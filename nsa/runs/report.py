@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa.errors import NSAError, RunDirError
-from nsa.fileio import write_atomic
+from nsa.fileio import free_space, write_atomic
 from nsa.rundir import RunDir
 from nsa.rundir.env import REDACTED, is_secret
 from nsa.rundir.layout import CHECKPOINTS_DIR
@@ -125,8 +125,9 @@ def _writing(target: Path) -> Iterator[None]:
         why = exc.strerror or str(exc)
         name = str(exc.filename or "")
         where = f" ({name})" if name and ".tmp-" not in name and Path(name) != target else ""
-        raise NSAError(f"cannot write the report to {target}: {why}{where}",
-                       hint="choose a writable folder with --out") from None
+        free = free_space(target)
+        raise NSAError(f"cannot write the report to {target}: {why}{where}" + (f" ({free})" if free else ""),
+                       hint="free disk space, or choose a writable folder with --out") from None
 
 
 def _mib(v: float | None) -> str:

@@ -495,7 +495,9 @@ def verdict(s: RunSummary, checks: list[Check] | None = None) -> tuple[str, str]
     extra = "".join(f"; {f}" for f in fails)
     if s.status in ("failed", "crashed"):
         err = (s.end or {}).get("error")
-        return "FAIL", f"run {s.status} at step {s.steps_done}" + (f": {err}" if err else "") + extra
+        return "FAIL", f"run {s.status} at step {s.steps_done}" + (f": {err}" if err else "") + resume_hint(s) + extra
+    if s.status == "interrupted":
+        return "INCOMPLETE", f"interrupted by the operator (Ctrl-C) at {progress}" + resume_hint(s) + extra
     if s.status == "stale":
         return "FAIL", f"heartbeat stale at step {s.steps_done} (no end event)" + extra
     if fails:
@@ -510,6 +512,15 @@ def verdict(s: RunSummary, checks: list[Check] | None = None) -> tuple[str, str]
         loss = f", loss {s.first_loss:.3f} -> {s.last_loss:.3f}" if s.first_loss is not None and s.last_loss is not None else ""
         return "PASS", f"completed {progress}{loss}" + warned
     return "INCOMPLETE", f"status {s.status}, {progress}" + warned
+
+
+def resume_hint(s: RunSummary) -> str:
+    """``; resume from step_00000010 with nsa train --resume auto`` (the last checkpoint the heartbeat
+    recorded), or that there is none."""
+    ck = (s.last_checkpoint or {}).get("path")
+    if not ck:
+        return "; no checkpoint to resume from"
+    return f"; resume from {Path(str(ck)).name} with nsa train --resume auto"
 
 
 def overall_verdict(verdicts: list[tuple[str, str]]) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from nsa.config import MonitorConfig
 from nsa.errors import NSAError, RunDirError
+from nsa.fileio import write_failure
 from nsa.rundir.layout import WATCHDOG_PREFIX
 from nsa.runs.alarms import AlarmFile
 from nsa.runs.halt import who_am_i, write_halt
@@ -100,7 +101,7 @@ class Watchdog:
                 if a.rule in open_now:
                     self._kept.write("cleared", a.rule, a.message, a.evidence, snap.time, session)
         except OSError as exc:
-            self.on_warning(f"could not keep alarms in {self._kept.path}: {exc.strerror or exc}")
+            self.on_warning(f"could not keep alarms: {write_failure(exc, self._kept.path)}")
             self._kept = None
 
     def _maybe_halt(self, st: RunState, summ: RunSummary, hits: list[RuleHit], now: float, mon: MonitorConfig) -> None:

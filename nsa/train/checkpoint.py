@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from nsa.errors import CheckpointError
+from nsa.fileio import surface_os_error
 from nsa.rundir.checkpoints import (
     CKPT_DIR,
     MANIFEST_FILE,
@@ -134,8 +135,9 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], extra: dict
         if final.exists():  # an incomplete or corrupted leftover with the final name: move it out first
             _remove(final)
         os.rename(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        surface_os_error(exc, final)  # torch.save's RuntimeError around a full disk: the OSError, naming it
         raise
     _fsync_dir(root)
     return final

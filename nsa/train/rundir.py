@@ -12,6 +12,7 @@ from typing import Any
 
 from nsa.config import ResolvedConfig
 from nsa.errors import ConfigError, RunDirError
+from nsa.fileio import surface_os_error
 from nsa.model import build_model
 from nsa.rundir import RunDir
 from nsa.rundir.layout import (
@@ -141,19 +142,24 @@ def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer:
     out = RunDir(run_dir).export
     tmp = run_dir / f".export-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, str(tmp / EXPORT_WEIGHTS))
-    (tmp / CONFIG_FILE).write_text(resolved.config.to_yaml())
-    tok = {
-        "name": getattr(tokenizer, "name", None),
-        "vocab_size": getattr(tokenizer, "vocab_size", None),
-        "eot_id": getattr(tokenizer, "eot_id", None),
-        "path": resolved.config.data.tokenizer_path,
-    }
-    (tmp / EXPORT_TOKENIZER).write_text(json.dumps(tok, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    try:
+        tmp.mkdir()
+        save_model(model, str(tmp / EXPORT_WEIGHTS))
+        (tmp / CONFIG_FILE).write_text(resolved.config.to_yaml())
+        tok = {
+            "name": getattr(tokenizer, "name", None),
+            "vocab_size": getattr(tokenizer, "vocab_size", None),
+            "eot_id": getattr(tokenizer, "eot_id", None),
+            "path": resolved.config.data.tokenizer_path,
+        }
+        (tmp / EXPORT_TOKENIZER).write_text(json.dumps(tok, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException as exc:  # a full disk: the previous export (if any) stays, no temporary folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        surface_os_error(exc, out)
+        raise
     return out
 
 

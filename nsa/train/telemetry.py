@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa.envinfo import git_info, gpu_info, library_versions
-from nsa.fileio import json_safe, write_atomic
+from nsa.fileio import json_safe, named, write_atomic
 from nsa.rundir import RunDir
 from nsa.rundir.env import recorded_environment, redact_env
 
@@ -74,9 +74,11 @@ class LineFile:
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view):]
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, end)
+            if isinstance(exc, OSError):
+                named(exc, self.path)
             raise
 
     def close(self, sync: bool = False) -> None:

@@ -28,6 +28,7 @@ from nsa.config import ResolvedConfig, RunConfig, fill_legacy
 from nsa.data import check_local_inputs
 from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import CheckpointError, ConfigError, NSAError
+from nsa.fileio import os_error_in, write_failure
 from nsa.model import build_model
 from nsa.model.load import read_init_weights
 from nsa.rundir import RunDir
@@ -304,8 +305,18 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
 
     # -- checkpoints and endings ---------------------------------------------------------------------
     def _save(self, s: Session, clock: Clock, reason: str) -> Path:
-        """All ranks take part (loader and RNG states are per rank); rank 0 writes."""
+        """All ranks take part (loader and RNG states are per rank); rank 0 writes. A second Ctrl-C during
+        the write stops the run right after it (``SignalFlags.critical``)."""
         t0 = time.perf_counter()
+        with s.signals.critical():
+            path = self._write_checkpoint(s, clock, reason)
+            seconds = time.perf_counter() - t0
+            s.hb.emit("checkpoint", s.state.step, path=str(path), seconds=seconds, reason=reason)
+        if reason in ("periodic", "signal"):
+            s.out.message(f"checkpoint {path.name} ({reason}, {seconds:.2f}s)")
+        return path
+
+    def _write_checkpoint(self, s: Session, clock: Clock, reason: str) -> Path:
         s.state.elapsed_s = clock.elapsed()
         state = s.checkpointable.state_dict()
         config = s.cfg.model_dump(mode="json")
@@ -323,12 +334,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             path = ckpt.save_checkpoint(s.plan.run_dir, s.state.step, state, extra)
         if s.dist.is_main:
             ckpt.prune(s.plan.run_dir, s.cfg.checkpoint.keep_last)
-        path = Path(D.broadcast_object(str(path) if path else None, s.dist))
-        seconds = time.perf_counter() - t0
-        s.hb.emit("checkpoint", s.state.step, path=str(path), seconds=seconds, reason=reason)
-        if reason in ("periodic", "signal"):
-            s.out.message(f"checkpoint {path.name} ({reason}, {seconds:.2f}s)")
-        return path
+        return Path(D.broadcast_object(str(path) if path else None, s.dist))
 
     def _halt(self, s: Session, rec: Recorder, clock: Clock, step: int, local: tuple[str, str] | None) -> TrainResult:
         requests = [r for r in D.gather_objects(local, s.dist) if r is not None]
@@ -363,6 +369,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         return self._finish(s, rec, "failed", f"{kind} at step {step}")
 
     def _finish(self, s: Session, rec: Recorder, status: Status, error: str | None) -> TrainResult:
+        _log_said(s)
         metrics = rec.summary(status, error)
         if s.dist.is_main:
             write_json_atomic(RunDir(s.plan.run_dir).metrics, metrics)
@@ -402,16 +409,38 @@ def _local_halt_request(s: Session) -> tuple[str, str] | None:
     return None
 
 
+def failure_text(exc: BaseException) -> str:
+    """What a run that ended on ``exc`` records as its error: a write that failed names its file and the free
+    space (``OSError: cannot write RUN/checkpoints/step_00000010: No space left on device (2.9 MiB free)``),
+    even behind ``torch.save``'s ``RuntimeError``; an operator's Ctrl-C twice says so."""
+    if isinstance(exc, KeyboardInterrupt):
+        return f"interrupted: {exc or 'KeyboardInterrupt'}"
+    disk = os_error_in(exc)
+    if disk is not None:
+        return f"{type(disk).__name__}: {write_failure(disk)}"[:1000]
+    return f"{type(exc).__name__}: {exc}"[:1000]
+
+
+def _log_said(s: Session) -> None:
+    """What the signal handlers said on stderr, into the run's log."""
+    while s.signals.said:
+        s.out.record(s.signals.said.pop(0))
+
+
 def _record_failure(s: Session, rec: Recorder, exc: BaseException) -> None:
-    """An exception escaped the loop: say so in the heartbeat and ``metrics.json`` (best effort)."""
+    """An exception escaped the loop: say so in the heartbeat and ``metrics.json`` (best effort); Ctrl-C
+    twice is ``interrupted``, anything else ``failed``."""
+    _log_said(s)
     if s.ended:
         return
-    error = f"{type(exc).__name__}: {exc}"[:1000]
+    status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    error = failure_text(exc)
+    s.out.record(f"run {status} at step {s.state.step}: {error}")
     with contextlib.suppress(Exception):
         if s.dist.is_main:
-            write_json_atomic(RunDir(s.plan.run_dir).metrics, rec.summary("failed", error))
+            write_json_atomic(RunDir(s.plan.run_dir).metrics, rec.summary(status, error))
     with contextlib.suppress(Exception):
-        s.hb.emit("end", s.state.step, status="failed", error=error)
+        s.hb.emit("end", s.state.step, status=status, error=error)
 
 
 def _answer_scores(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 from nsa import __version__
 from nsa.errors import NSAError
 from nsa_cli.commands import (
+    ack,
     bench,
     dump,
     halt,
@@ -73,7 +74,7 @@ app = typer.Typer(
 )
 
 # Each module exposes ``register(app)``; order is the order of ``nsa --help``.
-COMMAND_MODULES = (preflight, smoke, train, watch, halt, dump, report, sample, eval_command, profiles, bench)
+COMMAND_MODULES = (preflight, smoke, train, watch, ack, halt, dump, report, sample, eval_command, profiles, bench)
 
 
 

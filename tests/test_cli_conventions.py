@@ -49,7 +49,7 @@ COMMANDS = _commands()
 
 def test_every_command_is_registered() -> None:
     assert set(COMMANDS) == {
-        "preflight", "smoke", "train", "watch", "halt", "dump", "report", "sample", "eval", "profiles list",
+        "preflight", "smoke", "train", "watch", "ack", "halt", "dump", "report", "sample", "eval", "profiles list",
         "profiles show", "bench attention", "bench train", "bench decode", "bench retrieval", "bench quality"}
 
 
@@ -80,7 +80,7 @@ def test_json_is_a_switch_everywhere_and_files_take_json_out() -> None:
 
 
 def test_run_directories_are_paths_everywhere() -> None:
-    for path in ("watch", "halt", "dump", "sample", "eval", "report"):
+    for path in ("watch", "ack", "halt", "dump", "sample", "eval", "report"):
         (arg,) = [p for p in COMMANDS[path].params if p.param_type_name == "argument"]
         assert arg.type_descriptor.annotation in (Path, list[Path]), f"{path}: {arg.name}"
     for path in ("train", "smoke", "preflight"):
@@ -150,6 +150,7 @@ def _argv(path: str, tmp: Path, trained: Path) -> list[str]:
         "smoke": ["smoke", "--steps", "2", "--skip-preflight", "--out-dir", str(tmp / "smoke"), "--json"],
         "watch": ["watch", str(run), "--once", "--json"],
         "halt": ["halt", str(run), "--json"],
+        "ack": ["ack", str(run), "--reason", "checked", "--json"],
         "dump": ["dump", str(trained), "--timeout", "0.1", "--json"],  # its trainer is gone: exit 1, said in JSON
         "report": ["report", str(run), "--out", str(tmp / "rep"), "--no-charts", "--json"],
         "profiles list": ["profiles", "list", "--json"],

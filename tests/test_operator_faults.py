@@ -182,3 +182,82 @@ def test_2_a_third_ctrl_c_drops_the_partial_checkpoint(tmp_path: Path, monkeypat
     assert not list((run / "checkpoints").glob(".tmp-*")) and not (run / "checkpoints" / "step_00000004").exists()
     assert events(run)[-1]["status"] == "interrupted"
     assert _train_cli(run, 8, "--resume", "auto").exit_code == 0
+
+
+# 3. a run's history across sessions -------------------------------------------------------------------
+
+
+def _kill_after(run: Path) -> float:
+    """Make the run's last session look SIGKILLed: its end event (and metrics.json) gone; returns its boot ts."""
+    hb = run / "heartbeat_rank0.jsonl"
+    lines = hb.read_text().splitlines(keepends=True)
+    hb.write_text("".join(x for x in lines if json.loads(x)["event"] != "end"))
+    (run / "metrics.json").unlink()
+    return float(next(json.loads(x)["ts"] for x in lines if json.loads(x)["event"] == "boot"))
+
+
+def _alarm(run: Path, rule: str, session: float, step: int) -> None:
+    with open(run / "alarms.jsonl", "a") as f:
+        f.write(json.dumps({"schema": 1, "event": "alarm", "time": session + 5, "rule": rule, "message": f"{rule} fired",
+                            "evidence": {"step": step}, "step": step, "session": session, "by": "nsa watch"}) + "\n")
+
+
+def test_3_the_report_shows_each_session_and_judges_past_alarms(tmp_path: Path) -> None:
+    from nsa.train.trainer import Trainer
+    from tests.conftest import quiet, resolve
+
+    run = tmp_path / "run"
+    Trainer(resolve(run, 4, eval__every=0, checkpoint__every=2), reporter=quiet()).fit()
+    first = _kill_after(run)  # a SIGKILL after step 4: no end event
+    _alarm(run, "crashed", first, 4)  # what nsa watch kept when it saw it
+    Trainer(resolve(run, 6, eval__every=0, checkpoint__every=2, train__resume="auto"), reporter=quiet()).fit()
+    second = [e for e in events(run) if e["event"] == "boot"][-1]["ts"]
+    _alarm(run, "throughput-drop", second, 5)  # an alarm of the session that completed
+
+    def report() -> tuple[int, str]:
+        res = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r.md"), "--no-charts", "--force"], env={})
+        return res.exit_code, (tmp_path / "r.md").read_text()
+
+    code, text = report()
+    assert "### Sessions" in text
+    rows = [x for x in text.splitlines() if x.startswith("| 1 |") or x.startswith("| 2 |")]
+    assert "crashed (the trainer is gone without an end event)" in rows[0] and "0 -> 4" in rows[0]
+    assert "completed" in rows[1] and "4 -> 6" in rows[1]
+    assert "| sessions | 2 session(s): 1 crashed at step 4; 2 completed at step 6 |" in text and "**WARN** |" in text
+    # the crash alarm is resolved by session 2; the throughput alarm of session 2 is open and fails the run
+    assert "[resolved: session 2 ran on and ended completed]" in text
+    assert code == 1 and "1 open alarm(s) raised by nsa watch (throughput-drop)" in text
+    res = runner.invoke(app, ["ack", str(run), "--rule", "throughput", "--reason", "known slow node, replaced"], env={})
+    assert res.exit_code == 0 and "acknowledged `throughput-drop` at step 5" in res.output, res.output
+    ack = json.loads((run / "alarms.jsonl").read_text().splitlines()[-1])
+    assert ack["event"] == "ack" and ack["rule"] == "throughput-drop" and ack["reason"] == "known slow node, replaced"
+    code, text = report()
+    assert code == 0 and "**Verdict: PASS**" in text
+    assert "[acknowledged: by " in text and "known slow node, replaced]" in text
+    # the history stays in the verdict
+    assert "WARN: session 1 crashed (the trainer is gone without an end event) at step 4; session 2 resumed at step 4" in text
+    # acknowledging again: nothing open; a rule with no open alarm is bad input
+    assert runner.invoke(app, ["ack", str(run), "--reason", "x"], env={}).output.strip() == f"no open alarm in {run}"
+    res = runner.invoke(app, ["ack", str(run), "--rule", "stale", "--reason", "x"], env={})
+    assert res.exit_code == 2 and "no open alarm for rule stale" in res.output
+    assert runner.invoke(app, ["ack", str(run), "--reason", " "], env={}).exit_code == 2
+
+
+def test_3_a_first_session_that_failed_on_data_is_in_the_history(tmp_path: Path) -> None:
+    from nsa.runs.sessions import read_sessions
+    from tests.conftest import write_run
+
+    run = write_run(tmp_path / "run", steps=10, seed=1)
+    hb = run / "heartbeat_rank0.jsonl"
+    lines = hb.read_text().splitlines()
+    boot = json.loads(lines[0])
+    failed = [json.dumps({**boot, "ts": boot["ts"] - 100}),
+              json.dumps({"schema": 1, "event": "end", "ts": boot["ts"] - 99, "rank": 0, "pid": 1, "step": 0,
+                          "status": "failed", "error": "DataError: data.path=x.txt is empty"})]
+    hb.write_text("\n".join(failed + lines) + "\n")
+    sessions = read_sessions(run, "completed")
+    assert [s.status for s in sessions] == ["failed", "completed"]
+    assert sessions[0].how() == "failed: DataError: data.path=x.txt is empty"
+    rep = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r.md"), "--no-charts"], env={})
+    text = (tmp_path / "r.md").read_text()
+    assert rep.exit_code == 0 and "WARN: session 1 failed: DataError: data.path=x.txt is empty at step 0" in text

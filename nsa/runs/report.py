@@ -38,6 +38,7 @@ from nsa.runs.alarms import KeptAlarm, kept_alarms
 from nsa.runs.charts import Chart, RunSeries, combined_charts, run_charts
 from nsa.runs.reader import DEFAULT_STALE_S, RunState, is_run_dir, read_run
 from nsa.runs.rules import monitor_config
+from nsa.runs.sessions import Session, read_sessions
 from nsa.runs.summary import RunSummary, anomaly_text, halt_checkpoint_text, step_ranges, summarize
 from nsa.runs.verdict import (
     WARN_MARGIN,
@@ -184,6 +185,7 @@ class _Run:
     checks: list[Check]
     verdict: tuple[str, str]
     alarms: list[KeptAlarm] = field(default_factory=list)
+    sessions: list[Session] = field(default_factory=list)
     charts: dict[str, Path] = field(default_factory=dict)
 
 
@@ -254,6 +256,23 @@ def _checks_section(run: _Run) -> list[str]:
     return L
 
 
+def _when(t: float | None) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if t is not None else "n/a"
+
+
+def _sessions_section(sessions: Sequence[Session]) -> list[str]:
+    """The run's history: one row per ``nsa train`` start (fresh or resumed), how it ended and its steps."""
+    if not sessions:
+        return []
+    L = ["### Sessions", "", "| # | started | ended | how it ended | steps |", "|---|---|---|---|---|"]
+    for x in sessions:
+        ended = "still running" if x.status == "running" else _when(x.end)
+        how = x.how().replace("|", "/")
+        L.append(f"| {x.index} | {_when(x.start)} | {ended} | {how} | {x.first_step} -> {x.last_step} |")
+    L.append("")
+    return L
+
+
 def _env_section(env: dict[str, Any]) -> list[str]:
     """``NSA_*`` settings and the other recorded variables (CUDA_*, NCCL_*, PYTORCH_*, ...), secrets redacted."""
     L = ["### Environment variables", ""]
@@ -289,7 +308,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L += _checks_section(run)
     L += ["### Run", "", "| | |", "|---|---|"]
     L.append(f"| Run directory | {_link(st.run_dir, out_dir, str(st.run_dir))} |")
-    sessions = f", {len(run.boots)} sessions" if len(run.boots) > 1 else ""
+    sessions = f", {len(run.sessions)} sessions" if len(run.sessions) > 1 else ""
     L.append(f"| Status | {s.status} ({s.steps_done}/{s.steps_total or '?'} steps, world size {s.world_size}{sessions}) |")
     dirty = git.get("dirty")
     L.append(f"| Branch / commit | {git.get('branch') or 'n/a'} / `{git.get('commit') or 'n/a'}`"
@@ -324,6 +343,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
              f"{_cfg(st, 'model', 'n_heads')} heads / {_cfg(st, 'model', 'n_kv_groups')} KV groups; NSA l={_cfg(st, 'nsa', 'l')} "
              f"d={_cfg(st, 'nsa', 'd')} l_sel={_cfg(st, 'nsa', 'l_sel')} n_sel={_cfg(st, 'nsa', 'n_sel')} w={_cfg(st, 'nsa', 'w')} |")
     L.append("")
+    L += _sessions_section(run.sessions)
     L += _env_section(env)
     L += ["### Training", "", "| metric | value |", "|---|---|"]
     L.append(f"| loss first / last / min | {fmt_value(s.first_loss, '.4f')} / {fmt_value(s.last_loss, '.4f')} / {fmt_value(s.min_loss, '.4f')} |")
@@ -381,7 +401,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     for b in resumes:
         L.append(f"- resumed at step {resume_step(b)} from `{b.get('resumed_from')}`")
     for al in run.alarms:
-        L.append(f"- alarm {al.describe()} (kept by nsa watch in `alarms.jsonl`)")
+        L.append(f"- alarm {al.describe()} (kept by nsa watch in `alarms.jsonl`; {al.state})")
     if s.end and s.end.get("error"):
         L.append(f"- end error: `{s.end.get('error')}`")
     L.append("")
@@ -621,9 +641,10 @@ def _prepare(run_dir: Path, now: float, override: tuple[dict[str, Any], str] | N
     limits = run_limits(st.config, st.config_sources, *(override or (None,)))
     evals = _eval_payloads(st.run_dir)
     halts = classify_halts(s)
-    alarms = kept_alarms(st.run_dir)
-    checks = run_checks(s, limits, evals, halts, st.progress, alarms)
-    return _Run(st, s, limits, evals, halts, session_boots(st), checks, verdict(s, checks), alarms)
+    sessions = read_sessions(st.run_dir, s.status)
+    alarms = kept_alarms(st.run_dir, sessions)
+    checks = run_checks(s, limits, evals, halts, st.progress, alarms, sessions)
+    return _Run(st, s, limits, evals, halts, session_boots(st), checks, verdict(s, checks), alarms, sessions)
 
 
 def build_report(

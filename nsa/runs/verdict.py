@@ -19,6 +19,7 @@ from nsa.rundir import RunDir
 from nsa.rundir.layout import HALTS_DIR, WATCHDOG_PREFIX, parse_halt
 from nsa.runs.alarms import KeptAlarm
 from nsa.runs.reader import read_halt_file
+from nsa.runs.sessions import Session, earlier_trouble
 from nsa.runs.summary import RunSummary, finite
 
 RETRIEVAL_TASKS = ("needle", "mqar")  # the tasks whose accuracy monitor.min_eval_accuracy judges
@@ -376,10 +377,11 @@ def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[dict[st
 
 def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tuple[str, dict[str, Any] | None]] = (),
                halts: list[HaltRecord] | None = None, progress: Sequence[dict[str, Any]] = (),
-               alarms: Sequence[KeptAlarm] = ()) -> list[Check]:
+               alarms: Sequence[KeptAlarm] = (), sessions: Sequence[Session] = ()) -> list[Check]:
     """Every check of the verdict, in report order (see :class:`Check`); ``progress``: the rank-0 heartbeat
     points, for the throughput windows and the worst fetch p95 (else the summary's figures); ``alarms``: those
-    ``nsa watch`` kept with the run (``RUN/alarms.jsonl``)."""
+    ``nsa watch`` kept with the run (``RUN/alarms.jsonl``, judged: only open ones fail); ``sessions``: the run's
+    history (an earlier session that crashed, failed or was interrupted is a WARN)."""
     limits = limits or run_limits(None)
     halts = classify_halts(s) if halts is None else halts
     out: list[Check] = []
@@ -408,12 +410,8 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
     else:
         figure = "; ".join(x.describe() for x in halts) if halts else "none"
         out.append(Check("halts", figure, "no watchdog halt", "PASS"))
-    if alarms:
-        rules = sorted({a.rule for a in alarms})
-        out.append(Check("watch alarms", "; ".join(a.describe() for a in alarms), "none (`alarms.jsonl`)", "FAIL",
-                         f"{len(alarms)} alarm(s) raised by nsa watch ({', '.join(rules)}): {alarms[0].describe()}"))
-    else:
-        out.append(Check("watch alarms", "none kept", "none (`alarms.jsonl`)", "PASS"))
+    out.append(_alarms_check(alarms))
+    out.append(_sessions_check(sessions))
     out += _throughput_checks(s, limits, progress)
     worst = fetch_p95_worst(progress)
     fetch: float | None
@@ -445,6 +443,45 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
                           f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
                           missing="no needle/mqar results in eval/"))
     return out
+
+
+def _alarms_check(alarms: Sequence[KeptAlarm]) -> Check:
+    """FAIL on the open alarms ``nsa watch`` kept; WARN on superseded ones (an earlier session's, the run
+    resumed and still running); resolved and acknowledged ones are listed and pass."""
+    limit = "none open (`alarms.jsonl`; resolved by a later clean session or `nsa ack`)"
+    if not alarms:
+        return Check("watch alarms", "none kept", limit, "PASS")
+    figure = "; ".join(a.describe() for a in alarms)
+    open_ = [a for a in alarms if a.counts]
+    if open_:
+        rules = sorted({a.rule for a in open_})
+        return Check("watch alarms", figure, limit, "FAIL",
+                     f"{len(open_)} open alarm(s) raised by nsa watch ({', '.join(rules)}): {open_[0].describe()} "
+                     f"(close one with nsa ack RUN --reason TEXT)")
+    superseded = [a for a in alarms if a.state == "superseded"]
+    if superseded:
+        return Check("watch alarms", figure, limit, "WARN",
+                     f"alarm {superseded[0].describe()} of an earlier session")
+    return Check("watch alarms", figure, limit, "PASS")
+
+
+def _sessions_check(sessions: Sequence[Session]) -> Check:
+    """WARN when a session before the last did not end cleanly (crashed, failed, interrupted, halted by the
+    watchdog): the run recovered, and the report says from what."""
+    limit = "every earlier session ended cleanly"
+    if not sessions:
+        return Check("sessions", "no boot event", limit, "n/a")
+    figure = f"{len(sessions)} session(s): " + "; ".join(
+        f"{x.index} {x.status} at step {x.last_step}" for x in sessions)
+    trouble = earlier_trouble(list(sessions))
+    if not trouble:
+        return Check("sessions", figure, limit, "PASS")
+    t = trouble[0]
+    nxt = sessions[t.index] if t.index < len(sessions) else None
+    after = f"; session {nxt.index} resumed at step {nxt.first_step}" if nxt is not None else ""
+    more = f" (+{len(trouble) - 1} more)" if len(trouble) > 1 else ""
+    return Check("sessions", figure, limit, "WARN",
+                 f"session {t.index} {t.how()} at step {t.last_step}{after}{more}")
 
 
 def _selection_check(s: RunSummary, limits: Limits) -> Check:

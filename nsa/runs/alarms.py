@@ -144,7 +144,6 @@ def ack_run(run_dir: str | Path, reason: str, rules: list[str] | None = None, by
     sessions; ``by`` defaults to ``user@host (nsa ack, pid N)``."""
     from nsa.runs.halt import who_am_i
     from nsa.runs.reader import RunReader, check_run_dir
-
     from nsa.runs.rules import ALIASES
 
     path = check_run_dir(run_dir)

@@ -261,3 +261,34 @@ def test_3_a_first_session_that_failed_on_data_is_in_the_history(tmp_path: Path)
     rep = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r.md"), "--no-charts"], env={})
     text = (tmp_path / "r.md").read_text()
     assert rep.exit_code == 0 and "WARN: session 1 failed: DataError: data.path=x.txt is empty at step 0" in text
+
+
+# 4. evaluations record the step and weights they evaluated; stale ones are marked -------------------------
+
+
+def test_4_an_evaluation_of_earlier_weights_is_marked_stale(tmp_path: Path) -> None:
+    from nsa.rundir.checkpoints import sha256_file
+    from nsa.train.trainer import Trainer
+    from tests.conftest import quiet, resolve
+
+    run = tmp_path / "run"
+    Trainer(resolve(run, 4, eval__every=0, monitor__min_eval_accuracy=0.0), reporter=quiet()).fit()
+    args = ["eval", str(run), "--task", "mqar", "--contexts", "32", "--pairs", "2", "--samples", "2"]
+    assert runner.invoke(app, args, env={}).exit_code == 0
+    saved = json.loads((run / "eval" / "mqar.json").read_text())
+    assert saved["step"] == 4 and saved["weights"]["path"] == str(run / "export" / "model.safetensors")
+    assert saved["weights"]["sha256"] == sha256_file(run / "export" / "model.safetensors")
+    assert json.loads((run / "export" / "export.json").read_text())["step"] == 4
+
+    def report() -> str:
+        runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r.md"), "--no-charts", "--force"], env={})
+        return (tmp_path / "r.md").read_text()
+
+    assert "STALE" not in report()
+    Trainer(resolve(run, 6, eval__every=0, monitor__min_eval_accuracy=0.0, train__resume="auto"),
+            reporter=quiet()).fit()
+    text = report()
+    assert "**STALE** `eval/mqar.json`: is of step 4; the run is at step 6." in text
+    assert "WARN: eval/mqar.json is of step 4; the run is at step 6: re-run nsa eval" in text
+    assert runner.invoke(app, args, env={}).exit_code == 0
+    assert json.loads((run / "eval" / "mqar.json").read_text())["step"] == 6 and "STALE" not in report()

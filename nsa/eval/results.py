@@ -10,6 +10,7 @@ from nsa.envinfo import environment
 from nsa.errors import RunDirError
 from nsa.fileio import json_safe, write_atomic, write_failure
 from nsa.rundir import RunDir
+from nsa.rundir.checkpoints import weights_identity
 from nsa.rundir.layout import CHECKPOINTS_DIR, EXPORT_DIR, is_run_dir
 
 
@@ -28,12 +29,16 @@ def run_dir_of(path: str | Path) -> Path:
 
 def build_payload(task: str, rows: list[dict[str, Any]], *, run: str | Path | None, checkpoint: str | Path | None,
                   settings: dict[str, Any], env: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``{"task", "run", "checkpoint", "results", "settings", "env"}`` (``env`` defaults to
-    :func:`nsa.envinfo.environment`); non-finite numbers become null."""
+    """``{"task", "run", "checkpoint", "step", "weights", "results", "settings", "env"}``: ``step`` and
+    ``weights`` (the file's SHA-256) say which weights were evaluated, so a report can tell an evaluation of an
+    earlier step (stale) from one of the model as it is (``env`` defaults to :func:`nsa.envinfo.environment`);
+    non-finite numbers become null."""
     if env is None:
         env = environment()
+    step, digest = weights_identity(Path(checkpoint)) if checkpoint is not None else (None, None)
     payload = {"task": task, "run": None if run is None else str(run),
-               "checkpoint": None if checkpoint is None else str(checkpoint),
+               "checkpoint": None if checkpoint is None else str(checkpoint), "step": step,
+               "weights": {"path": None if checkpoint is None else str(checkpoint), "sha256": digest},
                "results": rows, "settings": settings, "env": env}
     return dict(json_safe(payload))
 

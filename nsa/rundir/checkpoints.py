@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa.errors import CheckpointError
-from nsa.rundir.layout import CHECKPOINTS_DIR
+from nsa.rundir.layout import CHECKPOINTS_DIR, EXPORT_INFO
 
 CKPT_DIR = CHECKPOINTS_DIR
 STATE_FILE = "state.pt"
@@ -133,6 +133,32 @@ def newest_verified(run_dir: Path) -> tuple[Path | None, list[Verdict]]:
             return p, skipped
         skipped.append(v)
     return None, skipped
+
+
+def weights_identity(weights: Path) -> tuple[int | None, str | None]:
+    """``(step, sha256)`` of a weights file: a checkpoint's ``state.pt`` (its manifest's step and checksum), an
+    export's ``model.safetensors`` (its ``export.json``), else the step of a ``step_*`` folder name and the
+    file's checksum computed here (``None`` each when unknown)."""
+    weights = Path(weights)
+    manifest = read_manifest(weights.parent)
+    if manifest is not None:
+        sums = manifest.get("sha256")
+        step = manifest.get("step")
+        return (step if isinstance(step, int) else step_of(weights.parent),
+                sums.get(weights.name) if isinstance(sums, dict) else None)
+    info: Any = None
+    try:
+        info = json.loads((weights.parent / EXPORT_INFO).read_text())
+    except (OSError, ValueError):
+        pass
+    if isinstance(info, dict) and isinstance(info.get("sha256"), str):
+        return (info["step"] if isinstance(info.get("step"), int) else None), info["sha256"]
+    step = step_of(weights.parent)
+    try:
+        digest: str | None = sha256_file(weights)
+    except OSError:
+        digest = None
+    return (step if step >= 0 else None), digest
 
 
 def check_state_format(state: dict[str, Any], source: Path) -> None:

@@ -22,6 +22,7 @@ CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DIR = "export"  # model.safetensors + config.yaml (+ tokenizer.json) of a finished run
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_TOKENIZER = "tokenizer.json"
+EXPORT_INFO = "export.json"  # {"step", "sha256" of the weights, "time"}: which weights an export holds
 TENSORBOARD_DIR = "tb"
 ANOMALIES_DIR = "anomalies"  # one JSON record per non-finite loss (step_<n>.json)
 EVAL_DIR = "eval"  # `nsa eval` results kept with the run (<task>.json, needle.png)

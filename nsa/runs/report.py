@@ -48,6 +48,7 @@ from nsa.runs.verdict import (
     anomaly_record_path,
     classify_halts,
     context_label,
+    eval_staleness,
     fmt_value,
     overall_verdict,
     profile_limits,
@@ -380,7 +381,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append("")
     L += _img(run, "gates", "gate entropy, collapsed-gate fraction and branch shares", out_dir)
     L += selection_section(s)
-    L += _eval_section(st.run_dir, out_dir, run.charts.get("needle"))
+    L += _eval_section(st.run_dir, out_dir, run.charts.get("needle"), s.steps_done)
     L += ["### Anomalies, halts and alarms", ""]
     resumes = [b for b in run.boots if b.get("resumed_from")]
     if not s.anomalies and not run.halts and not resumes and not run.alarms:
@@ -503,7 +504,7 @@ def _copy_eval_chart(run_dir: Path, folder: Path) -> Path | None:
     return dst
 
 
-def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None) -> list[str]:
+def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_done: int) -> list[str]:
     """The "Evaluation" section: one table per ``nsa eval`` task found in ``RUN/eval/`` (nothing when none)."""
     found = _eval_payloads(run_dir)
     if not found:
@@ -518,7 +519,12 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None) -> list
         with contextlib.suppress(ValueError):
             ckpt = Path(ckpt).relative_to(run_dir).as_posix()
         when = (data.get("env") or {}).get("date") or "n/a"
-        source = f"checkpoint `{ckpt}`, {when}, seed {st.get('seed')}"
+        step = data.get("step")
+        source = (f"weights `{ckpt}` (step {step if isinstance(step, int) else 'not recorded'}), {when}, "
+                  f"seed {st.get('seed')}")
+        stale = eval_staleness(data, steps_done)
+        if stale:
+            L += [f"**STALE** `eval/{task}.json`: {stale}.", ""]
         if task == "needle":
             contexts = sorted({r.get("context") for r in rows if isinstance(r.get("context"), int)})
             depths = sorted({r.get("depth") for r in rows if isinstance(r.get("depth"), int | float)})

@@ -439,10 +439,26 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
         out.append(Check("eval accuracy", f"{', '.join(bad)} unreadable", f">= {limits.values['min_eval_accuracy']:g}",
                          "WARN", f"{', '.join(bad)} could not be read", "min_eval_accuracy"))
     else:
-        out.append(_judge("eval accuracy", "min_eval_accuracy", limits, low,
-                          f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
-                          missing="no needle/mqar results in eval/"))
+        check = _judge("eval accuracy", "min_eval_accuracy", limits, low,
+                       f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
+                       missing="no needle/mqar results in eval/")
+        stale = [f"eval/{task}.json {why}" for task, data in evals if task in RETRIEVAL_TASKS and data is not None
+                 and (why := eval_staleness(data, s.steps_done))]
+        if stale and check.result == "PASS":
+            check.result, check.why = "WARN", f"{stale[0]}: re-run nsa eval"
+        if stale:
+            check.figure += f" (STALE: {'; '.join(stale)})"
+        out.append(check)
     return out
+
+
+def eval_staleness(data: dict[str, Any], steps_done: int) -> str | None:
+    """Why an ``nsa eval`` result is not of the model as it is now: it evaluated the weights of an earlier
+    step (``is of step 20; the run is at step 40``); None when current (or its step was not recorded)."""
+    step = data.get("step")
+    if isinstance(step, int) and not isinstance(step, bool) and step < steps_done:
+        return f"is of step {step}; the run is at step {steps_done}"
+    return None
 
 
 def _alarms_check(alarms: Sequence[KeptAlarm]) -> Check:

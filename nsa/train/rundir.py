@@ -15,8 +15,10 @@ from nsa.errors import ConfigError, RunDirError
 from nsa.fileio import surface_os_error
 from nsa.model import build_model
 from nsa.rundir import RunDir
+from nsa.rundir.checkpoints import sha256_file
 from nsa.rundir.layout import (
     CONFIG_FILE,
+    EXPORT_INFO,
     EXPORT_TOKENIZER,
     EXPORT_WEIGHTS,
     HALT_FILE,
@@ -127,8 +129,9 @@ def write_anomaly(run_dir: Path, step: int, record: dict[str, Any]) -> Path:
 
 
 def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer: Any,
-                 full_state: dict[str, Any] | None = None) -> Path:
-    """``export/``: ``model.safetensors`` (shared tensors stored once), ``config.yaml``, ``tokenizer.json``.
+                 full_state: dict[str, Any] | None = None, step: int | None = None) -> Path:
+    """``export/``: ``model.safetensors`` (shared tensors stored once), ``config.yaml``, ``tokenizer.json`` and
+    ``export.json`` (the step and the weights' SHA-256, which ``nsa eval`` records with its results).
 
     ``full_state``: the whole model's weights gathered from a sharded model; they are loaded into a fresh
     unsharded copy on the CPU, which is what is saved."""
@@ -153,6 +156,8 @@ def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer:
             "path": resolved.config.data.tokenizer_path,
         }
         (tmp / EXPORT_TOKENIZER).write_text(json.dumps(tok, indent=2) + "\n")
+        info = {"step": step, "sha256": sha256_file(tmp / EXPORT_WEIGHTS), "time": time.time()}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

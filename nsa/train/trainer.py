@@ -229,7 +229,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         self._save(s, clock, "final")
         full = parallel.full_model_state(s.model, s.dist) if s.checkpointable.is_sharded else None  # a collective
         if s.dist.is_main:
-            path = rundir.export_model(s.plan.run_dir, s.model, s.plan.resolved, s.plan.tokenizer, full_state=full)
+            path = rundir.export_model(s.plan.run_dir, s.model, s.plan.resolved, s.plan.tokenizer, full_state=full,
+                                       step=s.state.step)
             s.out.stop()
             s.out.message(f"exported {path}")
         return self._finish(s, rec, "completed", None)

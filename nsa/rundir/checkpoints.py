@@ -14,6 +14,7 @@ loader pick the newest one that verifies (``newest_verified``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -147,10 +148,8 @@ def weights_identity(weights: Path) -> tuple[int | None, str | None]:
         return (step if isinstance(step, int) else step_of(weights.parent),
                 sums.get(weights.name) if isinstance(sums, dict) else None)
     info: Any = None
-    try:
+    with contextlib.suppress(OSError, ValueError):
         info = json.loads((weights.parent / EXPORT_INFO).read_text())
-    except (OSError, ValueError):
-        pass
     if isinstance(info, dict) and isinstance(info.get("sha256"), str):
         return (info["step"] if isinstance(info.get("step"), int) else None), info["sha256"]
     step = step_of(weights.parent)

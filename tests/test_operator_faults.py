@@ -292,3 +292,56 @@ def test_4_an_evaluation_of_earlier_weights_is_marked_stale(tmp_path: Path) -> N
     assert "WARN: eval/mqar.json is of step 4; the run is at step 6: re-run nsa eval" in text
     assert runner.invoke(app, args, env={}).exit_code == 0
     assert json.loads((run / "eval" / "mqar.json").read_text())["step"] == 6 and "STALE" not in report()
+
+
+# 5. an unreadable config.yaml is said and never passes on defaults silently ---------------------------------
+
+
+def test_5_an_unreadable_config_is_said_and_judged_with_what_is_known(tmp_path: Path) -> None:
+    from tests.conftest import write_run
+
+    run = write_run(tmp_path / "run", steps=20, seed=5)
+    (run / "config.yaml").write_text("model: {dim: 64\n")
+    res = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "r.md"), "--no-charts"], env={})
+    text = (tmp_path / "r.md").read_text()
+    assert "seq_len None" not in text and "dim None" not in text
+    assert "**config.yaml cannot be read: " in text and "the run's settings are unknown" in text
+    assert "| run config | config.yaml cannot be read:" in text and "| **WARN** |" in text
+    verdict = next(x for x in text.splitlines() if x.startswith("**Verdict:"))
+    assert "WARN: config.yaml cannot be read" in verdict and "every limit below is the default" in verdict, verdict
+    assert "default, config.yaml unreadable" in text
+    assert res.exit_code == 0  # judged on what can be known: the run itself completed
+    watch = runner.invoke(app, ["watch", str(run), "--once"], env={"COLUMNS": "200"})
+    assert "warning: config.yaml cannot be read" in watch.output
+
+
+# 6. text that is not UTF-8 names the file and the encoding, and creates nothing ------------------------------
+
+
+@pytest.mark.parametrize(("name", "data", "what"), [
+    ("latin1.txt", ("Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e " * 20 + "\n\n").encode("latin-1") * 30, "is not UTF-8 text (first bad byte 0xe9 at line 1"),
+    ("utf16.txt", ("hello world\n\n" * 50).encode("utf-16"), "is UTF-16 text"),
+    ("blob.txt", bytes(range(256)) * 40, "is a binary file (NUL bytes)"),
+    ("latin1.jsonl", '{"text": "caf\u00e9 cr\u00e8me"}\n'.encode("latin-1") * 20, "is not UTF-8 text (first bad byte 0xe9"),
+])
+def test_6_text_that_is_not_utf8_names_the_file_and_encoding_and_creates_nothing(
+    tmp_path: Path, name: str, data: bytes, what: str
+) -> None:
+    path = tmp_path / name
+    path.write_bytes(data)
+    run = tmp_path / "run"
+    res = runner.invoke(app, ["train", *TINY, "--steps", "2", "--out-dir", str(run), "--dataset", "local",
+                              "--data-path", str(path)], env={})
+    assert res.exit_code == 2, res.output
+    (line,) = [x for x in res.output.strip().splitlines() if x.startswith("error:")]
+    assert f"data.path={path}: {name} {what}" in line, line
+    assert "skipped as invalid_utf8" in line and "iconv -f latin1 -t utf-8" in line
+    assert "val_fraction" not in line and not run.exists()
+
+
+def test_6_mostly_utf8_text_with_a_few_bad_paragraphs_still_trains(tmp_path: Path) -> None:
+    from nsa.data.sources import _check_local_path
+
+    path = tmp_path / "mixed.txt"
+    path.write_bytes(("a good paragraph of text\n\n" * 30).encode() + "caf\u00e9\n\n".encode("latin-1") * 3)
+    assert _check_local_path(str(path))[0] == "text"

@@ -228,6 +228,7 @@ class RunState:
     loader_ready: dict[str, Any] | None = None
     config: dict[str, Any] | None = None
     config_sources: dict[str, str] = field(default_factory=dict)  # dotted key -> origin (config.yaml comments)
+    config_error: str | None = None  # why config.yaml (present) could not be read: its settings are unknown
     env: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
     halt_file: dict[str, Any] | None = None
@@ -413,13 +414,19 @@ class RunReader:
     def _read_small(self) -> None:
         st = self.state
         if self._changed(CONFIG_FILE):
+            st.config, st.config_error = None, None
             try:
                 text = (self.run_dir / CONFIG_FILE).read_text()
                 data = yaml.safe_load(text)
                 st.config = data if isinstance(data, dict) else None
                 st.config_sources = parse_sources(text)
-            except (OSError, yaml.YAMLError):
-                st.config = None
+                if st.config is None:
+                    st.config_error = f"{CONFIG_FILE} is not a mapping of sections"
+            except FileNotFoundError:
+                pass
+            except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+                why = " ".join(str(exc).split())
+                st.config_error = f"{CONFIG_FILE} cannot be read: {why[:200]}"
         for name, attr in ((ENV_FILE, "env"), (METRICS_FILE, "metrics")):
             if self._changed(name):
                 try:

@@ -331,18 +331,26 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     unknown = env.get("nsa_unknown_variables") or []
     if unknown:
         L.append(f"| Unknown NSA_* (ignored) | {', '.join(unknown)} |")
-    L.append(f"| Config | `{env.get('config_path') or 'n/a'}`: seq_len {_cfg(st, 'train', 'seq_len')}, batch "
-             f"{_cfg(st, 'train', 'batch_size')} x accum {_cfg(st, 'train', 'accum')}, steps {_cfg(st, 'train', 'steps')}, "
-             f"attention backend {_cfg(st, 'runtime', 'attn_backend')} |")
+    if st.config_error is not None:
+        L.append(f"| Config | `{env.get('config_path') or 'n/a'}`; **{st.config_error.replace('|', '/')}**: the run's "
+                 "settings are unknown |")
+    else:
+        L.append(f"| Config | `{env.get('config_path') or 'n/a'}`: seq_len {_cfg(st, 'train', 'seq_len')}, batch "
+                 f"{_cfg(st, 'train', 'batch_size')} x accum {_cfg(st, 'train', 'accum')}, steps "
+                 f"{_cfg(st, 'train', 'steps')}, attention backend {_cfg(st, 'runtime', 'attn_backend')} |")
     data = f"**SYNTHETIC tokens instead of data.source={_cfg(st, 'data', 'source')}**: {s.data_fallback}" if s.data_fallback \
         else (s.data_source or f"data.source={_cfg(st, 'data', 'source')}")
     L.append(f"| Data | {data.replace('|', '/')} |")
     for w in s.data_warnings:
         if w != s.data_fallback:
             L.append(f"| Data warning | {w.replace('|', '/')} |")
-    L.append(f"| Model | dim {_cfg(st, 'model', 'dim')}, {_cfg(st, 'model', 'n_layers')} layers, "
-             f"{_cfg(st, 'model', 'n_heads')} heads / {_cfg(st, 'model', 'n_kv_groups')} KV groups; NSA l={_cfg(st, 'nsa', 'l')} "
-             f"d={_cfg(st, 'nsa', 'd')} l_sel={_cfg(st, 'nsa', 'l_sel')} n_sel={_cfg(st, 'nsa', 'n_sel')} w={_cfg(st, 'nsa', 'w')} |")
+    if st.config is not None:
+        L.append(f"| Model | dim {_cfg(st, 'model', 'dim')}, {_cfg(st, 'model', 'n_layers')} layers, "
+                 f"{_cfg(st, 'model', 'n_heads')} heads / {_cfg(st, 'model', 'n_kv_groups')} KV groups; NSA "
+                 f"l={_cfg(st, 'nsa', 'l')} d={_cfg(st, 'nsa', 'd')} l_sel={_cfg(st, 'nsa', 'l_sel')} "
+                 f"n_sel={_cfg(st, 'nsa', 'n_sel')} w={_cfg(st, 'nsa', 'w')} |")
+    else:
+        L.append("| Model | unknown (no readable config.yaml) |")
     L.append("")
     L += _sessions_section(run.sessions)
     L += _env_section(env)
@@ -644,12 +652,12 @@ def _prepare(run_dir: Path, now: float, override: tuple[dict[str, Any], str] | N
     """Read one run and derive its limits, halts, kept alarms, checks and verdict."""
     st = read_run(run_dir)
     s = summarize(st, now, _stale_s(st))
-    limits = run_limits(st.config, st.config_sources, *(override or (None,)))
+    limits = run_limits(st.config, st.config_sources, *(override or (None,)), unreadable=st.config_error is not None)
     evals = _eval_payloads(st.run_dir)
     halts = classify_halts(s)
     sessions = read_sessions(st.run_dir, s.status)
     alarms = kept_alarms(st.run_dir, sessions)
-    checks = run_checks(s, limits, evals, halts, st.progress, alarms, sessions)
+    checks = run_checks(s, limits, evals, halts, st.progress, alarms, sessions, st.config_error)
     return _Run(st, s, limits, evals, halts, session_boots(st), checks, verdict(s, checks), alarms, sessions)
 
 

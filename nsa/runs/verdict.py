@@ -138,16 +138,18 @@ def _limit_value(key: str, value: Any) -> float | None:
 
 
 def run_limits(config: dict[str, Any] | None, sources: dict[str, str] | None = None,
-               override: dict[str, Any] | None = None, override_label: str = "--limits") -> Limits:
+               override: dict[str, Any] | None = None, override_label: str = "--limits",
+               unreadable: bool = False) -> Limits:
     """The report limits of a run: ``MonitorConfig`` defaults < the run's saved ``monitor`` section <
-    ``override`` (a profile's ``monitor:`` block). A saved value that does not validate is ignored."""
+    ``override`` (a profile's ``monitor:`` block). A saved value that does not validate is ignored;
+    ``unreadable``: the run's config.yaml could not be read (each default says so)."""
     defaults = MonitorConfig()
     saved = (config or {}).get("monitor")
     saved = saved if isinstance(saved, dict) else {}
     values: dict[str, float | None] = {}
     where: dict[str, str] = {}
     for key in LIMIT_KEYS:
-        values[key], where[key] = getattr(defaults, key), "default"
+        values[key], where[key] = getattr(defaults, key), "default, config.yaml unreadable" if unreadable else "default"
         if key in saved:
             try:
                 values[key] = _limit_value(key, saved[key])
@@ -377,14 +379,19 @@ def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[dict[st
 
 def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tuple[str, dict[str, Any] | None]] = (),
                halts: list[HaltRecord] | None = None, progress: Sequence[dict[str, Any]] = (),
-               alarms: Sequence[KeptAlarm] = (), sessions: Sequence[Session] = ()) -> list[Check]:
+               alarms: Sequence[KeptAlarm] = (), sessions: Sequence[Session] = (),
+               config_error: str | None = None) -> list[Check]:
     """Every check of the verdict, in report order (see :class:`Check`); ``progress``: the rank-0 heartbeat
     points, for the throughput windows and the worst fetch p95 (else the summary's figures); ``alarms``: those
     ``nsa watch`` kept with the run (``RUN/alarms.jsonl``, judged: only open ones fail); ``sessions``: the run's
-    history (an earlier session that crashed, failed or was interrupted is a WARN)."""
+    history (an earlier session that crashed, failed or was interrupted is a WARN); ``config_error``: why the
+    run's ``config.yaml`` cannot be read (a WARN: its limits are unknown, the defaults judge)."""
     limits = limits or run_limits(None)
     halts = classify_halts(s) if halts is None else halts
     out: list[Check] = []
+    if config_error is not None:
+        out.append(Check("run config", config_error, "config.yaml readable", "WARN",
+                         f"{config_error}; the run's settings are unknown and every limit below is the default"))
     n_bad = s.nonfinite_losses + len(s.anomalies)
     out.append(Check("non-finite values", f"{s.nonfinite_losses} loss(es), {len(s.anomalies)} anomaly record(s)", "none",
                      "FAIL" if n_bad else "PASS",

@@ -56,6 +56,7 @@ class Watchdog:
         self.halted: list[dict[str, Any]] = []  # the .HALT this watchdog wrote (in the current session)
         self._alert_names = {r.name for r in alert_rules}
         self._session: float | None = None
+        self._config_said = False
         self._kept = AlarmFile(reader.run_dir, who_am_i("nsa watch")) if keep else None
 
     def poll(self, final: bool = False) -> Snapshot:
@@ -66,6 +67,9 @@ class Watchdog:
         if st.session_start != self._session:  # a new session (a resume): its own watchdog halt
             self._session, self.halted = st.session_start, []
         mon = monitor_config(st)
+        if st.config_error is not None and not self._config_said:
+            self._config_said = True
+            self.on_warning(f"{st.config_error}: the rules use the default monitor thresholds")
         if self.stale_after is not None:
             mon = mon.model_copy(update={"stale_s": self.stale_after})
         summ = summarize(st, now, mon.stale_s)

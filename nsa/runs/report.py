@@ -652,7 +652,8 @@ def _prepare(run_dir: Path, now: float, override: tuple[dict[str, Any], str] | N
     """Read one run and derive its limits, halts, kept alarms, checks and verdict."""
     st = read_run(run_dir)
     s = summarize(st, now, _stale_s(st))
-    limits = run_limits(st.config, st.config_sources, *(override or (None,)), unreadable=st.config_error is not None)
+    block, label = override if override is not None else (None, "--limits")
+    limits = run_limits(st.config, st.config_sources, block, label, unreadable=st.config_error is not None)
     evals = _eval_payloads(st.run_dir)
     halts = classify_halts(s)
     sessions = read_sessions(st.run_dir, s.status)

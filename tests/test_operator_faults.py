@@ -345,3 +345,18 @@ def test_6_mostly_utf8_text_with_a_few_bad_paragraphs_still_trains(tmp_path: Pat
     path = tmp_path / "mixed.txt"
     path.write_bytes(("a good paragraph of text\n\n" * 30).encode() + "caf\u00e9\n\n".encode("latin-1") * 3)
     assert _check_local_path(str(path))[0] == "text"
+
+
+# 7. bench quality names its runs by arm and seed ----------------------------------------------------------
+
+
+def test_7_bench_quality_names_runs_by_arm_and_seed(tmp_path: Path) -> None:
+    q = tmp_path / "q"
+    res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "dense,nsa", "--steps", "2", "--out-dir", str(q),
+                              "--json"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    rep = runner.invoke(app, ["report", str(q / "dense" / "seed0"), str(q / "nsa" / "seed0"), "--out",
+                              str(tmp_path / "rep"), "--no-charts", "--json"], env={})
+    data = json.loads(rep.stdout)
+    assert [r["run_name"] for r in data["runs"]] == ["dense-seed0", "nsa-seed0"]
+    assert Path(data["path"]).name.endswith("dense-seed0 vs nsa-seed0 v1.md")

@@ -142,7 +142,9 @@ def selection_of(run_dir: Path, queries: int = 64, batches: int = 1) -> list[dic
 
 def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,
                  queries: int = 64, log: Callable[[str], None] | None = None) -> QualityRow:
-    """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it."""
+    """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it. The run is
+    named ``<arm>-seed<seed>`` (``<arm>-warm-seed<seed>`` for a warm-start's dense part), so reports and
+    charts of several runs tell them apart."""
     run_dir = out_dir / arm.name / f"seed{seed}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -154,7 +156,7 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
         warm_steps = max(1, round(steps * arm.warm_frac))
         warm_dir = run_dir / "warm-dense"
         warm = _resolve(config, [*common, "model.attention=dense", f"train.steps={warm_steps}", "eval.every=0",
-                                 f"train.out_dir={warm_dir}"])
+                                 f"train.out_dir={warm_dir}", f"train.run_name={arm.name}-warm-seed{seed}"])
         m = _quiet_train(warm, log)
         seconds += float(m.get("elapsed_s") or 0.0)
         row.loss_curve = loss_curve(warm_dir)
@@ -164,7 +166,7 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
         steps_main = steps
     main_dir = run_dir / "main" if arm.warm_frac > 0 else run_dir
     resolved = _resolve(config, [*common, *arm.sets, f"train.steps={steps_main}", f"eval.every={steps_main}",
-                                 f"train.out_dir={main_dir}", *init])
+                                 f"train.out_dir={main_dir}", f"train.run_name={arm.name}-seed{seed}", *init])
     m = _quiet_train(resolved, log)
     seconds += float(m.get("elapsed_s") or 0.0)
     row.loss_curve += loss_curve(main_dir, offset=steps - steps_main)

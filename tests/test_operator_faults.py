@@ -360,3 +360,60 @@ def test_7_bench_quality_names_runs_by_arm_and_seed(tmp_path: Path) -> None:
     data = json.loads(rep.stdout)
     assert [r["run_name"] for r in data["runs"]] == ["dense-seed0", "nsa-seed0"]
     assert Path(data["path"]).name.endswith("dense-seed0 vs nsa-seed0 v1.md")
+
+
+# 8. exit codes, usage errors, the lock of a refused resume, retired .HALT, bf16 on a CPU ----------------------
+
+
+def test_8_debug_keeps_exit_code_2_and_shows_the_traceback(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["--debug", "halt", str(tmp_path / "missing")], env={})
+    assert res.exit_code == 2
+    assert "Traceback" in res.stderr and res.stderr.strip().splitlines()[-1].startswith("error: run directory")
+    plain = runner.invoke(app, ["halt", str(tmp_path / "missing")], env={})
+    assert plain.exit_code == 2 and "Traceback" not in plain.output
+
+
+@pytest.mark.parametrize("argv", [["train", "--steps", "abc"], ["watch", "x", "--refresh", "soon"], ["report", "--bogus"]])
+def test_8_a_usage_error_is_one_error_line(argv: list[str]) -> None:
+    res = runner.invoke(app, argv, env={})
+    assert res.exit_code == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and f"(hint: nsa {argv[0]} --help)" in lines[0], lines
+
+
+def test_8_a_refused_resume_leaves_the_lock_naming_the_last_trainer(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert _train_cli(run, 3).exit_code == 0
+    before = (run / ".lock").read_text()
+    res = _train_cli(run, 1, "--resume", "auto")  # fewer steps than done: refused
+    assert res.exit_code == 2 and "train.steps=1 is below" in res.output
+    assert (run / ".lock").read_text() == before
+
+
+def test_8_a_halt_file_acted_on_is_retired(tmp_path: Path) -> None:
+    from nsa.train.trainer import Trainer
+    from tests.conftest import halt_at, quiet, resolve
+
+    run = tmp_path / "run"
+    assert Trainer(resolve(run, 20, eval__every=0), reporter=quiet(), step_hook=halt_at(run, 2, "stop")).fit().status == "halted"
+    assert not (run / ".HALT").exists() and [p.name.endswith("-acted") for p in (run / "halts").iterdir()] == [True]
+    out = quiet()
+    Trainer(resolve(run, 5, eval__every=0, train__resume="auto"), reporter=out).fit()
+    assert ".HALT" not in out.text()  # no warning about a stale .HALT on the resume
+
+
+def test_8_preflight_and_train_agree_about_bf16_on_a_cpu(tmp_path: Path) -> None:
+    from nsa.checks.preflight import run_preflight
+    from nsa.config import load_run_config
+    from nsa.errors import ConfigError
+    from nsa.train.runtime import resolve_runtime
+
+    sets = ["runtime.device=cpu", "runtime.precision=bf16"]
+    report = run_preflight(config="tiny", sets=sets, environ={}, out_dir=tmp_path)
+    (check,) = [c for c in report.checks if c.name == "bf16"]
+    with pytest.raises(ConfigError) as err:
+        resolve_runtime(load_run_config("tiny", environ={}, sets=sets).config)
+    assert check.status.value == "FAIL" and err.value.message in check.reason and err.value.hint == check.hint
+    fine = run_preflight(config="tiny", sets=["runtime.device=cpu"], environ={}, out_dir=tmp_path)
+    (check,) = [c for c in fine.checks if c.name == "bf16"]
+    assert check.status.value == "PASS" and "fp32" in check.reason and "supported" not in check.reason

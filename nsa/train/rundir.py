@@ -100,13 +100,23 @@ def read_halt(run_dir: Path, settle_s: float = 0.25) -> str | None:
 
 
 def archive_stale_halt(run_dir: Path) -> Path | None:
-    """Move a ``.HALT`` present at start-up (written before this session) into ``halts/``."""
+    """Move a ``.HALT`` present at start-up (written before this session, never acted on) into ``halts/``."""
+    return _move_halt(run_dir, "")
+
+
+def retire_halt(run_dir: Path) -> Path | None:
+    """Move the ``.HALT`` this session acted on into ``halts/`` (``HALT-<time>-acted``): it asks nothing of
+    the next session, and the report still finds its record (the watchdog's rule)."""
+    return _move_halt(run_dir, "-acted")
+
+
+def _move_halt(run_dir: Path, suffix: str) -> Path | None:
     path = run_dir / HALT_FILE
     if not path.exists():
         return None
     dest_dir = run_dir / HALTS_DIR
     dest_dir.mkdir(exist_ok=True)
-    dest = dest_dir / f"HALT-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 1_000_000:06d}"
+    dest = dest_dir / f"HALT-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 1_000_000:06d}{suffix}"
     os.replace(path, dest)
     return dest
 

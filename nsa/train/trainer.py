@@ -342,6 +342,9 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         source, reason = requests[0] if requests else ("file", "halt requested")
         path = self._save(s, clock, "halt")
         s.hb.emit("halt", step, reason=reason, source=source, checkpoint=str(path))
+        if source == "file" and s.dist.is_main:  # acted on: retired, so no later start warns about it
+            with contextlib.suppress(OSError):
+                rundir.retire_halt(s.plan.run_dir)
         s.out.stop()
         s.out.message(f"halted at step {step} ({source}: {reason}); checkpoint {path}", tone="caution")
         result = self._finish(s, rec, "halted", None)

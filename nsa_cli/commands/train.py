@@ -119,23 +119,27 @@ def train(
         resolved = load_run_config(config=config, profile=profile, flags=flags_to_keys(**given), sets=set_,
                                    flag_names=flags_as_typed(**given))
         lock = _early_lock(resolved.config, nproc_per_node)
+        try:
+            from rich.console import Console
 
-        from rich.console import Console
+            from nsa.train.distributed import launched_by_torchrun
+            from nsa.train.launch import Rendezvous
+            from nsa.train.trainer import Trainer
+            from nsa_cli.train_view import RichReporter
 
-        from nsa.train.distributed import launched_by_torchrun
-        from nsa.train.launch import Rendezvous
-        from nsa.train.trainer import Trainer
-        from nsa_cli.train_view import RichReporter
-
-        rdzv = Rendezvous(nnodes, node_rank, rdzv_endpoint, rdzv_id)
-        if nnodes > 1 and nproc_per_node is None:
-            raise fail("--nnodes needs --nproc-per-node (ranks on each node)")
-        rdzv.check()
-        launching = nproc_per_node is not None and not launched_by_torchrun()
-        # validates everything before any work (and before torchrun starts)
-        world = nproc_per_node * nnodes if launching and nproc_per_node else None
-        trainer = Trainer(resolved, reporter=RichReporter(Console()), world_size=world,
-                          local_ranks=nproc_per_node if launching else None, run_lock=lock)
+            rdzv = Rendezvous(nnodes, node_rank, rdzv_endpoint, rdzv_id)
+            if nnodes > 1 and nproc_per_node is None:
+                raise fail("--nnodes needs --nproc-per-node (ranks on each node)")
+            rdzv.check()
+            launching = nproc_per_node is not None and not launched_by_torchrun()
+            # validates everything before any work (and before torchrun starts)
+            world = nproc_per_node * nnodes if launching and nproc_per_node else None
+            trainer = Trainer(resolved, reporter=RichReporter(Console()), world_size=world,
+                              local_ranks=nproc_per_node if launching else None, run_lock=lock)
+        except BaseException:
+            if lock is not None:  # a refused resume: .lock names the last trainer again
+                lock.abandon()
+            raise
         if launching:
             assert nproc_per_node is not None
             argv = torchrun_argv(nproc_per_node, sys.argv[1:], rdzv)

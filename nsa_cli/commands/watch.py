@@ -340,10 +340,14 @@ def watch(
         if ph is not None and ph.get("time") not in announced_halt:
             announced_halt.append(ph.get("time"))
             typer.echo(f"{stamp} pending .HALT: {ph.get('reason')} ({ph.get('who') or 'unknown'})")
-        elif ph is None and st.halt_file is not None and st.halt_file.get("time") in announced_halt:
-            announced_halt.remove(st.halt_file.get("time"))
-            h = st.halts[-1] if st.halts else st.end or {}
-            typer.echo(f"{stamp} .HALT acted on at step {h.get('step')}")
+        elif ph is None and announced_halt:  # acted on (the trainer retires the file into halts/), or removed
+            since = announced_halt.pop()
+            acted = [h for h in st.halts if not isinstance(since, int | float) or float(h.get("ts", 0)) >= since - 1.0]
+            if acted or st.end is not None:
+                h = acted[-1] if acted else st.end or {}
+                typer.echo(f"{stamp} .HALT acted on at step {h.get('step')}")
+            else:
+                typer.echo(f"{stamp} .HALT removed before the trainer acted on it")
 
     def cycle(first: bool) -> tuple[Snapshot, bool]:
         if not first:

@@ -355,6 +355,7 @@ def test_7_bench_quality_names_runs_by_arm_and_seed(tmp_path: Path) -> None:
     res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "dense,nsa", "--steps", "2", "--out-dir", str(q),
                               "--json"], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
+    assert "dense seed 0: text, 2 steps [run 1/2, 0% done" in res.stderr and "[run 2/2, 50% done" in res.stderr
     rep = runner.invoke(app, ["report", str(q / "dense" / "seed0"), str(q / "nsa" / "seed0"), "--out",
                               str(tmp_path / "rep"), "--no-charts", "--json"], env={})
     data = json.loads(rep.stdout)
@@ -417,3 +418,99 @@ def test_8_preflight_and_train_agree_about_bf16_on_a_cpu(tmp_path: Path) -> None
     fine = run_preflight(config="tiny", sets=["runtime.device=cpu"], environ={}, out_dir=tmp_path)
     (check,) = [c for c in fine.checks if c.name == "bf16"]
     assert check.status.value == "PASS" and "fp32" in check.reason and "supported" not in check.reason
+
+
+# 9. what the older runbooks' operators also watched ---------------------------------------------------------
+
+
+def test_9_fetch_percentiles_and_memory_in_training_csv_and_tensorboard(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nsa.train.telemetry import TRAIN_CSV_HEADER
+    from nsa.train.trainer import Trainer
+    from tests.conftest import csv_rows, quiet, resolve
+
+    run = tmp_path / "run"
+    Trainer(resolve(run, 3, eval__every=0), reporter=quiet()).fit()
+    rows = csv_rows(run / "training.csv")
+    assert {"fetch_p50_ms", "fetch_p95_ms", "mem_peak_mib", "rss_mib", "gpu_util_pct", "gpu_mem_used_mib"} <= set(
+        TRAIN_CSV_HEADER)
+    assert all(float(r["fetch_p95_ms"]) >= float(r["fetch_p50_ms"]) >= 0 and float(r["rss_mib"]) > 0 for r in rows)
+    assert rows[-1]["gpu_util_pct"] == "" and rows[-1]["mem_peak_mib"] == ""  # CPU run: no GPU figures
+    progress = [e for e in events(run) if e["event"] == "progress"]
+    assert {"gpu_util_pct", "gpu_mem_used_mib"} <= set(progress[-1])
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    assert {"perf/fetch_p50_ms", "perf/fetch_p95_ms", "mem/rss_mib"} <= set(acc.Tags()["scalars"])
+
+
+def test_9_gpu_utilisation_and_memory_over_time(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from nsa.envinfo import GpuProbe
+    from tests.conftest import write_run
+
+    probe = GpuProbe(None)
+    assert probe.usage() == {"gpu_util_pct": None, "gpu_mem_used_mib": None}
+    probe._nvml = SimpleNamespace(nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=87, memory=40),
+                                  nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=3 * 2**30, total=80 * 2**30))
+    probe._handle = object()
+    assert probe.usage() == {"gpu_util_pct": 87.0, "gpu_mem_used_mib": 3072.0}
+    run = write_run(tmp_path / "run", steps=30, seed=9)
+    hb = run / "heartbeat_rank0.jsonl"
+    evs = [json.loads(x) for x in hb.read_text().splitlines()]
+    for i, e in enumerate(evs):
+        if e["event"] == "progress":
+            e.update(gpu_util_pct=60.0 + i, gpu_mem_used_mib=2048.0 + i)
+    hb.write_text("".join(json.dumps(e) + "\n" for e in evs))
+    (run / "train.log").write_text("step 1\n")
+    res = runner.invoke(app, ["report", str(run), str(write_run(tmp_path / "other", steps=30, seed=10)), "--out",
+                              str(tmp_path / "rep"), "--json"], env={})
+    data = json.loads(res.stdout)
+    text = Path(data["path"]).read_text()
+    assert any(c["name"] == "gpu" and c["run"] == "run" for c in data["charts"])
+    assert "| GPU utilisation median / min (NVML) |" in text and "| Log | [train.log](" in text
+    header = next(x for x in text.splitlines() if x.startswith("| run | S |"))
+    assert "| final loss | val loss | verdict |" in header
+
+
+def test_9_long_benchmarks_show_progress_with_an_eta(tmp_path: Path) -> None:
+    from nsa.bench.progress import Eta
+
+    now = [100.0]
+    eta = Eta(400, clock=lambda: now[0])
+    assert eta.line(0).endswith("ETA ?")
+    now[0] += 30.0
+    assert eta.line(100) == "25% done, 0:00:30 elapsed, ETA 0:01:30"
+    res = runner.invoke(app, ["bench", "retrieval", "--config", "tiny", "--seq-len", "64", "--gap", "20", "--steps",
+                              "4", "--eval-every", "2", "--eval-samples", "4", "--variants", "nsa,dense"],
+                        env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    points = [x for x in res.output.splitlines() if " step " in x and "ETA" in x]
+    assert points[0].split("|")[-1].strip().startswith("25% done") and "100% done" in points[-1]
+
+
+def test_9_bench_attention_warns_when_its_timings_are_noisy(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import torch
+
+    import nsa.bench.attention as attention
+    from nsa.bench.timing import Timer, noise_note
+
+    calls = iter([0.001, 0.02] * 50)
+    timer = Timer(torch.device("cpu"), cpu_reps=4)
+    timer(lambda: time.sleep(next(calls)))
+    assert timer.spread > 1.0 and "too noisy to read" in (noise_note("x", timer.spread) or "")
+    assert noise_note("x", 0.05) is None
+
+    class Noisy(Timer):
+        def __call__(self, fn: Any) -> float:
+            super().__call__(fn)
+            self.spread = 0.5
+            return 1.0
+
+    monkeypatch.setattr(attention, "make_timer", lambda *a, **k: Noisy(torch.device("cpu"), cpu_reps=1))
+    res = runner.invoke(app, ["bench", "attention", "--tiny", "--seq-lens", "64", "--no-peer"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0
+    assert "warning (tiny, S=64): NSA forward timings spread 50% around their median (> 20%): too noisy" in res.stderr

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -309,6 +310,9 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L += _checks_section(run)
     L += ["### Run", "", "| | |", "|---|---|"]
     L.append(f"| Run directory | {_link(st.run_dir, out_dir, str(st.run_dir))} |")
+    log = RunDir(st.run_dir).train_log
+    if log.exists():
+        L.append(f"| Log | {_link(log, out_dir, log.name)} (every line the trainer printed) |")
     sessions = f", {len(run.sessions)} sessions" if len(run.sessions) > 1 else ""
     L.append(f"| Status | {s.status} ({s.steps_done}/{s.steps_total or '?'} steps, world size {s.world_size}{sessions}) |")
     dirty = git.get("dirty")
@@ -365,6 +369,12 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append(f"| peak GPU memory (allocator peak) | {_mib(s.mem_peak_mib)} |")
     L.append(f"| reserved GPU memory (last) | {_mib(s.mem_reserved_mib)} |")
     L.append(f"| host RSS (peak) | {_mib(s.rss_mib)} |")
+    util = [float(p["gpu_util_pct"]) for p in st.progress if isinstance(p.get("gpu_util_pct"), int | float)]
+    used = [float(p["gpu_mem_used_mib"]) for p in st.progress if isinstance(p.get("gpu_mem_used_mib"), int | float)]
+    if util or used:
+        L.append(f"| GPU utilisation median / min (NVML) | {fmt_value(statistics.median(util) if util else None, '.0f', '%')}"
+                 f" / {fmt_value(min(util) if util else None, '.0f', '%')} |")
+        L.append(f"| GPU memory used, peak (NVML, every process) | {_mib(max(used) if used else None)} |")
     L.append(f"| MFU | {fmt_value(s.mfu, '.1%') if s.mfu is not None else 'n/a'} |")
     L.append("")
     ranges = step_ranges(st.series())
@@ -377,6 +387,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L += _img(run, "tokens_per_s", "tokens/s, rolling median", out_dir)
     L += _img(run, "lr_grad", "learning rate and gradient norm", out_dir)
     L += _img(run, "memory", "memory: GPU allocated/reserved/peak and host RSS", out_dir)
+    L += _img(run, "gpu", "GPU utilisation and memory used over the steps (NVML)", out_dir)
     L += _img(run, "fetch", "data fetch latency p50/p95", out_dir)
     L += ["### Gate health and counters", "", "| metric | value |", "|---|---|"]
     shares = s.gate_branch_shares
@@ -416,7 +427,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append("")
     L += ["### Artifacts", ""]
     rd = RunDir(st.run_dir)
-    for p in (rd.config, rd.env, rd.train_csv, rd.val_csv, rd.metrics, rd.heartbeat(0), rd.tensorboard, rd.export,
+    for p in (rd.config, rd.env, rd.train_log, rd.train_csv, rd.val_csv, rd.metrics, rd.heartbeat(0), rd.tensorboard, rd.export,
               rd.eval, rd.halts, rd.alarms, rd.anomalies):
         name = p.name
         if p.exists():
@@ -596,14 +607,14 @@ def _comparison(states: list[RunState], summaries: list[RunSummary], verdicts: l
     L = ["## Comparison", "",
          "`kernel path`: the attention path that ran (the configured backend, `auto` resolved; calls that fell back "
          "to the torch path counted). Tokens/s are of all ranks together.", "",
-         "| run | S | batch x accum | world size | kernel path | device | status | step time (s) | tokens/s | peak memory | final loss | verdict |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| run | S | batch x accum | world size | kernel path | device | status | step time (s) | tokens/s | peak memory | final loss | val loss | verdict |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for st, s, v in zip(states, summaries, verdicts, strict=True):
         L.append(
             f"| {s.run_name} | {_cfg(st, 'train', 'seq_len')} | {_cfg(st, 'train', 'batch_size')} x {_cfg(st, 'train', 'accum')} "
             f"| {s.world_size} | {kernel_path(st, s)} | {s.device or 'n/a'} | {s.status} | {fmt_value(s.step_time_s_median, '.4f')} "
             f"| {fmt_value(s.tokens_per_s_median, ',.0f')} | {_mib(s.mem_peak_mib) if s.mem_peak_mib is not None else _mib(s.rss_mib) + ' RSS' if s.rss_mib else 'n/a'} "
-            f"| {fmt_value(s.last_loss, '.4f')} | {v[0]} |"
+            f"| {fmt_value(s.last_loss, '.4f')} | {fmt_value(s.val_loss, '.4f')} | {v[0]} |"
         )
     L.append("")
     return L

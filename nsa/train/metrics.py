@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nsa.config.settings import read_settings
-from nsa.envinfo import MemoryErrorProbe
+from nsa.envinfo import GpuProbe
 from nsa.ops import fallback_counts as counts
 from nsa.rundir import RunDir
 from nsa.train import checkpoint as ckpt
@@ -89,7 +89,7 @@ class Recorder:
         self.flops_per_token = float(s.model.flops_per_token(s.cfg.train.seq_len))
         self.num_params = int(s.model.num_params())
         self.warnings: list[str] = []
-        self.gpu_errors = _gpu_error_probe(s)
+        self.gpu = _gpu_probe(s)
 
     def mfu(self, tps: float | None) -> float | None:
         s = self.s
@@ -159,6 +159,7 @@ class Recorder:
         stats = s.model.consume_stats() or {}
         loader_stats = s.loader.stats()
         mem = memory(s.plan.rt.device_type, s.plan.rt.device)
+        gpu = self.gpu.usage() if self.gpu is not None else {"gpu_util_pct": None, "gpu_mem_used_mib": None}
         mfu = self.mfu(tps)
         self.new_data_warnings()
         row = {
@@ -167,7 +168,7 @@ class Recorder:
             "elapsed_s": self.clock.elapsed(), "eta_s": eta,
             "answer_loss": answers[0] if answers else None, "answer_acc": answers[1] if answers else None,
             "fetch_p50_ms": loader_stats.get("fetch_p50_ms"), "fetch_p95_ms": loader_stats.get("fetch_p95_ms"),
-            "scorer_kl": _float(stats.get("scorer_kl")),
+            "scorer_kl": _float(stats.get("scorer_kl")), **mem, **gpu,
         }
         shares = stats.get("gate_branch_shares")
         s.hb.emit(
@@ -180,8 +181,8 @@ class Recorder:
             sel_keys_mean=_float(stats.get("sel_keys_mean")), fallback=fallback_counts(), mfu=mfu,
             data_skipped=_skipped(loader_stats), data_warnings=list(self.warnings),
             answer_loss=row["answer_loss"], answer_acc=row["answer_acc"],
-            gpu_mem_errors=self.gpu_errors.read() if self.gpu_errors is not None else None,
-            scorer_kl=row["scorer_kl"],
+            gpu_mem_errors=self.gpu.read() if self.gpu is not None else None,
+            scorer_kl=row["scorer_kl"], **gpu,
         )
         if heartbeat_only:
             s.out.step(step)
@@ -194,7 +195,10 @@ class Recorder:
         scalars = {
             "train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "perf/tokens_per_s": tps,
             "perf/step_time_s": step_time, "perf/fetch_ms": row["fetch_ms"], "perf/mfu": mfu,
+            "perf/fetch_p50_ms": row["fetch_p50_ms"], "perf/fetch_p95_ms": row["fetch_p95_ms"],
             "mem/allocated_mib": mem["mem_allocated_mib"], "mem/reserved_mib": mem["mem_reserved_mib"],
+            "mem/peak_mib": mem["mem_peak_mib"], "mem/rss_mib": mem["rss_mib"],
+            "gpu/util_pct": gpu["gpu_util_pct"], "gpu/mem_used_mib": gpu["gpu_mem_used_mib"],
             "gate/entropy_mean": _float(stats.get("gate_entropy_mean")),
             "gate/collapse_fraction": _float(stats.get("gate_collapse_fraction")),
             "sel/keys_mean": _float(stats.get("sel_keys_mean")), "sel/scorer_kl": row["scorer_kl"],
@@ -311,15 +315,16 @@ def selection_text(fig: dict[str, Any]) -> str:
     return f" | recall {fig['sel_recall_mean']:.2f} (min L{fig['sel_recall_min_layer']} {fig['sel_recall_min']:.2f})"
 
 
-def _gpu_error_probe(s: Session) -> Any:
-    """NVML's memory-error counters of this rank's GPU (CUDA runs), closed with the session; None on CPU."""
+def _gpu_probe(s: Session) -> Any:
+    """NVML's view of this rank's GPU (memory errors, utilisation, memory used; CUDA runs), closed with the
+    session; None on CPU."""
     if s.plan.rt.device_type != "cuda":
         return None
     try:
         uuid = str(torch.cuda.get_device_properties(s.plan.rt.device).uuid)
     except Exception:
         uuid = None
-    probe = MemoryErrorProbe(uuid)
+    probe = GpuProbe(uuid)
     s.closers.callback(probe.close)
     return probe
 

@@ -36,7 +36,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
         "fetch_p95_ms", "tokens_seen", "elapsed_s", "eta_s", "mem_allocated_mib", "mem_reserved_mib",
         "mem_peak_mib", "rss_mib", "gate_entropy_mean", "gate_branch_shares", "gate_collapse_fraction",
         "sel_keys_mean", "fallback", "mfu", "data_skipped", "data_warnings", "answer_loss", "answer_acc",
-        "gpu_mem_errors", "scorer_kl",
+        "gpu_mem_errors", "scorer_kl", "gpu_util_pct", "gpu_mem_used_mib",
     ),
     "eval": ("val_loss", "val_ppl", "seconds", "selection", "sel_recall_mean", "sel_recall_min", "cmp_entropy_mean"),
     "checkpoint": ("path", "seconds", "reason"),
@@ -47,7 +47,8 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
 
 TRAIN_CSV_HEADER = (
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "fetch_ms", "tokens_seen", "elapsed_s",
-    "answer_loss", "answer_acc", "scorer_kl",
+    "answer_loss", "answer_acc", "scorer_kl", "fetch_p50_ms", "fetch_p95_ms", "mem_allocated_mib",
+    "mem_reserved_mib", "mem_peak_mib", "rss_mib", "gpu_util_pct", "gpu_mem_used_mib",
 )
 VAL_CSV_HEADER = ("step", "val_loss", "val_ppl", "sel_recall_mean", "sel_recall_min", "cmp_entropy_mean")
 

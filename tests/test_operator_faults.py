@@ -426,7 +426,7 @@ def test_8_preflight_and_train_agree_about_bf16_on_a_cpu(tmp_path: Path) -> None
 def test_9_fetch_percentiles_and_memory_in_training_csv_and_tensorboard(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from nsa.train.telemetry import TRAIN_CSV_HEADER
+    from nsa.rundir.records import TRAIN_CSV_HEADER
     from nsa.train.trainer import Trainer
     from tests.conftest import csv_rows, quiet, resolve
 

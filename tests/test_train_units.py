@@ -15,7 +15,7 @@ import torch
 
 from nsa.errors import CheckpointError
 from nsa.train import checkpoint as ckpt
-from nsa.train.rundir import archive_stale_halt, read_halt
+from nsa.train.rundir import archive_stale_halt, halt_request
 from nsa.train.schedule import build_scheduler, lr_multiplier, schedule_lrs
 from nsa.train.signals import SignalFlags
 from nsa.train.telemetry import CsvLog, Heartbeat, peak_flops, recorded_environment, redact_env
@@ -87,13 +87,13 @@ def test_checkpoint_save_replaces_incomplete_folder_of_same_step(tmp_path: Path)
 
 
 def test_halt_file_reading_and_archive(tmp_path: Path) -> None:
-    assert read_halt(tmp_path) is None
+    assert halt_request(tmp_path) is None
     (tmp_path / ".HALT").write_text(json.dumps({"reason": "loss spike", "who": "watch"}))
-    assert read_halt(tmp_path) == "loss spike"
+    assert halt_request(tmp_path)[0] == "loss spike"
     (tmp_path / ".HALT").write_text("  maintenance window \n")
-    assert read_halt(tmp_path) == "maintenance window"
+    assert halt_request(tmp_path)[0] == "maintenance window"
     (tmp_path / ".HALT").write_text("")
-    assert read_halt(tmp_path, settle_s=0.05) == "halt file"
+    assert halt_request(tmp_path, settle_s=0.05)[0] == "halt file"
 
 
 def test_halt_file_caught_mid_write_is_reread(tmp_path: Path) -> None:
@@ -104,7 +104,7 @@ def test_halt_file_caught_mid_write_is_reread(tmp_path: Path) -> None:
         (tmp_path / ".HALT").write_text(partial)
         writer = threading.Timer(0.05, lambda: (tmp_path / ".HALT").write_text('{"reason": "disk full"}'))
         writer.start()
-        assert read_halt(tmp_path, settle_s=5.0) == "disk full"
+        assert halt_request(tmp_path, settle_s=5.0)[0] == "disk full"
         writer.join()
 
 

@@ -33,6 +33,7 @@ from nsa.errors import ConfigError
 from nsa.eval.tasks import eval_selection
 from nsa.model.load import load_model
 from nsa.rundir import RunDir
+from nsa.rundir.records import Metrics
 from nsa.train.events import PlainReporter
 from nsa.train.trainer import Trainer
 
@@ -113,7 +114,7 @@ def _resolve(config: str, sets: list[str]) -> ResolvedConfig:
     return load_run_config(config=config, sets=sets)
 
 
-def _quiet_train(resolved: ResolvedConfig, log: Callable[[str], None] | None) -> dict[str, Any]:
+def _quiet_train(resolved: ResolvedConfig, log: Callable[[str], None] | None) -> Metrics:
     """Train ``resolved`` (its lines to ``log``, or nowhere) and return ``metrics.json``'s content."""
     buf = io.StringIO()
     result = Trainer(resolved, reporter=PlainReporter(buf)).fit()

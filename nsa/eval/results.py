@@ -12,6 +12,7 @@ from nsa.fileio import json_safe, write_atomic, write_failure
 from nsa.rundir import RunDir
 from nsa.rundir.checkpoints import weights_identity
 from nsa.rundir.layout import CHECKPOINTS_DIR, EXPORT_DIR, is_run_dir
+from nsa.rundir.records import EVAL_SCHEMA
 
 
 def run_dir_of(path: str | Path) -> Path:
@@ -36,7 +37,7 @@ def build_payload(task: str, rows: list[dict[str, Any]], *, run: str | Path | No
     if env is None:
         env = environment()
     step, digest = weights_identity(Path(checkpoint)) if checkpoint is not None else (None, None)
-    payload = {"task": task, "run": None if run is None else str(run),
+    payload = {"schema": EVAL_SCHEMA, "task": task, "run": None if run is None else str(run),
                "checkpoint": None if checkpoint is None else str(checkpoint), "step": step,
                "weights": {"path": None if checkpoint is None else str(checkpoint), "sha256": digest},
                "results": rows, "settings": settings, "env": env}

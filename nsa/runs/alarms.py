@@ -26,20 +26,21 @@ from typing import Any
 from nsa.errors import ConfigError
 from nsa.fileio import json_safe
 from nsa.rundir.layout import ALARMS_FILE
+from nsa.rundir.records import ALARMS_SCHEMA, Alarm
 from nsa.runs.sessions import Session, read_sessions
 
 OPEN, RESOLVED, SUPERSEDED, ACKNOWLEDGED = "open", "resolved", "superseded", "acknowledged"
 
 
-def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
+def read_records(run_dir: str | Path) -> list[Alarm]:
     """Every readable record of ``RUN/alarms.jsonl`` in file order (unreadable lines skipped)."""
-    out: list[dict[str, Any]] = []
+    out: list[Alarm] = []
     with contextlib.suppress(OSError), open(Path(run_dir) / ALARMS_FILE, "rb") as f:
         for line in f:
             with contextlib.suppress(ValueError):
-                rec = json.loads(line)
+                rec: Any = json.loads(line)
                 if isinstance(rec, dict) and isinstance(rec.get("rule"), str):
-                    out.append(rec)
+                    out.append(rec)  # type: ignore[arg-type]  # an Alarm line (unknown fields ignored)
     return out
 
 
@@ -76,7 +77,7 @@ def kept_alarms(run_dir: str | Path, sessions: list[Session] | None = None) -> l
     of earlier sessions (:func:`judge`)."""
     alarms: list[KeptAlarm] = []
     open_: dict[tuple[Any, str], KeptAlarm] = {}
-    acks: list[dict[str, Any]] = []
+    acks: list[Alarm] = []
     for rec in read_records(run_dir):
         key = (rec.get("session"), rec["rule"])
         if rec.get("event") == "ack":
@@ -96,7 +97,7 @@ def kept_alarms(run_dir: str | Path, sessions: list[Session] | None = None) -> l
     return judge(alarms, acks, sessions)
 
 
-def judge(alarms: list[KeptAlarm], acks: list[dict[str, Any]], sessions: list[Session] | None) -> list[KeptAlarm]:
+def judge(alarms: list[KeptAlarm], acks: list[Alarm], sessions: list[Session] | None) -> list[KeptAlarm]:
     """Mark each alarm acknowledged (an ``ack`` record for its session and rule), resolved (a later session
     ended cleanly) or superseded (a later session is still running); the rest stay open."""
     for a in alarms:
@@ -133,7 +134,7 @@ def acknowledge(run_dir: str | Path, reason: str, by: str, rules: list[str] | No
         pending = [a for a in pending if a.rule in named]
     writer = AlarmFile(run_dir, by)
     for a in pending:
-        writer.append({"schema": 1, "event": "ack", "time": time.time(), "rule": a.rule,
+        writer.append({"schema": ALARMS_SCHEMA, "event": "ack", "time": time.time(), "rule": a.rule,
                        "session": a.session, "step": a.step, "reason": reason.strip(), "by": by})
         a.state, a.note = ACKNOWLEDGED, f"by {by}: {reason.strip()}"
     return pending
@@ -144,10 +145,10 @@ def ack_run(run_dir: str | Path, reason: str, rules: list[str] | None = None, by
     sessions; ``by`` defaults to ``user@host (nsa ack, pid N)``."""
     from nsa.runs.halt import who_am_i
     from nsa.runs.reader import RunReader, check_run_dir
-    from nsa.runs.rules import ALIASES
+    from nsa.runs.rules import canonical
 
     path = check_run_dir(run_dir)
-    rules = [ALIASES.get(r.strip().lower(), r.strip().lower()) for r in rules] if rules else None
+    rules = [canonical(r) for r in rules] if rules else None
     st = RunReader(path).poll(final=True)
     sessions = read_sessions(path, st.status(time.time()))
     return acknowledge(path, reason, by or who_am_i("nsa ack"), rules, sessions)
@@ -166,10 +167,10 @@ class AlarmFile:
 
     def write(self, event: str, rule: str, message: str, evidence: dict[str, Any], when: float, session: Any) -> None:
         """Append one alarm or cleared record; ``OSError`` when the run directory cannot be written."""
-        self.append({"schema": 1, "event": event, "time": when, "rule": rule, "message": message,
+        self.append({"schema": ALARMS_SCHEMA, "event": event, "time": when, "rule": rule, "message": message,
                      "evidence": evidence, "step": evidence.get("step"), "session": session, "by": self.by})
 
-    def append(self, rec: dict[str, Any]) -> None:
+    def append(self, rec: Alarm) -> None:
         """Append one record as one line (one ``write``: whole or not at all)."""
         data = (json.dumps(json_safe(rec), default=str) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,8 @@ class RunSeries:
     """What the charts of one run draw (taken from its run directory by the report)."""
 
     name: str
-    points: list[dict[str, Any]]  # per-step rows: training.csv, else rank-0 progress events
-    progress: list[dict[str, Any]]  # rank-0 heartbeat progress events (memory, gates, fetch)
+    points: Sequence[Mapping[str, Any]]  # per-step rows: training.csv, else rank-0 progress events
+    progress: Sequence[Mapping[str, Any]]  # rank-0 heartbeat progress events (memory, gates, fetch)
     val: list[tuple[float, float]] = field(default_factory=list)  # (step, validation loss)
     checkpoints: list[float] = field(default_factory=list)  # steps
     halts: list[float] = field(default_factory=list)
@@ -70,7 +70,7 @@ def _num(v: Any) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
-def xy(rows: Sequence[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
+def xy(rows: Sequence[Mapping[str, Any]], key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
     """Steps and finite values of ``key`` (times ``scale``), in row order."""
     xs: list[float] = []
     ys: list[float] = []

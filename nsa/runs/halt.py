@@ -15,6 +15,7 @@ from typing import Any
 
 from nsa.errors import NSAError
 from nsa.rundir.layout import HALT_FILE, WATCHDOG_PREFIX
+from nsa.rundir.records import HaltEvent, HaltFile
 from nsa.runs.reader import DEFAULT_STALE_S, RunReader, check_run_dir
 
 
@@ -33,12 +34,12 @@ def write_halt(
     who: str | None = None,
     rule: str | None = None,
     evidence: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> HaltFile:
     """Write ``RUN_DIR/.HALT`` (JSON) atomically: a temporary file renamed over the target.
 
     Raises ``NSAError`` naming the directory when it cannot be written (read-only, no permission)."""
     run = Path(run_dir)
-    record: dict[str, Any] = {"reason": reason, "time": time.time(), "who": who or who_am_i()}
+    record: HaltFile = {"reason": reason, "time": time.time(), "who": who or who_am_i()}
     if rule is not None:
         record["rule"] = rule
     if evidence is not None:
@@ -66,7 +67,7 @@ class HaltOutcome:
     outcome: str
     message: str
     run_dir: str
-    halt: dict[str, Any] | None = None
+    halt: HaltFile | None = None
     checkpoint: str | None = None
     end_status: str | None = None
     step: int | None = None
@@ -86,7 +87,7 @@ def wait_for_ack(
     """Follow the heartbeat until a ``halt`` (and then ``end``) event after ``since``, or a timeout."""
     t0 = time.monotonic()
     run = str(reader.run_dir)
-    halt_ev: dict[str, Any] | None = None
+    halt_ev: HaltEvent | None = None
     while True:
         st = reader.poll()
         if halt_ev is None:

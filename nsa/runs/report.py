@@ -25,7 +25,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,12 +35,13 @@ from nsa.fileio import free_space, write_atomic
 from nsa.rundir import RunDir
 from nsa.rundir.env import REDACTED, is_secret
 from nsa.rundir.layout import CHECKPOINTS_DIR
+from nsa.rundir.records import EVAL_SCHEMA, newer_schema, schema_note
 from nsa.runs.alarms import KeptAlarm, kept_alarms
 from nsa.runs.charts import Chart, RunSeries, combined_charts, run_charts
 from nsa.runs.reader import DEFAULT_STALE_S, RunState, is_run_dir, read_run
 from nsa.runs.rules import monitor_config
 from nsa.runs.sessions import Session, read_sessions
-from nsa.runs.summary import RunSummary, anomaly_text, halt_checkpoint_text, step_ranges, summarize
+from nsa.runs.summary import RunSummary, anomaly_text, halt_checkpoint_text, step_ranges, summarize, values
 from nsa.runs.verdict import (
     WARN_MARGIN,
     Check,
@@ -213,7 +214,7 @@ def session_boots(st: RunState) -> list[dict[str, Any]]:
     return out
 
 
-def _steps(events: Sequence[dict[str, Any]]) -> list[float]:
+def _steps(events: Sequence[Mapping[str, Any]]) -> list[float]:
     return [float(e["step"]) for e in events if isinstance(e.get("step"), int | float) and not isinstance(e.get("step"), bool)]
 
 
@@ -275,7 +276,7 @@ def _sessions_section(sessions: Sequence[Session]) -> list[str]:
     return L
 
 
-def _env_section(env: dict[str, Any]) -> list[str]:
+def _env_section(env: Mapping[str, Any]) -> list[str]:
     """``NSA_*`` settings and the other recorded variables (CUDA_*, NCCL_*, PYTORCH_*, ...), secrets redacted."""
     L = ["### Environment variables", ""]
     nsa: dict[str, Any] = env["nsa_settings"] if isinstance(env.get("nsa_settings"), dict) else {}
@@ -369,8 +370,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append(f"| peak GPU memory (allocator peak) | {_mib(s.mem_peak_mib)} |")
     L.append(f"| reserved GPU memory (last) | {_mib(s.mem_reserved_mib)} |")
     L.append(f"| host RSS (peak) | {_mib(s.rss_mib)} |")
-    util = [float(p["gpu_util_pct"]) for p in st.progress if isinstance(p.get("gpu_util_pct"), int | float)]
-    used = [float(p["gpu_mem_used_mib"]) for p in st.progress if isinstance(p.get("gpu_mem_used_mib"), int | float)]
+    util, used = values(st.progress, "gpu_util_pct"), values(st.progress, "gpu_mem_used_mib")
     if util or used:
         L.append(f"| GPU utilisation median / min (NVML) | {fmt_value(statistics.median(util) if util else None, '.0f', '%')}"
                  f" / {fmt_value(min(util) if util else None, '.0f', '%')} |")
@@ -669,7 +669,9 @@ def _prepare(run_dir: Path, now: float, override: tuple[dict[str, Any], str] | N
     halts = classify_halts(s)
     sessions = read_sessions(st.run_dir, s.status)
     alarms = kept_alarms(st.run_dir, sessions)
-    checks = run_checks(s, limits, evals, halts, st.progress, alarms, sessions, st.config_error)
+    notes = [*st.schema_notes, *(schema_note(f"eval/{task}.json", v, EVAL_SCHEMA) for task, data in evals
+                                 if (v := newer_schema(data, EVAL_SCHEMA)) is not None)]
+    checks = run_checks(s, limits, evals, halts, st.progress, alarms, sessions, st.config_error, notes)
     return _Run(st, s, limits, evals, halts, session_boots(st), checks, verdict(s, checks), alarms, sessions)
 
 

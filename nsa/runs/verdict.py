@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,10 @@ from nsa.config.monitor import MonitorConfig
 from nsa.config.profiles import load_profile
 from nsa.errors import ConfigError
 from nsa.rundir import RunDir
-from nsa.rundir.layout import HALTS_DIR, WATCHDOG_PREFIX, parse_halt
+from nsa.rundir.layout import HALTS_DIR, WATCHDOG_PREFIX, watchdog_rule
+from nsa.rundir.records import HaltFile
 from nsa.runs.alarms import KeptAlarm
-from nsa.runs.reader import read_halt_file
+from nsa.runs.reader import halt_record
 from nsa.runs.sessions import Session, earlier_trouble
 from nsa.runs.summary import RunSummary, finite
 
@@ -30,20 +30,6 @@ LIMIT_KEYS = ("min_tokens_per_s", "max_fetch_p95_ms", "gate_entropy_min", "gate_
 WINDOW_MIN_POINTS = 3  # a throughput window holds at least this many progress points (and a tenth of the run)
 FETCH_SETTLED_STEP = 20  # fetch p95 windows from this step on hold >= 20 fetches: one slow first fetch is no p95
 WARN_MARGIN = 0.1  # a figure within 10% of its limit (still on the right side) is a WARN
-# watchdog reasons written by `nsa watch --halt-on` ("watchdog: <rule message>") -> rule, when .HALT is gone
-RULE_PATTERNS = (
-    ("data-fallback", re.compile(r"synthetic data", re.I)),
-    ("fallback-rise", re.compile(r"fallback counters", re.I)),
-    ("gpu-errors", re.compile(r"GPU memory errors", re.I)),
-    ("stale", re.compile(r"heartbeat .*\bold\b|\bstale\b", re.I)),
-    ("nonfinite", re.compile(r"non-?finite|\banomaly\b|\bnan\b", re.I)),
-    ("gate-collapse", re.compile(r"collapse", re.I)),
-    ("gate-entropy", re.compile(r"gate entropy", re.I)),
-    ("throughput-drop", re.compile(r"tokens/s|throughput", re.I)),
-    ("fetch-stall", re.compile(r"\bfetch\b", re.I)),
-)
-
-
 def fmt_value(v: Any, spec: str = ".4g", unit: str = "") -> str:
     """A figure as the report shows it (``n/a`` for a missing one)."""
     if v is None:
@@ -175,34 +161,17 @@ def profile_limits(name_or_path: str | Path) -> tuple[dict[str, Any], str]:
 # ------------------------------------------------------------------------------------------- halts
 
 
-def guess_rule(reason: str) -> str | None:
-    """The watch rule behind a ``watchdog: ...`` reason (when its ``.HALT`` with ``rule`` is gone)."""
-    text = reason.removeprefix(WATCHDOG_PREFIX)
-    return next((rule for rule, pat in RULE_PATTERNS if pat.search(text)), None)
-
-
-def _read_halt_record(path: Path) -> dict[str, Any] | None:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
-    data, _ = parse_halt(text)
-    if not data.get("reason") and set(data) == {"reason"}:
-        data["reason"] = "(empty .HALT)"
-    return data
-
-
 def classify_halts(s: RunSummary) -> list[HaltRecord]:
-    """Every halt of the run: its ``halt`` events, matched by reason to the ``.HALT`` records (those archived
-    in ``halts/`` at a restart, then the current file) for the watchdog's ``rule``, then the records that no
-    event acted on."""
-    records: list[tuple[str, dict[str, Any]]] = []  # oldest first, as the halt events
+    """Every halt of the run: its ``halt`` events (which name a watchdog's ``rule``; older ones are matched by
+    reason to the ``.HALT`` records archived in ``halts/`` and the current file, or read from the reason's
+    ``watchdog: <rule>:``), then the records that no event acted on."""
+    records: list[tuple[str, HaltFile]] = []  # oldest first, as the halt events
     with contextlib.suppress(OSError):
         for p in sorted((Path(s.run_dir) / HALTS_DIR).glob("HALT-*")):
-            archived = _read_halt_record(p)
+            archived = halt_record(p)
             if archived is not None:
                 records.append((f"halts/{p.name}", archived))
-    current = read_halt_file(s.run_dir)  # the file itself: the rule is wanted also once the trainer acted on it
+    current = halt_record(s.run_dir)  # the file itself: the rule is wanted also once the trainer acted on it
     if current is not None:
         records.append((".HALT", current))
     used: set[int] = set()
@@ -213,18 +182,16 @@ def classify_halts(s: RunSummary) -> list[HaltRecord]:
 
     for h in s.halts:
         reason, source = str(h.get("reason") or ""), str(h.get("source") or "")
-        rec: dict[str, Any] = {}
+        rec: HaltFile = {}
         if source == "file":
             for i, (_, r) in enumerate(records):
                 if i not in used and str(r.get("reason") or "").strip()[:500] == reason.strip()[:500]:
                     used.add(i)
                     rec = r
                     break
-        rule = rec.get("rule") if isinstance(rec.get("rule"), str) else None
+        rule = next((r for r in (h.get("rule"), rec.get("rule"), watchdog_rule(reason)) if isinstance(r, str)), None)
         by = ("anomaly" if source == "anomaly" else "signal" if source in ("SIGTERM", "SIGINT")
               else by_of(reason, rule))
-        if by == "watchdog" and rule is None:
-            rule = guess_rule(reason)
         step = h.get("step") if isinstance(h.get("step"), int) else None
         ck = h.get("checkpoint")
         out.append(HaltRecord(reason, by, source, rule, step, str(ck) if ck else None))
@@ -232,10 +199,8 @@ def classify_halts(s: RunSummary) -> list[HaltRecord]:
         if i in used:
             continue
         reason = str(r.get("reason") or "")
-        rule = r.get("rule") if isinstance(r.get("rule"), str) else None
+        rule = next((x for x in (r.get("rule"), watchdog_rule(reason)) if isinstance(x, str)), None)
         by = by_of(reason, rule)
-        if by == "watchdog" and rule is None:
-            rule = guess_rule(reason)
         ev: dict[str, Any] = r["evidence"] if isinstance(r.get("evidence"), dict) else {}
         step = ev.get("step") if isinstance(ev.get("step"), int) else None
         out.append(HaltRecord(reason, by, "file", rule, step, None, acted=False, where=where))
@@ -290,7 +255,7 @@ def eval_accuracy(evals: Sequence[tuple[str, dict[str, Any] | None]]) -> tuple[f
     return low, where, bad
 
 
-def fetch_p95_worst(progress: Sequence[dict[str, Any]]) -> tuple[float, int] | None:
+def fetch_p95_worst(progress: Sequence[Mapping[str, Any]]) -> tuple[float, int] | None:
     """``(worst fetch p95, its step)`` over the heartbeat's progress points from step
     :data:`FETCH_SETTLED_STEP` on (earlier windows hold too few fetches for a p95 that one slow start-up
     fetch does not set); the last point when none is that late."""
@@ -317,7 +282,7 @@ class Window:
         return f"steps {self.from_step}-{self.to_step}"
 
 
-def throughput_windows(points: Sequence[dict[str, Any]]) -> tuple[float, Window, Window] | None:
+def throughput_windows(points: Sequence[Mapping[str, Any]]) -> tuple[float, Window, Window] | None:
     """``(median, slowest window, last window)`` of tokens/s over the points after the warm-up fifth; windows
     of a tenth of them (at least :data:`WINDOW_MIN_POINTS`), counted back from the last point so the last
     window is the run's tail. None with fewer than two windows of points."""
@@ -338,7 +303,7 @@ def throughput_windows(points: Sequence[dict[str, Any]]) -> tuple[float, Window,
     return median, min(wins, key=lambda w: w.tokens_per_s), wins[0]
 
 
-def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[dict[str, Any]]) -> list[Check]:
+def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[Mapping[str, Any]]) -> list[Check]:
     """The floor (median and slowest window) and the tail against the run's own median."""
     wins = throughput_windows(progress)
     tps = s.tokens_per_s_median
@@ -378,9 +343,9 @@ def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[dict[st
 
 
 def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tuple[str, dict[str, Any] | None]] = (),
-               halts: list[HaltRecord] | None = None, progress: Sequence[dict[str, Any]] = (),
+               halts: list[HaltRecord] | None = None, progress: Sequence[Mapping[str, Any]] = (),
                alarms: Sequence[KeptAlarm] = (), sessions: Sequence[Session] = (),
-               config_error: str | None = None) -> list[Check]:
+               config_error: str | None = None, schema_notes: Sequence[str] = ()) -> list[Check]:
     """Every check of the verdict, in report order (see :class:`Check`); ``progress``: the rank-0 heartbeat
     points, for the throughput windows and the worst fetch p95 (else the summary's figures); ``alarms``: those
     ``nsa watch`` kept with the run (``RUN/alarms.jsonl``, judged: only open ones fail); ``sessions``: the run's
@@ -392,6 +357,9 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
     if config_error is not None:
         out.append(Check("run config", config_error, "config.yaml readable", "WARN",
                          f"{config_error}; the run's settings are unknown and every limit below is the default"))
+    if schema_notes:
+        out.append(Check("record formats", "; ".join(schema_notes), "formats this nsa reads", "WARN",
+                         "; ".join(schema_notes)))
     n_bad = s.nonfinite_losses + len(s.anomalies)
     out.append(Check("non-finite values", f"{s.nonfinite_losses} loss(es), {len(s.anomalies)} anomaly record(s)", "none",
                      "FAIL" if n_bad else "PASS",

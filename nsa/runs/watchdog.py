@@ -15,11 +15,12 @@ from typing import Any
 from nsa.config import MonitorConfig
 from nsa.errors import NSAError, RunDirError
 from nsa.fileio import write_failure
-from nsa.rundir.layout import WATCHDOG_PREFIX
+from nsa.rundir.layout import watchdog_reason
+from nsa.rundir.records import HaltFile
 from nsa.runs.alarms import AlarmFile
 from nsa.runs.halt import who_am_i, write_halt
 from nsa.runs.reader import RunReader, RunState
-from nsa.runs.rules import Alarm, AlarmLog, Rule, RuleHit, evaluate, monitor_config, notify, resolve
+from nsa.runs.rules import Alarm, AlarmLog, ArmedRule, RuleHit, evaluate, monitor_config, notify, resolve
 from nsa.runs.summary import RunSummary, summarize
 
 ENDED_GRACE_S = 30.0  # after rank 0's end event, how long to wait for the other ranks' end events
@@ -44,7 +45,7 @@ class Watchdog:
     per new alarm (``None``: the run's ``monitor.notify``; ``""``: none); ``on_warning`` hears a failed
     notification."""
 
-    def __init__(self, reader: RunReader, alert_rules: list[Rule], halt_rules: list[Rule], *,
+    def __init__(self, reader: RunReader, alert_rules: list[ArmedRule], halt_rules: list[ArmedRule], *,
                  notify_cmd: str | None = None, notify_timeout: float = 10.0, stale_after: float | None = None,
                  on_warning: Callable[[str], None] | None = None, keep: bool = True) -> None:
         """``keep``: write the alarms to ``RUN/alarms.jsonl`` (a run directory that cannot be written is one
@@ -53,7 +54,7 @@ class Watchdog:
         self.notify_cmd, self.notify_timeout, self.stale_after = notify_cmd, notify_timeout, stale_after
         self.on_warning = on_warning or (lambda _: None)
         self.log = AlarmLog()
-        self.halted: list[dict[str, Any]] = []  # the .HALT this watchdog wrote (in the current session)
+        self.halted: list[HaltFile] = []  # the .HALT this watchdog wrote (in the current session)
         self._alert_names = {r.name for r in alert_rules}
         self._session: float | None = None
         self._config_said = False
@@ -118,8 +119,8 @@ class Watchdog:
             return
         h = firing[0]
         try:
-            rec = write_halt(self.reader.run_dir, f"{WATCHDOG_PREFIX} {h.message}", who=who_am_i("nsa watch"), rule=h.rule,
-                             evidence=h.evidence)
+            rec = write_halt(self.reader.run_dir, watchdog_reason(h.rule, h.message), who=who_am_i("nsa watch"),
+                             rule=h.rule, evidence=h.evidence)
         except NSAError as exc:  # a read-only run directory: one line, and the watch stops
             raise RunDirError(f"watchdog rule {h.rule} fired but {exc.message}", exc.hint) from None
         self.halted.append(rec)
@@ -138,7 +139,7 @@ class Watchdog:
         """The crash alarm of a crashed run (evaluated even when ``crashed`` is not an alert rule)."""
         hit = next((h for h in snap.alarms if h.rule == "crashed"), None)
         if hit is None:
-            hit = next(iter(evaluate([Rule("crashed")], snap.state, time.time(), monitor_config(snap.state))), None)
+            hit = next(iter(evaluate([ArmedRule("crashed")], snap.state, time.time(), monitor_config(snap.state))), None)
         return hit
 
     def halted_the_run(self, snap: Snapshot) -> bool:

@@ -13,6 +13,7 @@ from nsa.config.settings import read_settings
 from nsa.envinfo import GpuProbe
 from nsa.ops import fallback_counts as counts
 from nsa.rundir import RunDir
+from nsa.rundir.records import METRICS_SCHEMA, Metrics
 from nsa.train import checkpoint as ckpt
 from nsa.train.telemetry import MFU_FORMULA, environment_record, peak_flops, write_json_atomic
 
@@ -120,8 +121,9 @@ class Recorder:
             world_size=s.dist.world_size, backend=s.dist.backend, profile=plan.resolved.profile,
             config_path=plan.resolved.config_path, nsa_settings=settings, unknown_nsa=plan.resolved.unknown_env,
         )
-        record.update(run_name=plan.run_name, resumed_from=str(plan.resume_from) if plan.resume_from else None,
-                      data_warnings=list(self.warnings))
+        record["run_name"] = plan.run_name
+        record["resumed_from"] = str(plan.resume_from) if plan.resume_from else None
+        record["data_warnings"] = list(self.warnings)
         write_json_atomic(RunDir(plan.run_dir).env, record)
 
     def started(self) -> None:
@@ -227,7 +229,7 @@ class Recorder:
             s.tb.scalars({"val/loss": val_loss, "val/ppl": ppl, **selection_scalars(selection or [])}, step)
             s.out.message(f"eval step {step}: val_loss {val_loss:.4f} | ppl {ppl:.2f}{selection_text(fig)}")
 
-    def summary(self, status: str, error: str | None) -> dict[str, Any]:
+    def summary(self, status: str, error: str | None) -> Metrics:
         """The content of ``metrics.json``."""
         s, plan, c = self.s, self.s.plan, self.clock
         st = s.state
@@ -236,7 +238,7 @@ class Recorder:
         loader_stats = s.loader.stats()
         done_here = st.step - c.start_step
         return {
-            "schema": 1, "status": status, "error": error, "run_name": plan.run_name,
+            "schema": METRICS_SCHEMA, "status": status, "error": error, "run_name": plan.run_name,
             "steps_done": st.step, "steps_total": s.cfg.train.steps, "steps_this_session": done_here,
             "final_loss": st.last_loss, "last_val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
             "tokens_seen": st.tokens_seen, "tokens_per_step": s.tokens_per_step, "tokens_per_s": tps,

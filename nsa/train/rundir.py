@@ -23,11 +23,10 @@ from nsa.rundir.layout import (
     EXPORT_WEIGHTS,
     HALT_FILE,
     HALTS_DIR,
-    parse_halt,
-    read_lock,
+    read_halt,
 )
+from nsa.rundir.records import Anomaly
 from nsa.train.checkpoint import list_checkpoints
-from nsa.train.lock import RunLock
 from nsa.train.telemetry import write_json_atomic
 
 
@@ -55,14 +54,6 @@ def _read_only_fs(path: Path) -> bool:
 
 
 
-def holder_of(run_dir: Path) -> dict[str, Any] | None:
-    """Who holds (or last held) the run directory's lock: ``{"pid", "host", "since"}``, else ``None``."""
-    return read_lock(run_dir)
-
-
-__all__ = ["RunLock", "holder_of"]  # RunLock lives in nsa.train.lock (torch-free, for nsa train's early lock)
-
-
 def check_fresh(run_dir: Path) -> None:
     """A run without ``--resume`` must not write into a directory that already holds a run."""
     if not run_dir.exists():
@@ -76,27 +67,15 @@ def check_fresh(run_dir: Path) -> None:
         )
 
 
-def read_halt(run_dir: Path, settle_s: float = 0.25) -> str | None:
-    """The reason in ``.HALT`` (JSON ``{"reason": ...}`` or plain text), or ``None`` when absent.
-
-    A file caught mid-write (``echo ... > .HALT`` truncates first: empty, or JSON cut short) is re-read
-    for up to ``settle_s`` seconds before its reason is taken as it stands.
-    """
-    path = run_dir / HALT_FILE
-    deadline = time.monotonic() + settle_s
-    while True:
-        try:  # bytes, decoded leniently: any content asks for a halt, none may crash the trainer
-            text = path.read_bytes().decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            return None
-        except OSError:
-            return "halt file (unreadable)"
-        record, partial = parse_halt(text)
-        if not partial or time.monotonic() >= deadline:
-            break
-        time.sleep(0.02)
-    reason = str(record.get("reason") or "").strip()
-    return reason[:500] or text.strip()[:500] or "halt file"
+def halt_request(run_dir: Path, settle_s: float = 0.25) -> tuple[str, str | None] | None:
+    """``(reason, watch rule or None)`` of the ``.HALT`` in ``run_dir`` (:func:`nsa.rundir.layout.read_halt`:
+    any content asks for a halt; a file caught mid-write settles for up to ``settle_s``), None without one.
+    The reason is at most 500 characters, ``halt file`` when the file says none."""
+    record = read_halt(run_dir, settle_s)
+    if record is None:
+        return None
+    rule = record.get("rule")
+    return (str(record.get("reason") or "").strip()[:500] or "halt file"), (rule if isinstance(rule, str) else None)
 
 
 def archive_stale_halt(run_dir: Path) -> Path | None:
@@ -130,7 +109,7 @@ def write_config(run_dir: Path, resolved: ResolvedConfig) -> Path:
     return path
 
 
-def write_anomaly(run_dir: Path, step: int, record: dict[str, Any]) -> Path:
+def write_anomaly(run_dir: Path, step: int, record: Anomaly) -> Path:
     folder = RunDir(run_dir).anomalies
     folder.mkdir(exist_ok=True)
     path = folder / f"step_{step}.json"

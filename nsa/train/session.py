@@ -25,10 +25,12 @@ from nsa.errors import ConfigError, RunDirError
 from nsa.model import build_model
 from nsa.model.documents import from_separators
 from nsa.rundir import RunDir
+from nsa.rundir.records import TRAIN_CSV_HEADER, VAL_CSV_HEADER
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
 from nsa.train.events import Output, Reporter
+from nsa.train.lock import RunLock
 from nsa.train.runtime import (
     Runtime,
     apply_runtime_settings,
@@ -47,7 +49,7 @@ from nsa.train.state import (
     TrainState,
     by_rank_modulo,
 )
-from nsa.train.telemetry import TRAIN_CSV_HEADER, VAL_CSV_HEADER, CsvLog, Heartbeat, TensorBoard
+from nsa.train.telemetry import CsvLog, Heartbeat, TensorBoard
 
 
 @dataclass
@@ -159,7 +161,7 @@ def _lock_run_dir(plan: Plan, dist: D.DistInfo, closers: contextlib.ExitStack) -
     if dist.is_main:
         try:
             plan.run_dir.mkdir(parents=True, exist_ok=True)
-            lock = plan.lock if plan.lock is not None else rundir.RunLock(plan.run_dir)
+            lock = plan.lock if plan.lock is not None else RunLock(plan.run_dir)
             if plan.lock is None:
                 lock.acquire()
             _on_close(closers, lock.close)

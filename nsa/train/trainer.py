@@ -33,6 +33,7 @@ from nsa.model import build_model
 from nsa.model.load import read_init_weights
 from nsa.rundir import RunDir
 from nsa.rundir.layout import WATCHDOG_PREFIX
+from nsa.rundir.records import Anomaly, Metrics
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
@@ -54,7 +55,7 @@ class TrainResult:
     run_dir: Path
     steps_done: int
     final_loss: float | None
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=lambda: Metrics())
     halted_by: str | None = None  # a halt's origin: "watchdog" (nsa watch --halt-on), "operator", "signal"
 
 
@@ -65,7 +66,7 @@ class StepOutcome:
     loss: float
     grad_norm: float
     bad: str | None  # "nonfinite_loss" / "nonfinite_grad": the step must not be applied
-    halt: tuple[str, str] | None  # this rank's own halt request (source, reason)
+    halt: tuple[str, str, str | None] | None  # this rank's own halt request (source, reason, watch rule)
     halt_any: bool
     save_now: bool
     answers: tuple[float, float] | None
@@ -337,11 +338,12 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             ckpt.prune(s.plan.run_dir, s.cfg.checkpoint.keep_last)
         return Path(D.broadcast_object(str(path) if path else None, s.dist))
 
-    def _halt(self, s: Session, rec: Recorder, clock: Clock, step: int, local: tuple[str, str] | None) -> TrainResult:
+    def _halt(self, s: Session, rec: Recorder, clock: Clock, step: int,
+              local: tuple[str, str, str | None] | None) -> TrainResult:
         requests = [r for r in D.gather_objects(local, s.dist) if r is not None]
-        source, reason = requests[0] if requests else ("file", "halt requested")
+        source, reason, rule = requests[0] if requests else ("file", "halt requested", None)
         path = self._save(s, clock, "halt")
-        s.hb.emit("halt", step, reason=reason, source=source, checkpoint=str(path))
+        s.hb.emit("halt", step, reason=reason, source=source, checkpoint=str(path), rule=rule)
         if source == "file" and s.dist.is_main:  # acted on: retired, so no later start warns about it
             with contextlib.suppress(OSError):
                 rundir.retire_halt(s.plan.run_dir)
@@ -349,14 +351,14 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         s.out.message(f"halted at step {step} ({source}: {reason}); checkpoint {path}", tone="caution")
         result = self._finish(s, rec, "halted", None)
         result.halted_by = ("signal" if source in ("SIGTERM", "SIGINT")
-                            else "watchdog" if reason.startswith(WATCHDOG_PREFIX) else "operator")
+                            else "watchdog" if rule or reason.startswith(WATCHDOG_PREFIX) else "operator")
         return result
 
     def _anomaly(self, s: Session, rec: Recorder, step: int, kind: str, value: float, r: StepOutcome) -> TrainResult:
         last_good, _ = ckpt.newest_verified(s.plan.run_dir)
         record_path = RunDir(s.plan.run_dir).anomaly(step)
         if s.dist.is_main:
-            record = {
+            record: Anomaly = {
                 "step": step, "kind": kind, "value": repr(value), "loss": repr(r.loss), "grad_norm": repr(r.grad_norm),
                 "lr": s.optimizer.param_groups[0]["lr"], "time": time.time(), "applied": False,
                 "last_good_checkpoint": str(last_good) if last_good else None,
@@ -366,7 +368,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         # the value as text: JSON has no NaN (it would read as null); the record relative to the run directory
         s.hb.emit("anomaly", step, kind=kind, value=repr(value), record=f"anomalies/{record_path.name}")
         s.hb.emit("halt", step - 1, reason=f"{kind} at step {step}", source="anomaly",
-                  checkpoint=str(last_good) if last_good else None)
+                  checkpoint=str(last_good) if last_good else None, rule=None)
         s.out.stop()
         s.out.message(f"anomaly {kind} at step {step} (value {value}); step not applied; record {record_path}; "
                       f"last good checkpoint {last_good}", tone="bad")
@@ -402,14 +404,15 @@ def check_same_model(mine: dict[str, Any], saved: dict[str, Any], path: Path) ->
         )
 
 
-def _local_halt_request(s: Session) -> tuple[str, str] | None:
-    """(source, reason) when this rank was asked to halt: a signal, or ``.HALT`` (rank 0 reads it)."""
+def _local_halt_request(s: Session) -> tuple[str, str, str | None] | None:
+    """(source, reason, watch rule) when this rank was asked to halt: a signal, or ``.HALT`` (rank 0 reads it;
+    a watchdog's names its rule)."""
     if s.signals.halt_source is not None:
-        return s.signals.halt_source, f"{s.signals.halt_source} received"
+        return s.signals.halt_source, f"{s.signals.halt_source} received", None
     if s.dist.is_main:
-        reason = rundir.read_halt(s.plan.run_dir)
-        if reason is not None:
-            return "file", reason
+        request = rundir.halt_request(s.plan.run_dir)
+        if request is not None:
+            return "file", *request
     return None
 
 

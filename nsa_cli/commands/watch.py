@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from nsa_cli import options
 from nsa_cli.errors import EXIT_FAILED, EXIT_OK, EXIT_WATCHDOG, fail, user_errors
@@ -34,9 +35,7 @@ Examples:
 
   nsa watch artifacts/m7c-125m --notify 'curl -fsS --data-binary @- https://hooks.example.com/nsa'
 
-Rules (thresholds default to the run's monitor config): crashed, stale=S, nonfinite, gate-entropy=NATS,
-gate-collapse=FRACTION, grad-spike=RATIO, loss-plateau=DROP, memory-creep=RATIO, throughput-drop=RATIO,
-fetch-stall=MS, data-fallback, fallback-rise, gpu-errors; all; none.
+Rules (thresholds default to the run's monitor config): {rules}.
 The watch follows a run across resumes: after an end event, while a new `nsa train --resume` holds the
 run lock, it waits for the new session. Alarms are kept with the run (RUN/alarms.jsonl; nsa report
 judges them).
@@ -386,5 +385,20 @@ def watch(
     raise typer.Exit(EXIT_WATCHDOG if dog.halted_the_run(snap) else EXIT_OK)
 
 
+class WatchCommand(TyperCommand):
+    """``nsa watch``: its help lists the rules from their declarations (``nsa.runs.rules.RULES``), read when
+    the help is shown (so ``nsa --help`` stays light)."""
+
+    @property  # type: ignore[override]
+    def epilog(self) -> str:
+        from nsa.runs.rules import synopsis
+
+        return EPILOG.replace("{rules}", synopsis())
+
+    @epilog.setter
+    def epilog(self, value: str | None) -> None:
+        pass
+
+
 def register(app: typer.Typer) -> None:
-    app.command("watch", epilog=EPILOG)(watch)
+    app.command("watch", cls=WatchCommand)(watch)

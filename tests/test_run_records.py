@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_field_tables_are_derived_from_the_record_types() -> None:
-    assert set(EVENT_FIELDS) == set(EVENTS) and TRAIN_CSV_HEADER == tuple(TrainRow.__annotations__)
+    assert set(EVENT_FIELDS) == set(EVENTS) and tuple(TrainRow.__annotations__) == TRAIN_CSV_HEADER
     assert "rule" in EVENT_FIELDS["halt"] and "gpu_util_pct" in EVENT_FIELDS["progress"]
     assert newer_schema({"schema": 2}, 1) == 2 and newer_schema({"schema": 1}, 1) is None
     assert newer_schema({}, 1) is None and newer_schema({"schema": True}, 1) is None

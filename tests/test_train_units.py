@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from nsa.errors import CheckpointError
+from nsa.rundir import RunDir
 from nsa.train import checkpoint as ckpt
 from nsa.train.rundir import archive_stale_halt, halt_request
 from nsa.train.schedule import build_scheduler, lr_multiplier, schedule_lrs
@@ -110,9 +111,9 @@ def test_halt_file_caught_mid_write_is_reread(tmp_path: Path) -> None:
 
 def test_halt_archive(tmp_path: Path) -> None:
     (tmp_path / ".HALT").write_text("stop")
-    dest = archive_stale_halt(tmp_path)
+    dest = archive_stale_halt(RunDir(tmp_path))
     assert dest is not None and dest.parent.name == "halts" and not (tmp_path / ".HALT").exists()
-    assert archive_stale_halt(tmp_path) is None
+    assert archive_stale_halt(RunDir(tmp_path)) is None
 
 
 def test_redaction_of_secrets() -> None:
@@ -140,7 +141,7 @@ def test_csv_resume_truncates_later_rows(tmp_path: Path) -> None:
 
 
 def test_heartbeat_rejects_fields_outside_the_schema(tmp_path: Path) -> None:
-    hb = Heartbeat(tmp_path, 3)
+    hb = Heartbeat(RunDir(tmp_path).heartbeat(3), 3)
     rec = hb.emit("end", 7, status="completed", error=None)
     with pytest.raises(ValueError, match="schema"):
         hb.emit("end", 7, status="completed")

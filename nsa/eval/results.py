@@ -106,11 +106,12 @@ def save_results(run_dir: str | Path | None, payload: dict[str, Any]) -> list[Pa
     the paths (none when ``run_dir`` is None). A folder that cannot be written raises ``RunDirError``."""
     if run_dir is None:
         return []
-    folder = RunDir(Path(run_dir)).eval
+    files = RunDir(run_dir)
+    folder = files.eval
     try:
-        paths = [write_json(folder / f"{payload['task']}.json", payload)]
+        paths = [write_json(files.eval_result(payload["task"]), payload)]
         if payload["task"] == "needle":
-            paths.append(needle_heatmap(payload, folder / "needle.png"))
+            paths.append(needle_heatmap(payload, files.needle_png))
     except OSError as exc:  # the files written before stay whole (atomic writes)
         raise RunDirError(write_failure(exc, folder).replace("cannot write ", "cannot write the results to ", 1),
                           hint="free disk space or make the run directory writable; --json-out PATH keeps them "

@@ -29,6 +29,7 @@ EXPORT_INFO = "export.json"  # {"step", "sha256" of the weights, "time"}: which 
 TENSORBOARD_DIR = "tb"
 ANOMALIES_DIR = "anomalies"  # one JSON record per non-finite loss (step_<n>.json)
 EVAL_DIR = "eval"  # `nsa eval` results kept with the run (<task>.json, needle.png)
+NEEDLE_PNG = "needle.png"  # the needle task's heat map, in EVAL_DIR
 RANK_LOG = "train_rank{rank}.log"  # train.log of ranks > 0
 HEARTBEAT = "heartbeat_rank{rank}.jsonl"  # one JSON event per line, per rank
 HEARTBEAT_RE = re.compile(r"^heartbeat_rank(\d+)\.jsonl$")
@@ -121,14 +122,14 @@ def read_halt(path: str | Path, settle_s: float = 0.0) -> HaltFile | None:
     return record
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RunDir:
-    """The paths of one run directory (``root``); nothing is created or read here."""
+    """The paths of one run directory (``root``, a path or its text); nothing is created or read here."""
 
     root: Path
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
+    def __init__(self, root: str | Path) -> None:
+        object.__setattr__(self, "root", Path(root))
 
     @property
     def config(self) -> Path:
@@ -176,6 +177,14 @@ class RunDir:
     @property
     def eval(self) -> Path:
         return self.root / EVAL_DIR
+
+    def eval_result(self, task: str) -> Path:
+        """``eval/<task>.json`` (``nsa eval``)."""
+        return self.eval / f"{task}.json"
+
+    @property
+    def needle_png(self) -> Path:
+        return self.eval / NEEDLE_PNG
 
     def log(self, rank: int) -> Path:
         """``train.log`` (rank 0) or ``train_rank<r>.log``."""

@@ -25,7 +25,7 @@ from typing import Any
 
 from nsa.errors import ConfigError
 from nsa.fileio import json_safe
-from nsa.rundir.layout import ALARMS_FILE
+from nsa.rundir import RunDir
 from nsa.rundir.records import ALARMS_SCHEMA, Alarm
 from nsa.runs.sessions import Session, read_sessions
 
@@ -35,7 +35,7 @@ OPEN, RESOLVED, SUPERSEDED, ACKNOWLEDGED = "open", "resolved", "superseded", "ac
 def read_records(run_dir: str | Path) -> list[Alarm]:
     """Every readable record of ``RUN/alarms.jsonl`` in file order (unreadable lines skipped)."""
     out: list[Alarm] = []
-    with contextlib.suppress(OSError), open(Path(run_dir) / ALARMS_FILE, "rb") as f:
+    with contextlib.suppress(OSError), open(RunDir(run_dir).alarms, "rb") as f:
         for line in f:
             with contextlib.suppress(ValueError):
                 rec: Any = json.loads(line)
@@ -158,7 +158,7 @@ class AlarmFile:
     """Appends a watch's alarms to ``RUN/alarms.jsonl`` without repeating one that is already open."""
 
     def __init__(self, run_dir: str | Path, by: str) -> None:
-        self.path = Path(run_dir) / ALARMS_FILE
+        self.path = RunDir(run_dir).alarms
         self.by = by
 
     def open_rules(self, session: Any) -> set[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa.errors import NSAError
+from nsa.rundir import RunDir
 from nsa.rundir.layout import HALT_FILE, WATCHDOG_PREFIX
 from nsa.rundir.records import HaltEvent, HaltFile
 from nsa.runs.reader import DEFAULT_STALE_S, RunReader, check_run_dir
@@ -47,7 +48,7 @@ def write_halt(
     tmp = run / f".HALT.tmp-{os.getpid()}-{time.time_ns()}"
     try:
         tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        os.replace(tmp, run / HALT_FILE)
+        os.replace(tmp, RunDir(run).halt)
     except OSError as exc:
         raise NSAError(
             f"could not write {HALT_FILE} in {run}: {exc.strerror or exc}",
@@ -145,7 +146,7 @@ def halt_run(
                            str(path), end_status=str(st.end.get("status")), step=st.end.get("step"))
     record = write_halt(path, reason, who=who)
     if not wait:
-        return HaltOutcome("written", f"wrote {path / HALT_FILE}; the trainer stops at its next step",
+        return HaltOutcome("written", f"wrote {RunDir(path).halt}; the trainer stops at its next step",
                            str(path), halt=record, step=st.steps_done)
     out = wait_for_ack(reader, record["time"], timeout_s, poll_s)
     out.halt = record

@@ -27,6 +27,7 @@ import yaml
 
 from nsa.config.monitor import MonitorConfig
 from nsa.errors import RunDirError
+from nsa.rundir import RunDir
 from nsa.rundir.layout import (
     CONFIG_FILE,
     ENV_FILE,
@@ -36,7 +37,6 @@ from nsa.rundir.layout import (
     LOCK_FILE,
     METRICS_FILE,
     TRAIN_CSV,
-    VAL_CSV,
     is_run_dir,
     read_halt,
     read_lock,
@@ -239,6 +239,7 @@ class RunState:
     """Everything read so far from one run directory."""
 
     run_dir: Path
+    files: RunDir = field(init=False)  # every path of the run directory
     ranks: dict[int, RankState] = field(default_factory=dict)
     progress: list[ProgressEvent] = field(default_factory=list)  # rank-0 progress events
     csv_rows: list[TrainRow] = field(default_factory=list)  # training.csv
@@ -258,6 +259,9 @@ class RunState:
     truncated_lines: int = 0
     files_missing: list[str] = field(default_factory=list)
     schema_notes: list[str] = field(default_factory=list)  # files written by a newer nsa (records.newer_schema)
+
+    def __post_init__(self) -> None:
+        self.files = RunDir(self.run_dir)
 
     # ---- derived views
     @property
@@ -414,9 +418,10 @@ class RunReader:
     def __init__(self, run_dir: str | Path, check: bool = True) -> None:
         self.run_dir = check_run_dir(run_dir) if check else Path(run_dir)
         self.state = RunState(self.run_dir)
+        self.files = self.state.files
         self._hb: dict[int, JsonlTail] = {}
-        self._csv = CsvTail(self.run_dir / TRAIN_CSV)
-        self._val = CsvTail(self.run_dir / VAL_CSV)
+        self._csv = CsvTail(self.files.train_csv)
+        self._val = CsvTail(self.files.val_csv)
         self._mtimes: dict[str, float] = {}
         self._bad_events = 0
 
@@ -444,7 +449,7 @@ class RunReader:
         if self._changed(CONFIG_FILE):
             st.config, st.config_error = None, None
             try:
-                text = (self.run_dir / CONFIG_FILE).read_text()
+                text = self.files.config.read_text()
                 data = yaml.safe_load(text)
                 st.config = data if isinstance(data, dict) else None
                 st.config_sources = parse_sources(text)
@@ -455,10 +460,11 @@ class RunReader:
             except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
                 why = " ".join(str(exc).split())
                 st.config_error = f"{CONFIG_FILE} cannot be read: {why[:200]}"
-        for name, attr, known in ((ENV_FILE, "env", ENV_SCHEMA), (METRICS_FILE, "metrics", METRICS_SCHEMA)):
+        for path, attr, known in ((self.files.env, "env", ENV_SCHEMA), (self.files.metrics, "metrics", METRICS_SCHEMA)):
+            name = path.name
             if self._changed(name):
                 try:
-                    data = json.loads((self.run_dir / name).read_text())
+                    data = json.loads(path.read_text())
                     setattr(st, attr, data if isinstance(data, dict) else None)
                 except (OSError, ValueError):
                     setattr(st, attr, None)

@@ -201,7 +201,7 @@ def _cell(text: Any) -> str:
 def session_boots(st: RunState) -> list[dict[str, Any]]:
     """Every ``boot`` event of rank 0's heartbeat (one per session; the reader keeps only the last)."""
     r0 = st.rank0
-    path = RunDir(st.run_dir).heartbeat(r0.rank if r0 else 0)
+    path = st.files.heartbeat(r0.rank if r0 else 0)
     out: list[dict[str, Any]] = []
     with contextlib.suppress(OSError), open(path, "rb") as f:
         for line in f:
@@ -311,7 +311,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L += _checks_section(run)
     L += ["### Run", "", "| | |", "|---|---|"]
     L.append(f"| Run directory | {_link(st.run_dir, out_dir, str(st.run_dir))} |")
-    log = RunDir(st.run_dir).train_log
+    log = st.files.train_log
     if log.exists():
         L.append(f"| Log | {_link(log, out_dir, log.name)} (every line the trainer printed) |")
     sessions = f", {len(run.sessions)} sessions" if len(run.sessions) > 1 else ""
@@ -426,7 +426,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
         L.append(f"- end error: `{s.end.get('error')}`")
     L.append("")
     L += ["### Artifacts", ""]
-    rd = RunDir(st.run_dir)
+    rd = st.files
     for p in (rd.config, rd.env, rd.train_log, rd.train_csv, rd.val_csv, rd.metrics, rd.heartbeat(0), rd.tensorboard, rd.export,
               rd.eval, rd.halts, rd.alarms, rd.anomalies):
         name = p.name
@@ -495,7 +495,7 @@ def _eval_payloads(run_dir: Path) -> list[tuple[str, dict[str, Any] | None]]:
     """``(task, payload or None when unreadable)`` for each ``RUN/eval/<task>.json`` present."""
     out: list[tuple[str, dict[str, Any] | None]] = []
     for task in EVAL_TASKS:
-        p = RunDir(run_dir).eval / f"{task}.json"
+        p = RunDir(run_dir).eval_result(task)
         if not p.is_file():
             continue
         try:
@@ -510,7 +510,7 @@ def _eval_payloads(run_dir: Path) -> list[tuple[str, dict[str, Any] | None]]:
 
 def _copy_eval_chart(run_dir: Path, folder: Path) -> Path | None:
     """Copy ``RUN/eval/needle.png`` into the report's assets folder (None when absent or unreadable)."""
-    src = RunDir(run_dir).eval / "needle.png"
+    src = RunDir(run_dir).needle_png
     try:
         data = src.read_bytes() if src.is_file() else None
     except OSError:

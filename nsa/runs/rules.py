@@ -33,7 +33,6 @@ from pydantic import ValidationError
 from nsa.config.monitor import MonitorConfig
 from nsa.errors import ConfigError
 from nsa.fileio import json_safe
-from nsa.rundir import RunDir
 from nsa.runs.reader import RunState
 from nsa.runs.summary import anomaly_text, finite, values
 
@@ -158,10 +157,10 @@ def monitor_config(state: RunState) -> MonitorConfig:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ())) or "monitor"
-        raise ConfigError(f"{RunDir(state.run_dir).config}: monitor.{where}: {err.get('msg', 'invalid')}",
+        raise ConfigError(f"{state.files.config}: monitor.{where}: {err.get('msg', 'invalid')}",
                           hint="fix the run's monitor section, or give thresholds with --alert-on/--halt-on") from None
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{RunDir(state.run_dir).config}: monitor section is not a mapping ({exc})") from None
+        raise ConfigError(f"{state.files.config}: monitor section is not a mapping ({exc})") from None
 
 
 def resolve(rules: list[ArmedRule], monitor: MonitorConfig) -> list[ArmedRule]:

@@ -65,7 +65,7 @@ def read_sessions(run_dir: str | Path, current_status: str | None = None) -> lis
     """The sessions of rank 0's heartbeat, oldest first. ``current_status``: the run's status now (``running``,
     ``stale``, ``crashed``, ... from :meth:`nsa.runs.reader.RunState.status`), for the last session when it has
     no end event; earlier sessions without one crashed."""
-    rd = RunDir(Path(run_dir))
+    rd = RunDir(run_dir)
     files = rd.heartbeats()
     path = files[0] if files else rd.heartbeat(0)
     out: list[Session] = []

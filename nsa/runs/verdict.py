@@ -15,7 +15,7 @@ from nsa.config.monitor import MonitorConfig
 from nsa.config.profiles import load_profile
 from nsa.errors import ConfigError
 from nsa.rundir import RunDir
-from nsa.rundir.layout import HALTS_DIR, WATCHDOG_PREFIX, watchdog_rule
+from nsa.rundir.layout import WATCHDOG_PREFIX, watchdog_rule
 from nsa.rundir.records import HaltFile
 from nsa.runs.alarms import KeptAlarm
 from nsa.runs.reader import halt_record
@@ -48,7 +48,7 @@ def anomaly_record_path(run_dir: str | Path, record: Any) -> Path:
     p = Path(str(record))
     if p.is_absolute():
         return p
-    here = RunDir(Path(run_dir)).anomalies / p.name
+    here = RunDir(run_dir).anomalies / p.name
     return here if here.exists() or not p.exists() else p
 
 
@@ -167,7 +167,7 @@ def classify_halts(s: RunSummary) -> list[HaltRecord]:
     ``watchdog: <rule>:``), then the records that no event acted on."""
     records: list[tuple[str, HaltFile]] = []  # oldest first, as the halt events
     with contextlib.suppress(OSError):
-        for p in sorted((Path(s.run_dir) / HALTS_DIR).glob("HALT-*")):
+        for p in sorted(RunDir(s.run_dir).halts.glob("HALT-*")):
             archived = halt_record(p)
             if archived is not None:
                 records.append((f"halts/{p.name}", archived))

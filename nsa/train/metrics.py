@@ -12,7 +12,6 @@ import torch
 from nsa.config.settings import read_settings
 from nsa.envinfo import GpuProbe
 from nsa.ops import fallback_counts as counts
-from nsa.rundir import RunDir
 from nsa.rundir.records import METRICS_SCHEMA, Metrics
 from nsa.train import checkpoint as ckpt
 from nsa.train.telemetry import MFU_FORMULA, environment_record, peak_flops, write_json_atomic
@@ -108,7 +107,7 @@ class Recorder:
             self.warnings.append(w)
             if s.dist.is_main:
                 s.out.warn(f"data: {w}")
-                if RunDir(s.plan.run_dir).env.exists():
+                if s.plan.files.env.exists():
                     self.write_env()
         return new
 
@@ -124,7 +123,7 @@ class Recorder:
         record["run_name"] = plan.run_name
         record["resumed_from"] = str(plan.resume_from) if plan.resume_from else None
         record["data_warnings"] = list(self.warnings)
-        write_json_atomic(RunDir(plan.run_dir).env, record)
+        write_json_atomic(plan.files.env, record)
 
     def started(self) -> None:
         """After set-up: the loader-ready event, env.json, and the opening lines."""

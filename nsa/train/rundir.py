@@ -21,8 +21,6 @@ from nsa.rundir.layout import (
     EXPORT_INFO,
     EXPORT_TOKENIZER,
     EXPORT_WEIGHTS,
-    HALT_FILE,
-    HALTS_DIR,
     read_halt,
 )
 from nsa.rundir.records import Anomaly
@@ -78,46 +76,45 @@ def halt_request(run_dir: Path, settle_s: float = 0.25) -> tuple[str, str | None
     return (str(record.get("reason") or "").strip()[:500] or "halt file"), (rule if isinstance(rule, str) else None)
 
 
-def archive_stale_halt(run_dir: Path) -> Path | None:
+def archive_stale_halt(files: RunDir) -> Path | None:
     """Move a ``.HALT`` present at start-up (written before this session, never acted on) into ``halts/``."""
-    return _move_halt(run_dir, "")
+    return _move_halt(files, "")
 
 
-def retire_halt(run_dir: Path) -> Path | None:
+def retire_halt(files: RunDir) -> Path | None:
     """Move the ``.HALT`` this session acted on into ``halts/`` (``HALT-<time>-acted``): it asks nothing of
     the next session, and the report still finds its record (the watchdog's rule)."""
-    return _move_halt(run_dir, "-acted")
+    return _move_halt(files, "-acted")
 
 
-def _move_halt(run_dir: Path, suffix: str) -> Path | None:
-    path = run_dir / HALT_FILE
+def _move_halt(files: RunDir, suffix: str) -> Path | None:
+    path = files.halt
     if not path.exists():
         return None
-    dest_dir = run_dir / HALTS_DIR
+    dest_dir = files.halts
     dest_dir.mkdir(exist_ok=True)
     dest = dest_dir / f"HALT-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 1_000_000:06d}{suffix}"
     os.replace(path, dest)
     return dest
 
 
-def write_config(run_dir: Path, resolved: ResolvedConfig) -> Path:
+def write_config(files: RunDir, resolved: ResolvedConfig) -> Path:
     """``config.yaml``: the resolved config, then a comment block saying where each value came from."""
     lines = [resolved.config.to_yaml().rstrip(), "", "# _sources (key: origin; unlisted keys are defaults)"]
     lines += [f"#   {k}: {v}" for k, v in sorted(resolved.sources.items())]
-    path = RunDir(run_dir).config
+    path = files.config
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def write_anomaly(run_dir: Path, step: int, record: Anomaly) -> Path:
-    folder = RunDir(run_dir).anomalies
-    folder.mkdir(exist_ok=True)
-    path = folder / f"step_{step}.json"
+def write_anomaly(files: RunDir, step: int, record: Anomaly) -> Path:
+    files.anomalies.mkdir(exist_ok=True)
+    path = files.anomaly(step)
     write_json_atomic(path, record)
     return path
 
 
-def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer: Any,
+def export_model(files: RunDir, model: Any, resolved: ResolvedConfig, tokenizer: Any,
                  full_state: dict[str, Any] | None = None, step: int | None = None) -> Path:
     """``export/``: ``model.safetensors`` (shared tensors stored once), ``config.yaml``, ``tokenizer.json`` and
     ``export.json`` (the step and the weights' SHA-256, which ``nsa eval`` records with its results).
@@ -131,8 +128,8 @@ def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer:
         model = build_model(resolved.config)
         model.load_state_dict(full_state)
 
-    out = RunDir(run_dir).export
-    tmp = run_dir / f".export-tmp-{os.getpid()}"
+    out = files.export
+    tmp = files.root / f".export-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()

@@ -20,7 +20,6 @@ from typing import Any
 
 from nsa.envinfo import git_info, gpu_info, library_versions
 from nsa.fileio import json_safe, named, write_atomic
-from nsa.rundir import RunDir
 from nsa.rundir.env import recorded_environment, redact_env
 from nsa.rundir.records import ENV_SCHEMA, EVENT_FIELDS, HEARTBEAT_SCHEMA, Env
 
@@ -70,8 +69,8 @@ class LineFile:
 class Heartbeat:
     """``heartbeat_rank{r}.jsonl``: one JSON object per line, appended whole per event."""
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
-        self.path = RunDir(Path(run_dir)).heartbeat(rank)
+    def __init__(self, path: Path, rank: int) -> None:
+        self.path = Path(path)
         self.rank = rank
         self._f = LineFile(self.path)
 
@@ -142,12 +141,13 @@ def _fmt(v: Any) -> str:
 
 
 class TensorBoard:
-    """Scalars under ``tb/`` (rank 0). Rows after a resumed step are purged by TensorBoard itself."""
+    """Scalars under ``folder`` (the run's ``tb/``; rank 0). Rows after a resumed step are purged by TensorBoard
+    itself."""
 
-    def __init__(self, run_dir: Path, purge_step: int | None = None) -> None:
+    def __init__(self, folder: Path, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._w = SummaryWriter(log_dir=str(RunDir(Path(run_dir)).tensorboard), purge_step=purge_step)
+        self._w = SummaryWriter(log_dir=str(folder), purge_step=purge_step)
 
     def scalars(self, values: dict[str, Any], step: int) -> None:
         for name, v in values.items():

@@ -31,7 +31,6 @@ from nsa.errors import CheckpointError, ConfigError, NSAError
 from nsa.fileio import os_error_in, write_failure
 from nsa.model import build_model
 from nsa.model.load import read_init_weights
-from nsa.rundir import RunDir
 from nsa.rundir.layout import WATCHDOG_PREFIX
 from nsa.rundir.records import Anomaly, Metrics
 from nsa.train import checkpoint as ckpt
@@ -230,7 +229,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         self._save(s, clock, "final")
         full = parallel.full_model_state(s.model, s.dist) if s.checkpointable.is_sharded else None  # a collective
         if s.dist.is_main:
-            path = rundir.export_model(s.plan.run_dir, s.model, s.plan.resolved, s.plan.tokenizer, full_state=full,
+            path = rundir.export_model(s.plan.files, s.model, s.plan.resolved, s.plan.tokenizer, full_state=full,
                                        step=s.state.step)
             s.out.stop()
             s.out.message(f"exported {path}")
@@ -346,7 +345,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         s.hb.emit("halt", step, reason=reason, source=source, checkpoint=str(path), rule=rule)
         if source == "file" and s.dist.is_main:  # acted on: retired, so no later start warns about it
             with contextlib.suppress(OSError):
-                rundir.retire_halt(s.plan.run_dir)
+                rundir.retire_halt(s.plan.files)
         s.out.stop()
         s.out.message(f"halted at step {step} ({source}: {reason}); checkpoint {path}", tone="caution")
         result = self._finish(s, rec, "halted", None)
@@ -356,7 +355,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
 
     def _anomaly(self, s: Session, rec: Recorder, step: int, kind: str, value: float, r: StepOutcome) -> TrainResult:
         last_good, _ = ckpt.newest_verified(s.plan.run_dir)
-        record_path = RunDir(s.plan.run_dir).anomaly(step)
+        record_path = s.plan.files.anomaly(step)
         if s.dist.is_main:
             record: Anomaly = {
                 "step": step, "kind": kind, "value": repr(value), "loss": repr(r.loss), "grad_norm": repr(r.grad_norm),
@@ -364,7 +363,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 "last_good_checkpoint": str(last_good) if last_good else None,
                 "fault_injected": self.step_hook is not None,  # a test's hook ran (real runs have none)
             }
-            record_path = rundir.write_anomaly(s.plan.run_dir, step, record)
+            record_path = rundir.write_anomaly(s.plan.files, step, record)
         # the value as text: JSON has no NaN (it would read as null); the record relative to the run directory
         s.hb.emit("anomaly", step, kind=kind, value=repr(value), record=f"anomalies/{record_path.name}")
         s.hb.emit("halt", step - 1, reason=f"{kind} at step {step}", source="anomaly",
@@ -378,7 +377,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         _log_said(s)
         metrics = rec.summary(status, error)
         if s.dist.is_main:
-            write_json_atomic(RunDir(s.plan.run_dir).metrics, metrics)
+            write_json_atomic(s.plan.files.metrics, metrics)
         s.hb.emit("end", s.state.step, status=status, error=error)
         s.out.stop()
         s.out.message(rec.data_read())
@@ -410,7 +409,7 @@ def _local_halt_request(s: Session) -> tuple[str, str, str | None] | None:
     if s.signals.halt_source is not None:
         return s.signals.halt_source, f"{s.signals.halt_source} received", None
     if s.dist.is_main:
-        request = rundir.halt_request(s.plan.run_dir)
+        request = rundir.halt_request(s.plan.files.root)
         if request is not None:
             return "file", *request
     return None
@@ -445,7 +444,7 @@ def _record_failure(s: Session, rec: Recorder, exc: BaseException) -> None:
     s.out.record(f"run {status} at step {s.state.step}: {error}")
     with contextlib.suppress(Exception):
         if s.dist.is_main:
-            write_json_atomic(RunDir(s.plan.run_dir).metrics, rec.summary(status, error))
+            write_json_atomic(s.plan.files.metrics, rec.summary(status, error))
     with contextlib.suppress(Exception):
         s.hb.emit("end", s.state.step, status=status, error=error)
 

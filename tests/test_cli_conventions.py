@@ -204,7 +204,7 @@ def test_old_json_path_spelling_is_read_with_a_deprecation_line(capsys: pytest.C
     params, err = _parsed(["bench", "attention", "--tiny", "--json", "out.json"], capsys)
     assert params["json_out"] == Path("out.json") and params["as_json"] is False
     assert err.strip().splitlines() == [
-        "warning: --json PATH is deprecated (read until the next release): use --json-out PATH; "
+        "warning: --json PATH is deprecated (read until 2027-03-01): use --json-out PATH; "
         "--json alone prints the JSON to stdout"]
     params, err = _parsed(["bench", "train", "--json=t.json", "--tiny"], capsys)
     assert params["json_out"] == Path("t.json") and "deprecated" in err
@@ -221,7 +221,7 @@ def test_old_json_path_spelling_is_read_with_a_deprecation_line(capsys: pytest.C
 def test_old_short_flags_are_read_with_a_deprecation_line(capsys: pytest.CaptureFixture[str]) -> None:
     params, err = _parsed(["sample", "RUN", "-p", "Once upon"], capsys)
     assert params["prompt"] == "Once upon"
-    assert err.strip() == ("warning: -p is deprecated (read until the next release): use --prompt; "
+    assert err.strip() == ("warning: -p is deprecated (read until 2027-03-01): use --prompt; "
                            "-p means --profile in every command")
     params, err = _parsed(["report", "RUN", "-o", "out.md"], capsys)
     assert params["out"] == Path("out.md") and "use --out; -o means --out-dir in every command" in err
@@ -243,7 +243,7 @@ def test_a_deprecated_spelling_runs_end_to_end(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["path"] == str(out) and out.is_file()
     assert [ln for ln in res.stderr.splitlines() if "deprecated" in ln] == [
-        "warning: -o is deprecated (read until the next release): use --out; -o means --out-dir in every command"]
+        "warning: -o is deprecated (read until 2027-03-01): use --out; -o means --out-dir in every command"]
 
 
 def test_the_docs_use_todays_spellings(capsys: pytest.CaptureFixture[str]) -> None:

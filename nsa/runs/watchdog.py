@@ -8,14 +8,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from nsa.config import MonitorConfig
 from nsa.errors import NSAError, RunDirError
 from nsa.fileio import write_failure
-from nsa.rundir.layout import watchdog_reason
+from nsa.rundir.layout import EXIT_WATCHDOG, watchdog_reason
 from nsa.rundir.records import HaltFile
 from nsa.runs.alarms import AlarmFile
 from nsa.runs.halt import who_am_i, write_halt
@@ -167,3 +167,33 @@ def finished(snap: Snapshot, now: float) -> bool:
     if all(r.end is not None for r in snap.state.ranks.values()):
         return True
     return isinstance(end.get("ts"), int | float) and now - float(end["ts"]) > ENDED_GRACE_S
+
+
+def follow(dog: Watchdog, refresh_s: float, timeout_s: float | None = None,
+           clock: Callable[[], float] = time.monotonic) -> Iterator[Snapshot]:
+    """``nsa watch``'s loop: a snapshot at once, then one every ``refresh_s`` seconds until the run is over
+    (:func:`finished`) or ``timeout_s`` seconds have passed since the call."""
+    start = clock()
+    snap = dog.poll()
+    yield snap
+    while not finished(snap, snap.time) and (timeout_s is None or clock() - start <= timeout_s):
+        time.sleep(refresh_s)
+        snap = dog.poll()
+        yield snap
+
+
+def exit_code(dog: Watchdog, snap: Snapshot, once: bool = False) -> int:
+    """What ``nsa watch`` exits with after ``snap``: 1 when the run failed or crashed (``once``: also when an
+    alarm fires), 3 when this watchdog's ``.HALT`` stopped it, else 0."""
+    if snap.summary.status in ("failed", "crashed") or (once and snap.alarms):
+        return 1
+    return EXIT_WATCHDOG if not once and dog.halted_the_run(snap) else 0
+
+
+def line_record(dog: Watchdog, snap: Snapshot) -> dict[str, Any]:
+    """One refresh as a JSON line (``nsa watch --json`` in live mode)."""
+    s = snap.summary
+    return {"time": snap.time, "status": s.status, "step": s.steps_done, "steps_total": s.steps_total,
+            "loss": s.last_loss, "tokens_per_s": s.tokens_per_s_last, "eta_s": s.eta_s,
+            "new_alarms": [a.rule for a in snap.new], "cleared_alarms": [a.rule for a in snap.cleared],
+            **dog.payload(snap)}

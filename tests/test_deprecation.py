@@ -17,6 +17,6 @@ def test_the_pre_release_spellings_are_gone_by_their_date() -> None:
 
 
 def test_every_deprecation_line_names_the_date() -> None:
-    assert READ_UNTIL == f"read until {PRE_RELEASE_UNTIL.isoformat()}"
+    assert f"read until {PRE_RELEASE_UNTIL.isoformat()}" == READ_UNTIL
     assert READ_UNTIL in deprecation("-p", "--prompt")
     assert MOVED_KEYS  # still read today

@@ -77,7 +77,6 @@ app = typer.Typer(
 COMMAND_MODULES = (preflight, smoke, train, watch, ack, halt, dump, report, sample, eval_command, profiles, bench)
 
 
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"nsa {__version__}")

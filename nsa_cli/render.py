@@ -31,8 +31,8 @@ def styled(status: str) -> Text:
 
 
 def print_json(data: Any) -> None:
-    """Machine-readable output on stdout (no colour, no wrapping)."""
-    sys.stdout.write(json.dumps(data, indent=2, default=_default, allow_nan=False) + "\n")
+    """Machine-readable output on stdout (no colour, no wrapping; non-finite numbers as null, paths as text)."""
+    sys.stdout.write(json.dumps(json_safe(data), indent=2, default=_default, allow_nan=False) + "\n")
 
 
 def json_outputs(payload: Any, *, as_json: bool, json_out: Any = None, indent: int = 2) -> None:
@@ -48,7 +48,7 @@ def json_outputs(payload: Any, *, as_json: bool, json_out: Any = None, indent: i
         path.write_text(json.dumps(payload, indent=indent, default=_default) + "\n")
         print(f"saved {path}", file=sys.stderr if to_stdout else sys.stdout)
     if to_stdout:
-        print_json(jsonable(payload))
+        print_json(payload)
 
 
 def _default(obj: Any) -> Any:
@@ -57,9 +57,6 @@ def _default(obj: Any) -> Any:
     if isinstance(obj, set):
         return sorted(obj)
     return str(obj)
-
-
-jsonable = json_safe  # non-finite floats -> None, paths -> str (nsa.fileio.json_safe)
 
 
 def checks_table(report: Any, title: str) -> Table:

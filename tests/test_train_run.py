@@ -15,8 +15,9 @@ import yaml
 from typer.testing import CliRunner
 
 from nsa.config import load_run_config
+from nsa.rundir.checkpoints import latest_checkpoint, list_checkpoints
 from nsa.rundir.records import COMMON_FIELDS, EVENT_FIELDS, TRAIN_CSV_HEADER, VAL_CSV_HEADER
-from nsa.train.checkpoint import latest_checkpoint, list_checkpoints, load_state
+from nsa.train.checkpoint import load_state
 from nsa.train.trainer import Trainer
 from tests.conftest import cli_trainer_hook, csv_rows, events, halt_at, nan_loss_at, quiet, resolve, signal_at
 

@@ -62,7 +62,6 @@ def _check_profile(ctx: _Context, name: str | None, error: NSAError | None) -> C
     if error is not None:
         return failed("profile", error.message, error.hint or "")
     if ctx.profile is None:
-
         return warned(
             "profile",
             "no profile given: hardware expectations are not checked",
@@ -91,7 +90,6 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
 
 
 def _check_env(ctx: _Context) -> Check:
-
     unknown = unknown_variables(ctx.environ)
     try:
         rows = [r for r in settings_table(ctx.environ) if r["value"] is not None]
@@ -381,7 +379,6 @@ def _check_tokenizer(ctx: _Context) -> Check:
 
 
 def _check_git(facts: dict[str, Any]) -> Check:
-
     snap = git_snapshot()
     facts["git"] = snap
     if not snap.get("available"):

@@ -208,7 +208,6 @@ def run_smoke(
     # 4. the short training run
     t0 = time.time()
     try:
-
         result = Trainer(resolved, reporter=reporter).fit()
         run_status = str(getattr(result.status, "value", result.status))
     except NSAError as exc:

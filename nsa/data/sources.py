@@ -68,7 +68,6 @@ class EmbeddedSource:
     tokenized = False
 
     def __init__(self) -> None:
-
         self._docs = load_corpus()
 
     def documents(self, start: int) -> Iterator[Any]:
@@ -577,7 +576,6 @@ class SyntheticSource:
     MAX_PAIRS = 8  # a 2-layer d=64 transformer learns recall across a 96-token gap in ~2k steps of batch 32
 
     def __init__(self, task: str, seed: int, seq_len: int, vocab_size: int, eot_id: int, pairs: int = 8) -> None:
-
         if seq_len < 8:
             raise DataError(f"synthetic data needs train.seq_len >= 8, got {seq_len}")
         self.task, self.seed, self.seq_len = task, seed, seq_len

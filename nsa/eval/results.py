@@ -27,7 +27,6 @@ def run_dir_of(path: str | Path) -> Path:
     return folder
 
 
-
 def build_payload(task: str, rows: list[dict[str, Any]], *, run: str | Path | None, checkpoint: str | Path | None,
                   settings: dict[str, Any], env: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"task", "run", "checkpoint", "step", "weights", "results", "settings", "env"}``: ``step`` and

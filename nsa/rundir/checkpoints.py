@@ -25,7 +25,6 @@ from typing import Any
 from nsa.errors import CheckpointError
 from nsa.rundir.layout import CHECKPOINTS_DIR, EXPORT_INFO
 
-CKPT_DIR = CHECKPOINTS_DIR
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_SCHEMA = 2  # 2: per-file SHA-256 under "sha256"
@@ -108,7 +107,7 @@ def verify(path: Path) -> Verdict:
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first (sizes checked, checksums not)."""
-    root = Path(run_dir) / CKPT_DIR
+    root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
@@ -123,7 +122,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def newest_verified(run_dir: Path) -> tuple[Path | None, list[Verdict]]:
     """The newest checkpoint that verifies, walking back from the newest folder; also the verdicts of
     the newer ``step_*`` folders that were skipped (incomplete or corrupted), newest first."""
-    root = Path(run_dir) / CKPT_DIR
+    root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return None, []
     folders = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=step_of, reverse=True)

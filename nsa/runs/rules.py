@@ -142,12 +142,6 @@ def _monitor_value(mon: MonitorConfig, name: str) -> float | None:
     return None if fld is None else float(getattr(mon, fld))
 
 
-def default_rules(monitor: MonitorConfig | None = None) -> list[ArmedRule]:
-    """Every rule, thresholds from ``monitor`` (default ``MonitorConfig()``) and not explicit."""
-    mon = monitor or MonitorConfig()
-    return [ArmedRule(n, _monitor_value(mon, n), explicit=False) for n in RULES]
-
-
 def monitor_config(state: RunState) -> MonitorConfig:
     """The run's ``monitor`` section (``config.yaml``) validated, its defaults when absent; ``ConfigError``
     naming the file when it is invalid."""
@@ -190,8 +184,6 @@ def evaluate(rules: list[ArmedRule], state: RunState, now: float, monitor: Monit
 def _points(state: RunState) -> Sequence[Mapping[str, Any]]:
     """Rank-0 progress events (the heartbeat), else training.csv rows."""
     return state.progress or state.csv_rows
-
-
 
 
 def _crashed(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
@@ -525,7 +517,6 @@ def notify(command: str, payload: dict[str, Any], timeout_s: float = 10.0) -> st
         tail = (err or "").strip().splitlines()
         return f"exit status {proc.returncode}" + (f": {tail[-1][:200]}" if tail else "")
     return None
-
 
 
 def now_iso(t: float | None = None) -> str:

@@ -560,4 +560,3 @@ def overall_verdict(verdicts: list[tuple[str, str]]) -> str:
         return "RUNNING"
     return "PASS" if all(v == "PASS" for v in names) else "INCOMPLETE"
 
-

@@ -12,8 +12,8 @@ import torch
 from nsa.config.settings import read_settings
 from nsa.envinfo import GpuProbe
 from nsa.ops import fallback_counts as counts
+from nsa.rundir.checkpoints import latest_checkpoint
 from nsa.rundir.records import METRICS_SCHEMA, Metrics
-from nsa.train import checkpoint as ckpt
 from nsa.train.telemetry import MFU_FORMULA, environment_record, peak_flops, write_json_atomic
 
 if TYPE_CHECKING:
@@ -77,7 +77,6 @@ def memory(device_type: str, device: torch.device) -> dict[str, float | None]:
 
 
 def fallback_counts() -> dict[str, int]:
-
     return dict(counts())
 
 
@@ -112,7 +111,6 @@ class Recorder:
         return new
 
     def write_env(self) -> None:
-
         s, plan = self.s, self.s.plan
         settings = {f"NSA_{k.upper()}": v for k, v in read_settings().model_dump(exclude_none=True).items()}
         record = environment_record(
@@ -256,7 +254,7 @@ class Recorder:
             "device": str(plan.rt.device), "device_name": s.device_name, "precision": plan.rt.precision,
             "world_size": s.dist.world_size,
             "resumed_from": str(plan.resume_from) if plan.resume_from else None,
-            "last_checkpoint": str(p) if (p := ckpt.latest_checkpoint(plan.run_dir)) else None,
+            "last_checkpoint": str(p) if (p := latest_checkpoint(plan.run_dir)) else None,
             "memory": memory(plan.rt.device_type, plan.rt.device),
             "fallback": fallback_counts(),
             "data": {k: v for k, v in loader_stats.items() if k != "warnings"},

@@ -15,7 +15,7 @@ from nsa.errors import ConfigError, RunDirError
 from nsa.fileio import surface_os_error
 from nsa.model import build_model
 from nsa.rundir import RunDir
-from nsa.rundir.checkpoints import sha256_file
+from nsa.rundir.checkpoints import list_checkpoints, sha256_file
 from nsa.rundir.layout import (
     CONFIG_FILE,
     EXPORT_INFO,
@@ -23,8 +23,7 @@ from nsa.rundir.layout import (
     EXPORT_WEIGHTS,
     read_halt,
 )
-from nsa.rundir.records import Anomaly
-from nsa.train.checkpoint import list_checkpoints
+from nsa.rundir.records import Anomaly, ExportInfo
 from nsa.train.telemetry import write_json_atomic
 
 
@@ -49,7 +48,6 @@ def _read_only_fs(path: Path) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:
         return False
-
 
 
 def check_fresh(run_dir: Path) -> None:
@@ -124,7 +122,6 @@ def export_model(files: RunDir, model: Any, resolved: ResolvedConfig, tokenizer:
     from safetensors.torch import save_model
 
     if full_state is not None:
-
         model = build_model(resolved.config)
         model.load_state_dict(full_state)
 
@@ -142,7 +139,7 @@ def export_model(files: RunDir, model: Any, resolved: ResolvedConfig, tokenizer:
             "path": resolved.config.data.tokenizer_path,
         }
         (tmp / EXPORT_TOKENIZER).write_text(json.dumps(tok, indent=2) + "\n")
-        info = {"step": step, "sha256": sha256_file(tmp / EXPORT_WEIGHTS), "time": time.time()}
+        info: ExportInfo = {"step": step, "sha256": sha256_file(tmp / EXPORT_WEIGHTS), "time": time.time()}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)

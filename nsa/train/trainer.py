@@ -31,6 +31,7 @@ from nsa.errors import CheckpointError, ConfigError, NSAError
 from nsa.fileio import os_error_in, write_failure
 from nsa.model import build_model
 from nsa.model.load import read_init_weights
+from nsa.rundir.checkpoints import STATE_FORMAT, newest_verified, read_manifest
 from nsa.rundir.layout import WATCHDOG_PREFIX
 from nsa.rundir.records import Anomaly, Metrics
 from nsa.train import checkpoint as ckpt
@@ -156,7 +157,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         return self.plan.alloc_conf_note
 
     def _check_resume_manifest(self, path: Path) -> None:
-        manifest = fill_legacy(ckpt.read_manifest(path) or {})
+        manifest = fill_legacy(read_manifest(path) or {})
         check_same_model(self.cfg.model_dump(mode="json"), manifest, path)
         done = int(manifest.get("step", 0))
         if self.cfg.train.steps < done:
@@ -321,7 +322,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         s.state.elapsed_s = clock.elapsed()
         state = s.checkpointable.state_dict()
         config = s.cfg.model_dump(mode="json")
-        state.update(format=ckpt.STATE_FORMAT, config=config)
+        state.update(format=STATE_FORMAT, config=config)
         extra = {
             "run_name": s.plan.run_name, "world_size": s.dist.world_size, "reason": reason,
             "tokens_seen": s.state.tokens_seen, "loss": s.state.last_loss, "model": config["model"],
@@ -354,7 +355,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         return result
 
     def _anomaly(self, s: Session, rec: Recorder, step: int, kind: str, value: float, r: StepOutcome) -> TrainResult:
-        last_good, _ = ckpt.newest_verified(s.plan.run_dir)
+        last_good, _ = newest_verified(s.plan.run_dir)
         record_path = s.plan.files.anomaly(step)
         if s.dist.is_main:
             record: Anomaly = {

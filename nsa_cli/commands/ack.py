@@ -44,8 +44,8 @@ def ack(
 
             raise fail(write_failure(exc, Path(run_dir) / "alarms.jsonl"), hint="make the run directory writable") from None
     if as_json:
-        render.print_json(render.jsonable({"run_dir": str(run_dir), "acknowledged": [
-            {"rule": a.rule, "step": a.step, "session": a.session, "message": a.message, "note": a.note} for a in done]}))
+        render.print_json({"run_dir": str(run_dir), "acknowledged": [
+            {"rule": a.rule, "step": a.step, "session": a.session, "message": a.message, "note": a.note} for a in done]})
         return
     if not done:
         typer.echo(f"no open alarm in {run_dir}")

@@ -43,7 +43,7 @@ def halt(
             con.print(f"writing .HALT in {run_dir}, then waiting up to {timeout:g} s for the trainer to acknowledge...")
         out = halt_run(run_dir, reason, wait=wait, timeout_s=timeout)
     if as_json:
-        render.print_json(render.jsonable(out.to_dict()))
+        render.print_json(out.to_dict())
     else:
         text = render.styled(out.outcome)
         text.append(f": {out.message}")

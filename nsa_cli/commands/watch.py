@@ -101,7 +101,6 @@ def _identity(state: Any, s: Any, inner: int) -> list[Any]:
     return [head] + [_line(x, inner) for x in render.pack(segments, inner)]
 
 
-
 def _progress(s: Any, inner: int) -> Any:
     """``RUNNING  step 40/100 ████░░ 40.0%  elapsed 1m02s  ETA 1m30s``."""
     from rich.text import Text
@@ -376,8 +375,8 @@ class _View:
         from nsa_cli import render
 
         if as_json:
-            render.print_json(render.jsonable({**self.dog.payload(snap), "config": snap.state.config,
-                                               "env": snap.state.env}))
+            render.print_json({**self.dog.payload(snap), "config": snap.state.config,
+                                               "env": snap.state.env})
             return
         con = render.console()
         con.print(self.panel(snap, con.width))
@@ -400,13 +399,13 @@ class _View:
         return last
 
     def line(self, snap: Any, mode: str) -> None:
+        from nsa.fileio import json_safe
         from nsa.runs.rules import now_iso
         from nsa.runs.watchdog import line_record
-        from nsa_cli import render
 
         st, summ, now = snap.state, snap.summary, snap.time
         if mode == "json":
-            typer.echo(json.dumps(render.jsonable(line_record(self.dog, snap)), default=str))
+            typer.echo(json.dumps(json_safe(line_record(self.dog, snap)), default=str))
             return
         stamp = now_iso(now)
         typer.echo(status_line(summ, snap.alarms, now))

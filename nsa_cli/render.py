@@ -51,6 +51,34 @@ def json_outputs(payload: Any, *, as_json: bool, json_out: Any = None, indent: i
         print_json(payload)
 
 
+class Output:
+    """A command's one output sink (as the ``hf`` CLI's): with ``--json`` the result is the only thing on stdout
+    and every human line goes to stderr; without it the human lines and tables go to stdout. ``result`` prints
+    the payload as JSON, or calls the human rendering."""
+
+    def __init__(self, as_json: bool = False) -> None:
+        self.as_json = as_json
+        self.console = console(stderr=as_json)
+
+    def say(self, text: str) -> None:
+        """A human line (printed verbatim: never read as markup)."""
+        self.console.print(text, highlight=False, markup=False)
+
+    def show(self, renderable: Any) -> None:
+        """A table or styled text."""
+        self.console.print(renderable)
+
+    def warn(self, text: str) -> None:
+        print(f"warning: {text}", file=sys.stderr)
+
+    def result(self, payload: Any, human: Any = None) -> None:
+        """``payload`` as JSON on stdout with ``--json``; else ``human()`` when given."""
+        if self.as_json:
+            print_json(payload)
+        elif human is not None:
+            human()
+
+
 def _default(obj: Any) -> Any:
     if hasattr(obj, "to_dict"):
         return obj.to_dict()

@@ -43,14 +43,17 @@ def ack(
             from nsa.fileio import write_failure
 
             raise fail(write_failure(exc, Path(run_dir) / "alarms.jsonl"), hint="make the run directory writable") from None
-    if as_json:
-        render.print_json({"run_dir": str(run_dir), "acknowledged": [
-            {"rule": a.rule, "step": a.step, "session": a.session, "message": a.message, "note": a.note} for a in done]})
-        return
-    if not done:
-        typer.echo(f"no open alarm in {run_dir}")
-    for a in done:
-        typer.echo(f"acknowledged {a.describe()}")
+    out = render.Output(as_json)
+
+    def human() -> None:
+        if not done:
+            out.say(f"no open alarm in {run_dir}")
+        for a in done:
+            out.say(f"acknowledged {a.describe()}")
+
+    out.result({"run_dir": str(run_dir), "acknowledged": [
+        {"rule": a.rule, "step": a.step, "session": a.session, "message": a.message, "note": a.note} for a in done]},
+        human)
 
 
 def register(app: typer.Typer) -> None:

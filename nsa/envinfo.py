@@ -147,11 +147,13 @@ def quietly(fn: Any, *args: Any) -> Any:
         return None
 
 
-class MemoryErrorProbe:
-    """GPU memory errors of one device through NVML, for the heartbeat: ``{"ecc_uncorrected", "retired_pages"}``
-    (volatile uncorrected ECC errors since the driver loaded; pages retired for double-bit errors). ``read()``
-    is None when NVML cannot say (no library, no ECC support, the device not found) and never raises. Xid
-    events are not counters NVML keeps; they are in the kernel log."""
+class GpuProbe:
+    """One device through NVML, for the heartbeat. ``read()``: its memory errors ``{"ecc_uncorrected",
+    "retired_pages"}`` (volatile uncorrected ECC errors since the driver loaded; pages retired for double-bit
+    errors); ``usage()``: ``{"gpu_util_pct", "gpu_mem_used_mib"}`` (utilisation over the driver's last sample
+    period and memory used by every process: what ``nvidia-smi dmon`` shows). Each is None when NVML cannot
+    say (no library, no ECC support, the device not found) and never raises. Xid events are not counters NVML
+    keeps; they are in the kernel log."""
 
     def __init__(self, uuid: str | None) -> None:
         self._nvml: Any = None
@@ -177,6 +179,15 @@ class MemoryErrorProbe:
         out = {k: int(v) for k, v in (("ecc_uncorrected", ecc), ("retired_pages", len(pages) if pages is not None else None))
                if v is not None}
         return out or None
+
+    def usage(self) -> dict[str, float | None]:
+        nv, h = self._nvml, self._handle
+        if nv is None or h is None:
+            return {"gpu_util_pct": None, "gpu_mem_used_mib": None}
+        util = quietly(nv.nvmlDeviceGetUtilizationRates, h)
+        mem = quietly(nv.nvmlDeviceGetMemoryInfo, h)
+        return {"gpu_util_pct": float(util.gpu) if util is not None else None,
+                "gpu_mem_used_mib": mem.used / 2**20 if mem is not None else None}
 
     def close(self) -> None:
         if self._nvml is not None:

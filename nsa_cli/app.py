@@ -7,13 +7,17 @@ itself (the traceback names the module), never a command missing from ``nsa --he
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import typer
+from typer._click import exceptions as click  # typer vendors its click; its exceptions live here
+from typer.core import TyperGroup
 
 from nsa import __version__
 from nsa.errors import NSAError
 from nsa_cli.commands import (
+    ack,
     bench,
     dump,
     export,
@@ -27,10 +31,42 @@ from nsa_cli.commands import (
     watch,
 )
 from nsa_cli.commands import eval as eval_command
-from nsa_cli.errors import STATE
+from nsa_cli.errors import EXIT_INTERRUPTED, STATE, usage_line
+
+
+class Group(TyperGroup):
+    """The ``nsa`` group: a usage error (``--steps abc``, an unknown option) is one ``error:`` line with a
+    hint and exit code 2, not a box; Ctrl-C outside a command's own handling exits 130 with one line."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False,
+                              windows_expand_args=windows_expand_args, **extra)
+        except click.NoArgsIsHelpError as exc:  # `nsa`, `nsa bench`: the help, exit 2
+            if not standalone_mode:
+                raise
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            if not standalone_mode:
+                raise
+            typer.echo(usage_line(exc) if isinstance(exc, click.UsageError) else f"error: {exc.format_message()}",
+                       err=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            if not standalone_mode:
+                raise
+            typer.echo("interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        if standalone_mode:
+            sys.exit(rv if isinstance(rv, int) else 0)
+        return rv
+
 
 app = typer.Typer(
     name="nsa",
+    cls=Group,
     help="Train and operate Native Sparse Attention language models.",
     no_args_is_help=True,
     add_completion=True,
@@ -39,8 +75,8 @@ app = typer.Typer(
 )
 
 # Each module exposes ``register(app)``; order is the order of ``nsa --help``.
-COMMAND_MODULES = (preflight, smoke, train, watch, halt, dump, report, sample, eval_command, export, profiles, bench)
-
+COMMAND_MODULES = (preflight, smoke, train, watch, ack, halt, dump, report, sample, eval_command, export, profiles,
+                   bench)
 
 
 def _version(value: bool) -> None:
@@ -73,6 +109,8 @@ def main() -> None:
         app(standalone_mode=True)
     except NSAError as exc:  # raised outside a command's own handler
         if STATE["debug"]:
-            raise
+            import traceback
+
+            traceback.print_exc()
         typer.echo(f"error: {exc.one_line()}", err=True)
         sys.exit(2)

@@ -1,4 +1,5 @@
-"""Spellings the CLI had before its conventions were made one (deprecated, read until the next release).
+"""Spellings the CLI had before its conventions were made one (deprecated, read until the date of
+:data:`nsa.deprecation.PRE_RELEASE_UNTIL`; a test fails once it has passed).
 
 - ``--json`` prints JSON to stdout in every command; the five commands that wrote a file with ``--json PATH``
   (``nsa eval``, ``nsa bench attention|train|decode|retrieval``) take ``--json-out PATH`` for that, and
@@ -18,12 +19,12 @@ from typing import Any, ClassVar
 import typer
 from typer.core import TyperCommand
 
-NEXT_RELEASE = "read until the next release"
+from nsa.deprecation import READ_UNTIL
 
 
 def deprecation(old: str, new: str, why: str = "") -> str:
     """The one stderr line of a deprecated spelling."""
-    return f"warning: {old} is deprecated ({NEXT_RELEASE}): use {new}" + (f"; {why}" if why else "")
+    return f"warning: {old} is deprecated ({READ_UNTIL}): use {new}" + (f"; {why}" if why else "")
 
 
 class Command(TyperCommand):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+import traceback
 from collections.abc import Iterator
+from typing import Any
 
 import typer
 
@@ -11,6 +14,7 @@ from nsa.errors import NSAError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_WATCHDOG = 3  # the watchdog halted the run (nsa.rundir.layout.EXIT_WATCHDOG; kept light: no import here)
+EXIT_INTERRUPTED = 130  # the operator's Ctrl-C (128 + SIGINT, as shells report it)
 
 
 def fail(message: str, hint: str | None = None, code: int = EXIT_USAGE) -> typer.Exit:
@@ -26,14 +30,27 @@ STATE = {"debug": False}
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Wrap a command body: ``NSAError`` -> one line on stderr, exit 2 (traceback with --debug)."""
+    """Wrap a command body: ``NSAError`` -> one line on stderr, exit 2 (with ``--debug`` the traceback first,
+    and still exit 2)."""
     try:
         yield
     except NSAError as exc:
-        if STATE["debug"]:
-            raise
+        _debug_traceback()
         raise fail(exc.message, exc.hint) from None
     except FileNotFoundError as exc:
-        if STATE["debug"]:
-            raise
+        _debug_traceback()
         raise fail(f"file not found: {exc.filename}") from None
+
+
+def _debug_traceback() -> None:
+    """With ``--debug``: the traceback of the exception being handled, on stderr."""
+    if STATE["debug"]:
+        traceback.print_exc(file=sys.stderr)
+
+
+def usage_line(exc: Any) -> str:
+    """A click usage error as one line: ``error: Invalid value for '--steps': ... (hint: nsa train --help)``."""
+    text = " ".join(str(exc.format_message()).split())
+    ctx = getattr(exc, "ctx", None)
+    where = f"{ctx.command_path} --help" if ctx is not None else "nsa --help"
+    return f"error: {text} (hint: {where})"

@@ -31,8 +31,8 @@ def styled(status: str) -> Text:
 
 
 def print_json(data: Any) -> None:
-    """Machine-readable output on stdout (no colour, no wrapping)."""
-    sys.stdout.write(json.dumps(data, indent=2, default=_default, allow_nan=False) + "\n")
+    """Machine-readable output on stdout (no colour, no wrapping; non-finite numbers as null, paths as text)."""
+    sys.stdout.write(json.dumps(json_safe(data), indent=2, default=_default, allow_nan=False) + "\n")
 
 
 def json_outputs(payload: Any, *, as_json: bool, json_out: Any = None, indent: int = 2) -> None:
@@ -48,7 +48,35 @@ def json_outputs(payload: Any, *, as_json: bool, json_out: Any = None, indent: i
         path.write_text(json.dumps(payload, indent=indent, default=_default) + "\n")
         print(f"saved {path}", file=sys.stderr if to_stdout else sys.stdout)
     if to_stdout:
-        print_json(jsonable(payload))
+        print_json(payload)
+
+
+class Output:
+    """A command's one output sink (as the ``hf`` CLI's): with ``--json`` the result is the only thing on stdout
+    and every human line goes to stderr; without it the human lines and tables go to stdout. ``result`` prints
+    the payload as JSON, or calls the human rendering."""
+
+    def __init__(self, as_json: bool = False) -> None:
+        self.as_json = as_json
+        self.console = console(stderr=as_json)
+
+    def say(self, text: str) -> None:
+        """A human line (printed verbatim: never read as markup)."""
+        self.console.print(text, highlight=False, markup=False)
+
+    def show(self, renderable: Any) -> None:
+        """A table or styled text."""
+        self.console.print(renderable)
+
+    def warn(self, text: str) -> None:
+        print(f"warning: {text}", file=sys.stderr)
+
+    def result(self, payload: Any, human: Any = None) -> None:
+        """``payload`` as JSON on stdout with ``--json``; else ``human()`` when given."""
+        if self.as_json:
+            print_json(payload)
+        elif human is not None:
+            human()
 
 
 def _default(obj: Any) -> Any:
@@ -57,9 +85,6 @@ def _default(obj: Any) -> Any:
     if isinstance(obj, set):
         return sorted(obj)
     return str(obj)
-
-
-jsonable = json_safe  # non-finite floats -> None, paths -> str (nsa.fileio.json_safe)
 
 
 def checks_table(report: Any, title: str) -> Table:

@@ -49,7 +49,7 @@ COMMANDS = _commands()
 
 def test_every_command_is_registered() -> None:
     assert set(COMMANDS) == {
-        "preflight", "smoke", "train", "watch", "halt", "dump", "report", "sample", "eval", "export", "profiles list",
+        "preflight", "smoke", "train", "watch", "ack", "halt", "dump", "report", "sample", "eval", "export", "profiles list",
         "profiles show", "bench attention", "bench train", "bench decode", "bench retrieval", "bench quality"}
 
 
@@ -80,7 +80,7 @@ def test_json_is_a_switch_everywhere_and_files_take_json_out() -> None:
 
 
 def test_run_directories_are_paths_everywhere() -> None:
-    for path in ("watch", "halt", "dump", "sample", "eval", "report", "export"):
+    for path in ("watch", "ack", "halt", "dump", "sample", "eval", "report", "export"):
         args = [p for p in COMMANDS[path].params if p.param_type_name == "argument"]
         assert args and all(a.type_descriptor.annotation in (Path, list[Path]) for a in args), path
     for path in ("train", "smoke", "preflight"):
@@ -150,6 +150,7 @@ def _argv(path: str, tmp: Path, trained: Path) -> list[str]:
         "smoke": ["smoke", "--steps", "2", "--skip-preflight", "--out-dir", str(tmp / "smoke"), "--json"],
         "watch": ["watch", str(run), "--once", "--json"],
         "halt": ["halt", str(run), "--json"],
+        "ack": ["ack", str(run), "--reason", "checked", "--json"],
         "dump": ["dump", str(trained), "--timeout", "0.1", "--json"],  # its trainer is gone: exit 1, said in JSON
         "report": ["report", str(run), "--out", str(tmp / "rep"), "--no-charts", "--json"],
         "profiles list": ["profiles", "list", "--json"],
@@ -204,7 +205,7 @@ def test_old_json_path_spelling_is_read_with_a_deprecation_line(capsys: pytest.C
     params, err = _parsed(["bench", "attention", "--tiny", "--json", "out.json"], capsys)
     assert params["json_out"] == Path("out.json") and params["as_json"] is False
     assert err.strip().splitlines() == [
-        "warning: --json PATH is deprecated (read until the next release): use --json-out PATH; "
+        "warning: --json PATH is deprecated (read until 2027-03-01): use --json-out PATH; "
         "--json alone prints the JSON to stdout"]
     params, err = _parsed(["bench", "train", "--json=t.json", "--tiny"], capsys)
     assert params["json_out"] == Path("t.json") and "deprecated" in err
@@ -221,7 +222,7 @@ def test_old_json_path_spelling_is_read_with_a_deprecation_line(capsys: pytest.C
 def test_old_short_flags_are_read_with_a_deprecation_line(capsys: pytest.CaptureFixture[str]) -> None:
     params, err = _parsed(["sample", "RUN", "-p", "Once upon"], capsys)
     assert params["prompt"] == "Once upon"
-    assert err.strip() == ("warning: -p is deprecated (read until the next release): use --prompt; "
+    assert err.strip() == ("warning: -p is deprecated (read until 2027-03-01): use --prompt; "
                            "-p means --profile in every command")
     params, err = _parsed(["report", "RUN", "-o", "out.md"], capsys)
     assert params["out"] == Path("out.md") and "use --out; -o means --out-dir in every command" in err
@@ -243,7 +244,7 @@ def test_a_deprecated_spelling_runs_end_to_end(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["path"] == str(out) and out.is_file()
     assert [ln for ln in res.stderr.splitlines() if "deprecated" in ln] == [
-        "warning: -o is deprecated (read until the next release): use --out; -o means --out-dir in every command"]
+        "warning: -o is deprecated (read until 2027-03-01): use --out; -o means --out-dir in every command"]
 
 
 def test_the_docs_use_todays_spellings(capsys: pytest.CaptureFixture[str]) -> None:

@@ -81,9 +81,9 @@ def test_moved_keys_are_read_with_one_note_each(tmp_path: Path) -> None:
     assert r.config.optimizer.lr == 0.01 and r.config.checkpoint.every == 5
     assert r.sources["optimizer.lr"] == "--set train.lr" and r.sources["checkpoint.every"] == "--set train.save_every"
     assert r.notes == [
-        "--set train.lr: train.lr is deprecated, use optimizer.lr (the old key is read until the next release)",
+        "--set train.lr: train.lr is deprecated, use optimizer.lr (the old key is read until 2027-03-01)",
         "--set train.save_every: train.save_every is deprecated, use checkpoint.every (the old key is read until "
-        "the next release)"]
+        "2027-03-01)"]
     old = tmp_path / "old.yaml"
     old.write_text(yaml.safe_dump({"train": {"steps": 9, "log_every": 3, "eval_every": 0, "warmup_steps": 1}}))
     r = load_run_config(old, environ={})

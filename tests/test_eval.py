@@ -19,6 +19,7 @@ from nsa.data.retrieval import TaskLayout, needle_position
 from nsa.errors import ConfigError
 from nsa.eval.tasks import check_contexts, eval_loss, eval_mqar, eval_needle
 from nsa.model.lm import NSALM, LMOutput
+from nsa.rundir.records import EvalResult
 from nsa_cli.app import app
 
 LAYOUT = TaskLayout.for_vocab(256, 0)  # the byte vocabulary: keys 192..223, values 224..255
@@ -191,7 +192,8 @@ def test_cli_needle_end_to_end(tiny_run: Path, tmp_path: Path) -> None:
                                  "--samples", "4", "--json-out", str(out))
     assert code == 0, stderr
     data = json.loads(out.read_text())
-    assert set(data) == {"task", "run", "checkpoint", "results", "settings", "env"}
+    assert set(data) == set(EvalResult.__annotations__)  # schema, task, run, checkpoint, step, weights, results, ...
+    assert data["step"] == 3 and data["weights"]["sha256"]
     assert data["task"] == "needle" and data["run"] == str(tiny_run)
     assert data["checkpoint"] == str(tiny_run / "export" / "model.safetensors")
     assert [(r["context"], r["depth"]) for r in data["results"]] == [(c, d) for c in (16, 32) for d in (0.0, 0.5, 1.0)]

@@ -79,7 +79,8 @@ _ALL_ABOVE_OPS = ("nsa.config", "nsa.model", "nsa.train", "nsa.runs", "nsa.rundi
                   "nsa.checks", "nsa.bench", "nsa.hf", "nsa_cli", "nsa.__init__")
 CONTRACTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("nsa.ops", _ALL_ABOVE_OPS, ()),
-    ("nsa.config", ("nsa", "nsa_cli"), ("nsa.config", "nsa.configs", "nsa.errors", "nsa.fileio", "nsa.params")),
+    ("nsa.config", ("nsa", "nsa_cli"),
+     ("nsa.config", "nsa.configs", "nsa.deprecation", "nsa.errors", "nsa.fileio", "nsa.params")),
     ("nsa.model", ("nsa.train", "nsa.checks", "nsa.bench", "nsa.eval", "nsa.runs", "nsa.hf", "nsa_cli", "nsa.__init__"),
      ()),
     # the Hugging Face format sits above the model (it reads weights) and below the trainer and the CLI

@@ -22,7 +22,7 @@ from tests.conftest import write_run
 
 runner = CliRunner()
 PNG = b"\x89PNG\r\n\x1a\n"
-STALE = "watchdog: rank 0 heartbeat is 412 s old (> 300 s) at step 40"
+STALE = "watchdog: stale: rank 0 heartbeat is 412 s old (> 300 s) at step 40"  # watchdog_reason(rule, message)
 
 
 def patch_progress(run: Path, **fields: Any) -> None:
@@ -195,9 +195,13 @@ def test_stale_watchdog_halt_is_fail_hung(tmp_path: Path) -> None:
     (run / "halts").mkdir()
     (run / ".HALT").rename(run / "halts" / "HALT-20300101T000000-000001")
     assert report(run, tmp_path).verdicts[0][1].startswith("hung:")
-    # no record left at all: the reason's "watchdog:" prefix and message still say stale
+    # no record left at all: the reason names the rule ("watchdog: stale: ..."), still hung
     (run / "halts" / "HALT-20300101T000000-000001").unlink()
     assert report(run, tmp_path).verdicts[0][1].startswith("hung:")
+    # a reason of a watchdog from before the rule was part of it, without its record: a watchdog halt, rule unknown
+    old = write_run(tmp_path / "old", seed=21, end="halted", halt_reason="watchdog: rank 0 heartbeat is 412 s old")
+    assert report(old, tmp_path).verdicts[0] == ("FAIL", "watchdog rule `?` halted the run at step 40: watchdog: rank 0 "
+                                                 "heartbeat is 412 s old (40/100 steps)")
 
 
 def test_other_watchdog_halts_and_pending_ones_fail(tmp_path: Path) -> None:

@@ -324,6 +324,7 @@ def test_non_terminal_output_is_a_line_log(tmp_path: Path) -> None:
     run = write_run(tmp_path / "r", end=None, steps=20, seed=0)
 
     def trainer() -> None:
+        time.sleep(0.5)  # the watch's first refresh (its imports included) sees step 20
         for step in range(25, 45, 5):
             time.sleep(0.15)
             with open(run / "heartbeat_rank0.jsonl", "a") as f:
@@ -331,7 +332,7 @@ def test_non_terminal_output_is_a_line_log(tmp_path: Path) -> None:
 
     t = threading.Thread(target=trainer)
     t.start()
-    res = runner.invoke(app, ["watch", str(run), "--refresh", "0.1", "--timeout", "1.0"])
+    res = runner.invoke(app, ["watch", str(run), "--refresh", "0.1", "--timeout", "1.5"])
     t.join()
     assert res.exit_code == 0, res.output
     lines = [x for x in res.output.splitlines() if LINE_RE.match(x)]

@@ -47,7 +47,7 @@ def _corrupt_same_size(path: Path) -> None:
 
 def _lock_holder(run: Path) -> subprocess.Popen[str]:
     """Another process holding the run's lock (what a running trainer does)."""
-    code = (f"import sys, time; from nsa.train.rundir import RunLock; RunLock({str(run)!r}).acquire(); "
+    code = (f"import sys, time; from nsa.train.lock import RunLock; RunLock({str(run)!r}).acquire(); "
             "print('locked', flush=True); time.sleep(120)")
     run.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=clean_env())
@@ -115,7 +115,7 @@ def test_a_live_run_refuses_a_second_trainer_and_stays_whole(tmp_path: Path) -> 
 ])
 def test_halt_file_of_any_shape_gives_a_reason(tmp_path: Path, payload: bytes, reason: str) -> None:
     (tmp_path / ".HALT").write_bytes(payload)
-    assert rundir.read_halt(tmp_path, settle_s=0.05) == reason
+    assert rundir.halt_request(tmp_path, settle_s=0.05)[0] == reason
 
 
 def test_a_non_utf8_halt_file_halts_with_a_checkpoint(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from nsa.rundir.layout import HALT_FILE, parse_halt
-from nsa.runs.reader import read_halt_file
-from nsa.train.rundir import read_halt
+from nsa.runs.reader import halt_record
+from nsa.train.rundir import halt_request
 
 
 @pytest.mark.parametrize(
@@ -27,10 +27,10 @@ def test_parse_halt(text: str, record: dict[str, str], partial: bool) -> None:
 
 def test_trainer_and_reader_agree_on_a_halt_file(tmp_path: Path) -> None:
     (tmp_path / HALT_FILE).write_text('{"reason": "operator: maintenance", "who": "ops"}')
-    assert read_halt(tmp_path, settle_s=0) == "operator: maintenance"
-    rec = read_halt_file(tmp_path)
+    assert halt_request(tmp_path, settle_s=0)[0] == "operator: maintenance"
+    rec = halt_record(tmp_path)
     assert rec is not None and rec["reason"] == "operator: maintenance" and rec["who"] == "ops" and rec["time"] > 0
     (tmp_path / HALT_FILE).write_text("")
-    assert read_halt(tmp_path, settle_s=0) == "halt file"
-    rec = read_halt_file(tmp_path)
+    assert halt_request(tmp_path, settle_s=0)[0] == "halt file"
+    rec = halt_record(tmp_path)
     assert rec is not None and rec["reason"] == "(empty .HALT)"

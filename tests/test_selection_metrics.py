@@ -18,10 +18,11 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from nsa.rundir.records import VAL_CSV_HEADER
 from nsa.runs.reader import read_run
 from nsa.runs.report import build_report, selection_reading
 from nsa.runs.summary import summarize
-from nsa.train.telemetry import VAL_CSV_HEADER, CsvLog
+from nsa.train.telemetry import CsvLog
 from nsa.train.trainer import Trainer
 from nsa_cli.app import app
 from tests.conftest import csv_rows, events, quiet, resolve

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from nsa.rundir.checkpoints import latest_checkpoint
 from nsa.runs.dump import dump_stacks
-from nsa.train.checkpoint import latest_checkpoint, load_state
+from nsa.train.checkpoint import load_state
 
 TINY = ["--config", "tiny", "--seq-len", "32", "--batch-size", "2", "--set", "logging.every=1",
         "--set", "schedule.warmup_steps=2", "--set", "runtime.deterministic=true"]

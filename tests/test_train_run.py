@@ -15,8 +15,9 @@ import yaml
 from typer.testing import CliRunner
 
 from nsa.config import load_run_config
-from nsa.train.checkpoint import latest_checkpoint, list_checkpoints, load_state
-from nsa.train.telemetry import COMMON_FIELDS, EVENT_FIELDS, TRAIN_CSV_HEADER, VAL_CSV_HEADER
+from nsa.rundir.checkpoints import latest_checkpoint, list_checkpoints
+from nsa.rundir.records import COMMON_FIELDS, EVENT_FIELDS, TRAIN_CSV_HEADER, VAL_CSV_HEADER
+from nsa.train.checkpoint import load_state
 from nsa.train.trainer import Trainer
 from tests.conftest import cli_trainer_hook, csv_rows, events, halt_at, nan_loss_at, quiet, resolve, signal_at
 
@@ -52,7 +53,8 @@ def test_run_directory_is_complete(full_run: Path) -> None:
     assert [p.name for p in list_checkpoints(full_run)] == ["step_00000016"]  # keep_last=1 pruned step 8
     assert not [p for p in (full_run / "checkpoints").iterdir() if p.name.startswith(".tmp")]
     assert list((full_run / "tb").glob("events.out.tfevents.*"))
-    assert {p.name for p in (full_run / "export").iterdir()} == {"model.safetensors", "config.yaml", "tokenizer.json"}
+    assert {p.name for p in (full_run / "export").iterdir()} == {"model.safetensors", "config.yaml", "tokenizer.json",
+                                                             "export.json"}
     cfg = yaml.safe_load((full_run / "config.yaml").read_text())
     assert cfg["train"]["steps"] == 16 and cfg["train"]["seq_len"] == 32 and set(cfg) == {"model", "nsa", "runtime", "train", "optimizer", "schedule", "checkpoint", "logging", "eval", "scorer", "data", "monitor"}
     assert "# _sources" in (full_run / "config.yaml").read_text()
@@ -126,14 +128,19 @@ def test_halt_file_then_resume_archives_stale_halt(tmp_path: Path) -> None:
     assert ckpt is not None and halt["checkpoint"] == str(ckpt) and ckpt.name == f"step_{result.steps_done:08d}"
     assert evs[-1]["event"] == "end" and evs[-1]["status"] == "halted"
     assert json.loads((run / "metrics.json").read_text())["status"] == "halted"
-    assert (run / ".HALT").exists()
-
-    # resume: the .HALT from before is archived, not obeyed
-    resumed = Trainer(resolve(run, result.steps_done + 2, train__resume="auto", checkpoint__every=0), reporter=quiet()).fit()
-    assert resumed.status == "completed" and resumed.steps_done == result.steps_done + 2
+    # the .HALT acted on is retired into halts/ (issue 34: it no longer warns on every resume)
     assert not (run / ".HALT").exists()
-    archived = list((run / "halts").iterdir())
-    assert len(archived) == 1 and "operator test" in archived[0].read_text()
+    (retired,) = list((run / "halts").iterdir())
+    assert retired.name.endswith("-acted") and "operator test" in retired.read_text()
+
+    # resume: a .HALT written while no trainer ran is archived, not obeyed
+    (run / ".HALT").write_text("written while stopped")
+    out = quiet()
+    resumed = Trainer(resolve(run, result.steps_done + 2, train__resume="auto", checkpoint__every=0), reporter=out).fit()
+    assert resumed.status == "completed" and resumed.steps_done == result.steps_done + 2
+    assert not (run / ".HALT").exists() and "stale .HALT" in out.text()
+    archived = sorted((run / "halts").iterdir())
+    assert len(archived) == 2 and "written while stopped" in (set(archived) - {retired}).pop().read_text()
     steps = [int(r["step"]) for r in csv_rows(run / "training.csv")]
     assert steps == list(range(1, result.steps_done + 3))
     # resuming a finished run changes nothing and completes at once

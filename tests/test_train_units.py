@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from nsa.errors import CheckpointError
+from nsa.rundir import RunDir
 from nsa.train import checkpoint as ckpt
-from nsa.train.rundir import archive_stale_halt, read_halt
+from nsa.train.rundir import archive_stale_halt, halt_request
 from nsa.train.schedule import build_scheduler, lr_multiplier, schedule_lrs
 from nsa.train.signals import SignalFlags
 from nsa.train.telemetry import CsvLog, Heartbeat, peak_flops, recorded_environment, redact_env
@@ -87,13 +88,13 @@ def test_checkpoint_save_replaces_incomplete_folder_of_same_step(tmp_path: Path)
 
 
 def test_halt_file_reading_and_archive(tmp_path: Path) -> None:
-    assert read_halt(tmp_path) is None
+    assert halt_request(tmp_path) is None
     (tmp_path / ".HALT").write_text(json.dumps({"reason": "loss spike", "who": "watch"}))
-    assert read_halt(tmp_path) == "loss spike"
+    assert halt_request(tmp_path)[0] == "loss spike"
     (tmp_path / ".HALT").write_text("  maintenance window \n")
-    assert read_halt(tmp_path) == "maintenance window"
+    assert halt_request(tmp_path)[0] == "maintenance window"
     (tmp_path / ".HALT").write_text("")
-    assert read_halt(tmp_path, settle_s=0.05) == "halt file"
+    assert halt_request(tmp_path, settle_s=0.05)[0] == "halt file"
 
 
 def test_halt_file_caught_mid_write_is_reread(tmp_path: Path) -> None:
@@ -104,15 +105,15 @@ def test_halt_file_caught_mid_write_is_reread(tmp_path: Path) -> None:
         (tmp_path / ".HALT").write_text(partial)
         writer = threading.Timer(0.05, lambda: (tmp_path / ".HALT").write_text('{"reason": "disk full"}'))
         writer.start()
-        assert read_halt(tmp_path, settle_s=5.0) == "disk full"
+        assert halt_request(tmp_path, settle_s=5.0)[0] == "disk full"
         writer.join()
 
 
 def test_halt_archive(tmp_path: Path) -> None:
     (tmp_path / ".HALT").write_text("stop")
-    dest = archive_stale_halt(tmp_path)
+    dest = archive_stale_halt(RunDir(tmp_path))
     assert dest is not None and dest.parent.name == "halts" and not (tmp_path / ".HALT").exists()
-    assert archive_stale_halt(tmp_path) is None
+    assert archive_stale_halt(RunDir(tmp_path)) is None
 
 
 def test_redaction_of_secrets() -> None:
@@ -140,7 +141,7 @@ def test_csv_resume_truncates_later_rows(tmp_path: Path) -> None:
 
 
 def test_heartbeat_rejects_fields_outside_the_schema(tmp_path: Path) -> None:
-    hb = Heartbeat(tmp_path, 3)
+    hb = Heartbeat(RunDir(tmp_path).heartbeat(3), 3)
     rec = hb.emit("end", 7, status="completed", error=None)
     with pytest.raises(ValueError, match="schema"):
         hb.emit("end", 7, status="completed")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nsa.bench.timing import make_timer
+from nsa.bench.timing import make_timer, noise_note
 from nsa.ops import NSAParams, compress_avg, nsa_attention, tile_overrides, use_backend
 
 SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
@@ -53,6 +53,7 @@ class AttentionRow:
     nsa_fwd_gflop: float = 0.0
     dense_fwd_gflop: float = 0.0
     notes: list[str] = field(default_factory=list)
+    noisy: list[str] = field(default_factory=list)  # timings whose repetitions spread too much to be read
 
     @property
     def speedup_fwd(self) -> float | None:
@@ -184,8 +185,12 @@ def bench_one(
     leaves = [q, k_raw, v_raw, k_sel, v_sel, k_win, v_win, gates]
     base_timer = make_timer(dev, warmup_ms, rep_ms, cpu_reps=3)
 
-    def timer(fn: Callable[[], Any], *, grad: bool = True) -> float:
-        return base_timer(_graphed(fn, grad=grad) if row.cuda_graph else fn)
+    def timer(fn: Callable[[], Any], *, grad: bool = True, what: str = "") -> float:
+        ms = base_timer(_graphed(fn, grad=grad) if row.cuda_graph else fn)
+        note = noise_note(what, base_timer.spread)
+        if note is not None:
+            row.noisy.append(note)
+        return ms
 
     def nsa() -> torch.Tensor:
         with use_backend(backend):
@@ -198,8 +203,8 @@ def bench_one(
     row.dense_fwd_gflop = dense_fwd_flops(S, HQ, D, D, batch) / 1e9
     say(f"{shape} S={S}: NSA ({backend})")
     with torch.no_grad():
-        row.nsa_fwd_ms = timer(nsa, grad=False)
-    row.nsa_fwdbwd_ms = timer(_fwdbwd(nsa, grad, leaves))
+        row.nsa_fwd_ms = timer(nsa, grad=False, what="NSA forward")
+    row.nsa_fwdbwd_ms = timer(_fwdbwd(nsa, grad, leaves), what="NSA forward+backward")
     row.nsa_peak_mib = _peak_mib(dev, _fwdbwd(nsa, grad, leaves))
 
     if dense:
@@ -212,8 +217,8 @@ def bench_one(
 
         say(f"{shape} S={S}: dense SDPA")
         with torch.no_grad():
-            row.dense_fwd_ms = timer(sdpa, grad=False)
-        row.dense_fwdbwd_ms = timer(_fwdbwd(sdpa, gt, [qt, kt, vt]))
+            row.dense_fwd_ms = timer(sdpa, grad=False, what="dense forward")
+        row.dense_fwdbwd_ms = timer(_fwdbwd(sdpa, gt, [qt, kt, vt]), what="dense forward+backward")
         row.dense_peak_mib = _peak_mib(dev, _fwdbwd(sdpa, gt, [qt, kt, vt]))
 
     parallel_nsa = _peer() if peer and dev.type == "cuda" else None
@@ -240,8 +245,8 @@ def bench_one(
                                      "include the length)")
                 say(f"{shape} S={S}: fla parallel_nsa")
                 with torch.no_grad():
-                    row.peer_fwd_ms = timer(fla, grad=False)
-                row.peer_fwdbwd_ms = timer(_fwdbwd(fla, grad, [q, k_sel, v_sel, g_c, g_s]))
+                    row.peer_fwd_ms = timer(fla, grad=False, what="fla forward")
+                row.peer_fwdbwd_ms = timer(_fwdbwd(fla, grad, [q, k_sel, v_sel, g_c, g_s]), what="fla forward+backward")
             except Exception as exc:  # a peer failure must not hide our numbers
                 row.notes.append(f"fla parallel_nsa failed: {type(exc).__name__}: {exc}"[:200])
     return row

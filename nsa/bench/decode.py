@@ -81,8 +81,6 @@ class DecodeRow:
         return out
 
 
-
-
 def _graph(fn: Callable[[], Any], device: torch.device) -> Callable[[], None] | None:
     """``fn`` captured as a CUDA graph (replay callable), or ``None`` off CUDA or if capture fails."""
     if device.type != "cuda":

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from nsa.bench.progress import Eta
 from nsa.bench.retrieval import RetrievalRecipe, learn_retrieval
 from nsa.config import ResolvedConfig, load_run_config, parse_set
 from nsa.data.retrieval import RetrievalTask
@@ -32,6 +33,7 @@ from nsa.errors import ConfigError
 from nsa.eval.tasks import eval_selection
 from nsa.model.load import load_model
 from nsa.rundir import RunDir
+from nsa.rundir.records import Metrics
 from nsa.train.events import PlainReporter
 from nsa.train.trainer import Trainer
 
@@ -112,7 +114,7 @@ def _resolve(config: str, sets: list[str]) -> ResolvedConfig:
     return load_run_config(config=config, sets=sets)
 
 
-def _quiet_train(resolved: ResolvedConfig, log: Callable[[str], None] | None) -> dict[str, Any]:
+def _quiet_train(resolved: ResolvedConfig, log: Callable[[str], None] | None) -> Metrics:
     """Train ``resolved`` (its lines to ``log``, or nowhere) and return ``metrics.json``'s content."""
     buf = io.StringIO()
     result = Trainer(resolved, reporter=PlainReporter(buf)).fit()
@@ -142,7 +144,9 @@ def selection_of(run_dir: Path, queries: int = 64, batches: int = 1) -> list[dic
 
 def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,
                  queries: int = 64, log: Callable[[str], None] | None = None) -> QualityRow:
-    """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it."""
+    """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it. The run is
+    named ``<arm>-seed<seed>`` (``<arm>-warm-seed<seed>`` for a warm-start's dense part), so reports and
+    charts of several runs tell them apart."""
     run_dir = out_dir / arm.name / f"seed{seed}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -154,7 +158,7 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
         warm_steps = max(1, round(steps * arm.warm_frac))
         warm_dir = run_dir / "warm-dense"
         warm = _resolve(config, [*common, "model.attention=dense", f"train.steps={warm_steps}", "eval.every=0",
-                                 f"train.out_dir={warm_dir}"])
+                                 f"train.out_dir={warm_dir}", f"train.run_name={arm.name}-warm-seed{seed}"])
         m = _quiet_train(warm, log)
         seconds += float(m.get("elapsed_s") or 0.0)
         row.loss_curve = loss_curve(warm_dir)
@@ -164,7 +168,7 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
         steps_main = steps
     main_dir = run_dir / "main" if arm.warm_frac > 0 else run_dir
     resolved = _resolve(config, [*common, *arm.sets, f"train.steps={steps_main}", f"eval.every={steps_main}",
-                                 f"train.out_dir={main_dir}", *init])
+                                 f"train.out_dir={main_dir}", f"train.run_name={arm.name}-seed{seed}", *init])
     m = _quiet_train(resolved, log)
     seconds += float(m.get("elapsed_s") or 0.0)
     row.loss_curve += loss_curve(main_dir, offset=steps - steps_main)
@@ -215,5 +219,76 @@ def relative_to_dense(rows: list[QualityRow]) -> dict[str, float | None]:
     return {a: (m / dense - 1.0) if dense else None for a, m in means.items()}
 
 
-__all__ = ["ARMS", "Arm", "QualityRow", "parse_arm", "relative_to_dense", "run_needle_arm",
-           "run_text_arm", "selection_of"]
+@dataclass
+class QualitySpec:
+    """One ``nsa bench quality``: every arm of ``arms`` trained once per seed on ``task`` (``text``: held-out
+    loss and selection over ``steps``; ``needle``: single-needle retrieval; ``both``)."""
+
+    config: str
+    sets: list[str]
+    arms: list[Arm]
+    seeds: list[int]
+    steps: int
+    out_dir: Path
+    task: str = "text"
+    queries: int = 64
+    needle_seq_len: int = 2048
+    needle_gap: int = 600
+    needle_steps: int = 5000
+    needle_batch: int = 16
+    needle_eval_samples: int = 256
+    device: str | None = None  # the needle runs' device (None: CUDA when available)
+
+    def runs(self) -> list[tuple[int, Arm]]:
+        return [(seed, arm) for seed in self.seeds for arm in self.arms]
+
+    def steps_per_run(self) -> int:
+        return (self.steps if self.task in ("text", "both") else 0) + (
+            self.needle_steps if self.task in ("needle", "both") else 0)
+
+
+def run_quality(spec: QualitySpec, say: Callable[[str], None] | None = None,
+                log: Callable[[str], None] | None = None) -> list[QualityRow]:
+    """Train every arm and seed of ``spec`` and measure them (one row per arm and seed). ``say`` hears a line
+    before each run with the benchmark's progress and ETA; ``log`` the trainers' evaluation lines."""
+    tell = say or (lambda _line: None)
+    runs = spec.runs()
+    eta = Eta(len(runs) * spec.steps_per_run())
+    done = 0
+    rows: list[QualityRow] = []
+    for i, (seed, arm) in enumerate(runs):
+        where = f"[run {i + 1}/{len(runs)}, {eta.line(done)}]"
+        if spec.task in ("text", "both"):
+            tell(f"{arm.name} seed {seed}: text, {spec.steps} steps {where}")
+            rows.append(run_text_arm(spec.config, spec.sets, arm, seed, spec.out_dir, steps=spec.steps,
+                                     queries=spec.queries, log=log))
+            done += spec.steps
+            where = f"[run {i + 1}/{len(runs)}, {eta.line(done)}]"
+        if spec.task in ("needle", "both"):
+            device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            recipe = RetrievalRecipe(steps=spec.needle_steps, batch_size=spec.needle_batch,
+                                     eval_every=max(1, spec.needle_steps // 20), eval_samples=spec.needle_eval_samples)
+            tell(f"{arm.name} seed {seed}: needle S={spec.needle_seq_len} gap {spec.needle_gap}, "
+                 f"{spec.needle_steps} steps {where}")
+            needle = run_needle_arm(spec.config, spec.sets, arm, seed, seq_len=spec.needle_seq_len, gap=spec.needle_gap,
+                                    recipe=recipe, device=device, backend="torch" if device == "cpu" else None, log=log)
+            done += spec.needle_steps
+            if spec.task == "both":
+                rows[-1].needle_acc, rows[-1].needle_steps_to_target = needle.needle_acc, needle.needle_steps_to_target
+                rows[-1].needle_curve = needle.needle_curve
+            else:
+                rows.append(needle)
+    return rows
+
+
+def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict[str, Any]) -> dict[str, Any]:
+    """The JSON result of a quality benchmark (``--json``)."""
+    return {"command": "bench quality", "config": spec.config, "sets": spec.sets, "steps": spec.steps,
+            "task": spec.task,
+            "arms": [{"name": a.name, "sets": list(a.sets), "warm_frac": a.warm_frac} for a in spec.arms],
+            "seeds": spec.seeds, "relative_to_dense": relative_to_dense(rows), "environment": environment,
+            "rows": [r.to_dict() for r in rows]}
+
+
+__all__ = ["ARMS", "Arm", "QualityRow", "QualitySpec", "parse_arm", "quality_payload", "relative_to_dense",
+           "run_needle_arm", "run_quality", "run_text_arm", "selection_of"]

@@ -9,26 +9,44 @@ from typing import Any
 
 import torch
 
-Timer = Callable[[Callable[[], Any]], float]
+NOISE_LIMIT = 0.2  # a timing whose repetitions spread more than this around their median is too noisy to read
+
+
+class Timer:
+    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on CUDA (its 20th and 80th percentiles give
+    the spread), ``perf_counter`` repetitions on CPU (their min and max). ``spread`` of the last timing:
+    (high - low) / median."""
+
+    def __init__(self, device: torch.device, warmup_ms: int = 25, rep_ms: int = 100, cpu_reps: int = 5) -> None:
+        self.device, self.warmup_ms, self.rep_ms, self.cpu_reps = device, warmup_ms, rep_ms, cpu_reps
+        self.spread: float = 0.0
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        if self.device.type == "cuda":
+            import triton.testing
+
+            lo, med, hi = (float(x) for x in triton.testing.do_bench(
+                fn, warmup=self.warmup_ms, rep=self.rep_ms, quantiles=[0.2, 0.5, 0.8]))
+        else:
+            fn()
+            times = []
+            for _ in range(self.cpu_reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            lo, med, hi = min(times), statistics.median(times), max(times)
+        self.spread = (hi - lo) / med if med > 0 else 0.0
+        return med
 
 
 def make_timer(device: torch.device, warmup_ms: int = 25, rep_ms: int = 100, cpu_reps: int = 5) -> Timer:
-    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on CUDA, ``perf_counter`` on CPU."""
-    if device.type == "cuda":
-        import triton.testing
+    """A :class:`Timer` for ``device``."""
+    return Timer(device, warmup_ms, rep_ms, cpu_reps)
 
-        def cuda_time(fn: Callable[[], Any]) -> float:
-            return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
-        return cuda_time
-
-    def cpu_time(fn: Callable[[], Any]) -> float:
-        fn()
-        times = []
-        for _ in range(cpu_reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return cpu_time
+def noise_note(what: str, spread: float, limit: float = NOISE_LIMIT) -> str | None:
+    """A warning when a timing's repetitions spread more than ``limit`` around their median."""
+    if spread <= limit:
+        return None
+    return (f"{what} timings spread {spread:.0%} around their median (> {limit:.0%}): too noisy to read; "
+            "stop other work on the machine or raise --rep-ms")

@@ -62,7 +62,6 @@ def _check_profile(ctx: _Context, name: str | None, error: NSAError | None) -> C
     if error is not None:
         return failed("profile", error.message, error.hint or "")
     if ctx.profile is None:
-
         return warned(
             "profile",
             "no profile given: hardware expectations are not checked",
@@ -91,7 +90,6 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
 
 
 def _check_env(ctx: _Context) -> Check:
-
     unknown = unknown_variables(ctx.environ)
     try:
         rows = [r for r in settings_table(ctx.environ) if r["value"] is not None]
@@ -222,25 +220,21 @@ def _check_gpu(ctx: _Context) -> list[Check]:
 
 
 def _check_bf16(ctx: _Context) -> Check:
-    torch = ctx.torch
-    if torch is None:
+    """Whether ``nsa train`` runs bf16 here: the trainer's own answer (``nsa.train.runtime.bf16_support``), so
+    preflight never calls bf16 supported where training refuses it (the CPU)."""
+    if ctx.torch is None:
         return failed("bf16", "torch unavailable", "see the torch check")
+    from nsa.train.runtime import BF16_HINT, bf16_support
+
     need = (ctx.expect is not None and ctx.expect.bf16) or (ctx.cfg is not None and ctx.cfg.runtime.precision == "bf16")
-    if ctx.device == "cuda":
-        ok = torch.cuda.is_bf16_supported()
-        where = torch.cuda.get_device_name(0)
-    else:
-        try:
-            a = torch.randn(4, 4).to(torch.bfloat16)
-            ok = bool(torch.isfinite((a @ a).float()).all())
-        except Exception:
-            ok = False
-        where = "CPU"
+    ok, where = bf16_support(ctx.device, 0 if ctx.device == "cuda" else None)
     if ok:
         return passed("bf16", f"bf16 supported on {where}")
     if need:
-        return failed("bf16", f"bf16 not supported on {where} but the run uses it", "set NSA_PRECISION=fp16 or fp32")
-    return warned("bf16", f"bf16 not supported on {where}", "use fp32/fp16 precision")
+        return failed("bf16", f"runtime.precision=bf16 is not supported on {where} (nsa train refuses it)", BF16_HINT)
+    if ctx.device != "cuda":
+        return passed("bf16", "not used on the CPU: nsa train runs fp32 there (bf16 autocast is for GPUs)")
+    return warned("bf16", f"bf16 not supported on {where}: nsa train runs fp32", "use a GPU with bf16 for speed")
 
 
 def _check_parity(ctx: _Context) -> Check:
@@ -385,7 +379,6 @@ def _check_tokenizer(ctx: _Context) -> Check:
 
 
 def _check_git(facts: dict[str, Any]) -> Check:
-
     snap = git_snapshot()
     facts["git"] = snap
     if not snap.get("available"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,7 @@ def parity_checks(device: str, atol: float | None = None, seed: int | None = Non
 
 
 def verdict_checks(summary: Any, smoke: Any, run_status: str, now: float,
-                   metrics: dict[str, Any] | None = None) -> list[Check]:
+                   metrics: Mapping[str, Any] | None = None) -> list[Check]:
     """The explicit criteria, each a check (``metrics``: the run's metrics.json, for the compile mode)."""
     s = summary
     m = metrics or {}
@@ -208,7 +208,6 @@ def run_smoke(
     # 4. the short training run
     t0 = time.time()
     try:
-
         result = Trainer(resolved, reporter=reporter).fit()
         run_status = str(getattr(result.status, "value", result.status))
     except NSAError as exc:

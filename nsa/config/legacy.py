@@ -1,6 +1,6 @@
 """Inputs of earlier versions, mapped to today's settings (``docs/migrating.md``): the older system's YAML
 keys, its ``NSA_*`` knobs (hints that depend on the value set) and its ``CONFIG=path`` variable; and this
-toolkit's own keys that moved or went away (deprecated, read for one release).
+toolkit's own keys that moved or went away (deprecated, read until nsa.deprecation.PRE_RELEASE_UNTIL).
 
 An old key becomes today's key with a one-line note (``train.accumulate_grad_batches: 2`` ->
 ``train.accum=2``; ``train.lr`` -> ``optimizer.lr``), or is dropped with a note saying why
@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from nsa.deprecation import READ_UNTIL
 from nsa.errors import ConfigError
 
 CONFIG_VAR = "CONFIG"  # the older system's config path variable (CONFIG=configs/x.yaml python train.py)
@@ -101,7 +102,7 @@ OLD_KEYS: dict[str, Callable[[Any], Change]] = {
 
 
 # This toolkit's keys that moved when ``train`` was split into one section per component (deprecated: read,
-# with a note, until the next release). old dotted key -> today's dotted key
+# with a note, until nsa.deprecation.PRE_RELEASE_UNTIL). old dotted key -> today's dotted key
 MOVED_KEYS: dict[str, str] = {
     "train.lr": "optimizer.lr",
     "train.weight_decay": "optimizer.weight_decay",
@@ -176,7 +177,7 @@ def translate_old_keys(tree: dict[str, Any], origin: str, *, saved: bool = False
             continue
         if not note:  # a moved key
             new = next(iter(changes))
-            note = f"{old} is deprecated, use {new} (the old key is read until the next release)"
+            note = f"{old} is deprecated, use {new} (the old key is {READ_UNTIL})"
         for dotted, new_value in changes.items():
             s2, k2 = dotted.split(".")
             target = out.setdefault(s2, {})

@@ -43,6 +43,7 @@ PATH_HINT = (
 EAGER_SCAN_BYTES = 64 << 20  # JSON inputs up to this size are read once at open to count malformed lines
 WHOLE_FILE_BYTES = 64 << 20  # a .json file whose first line is not JSON is tried as one object up to this
 EMPTY_HINT = "put records in it, or point --data-path / data.path at other data"
+ENCODING_PROBE_BYTES = 1 << 20  # the start of each text/JSON file read to check it is UTF-8 text
 FIELD_PROBE_RECORDS = 1000  # data.text_field must appear in one of the first this many records
 _JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
 
@@ -67,7 +68,6 @@ class EmbeddedSource:
     tokenized = False
 
     def __init__(self) -> None:
-
         self._docs = load_corpus()
 
     def documents(self, start: int) -> Iterator[Any]:
@@ -293,6 +293,7 @@ def _check_local_path(path: str) -> tuple[str, list[str]]:
         single = len(files) == 1 and Path(path).expanduser().is_file()
         what = "is an empty file (0 bytes)" if single else f"holds only empty files ({len(files)} of 0 bytes)"
         raise DataError(f"data.path={_shown(path)} {what}", hint=EMPTY_HINT)
+    _check_encoding(path, fmt, nonempty)
     found, bad, first = _has_record(fmt, nonempty)
     if found:
         return fmt, files
@@ -302,6 +303,56 @@ def _check_local_path(path: str) -> tuple[str, list[str]]:
             hint='each line of a .jsonl file must be one JSON object, e.g. {"text": "..."}',
         )
     raise DataError(f"data.path={path} holds no records (only blank lines or no rows)", hint=EMPTY_HINT)
+
+
+def _not_utf8(head: bytes, cut: bool, fmt: str) -> tuple[str, int, int] | None:
+    """``(what is wrong, records that are not UTF-8, records read)`` of the start of a file (``cut``: it goes on
+    beyond ``head``), or None when it reads as UTF-8 text. Records: paragraphs of a text file, lines of JSON."""
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "is UTF-16 text (a byte order mark), not UTF-8", 1, 1
+    units = [u for u in (head.split(b"\n\n") if fmt == "text" else head.splitlines()) if u.strip()]
+    if cut and len(units) > 1:
+        units = units[:-1]  # the last one may be cut in the middle of a character
+    bad = 0
+    first: str | None = None
+    for unit in units:
+        try:
+            unit.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad += 1
+            if first is None:
+                offset = head.find(unit) + exc.start
+                line = head.count(b"\n", 0, offset) + 1
+                first = f"byte 0x{unit[exc.start]:02x} at line {line}"
+        if b"\x00" in unit:
+            return "is a binary file (NUL bytes), not text", len(units), len(units)
+    if not units or 2 * bad <= len(units):
+        return None
+    return f"is not UTF-8 text (first bad {first}; Latin-1 or another 8-bit encoding?)", bad, len(units)
+
+
+def _check_encoding(path: str, fmt: str, files: list[str]) -> None:
+    """``DataError`` naming the file when the start of a text or JSON file is mostly not UTF-8 (Latin-1,
+    UTF-16, binary): the loader would skip its records as ``invalid_utf8`` and find too little to train on."""
+    if fmt not in ("text", "json"):
+        return
+    unit = "paragraph" if fmt == "text" else "line"
+    for file in files:
+        try:
+            with _open_binary(file) as fh:
+                head = fh.read(ENCODING_PROBE_BYTES + 1)
+        except (OSError, EOFError) as exc:
+            raise _unreadable(file, exc) from None
+        cut = len(head) > ENCODING_PROBE_BYTES
+        found = _not_utf8(head[:ENCODING_PROBE_BYTES], cut, fmt)
+        if found is not None:
+            what, bad, seen = found
+            where = "" if file == path else f" ({file})"
+            raise DataError(
+                f"data.path={path}{where}: {Path(file).name} {what}: {bad} of {seen} {unit}(s) read would be "
+                f"skipped as invalid_utf8",
+                hint=f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 {file} > {Path(file).stem}.utf8{Path(file).suffix}",
+            )
 
 
 def check_local_inputs(data_cfg: DataConfig) -> None:
@@ -525,7 +576,6 @@ class SyntheticSource:
     MAX_PAIRS = 8  # a 2-layer d=64 transformer learns recall across a 96-token gap in ~2k steps of batch 32
 
     def __init__(self, task: str, seed: int, seq_len: int, vocab_size: int, eot_id: int, pairs: int = 8) -> None:
-
         if seq_len < 8:
             raise DataError(f"synthetic data needs train.seq_len >= 8, got {seq_len}")
         self.task, self.seed, self.seq_len = task, seed, seq_len

@@ -8,9 +8,11 @@ from typing import Any
 
 from nsa.envinfo import environment
 from nsa.errors import RunDirError
-from nsa.fileio import json_safe, write_atomic
+from nsa.fileio import json_safe, write_atomic, write_failure
 from nsa.rundir import RunDir
+from nsa.rundir.checkpoints import weights_identity
 from nsa.rundir.layout import CHECKPOINTS_DIR, EXPORT_DIR, is_run_dir
+from nsa.rundir.records import EVAL_SCHEMA
 
 
 def run_dir_of(path: str | Path) -> Path:
@@ -25,15 +27,18 @@ def run_dir_of(path: str | Path) -> Path:
     return folder
 
 
-
 def build_payload(task: str, rows: list[dict[str, Any]], *, run: str | Path | None, checkpoint: str | Path | None,
                   settings: dict[str, Any], env: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``{"task", "run", "checkpoint", "results", "settings", "env"}`` (``env`` defaults to
-    :func:`nsa.envinfo.environment`); non-finite numbers become null."""
+    """``{"task", "run", "checkpoint", "step", "weights", "results", "settings", "env"}``: ``step`` and
+    ``weights`` (the file's SHA-256) say which weights were evaluated, so a report can tell an evaluation of an
+    earlier step (stale) from one of the model as it is (``env`` defaults to :func:`nsa.envinfo.environment`);
+    non-finite numbers become null."""
     if env is None:
         env = environment()
-    payload = {"task": task, "run": None if run is None else str(run),
-               "checkpoint": None if checkpoint is None else str(checkpoint),
+    step, digest = weights_identity(Path(checkpoint)) if checkpoint is not None else (None, None)
+    payload = {"schema": EVAL_SCHEMA, "task": task, "run": None if run is None else str(run),
+               "checkpoint": None if checkpoint is None else str(checkpoint), "step": step,
+               "weights": {"path": None if checkpoint is None else str(checkpoint), "sha256": digest},
                "results": rows, "settings": settings, "env": env}
     return dict(json_safe(payload))
 
@@ -100,12 +105,14 @@ def save_results(run_dir: str | Path | None, payload: dict[str, Any]) -> list[Pa
     the paths (none when ``run_dir`` is None). A folder that cannot be written raises ``RunDirError``."""
     if run_dir is None:
         return []
-    folder = RunDir(Path(run_dir)).eval
+    files = RunDir(run_dir)
+    folder = files.eval
     try:
-        paths = [write_json(folder / f"{payload['task']}.json", payload)]
+        paths = [write_json(files.eval_result(payload["task"]), payload)]
         if payload["task"] == "needle":
-            paths.append(needle_heatmap(payload, folder / "needle.png"))
-    except OSError as exc:
-        raise RunDirError(f"cannot write the results to {folder}: {exc.strerror or exc}",
-                          hint="the run directory is read-only? use --json PATH to keep them elsewhere") from None
+            paths.append(needle_heatmap(payload, files.needle_png))
+    except OSError as exc:  # the files written before stay whole (atomic writes)
+        raise RunDirError(write_failure(exc, folder).replace("cannot write ", "cannot write the results to ", 1),
+                          hint="free disk space or make the run directory writable; --json-out PATH keeps them "
+                               "elsewhere") from None
     return paths

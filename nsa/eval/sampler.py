@@ -39,7 +39,6 @@ class Sampler:
 
     @classmethod
     def open(cls, path: str | Path, device: str = "auto") -> Sampler:
-
         device = pick_device(device)
         loaded = load_model(path, device="cpu")
         cfg = loaded.config

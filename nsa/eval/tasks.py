@@ -254,7 +254,6 @@ def _utf8_bytes(tokenizer: Any, ids: list[int]) -> int:
 
 
 def _val_loader(run_cfg: Any, tokenizer: Any, context: int, batch_size: int, device: torch.device | None) -> Any:
-
     return build_loader(run_cfg.data, tokenizer, split="val", seq_len=context, batch_size=batch_size,
                         seed=run_cfg.train.seed, device=device)
 

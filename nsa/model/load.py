@@ -124,12 +124,6 @@ def read_state(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Pa
     return _read(path)
 
 
-def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """The model weights at ``path`` (see :func:`find_weights`) as a state dict on the CPU, and their file."""
-    state, _, weights = _read(path)
-    return state, weights
-
-
 def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path,
                fresh: Collection[str] = ()) -> None:
     """A ``CheckpointError`` naming the first difference when ``state`` does not fit ``model`` exactly

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -15,11 +13,6 @@ def num_cmp(S: int, l: int, d: int) -> int:  # noqa: E741
 def num_visible_cmp(t: int, l: int, d: int) -> int:  # noqa: E741
     """Compressed tokens visible to the query at position ``t`` (last raw position ``<= t``)."""
     return max(0, (t + 1 - l) // d + 1)
-
-
-def num_sel_blocks(S: int, l_sel: int) -> int:
-    """Selection blocks that cover ``S`` positions."""
-    return math.ceil(S / l_sel)
 
 
 def visible_cmp(t: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741

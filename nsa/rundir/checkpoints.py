@@ -14,6 +14,7 @@ loader pick the newest one that verifies (``newest_verified``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -22,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from nsa.errors import CheckpointError
-from nsa.rundir.layout import CHECKPOINTS_DIR
+from nsa.rundir.layout import CHECKPOINTS_DIR, EXPORT_INFO
 
-CKPT_DIR = CHECKPOINTS_DIR
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_SCHEMA = 2  # 2: per-file SHA-256 under "sha256"
@@ -107,7 +107,7 @@ def verify(path: Path) -> Verdict:
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first (sizes checked, checksums not)."""
-    root = Path(run_dir) / CKPT_DIR
+    root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
@@ -122,7 +122,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def newest_verified(run_dir: Path) -> tuple[Path | None, list[Verdict]]:
     """The newest checkpoint that verifies, walking back from the newest folder; also the verdicts of
     the newer ``step_*`` folders that were skipped (incomplete or corrupted), newest first."""
-    root = Path(run_dir) / CKPT_DIR
+    root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return None, []
     folders = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=step_of, reverse=True)
@@ -133,6 +133,30 @@ def newest_verified(run_dir: Path) -> tuple[Path | None, list[Verdict]]:
             return p, skipped
         skipped.append(v)
     return None, skipped
+
+
+def weights_identity(weights: Path) -> tuple[int | None, str | None]:
+    """``(step, sha256)`` of a weights file: a checkpoint's ``state.pt`` (its manifest's step and checksum), an
+    export's ``model.safetensors`` (its ``export.json``), else the step of a ``step_*`` folder name and the
+    file's checksum computed here (``None`` each when unknown)."""
+    weights = Path(weights)
+    manifest = read_manifest(weights.parent)
+    if manifest is not None:
+        sums = manifest.get("sha256")
+        step = manifest.get("step")
+        return (step if isinstance(step, int) else step_of(weights.parent),
+                sums.get(weights.name) if isinstance(sums, dict) else None)
+    info: Any = None
+    with contextlib.suppress(OSError, ValueError):
+        info = json.loads((weights.parent / EXPORT_INFO).read_text())
+    if isinstance(info, dict) and isinstance(info.get("sha256"), str):
+        return (info["step"] if isinstance(info.get("step"), int) else None), info["sha256"]
+    step = step_of(weights.parent)
+    try:
+        digest: str | None = sha256_file(weights)
+    except OSError:
+        digest = None
+    return (step if step >= 0 else None), digest
 
 
 def check_state_format(state: dict[str, Any], source: Path) -> None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from nsa.rundir.records import HaltFile, Lock
 
 CONFIG_FILE = "config.yaml"
 ENV_FILE = "env.json"
@@ -23,9 +26,11 @@ EXPORT_DIR = "export"  # model.safetensors + config.yaml (+ tokenizer.json) of a
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_TOKENIZER = "tokenizer.json"
 HF_EXPORT_DIR = "hf"  # the model in Hugging Face format (checkpoint.export_hf; nsa export --format hf)
+EXPORT_INFO = "export.json"  # {"step", "sha256" of the weights, "time"}: which weights an export holds
 TENSORBOARD_DIR = "tb"
 ANOMALIES_DIR = "anomalies"  # one JSON record per non-finite loss (step_<n>.json)
 EVAL_DIR = "eval"  # `nsa eval` results kept with the run (<task>.json, needle.png)
+NEEDLE_PNG = "needle.png"  # the needle task's heat map, in EVAL_DIR
 RANK_LOG = "train_rank{rank}.log"  # train.log of ranks > 0
 HEARTBEAT = "heartbeat_rank{rank}.jsonl"  # one JSON event per line, per rank
 HEARTBEAT_RE = re.compile(r"^heartbeat_rank(\d+)\.jsonl$")
@@ -37,6 +42,21 @@ STACKDUMP = "stackdump_rank{rank}.txt"  # SIGUSR1 appends every thread's stack (
 # a watchdog .HALT's reason starts with this (`nsa watch --halt-on`); the trainer exits EXIT_WATCHDOG on it
 WATCHDOG_PREFIX = "watchdog:"
 EXIT_WATCHDOG = 3  # `nsa train` (and `nsa watch` that wrote .HALT) when the watchdog halted the run
+
+
+def watchdog_reason(rule: str, message: str) -> str:
+    """The reason a watchdog's ``.HALT`` gives: ``watchdog: <rule>: <message>`` (the rule's name first, so
+    a halt event names its rule even where the record is gone; :func:`watchdog_rule` reads it back)."""
+    return f"{WATCHDOG_PREFIX} {rule}: {message}"
+
+
+def watchdog_rule(reason: str) -> str | None:
+    """The rule a :func:`watchdog_reason` names (None for another reason, or one written before the rule
+    was part of it)."""
+    if not reason.startswith(WATCHDOG_PREFIX):
+        return None
+    head, sep, _ = reason.removeprefix(WATCHDOG_PREFIX).strip().partition(": ")
+    return head if sep and re.fullmatch(r"[a-z]+(-[a-z]+)*", head) else None
 
 
 RUN_MARKERS = (CONFIG_FILE, ENV_FILE, TRAIN_CSV, METRICS_FILE)
@@ -52,15 +72,15 @@ def is_run_dir(path: str | Path) -> bool:
     return any((p / m).is_file() for m in RUN_MARKERS)
 
 
-def read_lock(run_dir: str | Path) -> dict[str, Any] | None:
+def read_lock(run_dir: str | Path) -> Lock | None:
     """The run lock's holder record ``{"pid", "host", "since"}`` (the holder now, or the last one), or None."""
     with contextlib.suppress(OSError, ValueError):
         data = json.loads((Path(run_dir) / LOCK_FILE).read_text())
-        return data if isinstance(data, dict) else None
+        return data if isinstance(data, dict) else None  # type: ignore[return-value]
     return None
 
 
-def parse_halt(text: str) -> tuple[dict[str, Any], bool]:
+def parse_halt(text: str) -> tuple[HaltFile, bool]:
     """``(record, partial)`` of a ``.HALT`` file's text.
 
     The record is the JSON object the file holds (``nsa halt``, the watchdog), else ``{"reason": text}``
@@ -71,19 +91,46 @@ def parse_halt(text: str) -> tuple[dict[str, Any], bool]:
     with contextlib.suppress(ValueError):  # plain text is a valid .HALT too
         data = json.loads(text)
     if isinstance(data, dict):
-        return data, False
+        return data, False  # type: ignore[return-value]
     partial = not text.strip() or (text.lstrip().startswith("{") and data is None)
     return {"reason": text.strip()}, partial
 
 
-@dataclass(frozen=True)
+def read_halt(path: str | Path, settle_s: float = 0.0) -> HaltFile | None:
+    """The one reader of ``.HALT`` files: the record of a run directory's ``.HALT`` (or of a file, such as an
+    archived ``halts/HALT-*``), None when there is none. The bytes are decoded leniently (any content asks for
+    a halt, none may crash a reader); a file caught mid-write (``echo ... > .HALT`` truncates first: empty,
+    or JSON cut short) is re-read for up to ``settle_s`` seconds before it is taken as it stands. ``time``
+    defaults to the file's modification time; an unreadable file is ``{"reason": "halt file (unreadable)"}``."""
+    p = Path(path)
+    p = p / HALT_FILE if p.is_dir() else p
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            text = p.read_bytes().decode("utf-8", errors="replace")
+            mtime = p.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return {"reason": "halt file (unreadable)"}
+        record, partial = parse_halt(text)
+        if not partial or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    when = record.get("time")
+    if not isinstance(when, int | float) or isinstance(when, bool):
+        record["time"] = mtime
+    return record
+
+
+@dataclass(frozen=True, init=False)
 class RunDir:
-    """The paths of one run directory (``root``); nothing is created or read here."""
+    """The paths of one run directory (``root``, a path or its text); nothing is created or read here."""
 
     root: Path
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
+    def __init__(self, root: str | Path) -> None:
+        object.__setattr__(self, "root", Path(root))
 
     @property
     def config(self) -> Path:
@@ -135,6 +182,14 @@ class RunDir:
     @property
     def eval(self) -> Path:
         return self.root / EVAL_DIR
+
+    def eval_result(self, task: str) -> Path:
+        """``eval/<task>.json`` (``nsa eval``)."""
+        return self.eval / f"{task}.json"
+
+    @property
+    def needle_png(self) -> Path:
+        return self.eval / NEEDLE_PNG
 
     def log(self, rank: int) -> Path:
         """``train.log`` (rank 0) or ``train_rank<r>.log``."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,8 @@ class RunSeries:
     """What the charts of one run draw (taken from its run directory by the report)."""
 
     name: str
-    points: list[dict[str, Any]]  # per-step rows: training.csv, else rank-0 progress events
-    progress: list[dict[str, Any]]  # rank-0 heartbeat progress events (memory, gates, fetch)
+    points: Sequence[Mapping[str, Any]]  # per-step rows: training.csv, else rank-0 progress events
+    progress: Sequence[Mapping[str, Any]]  # rank-0 heartbeat progress events (memory, gates, fetch)
     val: list[tuple[float, float]] = field(default_factory=list)  # (step, validation loss)
     checkpoints: list[float] = field(default_factory=list)  # steps
     halts: list[float] = field(default_factory=list)
@@ -70,7 +70,7 @@ def _num(v: Any) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
-def xy(rows: Sequence[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
+def xy(rows: Sequence[Mapping[str, Any]], key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
     """Steps and finite values of ``key`` (times ``scale``), in row order."""
     xs: list[float] = []
     ys: list[float] = []
@@ -229,6 +229,38 @@ def memory_chart(run: RunSeries, path: Path) -> Chart | None:
     return chart
 
 
+def gpu_chart(run: RunSeries, path: Path) -> Chart | None:
+    """GPU utilisation (%) and GPU memory used (GiB, every process: NVML) over the steps, what ``nvidia-smi
+    dmon`` shows; None without NVML figures (a CPU run)."""
+    util_x, util_y = xy(run.progress, "gpu_util_pct")
+    mem_x, mem_y = xy(run.progress, "gpu_mem_used_mib", 1 / 1024)
+    if not util_x and not mem_x:
+        return None
+    plt = _plt()
+    chart = Chart("gpu", f"GPU utilisation and memory - {run.name}", path)
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.2), dpi=100)
+    if util_x:
+        ax.plot(util_x, util_y, color="tab:green", linewidth=1.5, label="utilisation (%)")
+        chart.series["utilisation (%)"] = len(util_x)
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("step")
+    ax.set_ylabel("%")
+    if mem_x:
+        ax2 = ax.twinx()
+        ax2.plot(mem_x, mem_y, color="tab:orange", linewidth=1.5, label="memory used (GiB)")
+        ax2.set_ylim(0, 1.15 * max(mem_y) or 1.0)
+        ax2.set_ylabel("GiB")
+        chart.series["memory used (GiB)"] = len(mem_x)
+        lines = ax.get_lines() + ax2.get_lines()
+        ax.legend(lines, [x.get_label() for x in lines], loc="best", fontsize=8)
+    elif util_x:
+        ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_title(chart.title)
+    _save(fig, path)
+    return chart
+
+
 def gates_chart(run: RunSeries, path: Path) -> Chart | None:
     """Gate entropy (with its minimum), collapsed-gate fraction (with its maximum) and branch shares."""
     ent = xy(run.progress, "gate_entropy_mean")
@@ -332,6 +364,7 @@ RUN_CHARTS: tuple[tuple[str, Callable[[RunSeries, Path], Chart | None]], ...] = 
     ("loss.png", loss_chart),
     ("tokens_per_s.png", tokens_chart),
     ("memory.png", memory_chart),
+    ("gpu.png", gpu_chart),
     ("gates.png", gates_chart),
     ("fetch.png", fetch_chart),
     ("lr_grad.png", lr_grad_chart),

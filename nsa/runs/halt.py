@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from nsa.errors import NSAError
+from nsa.rundir import RunDir
 from nsa.rundir.layout import HALT_FILE, WATCHDOG_PREFIX
+from nsa.rundir.records import HaltEvent, HaltFile
 from nsa.runs.reader import DEFAULT_STALE_S, RunReader, check_run_dir
 
 
@@ -33,12 +35,12 @@ def write_halt(
     who: str | None = None,
     rule: str | None = None,
     evidence: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> HaltFile:
     """Write ``RUN_DIR/.HALT`` (JSON) atomically: a temporary file renamed over the target.
 
     Raises ``NSAError`` naming the directory when it cannot be written (read-only, no permission)."""
     run = Path(run_dir)
-    record: dict[str, Any] = {"reason": reason, "time": time.time(), "who": who or who_am_i()}
+    record: HaltFile = {"reason": reason, "time": time.time(), "who": who or who_am_i()}
     if rule is not None:
         record["rule"] = rule
     if evidence is not None:
@@ -46,7 +48,7 @@ def write_halt(
     tmp = run / f".HALT.tmp-{os.getpid()}-{time.time_ns()}"
     try:
         tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        os.replace(tmp, run / HALT_FILE)
+        os.replace(tmp, RunDir(run).halt)
     except OSError as exc:
         raise NSAError(
             f"could not write {HALT_FILE} in {run}: {exc.strerror or exc}",
@@ -66,7 +68,7 @@ class HaltOutcome:
     outcome: str
     message: str
     run_dir: str
-    halt: dict[str, Any] | None = None
+    halt: HaltFile | None = None
     checkpoint: str | None = None
     end_status: str | None = None
     step: int | None = None
@@ -86,7 +88,7 @@ def wait_for_ack(
     """Follow the heartbeat until a ``halt`` (and then ``end``) event after ``since``, or a timeout."""
     t0 = time.monotonic()
     run = str(reader.run_dir)
-    halt_ev: dict[str, Any] | None = None
+    halt_ev: HaltEvent | None = None
     while True:
         st = reader.poll()
         if halt_ev is None:
@@ -144,7 +146,7 @@ def halt_run(
                            str(path), end_status=str(st.end.get("status")), step=st.end.get("step"))
     record = write_halt(path, reason, who=who)
     if not wait:
-        return HaltOutcome("written", f"wrote {path / HALT_FILE}; the trainer stops at its next step",
+        return HaltOutcome("written", f"wrote {RunDir(path).halt}; the trainer stops at its next step",
                            str(path), halt=record, step=st.steps_done)
     out = wait_for_ack(reader, record["time"], timeout_s, poll_s)
     out.halt = record

@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import yaml
 
 from nsa.config.monitor import MonitorConfig
 from nsa.errors import RunDirError
+from nsa.rundir import RunDir
 from nsa.rundir.layout import (
     CONFIG_FILE,
     ENV_FILE,
@@ -35,10 +37,30 @@ from nsa.rundir.layout import (
     LOCK_FILE,
     METRICS_FILE,
     TRAIN_CSV,
-    VAL_CSV,
     is_run_dir,
-    parse_halt,
+    read_halt,
     read_lock,
+)
+from nsa.rundir.records import (
+    ENV_SCHEMA,
+    HEARTBEAT_SCHEMA,
+    METRICS_SCHEMA,
+    AnomalyEvent,
+    BootEvent,
+    CheckpointEvent,
+    EndEvent,
+    Env,
+    EvalEvent,
+    Event,
+    HaltEvent,
+    HaltFile,
+    LoaderReadyEvent,
+    Metrics,
+    ProgressEvent,
+    TrainRow,
+    ValRow,
+    newer_schema,
+    schema_note,
 )
 
 MAX_HISTORY = 20000  # progress points kept in memory (older ones are thinned)
@@ -154,7 +176,7 @@ class CsvTail(_Tail):
         super().__init__(path)
         self.header: list[str] | None = None
 
-    def read_new(self, final: bool = False) -> list[dict[str, Any]]:
+    def read_new(self, final: bool = False) -> list[Any]:  # rows of records.TrainRow / ValRow
         got = self._new_lines()
         if got is None:
             return []
@@ -200,11 +222,11 @@ def _number(text: str) -> Any:
 @dataclass
 class RankState:
     rank: int
-    boot: dict[str, Any] | None = None
-    last: dict[str, Any] | None = None
-    last_progress: dict[str, Any] | None = None
-    first_progress: dict[str, Any] | None = None  # the current session's first progress line
-    end: dict[str, Any] | None = None
+    boot: BootEvent | None = None
+    last: Event | None = None
+    last_progress: ProgressEvent | None = None
+    first_progress: ProgressEvent | None = None  # the current session's first progress line
+    end: EndEvent | None = None
     events: int = 0
 
     @property
@@ -217,23 +239,29 @@ class RunState:
     """Everything read so far from one run directory."""
 
     run_dir: Path
+    files: RunDir = field(init=False)  # every path of the run directory
     ranks: dict[int, RankState] = field(default_factory=dict)
-    progress: list[dict[str, Any]] = field(default_factory=list)  # rank-0 progress events
-    csv_rows: list[dict[str, Any]] = field(default_factory=list)  # training.csv
-    val_rows: list[dict[str, Any]] = field(default_factory=list)
-    evals: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
-    anomalies: list[dict[str, Any]] = field(default_factory=list)
-    halts: list[dict[str, Any]] = field(default_factory=list)
-    loader_ready: dict[str, Any] | None = None
+    progress: list[ProgressEvent] = field(default_factory=list)  # rank-0 progress events
+    csv_rows: list[TrainRow] = field(default_factory=list)  # training.csv
+    val_rows: list[ValRow] = field(default_factory=list)
+    evals: list[EvalEvent] = field(default_factory=list)
+    checkpoints: list[CheckpointEvent] = field(default_factory=list)
+    anomalies: list[AnomalyEvent] = field(default_factory=list)
+    halts: list[HaltEvent] = field(default_factory=list)
+    loader_ready: LoaderReadyEvent | None = None
     config: dict[str, Any] | None = None
     config_sources: dict[str, str] = field(default_factory=dict)  # dotted key -> origin (config.yaml comments)
-    env: dict[str, Any] | None = None
-    metrics: dict[str, Any] | None = None
-    halt_file: dict[str, Any] | None = None
+    config_error: str | None = None  # why config.yaml (present) could not be read: its settings are unknown
+    env: Env | None = None
+    metrics: Metrics | None = None
+    halt_file: HaltFile | None = None
     corrupt_lines: int = 0
     truncated_lines: int = 0
     files_missing: list[str] = field(default_factory=list)
+    schema_notes: list[str] = field(default_factory=list)  # files written by a newer nsa (records.newer_schema)
+
+    def __post_init__(self) -> None:
+        self.files = RunDir(self.run_dir)
 
     # ---- derived views
     @property
@@ -241,12 +269,12 @@ class RunState:
         return self.ranks.get(0) or (self.ranks[min(self.ranks)] if self.ranks else None)
 
     @property
-    def boot(self) -> dict[str, Any] | None:
+    def boot(self) -> BootEvent | None:
         r = self.rank0
         return r.boot if r else None
 
     @property
-    def end(self) -> dict[str, Any] | None:
+    def end(self) -> EndEvent | None:
         r = self.rank0
         return r.end if r else None
 
@@ -263,12 +291,12 @@ class RunState:
             return int(self.boot["world_size"])
         return max(1, len(self.ranks))
 
-    def series(self) -> list[dict[str, Any]]:
+    def series(self) -> Sequence[Mapping[str, Any]]:
         """Per-step points: training.csv rows if there are any, else rank-0 progress events."""
         return self.csv_rows if self.csv_rows else self.progress
 
     @property
-    def last_progress(self) -> dict[str, Any] | None:
+    def last_progress(self) -> ProgressEvent | None:
         return self.progress[-1] if self.progress else None
 
     @property
@@ -329,7 +357,7 @@ class RunState:
         boot = self.boot
         return float(boot["ts"]) if boot and isinstance(boot.get("ts"), int | float) else None
 
-    def session_progress(self) -> list[dict[str, Any]]:
+    def session_progress(self) -> list[ProgressEvent]:
         """Rank-0 progress events of the current session (after the latest ``boot``)."""
         t0 = self.session_start
         if t0 is None:
@@ -337,7 +365,7 @@ class RunState:
         return [p for p in self.progress if isinstance(p.get("ts"), int | float) and p["ts"] >= t0]
 
     @property
-    def pending_halt(self) -> dict[str, Any] | None:
+    def pending_halt(self) -> HaltFile | None:
         """The ``.HALT`` file while the trainer has not acted on it yet: ``None`` once a ``halt`` or ``end``
         event at or after the file's time (1 s of clock slack) is in the heartbeat."""
         h = self.halt_file
@@ -346,9 +374,8 @@ class RunState:
         t = h.get("time")
         if not isinstance(t, int | float) or isinstance(t, bool):
             return h
-        acted = [e for e in self.halts if isinstance(e.get("ts"), int | float) and e["ts"] >= t - 1.0]
-        acted += [r.end for r in self.ranks.values()
-                  if r.end and isinstance(r.end.get("ts"), int | float) and r.end["ts"] >= t - 1.0]
+        acted = [e for e in [*self.halts, *(r.end for r in self.ranks.values() if r.end)]
+                 if isinstance(e.get("ts"), int | float) and e["ts"] >= t - 1.0]
         return None if acted else h
 
     def new_session_pending(self) -> bool:
@@ -391,9 +418,10 @@ class RunReader:
     def __init__(self, run_dir: str | Path, check: bool = True) -> None:
         self.run_dir = check_run_dir(run_dir) if check else Path(run_dir)
         self.state = RunState(self.run_dir)
+        self.files = self.state.files
         self._hb: dict[int, JsonlTail] = {}
-        self._csv = CsvTail(self.run_dir / TRAIN_CSV)
-        self._val = CsvTail(self.run_dir / VAL_CSV)
+        self._csv = CsvTail(self.files.train_csv)
+        self._val = CsvTail(self.files.val_csv)
         self._mtimes: dict[str, float] = {}
         self._bad_events = 0
 
@@ -410,25 +438,40 @@ class RunReader:
         self._mtimes[name] = m
         return True
 
+    def _note_schema(self, name: str, record: Any, known: int) -> None:
+        schema = newer_schema(record, known)
+        note = schema_note(name, schema, known) if schema is not None else None
+        if note is not None and note not in self.state.schema_notes:
+            self.state.schema_notes.append(note)
+
     def _read_small(self) -> None:
         st = self.state
         if self._changed(CONFIG_FILE):
+            st.config, st.config_error = None, None
             try:
-                text = (self.run_dir / CONFIG_FILE).read_text()
+                text = self.files.config.read_text()
                 data = yaml.safe_load(text)
                 st.config = data if isinstance(data, dict) else None
                 st.config_sources = parse_sources(text)
-            except (OSError, yaml.YAMLError):
-                st.config = None
-        for name, attr in ((ENV_FILE, "env"), (METRICS_FILE, "metrics")):
+                if st.config is None:
+                    st.config_error = f"{CONFIG_FILE} is not a mapping of sections"
+            except FileNotFoundError:
+                pass
+            except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+                why = " ".join(str(exc).split())
+                st.config_error = f"{CONFIG_FILE} cannot be read: {why[:200]}"
+        for path, attr, known in ((self.files.env, "env", ENV_SCHEMA), (self.files.metrics, "metrics", METRICS_SCHEMA)):
+            name = path.name
             if self._changed(name):
                 try:
-                    data = json.loads((self.run_dir / name).read_text())
+                    data = json.loads(path.read_text())
                     setattr(st, attr, data if isinstance(data, dict) else None)
                 except (OSError, ValueError):
                     setattr(st, attr, None)
+                    continue
+                self._note_schema(name, data, known)
         if self._changed(HALT_FILE):
-            st.halt_file = read_halt_file(self.run_dir)
+            st.halt_file = halt_record(self.run_dir)
         st.files_missing = [n for n in (CONFIG_FILE, ENV_FILE, TRAIN_CSV) if not (self.run_dir / n).exists()]
         if not self._hb:
             st.files_missing.append(HEARTBEAT.format(rank=0))
@@ -456,11 +499,12 @@ class RunReader:
         self._read_small()
         return st
 
-    def _apply(self, file_rank: int, ev: dict[str, Any]) -> None:
+    def _apply(self, file_rank: int, ev: Any) -> None:  # one heartbeat line: an Event of records.EVENTS
         st = self.state
         raw_rank = ev.get("rank")
         rank = raw_rank if isinstance(raw_rank, int) else file_rank
         rs = st.ranks.setdefault(rank, RankState(rank))
+        self._note_schema(HEARTBEAT.format(rank=rank), ev, HEARTBEAT_SCHEMA)
         if not isinstance(ev.get("ts"), int | float):
             self._bad_events += 1
             return
@@ -508,24 +552,16 @@ def parse_sources(config_text: str) -> dict[str, str]:
     return out
 
 
-def read_halt_file(run_dir: str | Path) -> dict[str, Any] | None:
-    """The ``.HALT`` file as a dict (plain-text files become ``{"reason": text}``; ``time`` defaults to the
-    file's mtime), or None."""
-    p = Path(run_dir) / HALT_FILE
-    try:
-        text = p.read_text(errors="replace")
-        mtime = p.stat().st_mtime
-    except OSError:
-        return None
-    data, _ = parse_halt(text)
-    if not data.get("reason") and set(data) == {"reason"}:
+def halt_record(run_dir: str | Path) -> HaltFile | None:
+    """The ``.HALT`` of a run directory as the monitoring shows it (:func:`nsa.rundir.layout.read_halt`; an
+    empty file's reason reads ``(empty .HALT)``), or None."""
+    data = read_halt(run_dir)
+    if data is not None and not data.get("reason"):
         data["reason"] = "(empty .HALT)"
-    if not isinstance(data.get("time"), int | float) or isinstance(data.get("time"), bool):
-        data["time"] = mtime
     return data
 
 
-def pid_alive(boot: dict[str, Any] | None) -> bool | None:
+def pid_alive(boot: Mapping[str, Any] | None) -> bool | None:
     """Whether the process of a ``boot`` event is alive: None when it ran on another host or is unknown;
     a zombie (killed, not yet reaped) counts as gone."""
     if not boot or not isinstance(boot.get("pid"), int) or isinstance(boot.get("pid"), bool):

@@ -22,23 +22,26 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nsa.errors import NSAError, RunDirError
-from nsa.fileio import write_atomic
+from nsa.fileio import free_space, write_atomic
 from nsa.rundir import RunDir
 from nsa.rundir.env import REDACTED, is_secret
 from nsa.rundir.layout import CHECKPOINTS_DIR
+from nsa.rundir.records import EVAL_SCHEMA, newer_schema, schema_note
 from nsa.runs.alarms import KeptAlarm, kept_alarms
 from nsa.runs.charts import Chart, RunSeries, combined_charts, run_charts
 from nsa.runs.reader import DEFAULT_STALE_S, RunState, is_run_dir, read_run
 from nsa.runs.rules import monitor_config
-from nsa.runs.summary import RunSummary, anomaly_text, halt_checkpoint_text, step_ranges, summarize
+from nsa.runs.sessions import Session, read_sessions
+from nsa.runs.summary import RunSummary, anomaly_text, halt_checkpoint_text, step_ranges, summarize, values
 from nsa.runs.verdict import (
     WARN_MARGIN,
     Check,
@@ -47,6 +50,7 @@ from nsa.runs.verdict import (
     anomaly_record_path,
     classify_halts,
     context_label,
+    eval_staleness,
     fmt_value,
     overall_verdict,
     profile_limits,
@@ -125,8 +129,9 @@ def _writing(target: Path) -> Iterator[None]:
         why = exc.strerror or str(exc)
         name = str(exc.filename or "")
         where = f" ({name})" if name and ".tmp-" not in name and Path(name) != target else ""
-        raise NSAError(f"cannot write the report to {target}: {why}{where}",
-                       hint="choose a writable folder with --out") from None
+        free = free_space(target)
+        raise NSAError(f"cannot write the report to {target}: {why}{where}" + (f" ({free})" if free else ""),
+                       hint="free disk space, or choose a writable folder with --out") from None
 
 
 def _mib(v: float | None) -> str:
@@ -183,6 +188,7 @@ class _Run:
     checks: list[Check]
     verdict: tuple[str, str]
     alarms: list[KeptAlarm] = field(default_factory=list)
+    sessions: list[Session] = field(default_factory=list)
     charts: dict[str, Path] = field(default_factory=dict)
 
 
@@ -195,7 +201,7 @@ def _cell(text: Any) -> str:
 def session_boots(st: RunState) -> list[dict[str, Any]]:
     """Every ``boot`` event of rank 0's heartbeat (one per session; the reader keeps only the last)."""
     r0 = st.rank0
-    path = RunDir(st.run_dir).heartbeat(r0.rank if r0 else 0)
+    path = st.files.heartbeat(r0.rank if r0 else 0)
     out: list[dict[str, Any]] = []
     with contextlib.suppress(OSError), open(path, "rb") as f:
         for line in f:
@@ -208,7 +214,7 @@ def session_boots(st: RunState) -> list[dict[str, Any]]:
     return out
 
 
-def _steps(events: Sequence[dict[str, Any]]) -> list[float]:
+def _steps(events: Sequence[Mapping[str, Any]]) -> list[float]:
     return [float(e["step"]) for e in events if isinstance(e.get("step"), int | float) and not isinstance(e.get("step"), bool)]
 
 
@@ -253,7 +259,24 @@ def _checks_section(run: _Run) -> list[str]:
     return L
 
 
-def _env_section(env: dict[str, Any]) -> list[str]:
+def _when(t: float | None) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if t is not None else "n/a"
+
+
+def _sessions_section(sessions: Sequence[Session]) -> list[str]:
+    """The run's history: one row per ``nsa train`` start (fresh or resumed), how it ended and its steps."""
+    if not sessions:
+        return []
+    L = ["### Sessions", "", "| # | started | ended | how it ended | steps |", "|---|---|---|---|---|"]
+    for x in sessions:
+        ended = "still running" if x.status == "running" else _when(x.end)
+        how = x.how().replace("|", "/")
+        L.append(f"| {x.index} | {_when(x.start)} | {ended} | {how} | {x.first_step} -> {x.last_step} |")
+    L.append("")
+    return L
+
+
+def _env_section(env: Mapping[str, Any]) -> list[str]:
     """``NSA_*`` settings and the other recorded variables (CUDA_*, NCCL_*, PYTORCH_*, ...), secrets redacted."""
     L = ["### Environment variables", ""]
     nsa: dict[str, Any] = env["nsa_settings"] if isinstance(env.get("nsa_settings"), dict) else {}
@@ -288,7 +311,10 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L += _checks_section(run)
     L += ["### Run", "", "| | |", "|---|---|"]
     L.append(f"| Run directory | {_link(st.run_dir, out_dir, str(st.run_dir))} |")
-    sessions = f", {len(run.boots)} sessions" if len(run.boots) > 1 else ""
+    log = st.files.train_log
+    if log.exists():
+        L.append(f"| Log | {_link(log, out_dir, log.name)} (every line the trainer printed) |")
+    sessions = f", {len(run.sessions)} sessions" if len(run.sessions) > 1 else ""
     L.append(f"| Status | {s.status} ({s.steps_done}/{s.steps_total or '?'} steps, world size {s.world_size}{sessions}) |")
     dirty = git.get("dirty")
     L.append(f"| Branch / commit | {git.get('branch') or 'n/a'} / `{git.get('commit') or 'n/a'}`"
@@ -310,19 +336,28 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     unknown = env.get("nsa_unknown_variables") or []
     if unknown:
         L.append(f"| Unknown NSA_* (ignored) | {', '.join(unknown)} |")
-    L.append(f"| Config | `{env.get('config_path') or 'n/a'}`: seq_len {_cfg(st, 'train', 'seq_len')}, batch "
-             f"{_cfg(st, 'train', 'batch_size')} x accum {_cfg(st, 'train', 'accum')}, steps {_cfg(st, 'train', 'steps')}, "
-             f"attention backend {_cfg(st, 'runtime', 'attn_backend')} |")
+    if st.config_error is not None:
+        L.append(f"| Config | `{env.get('config_path') or 'n/a'}`; **{st.config_error.replace('|', '/')}**: the run's "
+                 "settings are unknown |")
+    else:
+        L.append(f"| Config | `{env.get('config_path') or 'n/a'}`: seq_len {_cfg(st, 'train', 'seq_len')}, batch "
+                 f"{_cfg(st, 'train', 'batch_size')} x accum {_cfg(st, 'train', 'accum')}, steps "
+                 f"{_cfg(st, 'train', 'steps')}, attention backend {_cfg(st, 'runtime', 'attn_backend')} |")
     data = f"**SYNTHETIC tokens instead of data.source={_cfg(st, 'data', 'source')}**: {s.data_fallback}" if s.data_fallback \
         else (s.data_source or f"data.source={_cfg(st, 'data', 'source')}")
     L.append(f"| Data | {data.replace('|', '/')} |")
     for w in s.data_warnings:
         if w != s.data_fallback:
             L.append(f"| Data warning | {w.replace('|', '/')} |")
-    L.append(f"| Model | dim {_cfg(st, 'model', 'dim')}, {_cfg(st, 'model', 'n_layers')} layers, "
-             f"{_cfg(st, 'model', 'n_heads')} heads / {_cfg(st, 'model', 'n_kv_groups')} KV groups; NSA l={_cfg(st, 'nsa', 'l')} "
-             f"d={_cfg(st, 'nsa', 'd')} l_sel={_cfg(st, 'nsa', 'l_sel')} n_sel={_cfg(st, 'nsa', 'n_sel')} w={_cfg(st, 'nsa', 'w')} |")
+    if st.config is not None:
+        L.append(f"| Model | dim {_cfg(st, 'model', 'dim')}, {_cfg(st, 'model', 'n_layers')} layers, "
+                 f"{_cfg(st, 'model', 'n_heads')} heads / {_cfg(st, 'model', 'n_kv_groups')} KV groups; NSA "
+                 f"l={_cfg(st, 'nsa', 'l')} d={_cfg(st, 'nsa', 'd')} l_sel={_cfg(st, 'nsa', 'l_sel')} "
+                 f"n_sel={_cfg(st, 'nsa', 'n_sel')} w={_cfg(st, 'nsa', 'w')} |")
+    else:
+        L.append("| Model | unknown (no readable config.yaml) |")
     L.append("")
+    L += _sessions_section(run.sessions)
     L += _env_section(env)
     L += ["### Training", "", "| metric | value |", "|---|---|"]
     L.append(f"| loss first / last / min | {fmt_value(s.first_loss, '.4f')} / {fmt_value(s.last_loss, '.4f')} / {fmt_value(s.min_loss, '.4f')} |")
@@ -335,6 +370,11 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append(f"| peak GPU memory (allocator peak) | {_mib(s.mem_peak_mib)} |")
     L.append(f"| reserved GPU memory (last) | {_mib(s.mem_reserved_mib)} |")
     L.append(f"| host RSS (peak) | {_mib(s.rss_mib)} |")
+    util, used = values(st.progress, "gpu_util_pct"), values(st.progress, "gpu_mem_used_mib")
+    if util or used:
+        L.append(f"| GPU utilisation median / min (NVML) | {fmt_value(statistics.median(util) if util else None, '.0f', '%')}"
+                 f" / {fmt_value(min(util) if util else None, '.0f', '%')} |")
+        L.append(f"| GPU memory used, peak (NVML, every process) | {_mib(max(used) if used else None)} |")
     L.append(f"| MFU | {fmt_value(s.mfu, '.1%') if s.mfu is not None else 'n/a'} |")
     L.append("")
     ranges = step_ranges(st.series())
@@ -347,6 +387,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L += _img(run, "tokens_per_s", "tokens/s, rolling median", out_dir)
     L += _img(run, "lr_grad", "learning rate and gradient norm", out_dir)
     L += _img(run, "memory", "memory: GPU allocated/reserved/peak and host RSS", out_dir)
+    L += _img(run, "gpu", "GPU utilisation and memory used over the steps (NVML)", out_dir)
     L += _img(run, "fetch", "data fetch latency p50/p95", out_dir)
     L += ["### Gate health and counters", "", "| metric | value |", "|---|---|"]
     shares = s.gate_branch_shares
@@ -359,7 +400,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append("")
     L += _img(run, "gates", "gate entropy, collapsed-gate fraction and branch shares", out_dir)
     L += selection_section(s)
-    L += _eval_section(st.run_dir, out_dir, run.charts.get("needle"))
+    L += _eval_section(st.run_dir, out_dir, run.charts.get("needle"), s.steps_done)
     L += ["### Anomalies, halts and alarms", ""]
     resumes = [b for b in run.boots if b.get("resumed_from")]
     if not s.anomalies and not run.halts and not resumes and not run.alarms:
@@ -380,13 +421,13 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     for b in resumes:
         L.append(f"- resumed at step {resume_step(b)} from `{b.get('resumed_from')}`")
     for al in run.alarms:
-        L.append(f"- alarm {al.describe()} (kept by nsa watch in `alarms.jsonl`)")
+        L.append(f"- alarm {al.describe()} (kept by nsa watch in `alarms.jsonl`; {al.state})")
     if s.end and s.end.get("error"):
         L.append(f"- end error: `{s.end.get('error')}`")
     L.append("")
     L += ["### Artifacts", ""]
-    rd = RunDir(st.run_dir)
-    for p in (rd.config, rd.env, rd.train_csv, rd.val_csv, rd.metrics, rd.heartbeat(0), rd.tensorboard, rd.export,
+    rd = st.files
+    for p in (rd.config, rd.env, rd.train_log, rd.train_csv, rd.val_csv, rd.metrics, rd.heartbeat(0), rd.tensorboard, rd.export,
               rd.eval, rd.halts, rd.alarms, rd.anomalies):
         name = p.name
         if p.exists():
@@ -454,7 +495,7 @@ def _eval_payloads(run_dir: Path) -> list[tuple[str, dict[str, Any] | None]]:
     """``(task, payload or None when unreadable)`` for each ``RUN/eval/<task>.json`` present."""
     out: list[tuple[str, dict[str, Any] | None]] = []
     for task in EVAL_TASKS:
-        p = RunDir(run_dir).eval / f"{task}.json"
+        p = RunDir(run_dir).eval_result(task)
         if not p.is_file():
             continue
         try:
@@ -469,7 +510,7 @@ def _eval_payloads(run_dir: Path) -> list[tuple[str, dict[str, Any] | None]]:
 
 def _copy_eval_chart(run_dir: Path, folder: Path) -> Path | None:
     """Copy ``RUN/eval/needle.png`` into the report's assets folder (None when absent or unreadable)."""
-    src = RunDir(run_dir).eval / "needle.png"
+    src = RunDir(run_dir).needle_png
     try:
         data = src.read_bytes() if src.is_file() else None
     except OSError:
@@ -482,7 +523,7 @@ def _copy_eval_chart(run_dir: Path, folder: Path) -> Path | None:
     return dst
 
 
-def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None) -> list[str]:
+def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_done: int) -> list[str]:
     """The "Evaluation" section: one table per ``nsa eval`` task found in ``RUN/eval/`` (nothing when none)."""
     found = _eval_payloads(run_dir)
     if not found:
@@ -497,7 +538,12 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None) -> list
         with contextlib.suppress(ValueError):
             ckpt = Path(ckpt).relative_to(run_dir).as_posix()
         when = (data.get("env") or {}).get("date") or "n/a"
-        source = f"checkpoint `{ckpt}`, {when}, seed {st.get('seed')}"
+        step = data.get("step")
+        source = (f"weights `{ckpt}` (step {step if isinstance(step, int) else 'not recorded'}), {when}, "
+                  f"seed {st.get('seed')}")
+        stale = eval_staleness(data, steps_done)
+        if stale:
+            L += [f"**STALE** `eval/{task}.json`: {stale}.", ""]
         if task == "needle":
             contexts = sorted({r.get("context") for r in rows if isinstance(r.get("context"), int)})
             depths = sorted({r.get("depth") for r in rows if isinstance(r.get("depth"), int | float)})
@@ -561,14 +607,14 @@ def _comparison(states: list[RunState], summaries: list[RunSummary], verdicts: l
     L = ["## Comparison", "",
          "`kernel path`: the attention path that ran (the configured backend, `auto` resolved; calls that fell back "
          "to the torch path counted). Tokens/s are of all ranks together.", "",
-         "| run | S | batch x accum | world size | kernel path | device | status | step time (s) | tokens/s | peak memory | final loss | verdict |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| run | S | batch x accum | world size | kernel path | device | status | step time (s) | tokens/s | peak memory | final loss | val loss | verdict |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for st, s, v in zip(states, summaries, verdicts, strict=True):
         L.append(
             f"| {s.run_name} | {_cfg(st, 'train', 'seq_len')} | {_cfg(st, 'train', 'batch_size')} x {_cfg(st, 'train', 'accum')} "
             f"| {s.world_size} | {kernel_path(st, s)} | {s.device or 'n/a'} | {s.status} | {fmt_value(s.step_time_s_median, '.4f')} "
             f"| {fmt_value(s.tokens_per_s_median, ',.0f')} | {_mib(s.mem_peak_mib) if s.mem_peak_mib is not None else _mib(s.rss_mib) + ' RSS' if s.rss_mib else 'n/a'} "
-            f"| {fmt_value(s.last_loss, '.4f')} | {v[0]} |"
+            f"| {fmt_value(s.last_loss, '.4f')} | {fmt_value(s.val_loss, '.4f')} | {v[0]} |"
         )
     L.append("")
     return L
@@ -617,12 +663,16 @@ def _prepare(run_dir: Path, now: float, override: tuple[dict[str, Any], str] | N
     """Read one run and derive its limits, halts, kept alarms, checks and verdict."""
     st = read_run(run_dir)
     s = summarize(st, now, _stale_s(st))
-    limits = run_limits(st.config, st.config_sources, *(override or (None,)))
+    block, label = override if override is not None else (None, "--limits")
+    limits = run_limits(st.config, st.config_sources, block, label, unreadable=st.config_error is not None)
     evals = _eval_payloads(st.run_dir)
     halts = classify_halts(s)
-    alarms = kept_alarms(st.run_dir)
-    checks = run_checks(s, limits, evals, halts, st.progress, alarms)
-    return _Run(st, s, limits, evals, halts, session_boots(st), checks, verdict(s, checks), alarms)
+    sessions = read_sessions(st.run_dir, s.status)
+    alarms = kept_alarms(st.run_dir, sessions)
+    notes = [*st.schema_notes, *(schema_note(f"eval/{task}.json", v, EVAL_SCHEMA) for task, data in evals
+                                 if (v := newer_schema(data, EVAL_SCHEMA)) is not None)]
+    checks = run_checks(s, limits, evals, halts, st.progress, alarms, sessions, st.config_error, notes)
+    return _Run(st, s, limits, evals, halts, session_boots(st), checks, verdict(s, checks), alarms, sessions)
 
 
 def build_report(

@@ -1,36 +1,16 @@
 """Watch rules: conditions on a live run that raise an alarm and, as a watchdog, write ``.HALT``.
 
+Each rule is declared once, as a :class:`Rule` in :data:`RULES` (name, check, aliases, the ``monitor`` field
+of its threshold, whether it still speaks once the run has ended, and its help line); the spec parser, the
+defaults, the aliases, ``nsa watch``'s help and the docs' table are derived from them.
+
 Spec syntax (``nsa watch --alert-on / --halt-on``): comma-separated ``name`` or ``name=threshold``;
 ``all`` means every rule, ``none`` no rule. A rule without ``=threshold`` takes its threshold from the
 run's own ``monitor`` section (``config.yaml``, ``nsa.config.monitor.MonitorConfig``; its defaults when
-absent); ``RULES`` lists each rule's monitor field. Rules (monitor field, default):
-
-- ``crashed``: the trainer process (rank 0, this host) is gone and the heartbeat has no ``end`` event;
-- ``stale=SECONDS`` (``stale_s``, 180): a rank's heartbeat is older than this and the run has not ended;
-- ``nonfinite``: a non-finite loss in the log or an ``anomaly`` event;
-- ``gate-entropy=NATS`` (``gate_entropy_min``, 0.3; ``gate_entropy_early_min``, 0.5, before step
-  ``gate_entropy_early_steps``, 1000): mean gate entropy below this for the last 3 points;
-- ``gate-collapse=FRACTION`` (``gate_collapse_max``, 0.1): collapsed-gate fraction above this for the last
-  3 points;
-- ``grad-spike=RATIO`` (``grad_spike_ratio``, 10): a gradient norm among the last 5 points above RATIO x
-  the median of the 20 points before it;
-- ``loss-plateau=DROP`` (``plateau_min_drop``, 0.01; over ``plateau_steps``, 1000): relative loss drop over
-  the last ``plateau_steps`` steps below DROP (needs that many steps of history);
-- ``memory-creep=RATIO`` (``memory_creep_ratio``, 1.2): reserved GPU memory (RSS on a CPU run) of the last
-  points above RATIO x its level at the end of warm-up (the points after the first 10%);
-- ``throughput-drop=RATIO`` (``throughput_drop_ratio``, 0.5; for ``throughput_window_s``, 600): tokens/s
-  below RATIO x the run's median for at least that many seconds of wall time (heartbeat ``ts``);
-- ``fetch-stall=MS`` (``fetch_stall_ms``, 2000): data fetch p95 above this;
-- ``data-fallback``: the run trains on synthetic tokens because its data source failed at start;
-- ``fallback-rise``: a rank's backend fallback counters rose over the last 3 points (calls keep falling
-  back to the torch path);
-- ``gpu-errors``: a rank's GPU memory errors (uncorrected ECC errors, retired pages; heartbeat
-  ``gpu_mem_errors``, NVML) rose during the session.
+absent).
 
 ``AlarmLog`` de-duplicates hits across refreshes (new / cleared) and ``notify`` runs a shell command with an
 alarm as JSON on stdin; both are what ``nsa watch`` builds its actions from.
-
-Size: the rule table: one short evaluator per watch rule plus their parsing, kept side by side.
 """
 
 from __future__ import annotations
@@ -44,7 +24,7 @@ import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -53,43 +33,40 @@ from pydantic import ValidationError
 from nsa.config.monitor import MonitorConfig
 from nsa.errors import ConfigError
 from nsa.fileio import json_safe
-from nsa.rundir import RunDir
 from nsa.runs.reader import RunState
-from nsa.runs.summary import anomaly_text, finite
+from nsa.runs.summary import anomaly_text, finite, values
 
-# rule -> the MonitorConfig field holding its threshold (None: the rule takes no threshold)
-RULES: dict[str, str | None] = {
-    "crashed": None,
-    "stale": "stale_s",
-    "nonfinite": None,
-    "gate-entropy": "gate_entropy_min",
-    "gate-collapse": "gate_collapse_max",
-    "grad-spike": "grad_spike_ratio",
-    "loss-plateau": "plateau_min_drop",
-    "memory-creep": "memory_creep_ratio",
-    "throughput-drop": "throughput_drop_ratio",
-    "fetch-stall": "fetch_stall_ms",
-    "data-fallback": None,
-    "fallback-rise": None,
-    "gpu-errors": None,
-}
-AFTER_END = ("nonfinite", "data-fallback")  # rules that still say something once the run has ended
-DEFAULTS: dict[str, float | None] = {
-    name: (float(MonitorConfig.model_fields[f].default) if f else None) for name, f in RULES.items()
-}
-ALIASES = {"nan": "nonfinite", "non-finite": "nonfinite", "collapse": "gate-collapse",
-           "throughput": "throughput-drop", "fetch": "fetch-stall", "heartbeat": "stale",
-           "crash": "crashed", "dead": "crashed", "entropy": "gate-entropy", "grad": "grad-spike",
-           "spike": "grad-spike", "plateau": "loss-plateau", "memory": "memory-creep", "mem": "memory-creep",
-           "data": "data-fallback", "synthetic": "data-fallback", "fallback": "fallback-rise",
-           "fallbacks": "fallback-rise", "ecc": "gpu-errors", "xid": "gpu-errors", "gpu": "gpu-errors"}
 SPIKE_HISTORY, SPIKE_RECENT, LAST_N = 20, 5, 3
+Check = Callable[[float | None, RunState, float, MonitorConfig], "RuleHit | None"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One watch rule, declared once: ``check(threshold or None, state, now, monitor)`` returns a hit or None;
+    ``field``: the ``monitor`` field of its threshold (None: it takes none; ``unit`` names it in the help);
+    ``after_end``: it still says something once the run has ended; ``help``: what fires it."""
+
+    name: str
+    check: Check
+    help: str
+    field: str | None = None
+    unit: str = ""
+    aliases: tuple[str, ...] = ()
+    after_end: bool = False
+
+    @property
+    def default(self) -> float | None:
+        return float(MonitorConfig.model_fields[self.field].default) if self.field else None
+
+    def synopsis(self) -> str:
+        """``stale=SECONDS`` or ``crashed``: how a spec names it."""
+        return f"{self.name}={self.unit}" if self.field else self.name
 
 
 @dataclass
-class Rule:
-    """A rule and its threshold; ``explicit=False`` when the threshold should come from the run's
-    ``monitor`` config (``evaluate`` then uses that instead of ``threshold``)."""
+class ArmedRule:
+    """A rule as a watch applies it, with its threshold; ``explicit=False`` when the threshold should come from
+    the run's ``monitor`` config (``evaluate`` then uses that instead of ``threshold``)."""
 
     name: str
     threshold: float | None = None
@@ -109,35 +86,35 @@ class RuleHit:
         return asdict(self)
 
 
-def parse_rules(spec: str | None, monitor: MonitorConfig | None = None) -> list[Rule]:
+def parse_rules(spec: str | None, monitor: MonitorConfig | None = None) -> list[ArmedRule]:
     """``"stale=120,nonfinite"`` -> rules; ``"all"`` -> every rule; ``"none"`` -> no rule; thresholds not
     given come from ``monitor`` (default ``MonitorConfig()``); ``ConfigError`` on a bad spec."""
     if spec is None or not spec.strip():
         return []
     mon = monitor or MonitorConfig()
-    rules: dict[str, Rule] = {}
+    rules: dict[str, ArmedRule] = {}
     for part in spec.split(","):
         part = part.strip()
         if not part:
             continue
         name, _, value = part.partition("=")
-        name = ALIASES.get(name.strip().lower(), name.strip().lower())
+        name = canonical(name)
         if name in ("none", "off"):
             continue
         if name in ("all", "default", "defaults"):
             for n in RULES:
-                rules.setdefault(n, Rule(n, _monitor_value(mon, n), explicit=False))
+                rules.setdefault(n, ArmedRule(n, _monitor_value(mon, n), explicit=False))
             continue
         if name not in RULES:
             raise ConfigError(f"unknown watch rule '{name}'", hint=f"rules: {', '.join(RULES)} (or all, none)")
         threshold = _monitor_value(mon, name)
         explicit = False
         if value.strip():
-            if RULES[name] is None:
+            if RULES[name].field is None:
                 raise ConfigError(f"watch rule '{name}' takes no threshold", hint=f"write just {name}")
             threshold = _parse_threshold(part, name, value)
             explicit = True
-        rules[name] = Rule(name, threshold, explicit)
+        rules[name] = ArmedRule(name, threshold, explicit)
     return list(rules.values())
 
 
@@ -146,29 +123,23 @@ def _parse_threshold(part: str, name: str, value: str) -> float:
         threshold = float(value.strip().lower().removesuffix("ms").removesuffix("s").removesuffix("m"))
     except ValueError:
         raise ConfigError(f"watch rule '{part}': threshold must be a number",
-                          hint=f"e.g. {name}={DEFAULTS[name]:g}") from None
+                          hint=f"e.g. {name}={RULES[name].default:g}") from None
     if not math.isfinite(threshold) or threshold <= 0:
-        raise ConfigError(f"watch rule '{part}': threshold must be positive", hint=f"e.g. {name}={DEFAULTS[name]:g}")
-    fld = RULES[name]
+        raise ConfigError(f"watch rule '{part}': threshold must be positive", hint=f"e.g. {name}={RULES[name].default:g}")
+    fld = RULES[name].field
     assert fld is not None
     try:
         MonitorConfig.model_validate({fld: threshold})
     except ValidationError as exc:
         msg = exc.errors()[0].get("msg", "out of range")
         raise ConfigError(f"watch rule '{part}': {msg.lower()} (monitor.{fld})",
-                          hint=f"e.g. {name}={DEFAULTS[name]:g}") from None
+                          hint=f"e.g. {name}={RULES[name].default:g}") from None
     return threshold
 
 
 def _monitor_value(mon: MonitorConfig, name: str) -> float | None:
-    fld = RULES[name]
+    fld = RULES[name].field
     return None if fld is None else float(getattr(mon, fld))
-
-
-def default_rules(monitor: MonitorConfig | None = None) -> list[Rule]:
-    """Every rule, thresholds from ``monitor`` (default ``MonitorConfig()``) and not explicit."""
-    mon = monitor or MonitorConfig()
-    return [Rule(n, _monitor_value(mon, n), explicit=False) for n in RULES]
 
 
 def monitor_config(state: RunState) -> MonitorConfig:
@@ -180,27 +151,28 @@ def monitor_config(state: RunState) -> MonitorConfig:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ())) or "monitor"
-        raise ConfigError(f"{RunDir(state.run_dir).config}: monitor.{where}: {err.get('msg', 'invalid')}",
+        raise ConfigError(f"{state.files.config}: monitor.{where}: {err.get('msg', 'invalid')}",
                           hint="fix the run's monitor section, or give thresholds with --alert-on/--halt-on") from None
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{RunDir(state.run_dir).config}: monitor section is not a mapping ({exc})") from None
+        raise ConfigError(f"{state.files.config}: monitor section is not a mapping ({exc})") from None
 
 
-def resolve(rules: list[Rule], monitor: MonitorConfig) -> list[Rule]:
+def resolve(rules: list[ArmedRule], monitor: MonitorConfig) -> list[ArmedRule]:
     """The rules with the thresholds they are evaluated with (``monitor``'s for non-explicit ones)."""
-    return [r if r.explicit else Rule(r.name, _monitor_value(monitor, r.name), False) for r in rules]
+    return [r if r.explicit else ArmedRule(r.name, _monitor_value(monitor, r.name), False) for r in rules]
 
 
-def evaluate(rules: list[Rule], state: RunState, now: float, monitor: MonitorConfig | None = None) -> list[RuleHit]:
-    """The rules that fire on this state (only :data:`AFTER_END` once the run has ended). ``monitor``: the
-    thresholds of non-explicit rules and the rules' windows (default: the run's own, ``monitor_config``)."""
+def evaluate(rules: list[ArmedRule], state: RunState, now: float, monitor: MonitorConfig | None = None) -> list[RuleHit]:
+    """The rules that fire on this state (only those declared ``after_end`` once the run has ended).
+    ``monitor``: the thresholds of non-explicit rules and the rules' windows (default: the run's own,
+    ``monitor_config``)."""
     mon = monitor if monitor is not None else monitor_config(state)
     ended = state.end is not None
     hits: list[RuleHit] = []
     for rule in rules:
-        if ended and rule.name not in AFTER_END:
+        if ended and not RULES[rule.name].after_end:
             continue
-        hit = _RULES[rule.name](rule.threshold if rule.explicit else None, state, now, mon)
+        hit = RULES[rule.name].check(rule.threshold if rule.explicit else None, state, now, mon)
         if hit is not None:
             hits.append(hit)
     return hits
@@ -209,13 +181,9 @@ def evaluate(rules: list[Rule], state: RunState, now: float, monitor: MonitorCon
 # ------------------------------------------------------------------------------------------- the rules
 
 
-def _points(state: RunState) -> list[dict[str, Any]]:
+def _points(state: RunState) -> Sequence[Mapping[str, Any]]:
     """Rank-0 progress events (the heartbeat), else training.csv rows."""
     return state.progress or state.csv_rows
-
-
-def _values(points: list[dict[str, Any]], key: str) -> list[float]:
-    return [float(p[key]) for p in points if finite(p.get(key))]
 
 
 def _crashed(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
@@ -256,7 +224,7 @@ def _nonfinite(th: float | None, state: RunState, now: float, mon: MonitorConfig
 
 
 def _gate_entropy(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
-    vals = _values(state.progress, "gate_entropy_mean")[-LAST_N:]
+    vals = values(state.progress, "gate_entropy_mean")[-LAST_N:]
     last = state.progress[-1] if state.progress else {}
     step = int(last["step"]) if finite(last.get("step")) else None
     limit = mon.entropy_min_at(step) if th is None else th
@@ -270,7 +238,7 @@ def _gate_entropy(th: float | None, state: RunState, now: float, mon: MonitorCon
 
 
 def _gate_collapse(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
-    vals = _values(state.progress, "gate_collapse_fraction")[-LAST_N:]
+    vals = values(state.progress, "gate_collapse_fraction")[-LAST_N:]
     limit = mon.gate_collapse_max if th is None else th
     if len(vals) < LAST_N or min(vals) <= limit:
         return None
@@ -326,7 +294,7 @@ def _loss_plateau(th: float | None, state: RunState, now: float, mon: MonitorCon
 
 
 def _memory_creep(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
-    pts = state.session_progress()
+    pts: Sequence[Mapping[str, Any]] = state.session_progress()
     key = "mem_reserved_mib" if any(finite(p.get("mem_reserved_mib")) for p in pts) else "rss_mib"
     vals = [(p.get("step"), float(p[key])) for p in pts if finite(p.get(key))]
     if len(vals) < 10:
@@ -346,7 +314,8 @@ def _memory_creep(th: float | None, state: RunState, now: float, mon: MonitorCon
 
 
 def _throughput_drop(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
-    pts = [(float(p["ts"]), float(p["tokens_per_s"]), p.get("step")) for p in state.session_progress()
+    progress: Sequence[Mapping[str, Any]] = state.session_progress()
+    pts = [(float(p["ts"]), float(p["tokens_per_s"]), p.get("step")) for p in progress
            if finite(p.get("ts")) and finite(p.get("tokens_per_s"))]
     if len(pts) < 10:
         return None
@@ -379,7 +348,7 @@ def _throughput_drop(th: float | None, state: RunState, now: float, mon: Monitor
 
 
 def _fetch_stall(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
-    last = state.last_progress
+    last: Mapping[str, Any] | None = state.last_progress
     if not last or not finite(last.get("fetch_p95_ms")):
         return None
     p95 = float(last["fetch_p95_ms"])
@@ -436,21 +405,45 @@ def _gpu_errors(th: float | None, state: RunState, now: float, mon: MonitorConfi
     return None
 
 
-_RULES: dict[str, Callable[[float | None, RunState, float, MonitorConfig], RuleHit | None]] = {
-    "crashed": _crashed,
-    "stale": _stale,
-    "nonfinite": _nonfinite,
-    "gate-entropy": _gate_entropy,
-    "gate-collapse": _gate_collapse,
-    "grad-spike": _grad_spike,
-    "loss-plateau": _loss_plateau,
-    "memory-creep": _memory_creep,
-    "throughput-drop": _throughput_drop,
-    "fetch-stall": _fetch_stall,
-    "data-fallback": _data_fallback,
-    "fallback-rise": _fallback_rise,
-    "gpu-errors": _gpu_errors,
-}
+RULES: dict[str, Rule] = {r.name: r for r in (
+    Rule("crashed", _crashed, "the trainer process (rank 0, this host) is gone and the heartbeat has no end event",
+         aliases=("crash", "dead")),
+    Rule("stale", _stale, "a rank's heartbeat is older than S seconds and the run has not ended", "stale_s",
+         "SECONDS", ("heartbeat",)),
+    Rule("nonfinite", _nonfinite, "a non-finite loss in the log, or an anomaly event", aliases=("nan", "non-finite"),
+         after_end=True),
+    Rule("gate-entropy", _gate_entropy, "mean gate entropy below H for the last 3 points (gate_entropy_early_min "
+         "before step gate_entropy_early_steps)", "gate_entropy_min", "NATS", ("entropy",)),
+    Rule("gate-collapse", _gate_collapse, "collapsed-gate fraction above F for the last 3 points",
+         "gate_collapse_max", "FRACTION", ("collapse",)),
+    Rule("grad-spike", _grad_spike, "a grad norm among the last 5 points above R x the median of the 20 before it",
+         "grad_spike_ratio", "RATIO", ("grad", "spike")),
+    Rule("loss-plateau", _loss_plateau, "relative loss drop over the last plateau_steps steps below D",
+         "plateau_min_drop", "DROP", ("plateau",)),
+    Rule("memory-creep", _memory_creep, "reserved GPU memory (RSS on a CPU run) above R x its level after warm-up",
+         "memory_creep_ratio", "RATIO", ("memory", "mem")),
+    Rule("throughput-drop", _throughput_drop, "tokens/s below R x the run's median for throughput_window_s seconds",
+         "throughput_drop_ratio", "RATIO", ("throughput",)),
+    Rule("fetch-stall", _fetch_stall, "data fetch p95 above MS", "fetch_stall_ms", "MS", ("fetch",)),
+    Rule("data-fallback", _data_fallback, "the run trains on synthetic tokens because its data source failed",
+         aliases=("data", "synthetic"), after_end=True),
+    Rule("fallback-rise", _fallback_rise, "backend fallback counters rose over the last 3 points",
+         aliases=("fallback", "fallbacks")),
+    Rule("gpu-errors", _gpu_errors, "a rank's GPU memory errors (uncorrected ECC, retired pages) rose",
+         aliases=("ecc", "xid", "gpu")),
+)}
+ALIASES: dict[str, str] = {alias: r.name for r in RULES.values() for alias in r.aliases}
+
+
+def synopsis() -> str:
+    """Every rule as a spec names it (``crashed, stale=SECONDS, ...; all; none``): ``nsa watch``'s help."""
+    return ", ".join(r.synopsis() for r in RULES.values()) + "; all; none"
+
+
+def canonical(name: str) -> str:
+    """A rule's name from itself or an alias (``crash`` -> ``crashed``), as given otherwise."""
+    key = name.strip().lower()
+    return ALIASES.get(key, key)
 
 
 # ------------------------------------------------------------------------------------------- actions
@@ -524,7 +517,6 @@ def notify(command: str, payload: dict[str, Any], timeout_s: float = 10.0) -> st
         tail = (err or "").strip().splitlines()
         return f"exit status {proc.returncode}" + (f": {tail[-1][:200]}" if tail else "")
     return None
-
 
 
 def now_iso(t: float | None = None) -> str:

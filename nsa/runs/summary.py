@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nsa.rundir.records import AnomalyEvent, CheckpointEvent, EndEvent, HaltEvent, HaltFile
 from nsa.runs.reader import DEFAULT_STALE_S, RunState
 
 
@@ -19,6 +21,11 @@ def finite(v: Any) -> bool:
     return x is not None and math.isfinite(x)
 
 
+def values(points: Sequence[Mapping[str, Any]], key: str) -> list[float]:
+    """The finite numbers of ``key`` over ``points`` (records of nsa.rundir.records), in order."""
+    return [float(p[key]) for p in points if finite(p.get(key))]
+
+
 def percentile(values: list[float], q: float) -> float | None:
     vals = sorted(v for v in values if math.isfinite(v))
     if not vals:
@@ -28,7 +35,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
 
 
-def anomaly_text(a: dict[str, Any]) -> str:
+def anomaly_text(a: Mapping[str, Any]) -> str:
     """``nonfinite_loss at step 7 (value nan)``: a non-finite value the heartbeat wrote as null reads as such."""
     value = a.get("value")
     shown = "non-finite" if value is None else str(value)
@@ -40,7 +47,7 @@ def halt_checkpoint_text(checkpoint: Any) -> str:
     return f"checkpoint {checkpoint}" if checkpoint else "no checkpoint to resume from"
 
 
-def step_ranges(points: list[dict[str, Any]], n: int = 5, key: str = "tokens_per_s") -> list[dict[str, Any]]:
+def step_ranges(points: Sequence[Mapping[str, Any]], n: int = 5, key: str = "tokens_per_s") -> list[dict[str, Any]]:
     """Split the points into up to ``n`` step ranges with the mean and count of ``key`` (a trend table)."""
     pts = [(int(p["step"]), float(p[key])) for p in points if finite(p.get("step")) and finite(p.get(key))]
     if not pts:
@@ -77,7 +84,7 @@ class RunSummary:
     eta_s_trainer: float | None = None  # the trainer's own estimate in the last progress line
     lr: float | None = None
     grad_norm: float | None = None
-    last_checkpoint: dict[str, Any] | None = None
+    last_checkpoint: CheckpointEvent | None = None
     host: str | None = None
     pid: int | None = None
     fetch_p50_ms: float | None = None
@@ -93,12 +100,12 @@ class RunSummary:
     fallback: dict[str, int] = field(default_factory=dict)
     fallback_total: int = 0
     heartbeat_age_s: dict[int, float] = field(default_factory=dict)
-    anomalies: list[dict[str, Any]] = field(default_factory=list)
-    halts: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
-    end: dict[str, Any] | None = None
+    anomalies: list[AnomalyEvent] = field(default_factory=list)
+    halts: list[HaltEvent] = field(default_factory=list)
+    checkpoints: list[CheckpointEvent] = field(default_factory=list)
+    end: EndEvent | None = None
     val_loss: float | None = None
-    pending_halt: dict[str, Any] | None = None
+    pending_halt: HaltFile | None = None
     corrupt_lines: int = 0
     truncated_lines: int = 0
     device: str | None = None
@@ -179,15 +186,13 @@ def summarize(state: RunState, now: float, stale_s: float = DEFAULT_STALE_S) -> 
     s.fetch_p50_ms = _num(last.get("fetch_p50_ms"))
     s.fetch_p95_ms = _num(last.get("fetch_p95_ms"))
     if s.fetch_p95_ms is None:
-        fetch = [float(r["fetch_ms"]) for r in state.csv_rows if finite(r.get("fetch_ms"))]
+        fetch = values(state.csv_rows, "fetch_ms")
         s.fetch_p50_ms, s.fetch_p95_ms = percentile(fetch, 0.5), percentile(fetch, 0.95)
-    peaks = [float(p["mem_peak_mib"]) for p in state.progress if finite(p.get("mem_peak_mib"))]
-    for rs in state.ranks.values():  # every rank's latest
-        if rs.last_progress and finite(rs.last_progress.get("mem_peak_mib")):
-            peaks.append(float(rs.last_progress["mem_peak_mib"]))
+    peaks = values(state.progress, "mem_peak_mib")
+    peaks += values([rs.last_progress for rs in state.ranks.values() if rs.last_progress], "mem_peak_mib")  # every rank's latest
     s.mem_peak_mib = max(peaks) if peaks else None
     s.mem_reserved_mib = _num(last.get("mem_reserved_mib"))
-    rss = [float(p["rss_mib"]) for p in state.progress if finite(p.get("rss_mib"))]
+    rss = values(state.progress, "rss_mib")
     s.rss_mib = max(rss) if rss else None
     s.gate_entropy_mean = _num(last.get("gate_entropy_mean"))
     shares = last.get("gate_branch_shares")
@@ -224,7 +229,7 @@ def summarize(state: RunState, now: float, stale_s: float = DEFAULT_STALE_S) -> 
     s.profile = env.get("profile") if isinstance(env.get("profile"), str) else None
     s.config_path = env.get("config_path") if isinstance(env.get("config_path"), str) else None
     git: dict[str, Any] = env["git"] if isinstance(env.get("git"), dict) else {}
-    s.commit = git.get("commit") or env.get("commit")
+    s.commit = str(git.get("commit") or env.get("commit") or "") or None  # type: ignore[typeddict-item]  # older env.json
     s.host = str(boot["host"]) if boot.get("host") else None
     s.pid = int(boot["pid"]) if isinstance(boot.get("pid"), int) and not isinstance(boot.get("pid"), bool) else None
     return s

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,11 @@ from nsa.config.monitor import MonitorConfig
 from nsa.config.profiles import load_profile
 from nsa.errors import ConfigError
 from nsa.rundir import RunDir
-from nsa.rundir.layout import HALTS_DIR, WATCHDOG_PREFIX, parse_halt
+from nsa.rundir.layout import WATCHDOG_PREFIX, watchdog_rule
+from nsa.rundir.records import HaltFile
 from nsa.runs.alarms import KeptAlarm
-from nsa.runs.reader import read_halt_file
+from nsa.runs.reader import halt_record
+from nsa.runs.sessions import Session, earlier_trouble
 from nsa.runs.summary import RunSummary, finite
 
 RETRIEVAL_TASKS = ("needle", "mqar")  # the tasks whose accuracy monitor.min_eval_accuracy judges
@@ -29,20 +30,6 @@ LIMIT_KEYS = ("min_tokens_per_s", "max_fetch_p95_ms", "gate_entropy_min", "gate_
 WINDOW_MIN_POINTS = 3  # a throughput window holds at least this many progress points (and a tenth of the run)
 FETCH_SETTLED_STEP = 20  # fetch p95 windows from this step on hold >= 20 fetches: one slow first fetch is no p95
 WARN_MARGIN = 0.1  # a figure within 10% of its limit (still on the right side) is a WARN
-# watchdog reasons written by `nsa watch --halt-on` ("watchdog: <rule message>") -> rule, when .HALT is gone
-RULE_PATTERNS = (
-    ("data-fallback", re.compile(r"synthetic data", re.I)),
-    ("fallback-rise", re.compile(r"fallback counters", re.I)),
-    ("gpu-errors", re.compile(r"GPU memory errors", re.I)),
-    ("stale", re.compile(r"heartbeat .*\bold\b|\bstale\b", re.I)),
-    ("nonfinite", re.compile(r"non-?finite|\banomaly\b|\bnan\b", re.I)),
-    ("gate-collapse", re.compile(r"collapse", re.I)),
-    ("gate-entropy", re.compile(r"gate entropy", re.I)),
-    ("throughput-drop", re.compile(r"tokens/s|throughput", re.I)),
-    ("fetch-stall", re.compile(r"\bfetch\b", re.I)),
-)
-
-
 def fmt_value(v: Any, spec: str = ".4g", unit: str = "") -> str:
     """A figure as the report shows it (``n/a`` for a missing one)."""
     if v is None:
@@ -61,7 +48,7 @@ def anomaly_record_path(run_dir: str | Path, record: Any) -> Path:
     p = Path(str(record))
     if p.is_absolute():
         return p
-    here = RunDir(Path(run_dir)).anomalies / p.name
+    here = RunDir(run_dir).anomalies / p.name
     return here if here.exists() or not p.exists() else p
 
 
@@ -137,16 +124,18 @@ def _limit_value(key: str, value: Any) -> float | None:
 
 
 def run_limits(config: dict[str, Any] | None, sources: dict[str, str] | None = None,
-               override: dict[str, Any] | None = None, override_label: str = "--limits") -> Limits:
+               override: dict[str, Any] | None = None, override_label: str = "--limits",
+               unreadable: bool = False) -> Limits:
     """The report limits of a run: ``MonitorConfig`` defaults < the run's saved ``monitor`` section <
-    ``override`` (a profile's ``monitor:`` block). A saved value that does not validate is ignored."""
+    ``override`` (a profile's ``monitor:`` block). A saved value that does not validate is ignored;
+    ``unreadable``: the run's config.yaml could not be read (each default says so)."""
     defaults = MonitorConfig()
     saved = (config or {}).get("monitor")
     saved = saved if isinstance(saved, dict) else {}
     values: dict[str, float | None] = {}
     where: dict[str, str] = {}
     for key in LIMIT_KEYS:
-        values[key], where[key] = getattr(defaults, key), "default"
+        values[key], where[key] = getattr(defaults, key), "default, config.yaml unreadable" if unreadable else "default"
         if key in saved:
             try:
                 values[key] = _limit_value(key, saved[key])
@@ -172,34 +161,17 @@ def profile_limits(name_or_path: str | Path) -> tuple[dict[str, Any], str]:
 # ------------------------------------------------------------------------------------------- halts
 
 
-def guess_rule(reason: str) -> str | None:
-    """The watch rule behind a ``watchdog: ...`` reason (when its ``.HALT`` with ``rule`` is gone)."""
-    text = reason.removeprefix(WATCHDOG_PREFIX)
-    return next((rule for rule, pat in RULE_PATTERNS if pat.search(text)), None)
-
-
-def _read_halt_record(path: Path) -> dict[str, Any] | None:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
-    data, _ = parse_halt(text)
-    if not data.get("reason") and set(data) == {"reason"}:
-        data["reason"] = "(empty .HALT)"
-    return data
-
-
 def classify_halts(s: RunSummary) -> list[HaltRecord]:
-    """Every halt of the run: its ``halt`` events, matched by reason to the ``.HALT`` records (those archived
-    in ``halts/`` at a restart, then the current file) for the watchdog's ``rule``, then the records that no
-    event acted on."""
-    records: list[tuple[str, dict[str, Any]]] = []  # oldest first, as the halt events
+    """Every halt of the run: its ``halt`` events (which name a watchdog's ``rule``; older ones are matched by
+    reason to the ``.HALT`` records archived in ``halts/`` and the current file, or read from the reason's
+    ``watchdog: <rule>:``), then the records that no event acted on."""
+    records: list[tuple[str, HaltFile]] = []  # oldest first, as the halt events
     with contextlib.suppress(OSError):
-        for p in sorted((Path(s.run_dir) / HALTS_DIR).glob("HALT-*")):
-            archived = _read_halt_record(p)
+        for p in sorted(RunDir(s.run_dir).halts.glob("HALT-*")):
+            archived = halt_record(p)
             if archived is not None:
                 records.append((f"halts/{p.name}", archived))
-    current = read_halt_file(s.run_dir)  # the file itself: the rule is wanted also once the trainer acted on it
+    current = halt_record(s.run_dir)  # the file itself: the rule is wanted also once the trainer acted on it
     if current is not None:
         records.append((".HALT", current))
     used: set[int] = set()
@@ -210,18 +182,16 @@ def classify_halts(s: RunSummary) -> list[HaltRecord]:
 
     for h in s.halts:
         reason, source = str(h.get("reason") or ""), str(h.get("source") or "")
-        rec: dict[str, Any] = {}
+        rec: HaltFile = {}
         if source == "file":
             for i, (_, r) in enumerate(records):
                 if i not in used and str(r.get("reason") or "").strip()[:500] == reason.strip()[:500]:
                     used.add(i)
                     rec = r
                     break
-        rule = rec.get("rule") if isinstance(rec.get("rule"), str) else None
+        rule = next((r for r in (h.get("rule"), rec.get("rule"), watchdog_rule(reason)) if isinstance(r, str)), None)
         by = ("anomaly" if source == "anomaly" else "signal" if source in ("SIGTERM", "SIGINT")
               else by_of(reason, rule))
-        if by == "watchdog" and rule is None:
-            rule = guess_rule(reason)
         step = h.get("step") if isinstance(h.get("step"), int) else None
         ck = h.get("checkpoint")
         out.append(HaltRecord(reason, by, source, rule, step, str(ck) if ck else None))
@@ -229,10 +199,8 @@ def classify_halts(s: RunSummary) -> list[HaltRecord]:
         if i in used:
             continue
         reason = str(r.get("reason") or "")
-        rule = r.get("rule") if isinstance(r.get("rule"), str) else None
+        rule = next((x for x in (r.get("rule"), watchdog_rule(reason)) if isinstance(x, str)), None)
         by = by_of(reason, rule)
-        if by == "watchdog" and rule is None:
-            rule = guess_rule(reason)
         ev: dict[str, Any] = r["evidence"] if isinstance(r.get("evidence"), dict) else {}
         step = ev.get("step") if isinstance(ev.get("step"), int) else None
         out.append(HaltRecord(reason, by, "file", rule, step, None, acted=False, where=where))
@@ -287,7 +255,7 @@ def eval_accuracy(evals: Sequence[tuple[str, dict[str, Any] | None]]) -> tuple[f
     return low, where, bad
 
 
-def fetch_p95_worst(progress: Sequence[dict[str, Any]]) -> tuple[float, int] | None:
+def fetch_p95_worst(progress: Sequence[Mapping[str, Any]]) -> tuple[float, int] | None:
     """``(worst fetch p95, its step)`` over the heartbeat's progress points from step
     :data:`FETCH_SETTLED_STEP` on (earlier windows hold too few fetches for a p95 that one slow start-up
     fetch does not set); the last point when none is that late."""
@@ -314,7 +282,7 @@ class Window:
         return f"steps {self.from_step}-{self.to_step}"
 
 
-def throughput_windows(points: Sequence[dict[str, Any]]) -> tuple[float, Window, Window] | None:
+def throughput_windows(points: Sequence[Mapping[str, Any]]) -> tuple[float, Window, Window] | None:
     """``(median, slowest window, last window)`` of tokens/s over the points after the warm-up fifth; windows
     of a tenth of them (at least :data:`WINDOW_MIN_POINTS`), counted back from the last point so the last
     window is the run's tail. None with fewer than two windows of points."""
@@ -335,7 +303,7 @@ def throughput_windows(points: Sequence[dict[str, Any]]) -> tuple[float, Window,
     return median, min(wins, key=lambda w: w.tokens_per_s), wins[0]
 
 
-def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[dict[str, Any]]) -> list[Check]:
+def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[Mapping[str, Any]]) -> list[Check]:
     """The floor (median and slowest window) and the tail against the run's own median."""
     wins = throughput_windows(progress)
     tps = s.tokens_per_s_median
@@ -375,14 +343,23 @@ def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[dict[st
 
 
 def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tuple[str, dict[str, Any] | None]] = (),
-               halts: list[HaltRecord] | None = None, progress: Sequence[dict[str, Any]] = (),
-               alarms: Sequence[KeptAlarm] = ()) -> list[Check]:
+               halts: list[HaltRecord] | None = None, progress: Sequence[Mapping[str, Any]] = (),
+               alarms: Sequence[KeptAlarm] = (), sessions: Sequence[Session] = (),
+               config_error: str | None = None, schema_notes: Sequence[str] = ()) -> list[Check]:
     """Every check of the verdict, in report order (see :class:`Check`); ``progress``: the rank-0 heartbeat
     points, for the throughput windows and the worst fetch p95 (else the summary's figures); ``alarms``: those
-    ``nsa watch`` kept with the run (``RUN/alarms.jsonl``)."""
+    ``nsa watch`` kept with the run (``RUN/alarms.jsonl``, judged: only open ones fail); ``sessions``: the run's
+    history (an earlier session that crashed, failed or was interrupted is a WARN); ``config_error``: why the
+    run's ``config.yaml`` cannot be read (a WARN: its limits are unknown, the defaults judge)."""
     limits = limits or run_limits(None)
     halts = classify_halts(s) if halts is None else halts
     out: list[Check] = []
+    if config_error is not None:
+        out.append(Check("run config", config_error, "config.yaml readable", "WARN",
+                         f"{config_error}; the run's settings are unknown and every limit below is the default"))
+    if schema_notes:
+        out.append(Check("record formats", "; ".join(schema_notes), "formats this nsa reads", "WARN",
+                         "; ".join(schema_notes)))
     n_bad = s.nonfinite_losses + len(s.anomalies)
     out.append(Check("non-finite values", f"{s.nonfinite_losses} loss(es), {len(s.anomalies)} anomaly record(s)", "none",
                      "FAIL" if n_bad else "PASS",
@@ -408,12 +385,8 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
     else:
         figure = "; ".join(x.describe() for x in halts) if halts else "none"
         out.append(Check("halts", figure, "no watchdog halt", "PASS"))
-    if alarms:
-        rules = sorted({a.rule for a in alarms})
-        out.append(Check("watch alarms", "; ".join(a.describe() for a in alarms), "none (`alarms.jsonl`)", "FAIL",
-                         f"{len(alarms)} alarm(s) raised by nsa watch ({', '.join(rules)}): {alarms[0].describe()}"))
-    else:
-        out.append(Check("watch alarms", "none kept", "none (`alarms.jsonl`)", "PASS"))
+    out.append(_alarms_check(alarms))
+    out.append(_sessions_check(sessions))
     out += _throughput_checks(s, limits, progress)
     worst = fetch_p95_worst(progress)
     fetch: float | None
@@ -441,10 +414,65 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
         out.append(Check("eval accuracy", f"{', '.join(bad)} unreadable", f">= {limits.values['min_eval_accuracy']:g}",
                          "WARN", f"{', '.join(bad)} could not be read", "min_eval_accuracy"))
     else:
-        out.append(_judge("eval accuracy", "min_eval_accuracy", limits, low,
-                          f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
-                          missing="no needle/mqar results in eval/"))
+        check = _judge("eval accuracy", "min_eval_accuracy", limits, low,
+                       f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
+                       missing="no needle/mqar results in eval/")
+        stale = [f"eval/{task}.json {why}" for task, data in evals if task in RETRIEVAL_TASKS and data is not None
+                 and (why := eval_staleness(data, s.steps_done))]
+        if stale and check.result == "PASS":
+            check.result, check.why = "WARN", f"{stale[0]}: re-run nsa eval"
+        if stale:
+            check.figure += f" (STALE: {'; '.join(stale)})"
+        out.append(check)
     return out
+
+
+def eval_staleness(data: dict[str, Any], steps_done: int) -> str | None:
+    """Why an ``nsa eval`` result is not of the model as it is now: it evaluated the weights of an earlier
+    step (``is of step 20; the run is at step 40``); None when current (or its step was not recorded)."""
+    step = data.get("step")
+    if isinstance(step, int) and not isinstance(step, bool) and step < steps_done:
+        return f"is of step {step}; the run is at step {steps_done}"
+    return None
+
+
+def _alarms_check(alarms: Sequence[KeptAlarm]) -> Check:
+    """FAIL on the open alarms ``nsa watch`` kept; WARN on superseded ones (an earlier session's, the run
+    resumed and still running); resolved and acknowledged ones are listed and pass."""
+    limit = "none open (`alarms.jsonl`; resolved by a later clean session or `nsa ack`)"
+    if not alarms:
+        return Check("watch alarms", "none kept", limit, "PASS")
+    figure = "; ".join(a.describe() for a in alarms)
+    open_ = [a for a in alarms if a.counts]
+    if open_:
+        rules = sorted({a.rule for a in open_})
+        return Check("watch alarms", figure, limit, "FAIL",
+                     f"{len(open_)} open alarm(s) raised by nsa watch ({', '.join(rules)}): {open_[0].describe()} "
+                     f"(close one with nsa ack RUN --reason TEXT)")
+    superseded = [a for a in alarms if a.state == "superseded"]
+    if superseded:
+        return Check("watch alarms", figure, limit, "WARN",
+                     f"alarm {superseded[0].describe()} of an earlier session")
+    return Check("watch alarms", figure, limit, "PASS")
+
+
+def _sessions_check(sessions: Sequence[Session]) -> Check:
+    """WARN when a session before the last did not end cleanly (crashed, failed, interrupted, halted by the
+    watchdog): the run recovered, and the report says from what."""
+    limit = "every earlier session ended cleanly"
+    if not sessions:
+        return Check("sessions", "no boot event", limit, "n/a")
+    figure = f"{len(sessions)} session(s): " + "; ".join(
+        f"{x.index} {x.status} at step {x.last_step}" for x in sessions)
+    trouble = earlier_trouble(list(sessions))
+    if not trouble:
+        return Check("sessions", figure, limit, "PASS")
+    t = trouble[0]
+    nxt = sessions[t.index] if t.index < len(sessions) else None
+    after = f"; session {nxt.index} resumed at step {nxt.first_step}" if nxt is not None else ""
+    more = f" (+{len(trouble) - 1} more)" if len(trouble) > 1 else ""
+    return Check("sessions", figure, limit, "WARN",
+                 f"session {t.index} {t.how()} at step {t.last_step}{after}{more}")
 
 
 def _selection_check(s: RunSummary, limits: Limits) -> Check:
@@ -495,7 +523,9 @@ def verdict(s: RunSummary, checks: list[Check] | None = None) -> tuple[str, str]
     extra = "".join(f"; {f}" for f in fails)
     if s.status in ("failed", "crashed"):
         err = (s.end or {}).get("error")
-        return "FAIL", f"run {s.status} at step {s.steps_done}" + (f": {err}" if err else "") + extra
+        return "FAIL", f"run {s.status} at step {s.steps_done}" + (f": {err}" if err else "") + resume_hint(s) + extra
+    if s.status == "interrupted":
+        return "INCOMPLETE", f"interrupted by the operator (Ctrl-C) at {progress}" + resume_hint(s) + extra
     if s.status == "stale":
         return "FAIL", f"heartbeat stale at step {s.steps_done} (no end event)" + extra
     if fails:
@@ -512,6 +542,15 @@ def verdict(s: RunSummary, checks: list[Check] | None = None) -> tuple[str, str]
     return "INCOMPLETE", f"status {s.status}, {progress}" + warned
 
 
+def resume_hint(s: RunSummary) -> str:
+    """``; resume from step_00000010 with nsa train --resume auto`` (the last checkpoint the heartbeat
+    recorded), or that there is none."""
+    ck = (s.last_checkpoint or {}).get("path")
+    if not ck:
+        return "; no checkpoint to resume from"
+    return f"; resume from {Path(str(ck)).name} with nsa train --resume auto"
+
+
 def overall_verdict(verdicts: list[tuple[str, str]]) -> str:
     """The report's overall verdict from the per-run ``(verdict, why)`` pairs."""
     names = [v for v, _ in verdicts]
@@ -520,5 +559,4 @@ def overall_verdict(verdicts: list[tuple[str, str]]) -> str:
     if "RUNNING" in names:
         return "RUNNING"
     return "PASS" if all(v == "PASS" for v in names) else "INCOMPLETE"
-
 

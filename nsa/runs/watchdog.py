@@ -8,17 +8,19 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from nsa.config import MonitorConfig
 from nsa.errors import NSAError, RunDirError
-from nsa.rundir.layout import WATCHDOG_PREFIX
+from nsa.fileio import write_failure
+from nsa.rundir.layout import EXIT_WATCHDOG, watchdog_reason
+from nsa.rundir.records import HaltFile
 from nsa.runs.alarms import AlarmFile
 from nsa.runs.halt import who_am_i, write_halt
 from nsa.runs.reader import RunReader, RunState
-from nsa.runs.rules import Alarm, AlarmLog, Rule, RuleHit, evaluate, monitor_config, notify, resolve
+from nsa.runs.rules import Alarm, AlarmLog, ArmedRule, RuleHit, evaluate, monitor_config, notify, resolve
 from nsa.runs.summary import RunSummary, summarize
 
 ENDED_GRACE_S = 30.0  # after rank 0's end event, how long to wait for the other ranks' end events
@@ -43,7 +45,7 @@ class Watchdog:
     per new alarm (``None``: the run's ``monitor.notify``; ``""``: none); ``on_warning`` hears a failed
     notification."""
 
-    def __init__(self, reader: RunReader, alert_rules: list[Rule], halt_rules: list[Rule], *,
+    def __init__(self, reader: RunReader, alert_rules: list[ArmedRule], halt_rules: list[ArmedRule], *,
                  notify_cmd: str | None = None, notify_timeout: float = 10.0, stale_after: float | None = None,
                  on_warning: Callable[[str], None] | None = None, keep: bool = True) -> None:
         """``keep``: write the alarms to ``RUN/alarms.jsonl`` (a run directory that cannot be written is one
@@ -52,9 +54,10 @@ class Watchdog:
         self.notify_cmd, self.notify_timeout, self.stale_after = notify_cmd, notify_timeout, stale_after
         self.on_warning = on_warning or (lambda _: None)
         self.log = AlarmLog()
-        self.halted: list[dict[str, Any]] = []  # the .HALT this watchdog wrote (in the current session)
+        self.halted: list[HaltFile] = []  # the .HALT this watchdog wrote (in the current session)
         self._alert_names = {r.name for r in alert_rules}
         self._session: float | None = None
+        self._config_said = False
         self._kept = AlarmFile(reader.run_dir, who_am_i("nsa watch")) if keep else None
 
     def poll(self, final: bool = False) -> Snapshot:
@@ -65,6 +68,9 @@ class Watchdog:
         if st.session_start != self._session:  # a new session (a resume): its own watchdog halt
             self._session, self.halted = st.session_start, []
         mon = monitor_config(st)
+        if st.config_error is not None and not self._config_said:
+            self._config_said = True
+            self.on_warning(f"{st.config_error}: the rules use the default monitor thresholds")
         if self.stale_after is not None:
             mon = mon.model_copy(update={"stale_s": self.stale_after})
         summ = summarize(st, now, mon.stale_s)
@@ -100,7 +106,7 @@ class Watchdog:
                 if a.rule in open_now:
                     self._kept.write("cleared", a.rule, a.message, a.evidence, snap.time, session)
         except OSError as exc:
-            self.on_warning(f"could not keep alarms in {self._kept.path}: {exc.strerror or exc}")
+            self.on_warning(f"could not keep alarms: {write_failure(exc, self._kept.path)}")
             self._kept = None
 
     def _maybe_halt(self, st: RunState, summ: RunSummary, hits: list[RuleHit], now: float, mon: MonitorConfig) -> None:
@@ -113,8 +119,8 @@ class Watchdog:
             return
         h = firing[0]
         try:
-            rec = write_halt(self.reader.run_dir, f"{WATCHDOG_PREFIX} {h.message}", who=who_am_i("nsa watch"), rule=h.rule,
-                             evidence=h.evidence)
+            rec = write_halt(self.reader.run_dir, watchdog_reason(h.rule, h.message), who=who_am_i("nsa watch"),
+                             rule=h.rule, evidence=h.evidence)
         except NSAError as exc:  # a read-only run directory: one line, and the watch stops
             raise RunDirError(f"watchdog rule {h.rule} fired but {exc.message}", exc.hint) from None
         self.halted.append(rec)
@@ -133,7 +139,7 @@ class Watchdog:
         """The crash alarm of a crashed run (evaluated even when ``crashed`` is not an alert rule)."""
         hit = next((h for h in snap.alarms if h.rule == "crashed"), None)
         if hit is None:
-            hit = next(iter(evaluate([Rule("crashed")], snap.state, time.time(), monitor_config(snap.state))), None)
+            hit = next(iter(evaluate([ArmedRule("crashed")], snap.state, time.time(), monitor_config(snap.state))), None)
         return hit
 
     def halted_the_run(self, snap: Snapshot) -> bool:
@@ -161,3 +167,33 @@ def finished(snap: Snapshot, now: float) -> bool:
     if all(r.end is not None for r in snap.state.ranks.values()):
         return True
     return isinstance(end.get("ts"), int | float) and now - float(end["ts"]) > ENDED_GRACE_S
+
+
+def follow(dog: Watchdog, refresh_s: float, timeout_s: float | None = None,
+           clock: Callable[[], float] = time.monotonic) -> Iterator[Snapshot]:
+    """``nsa watch``'s loop: a snapshot at once, then one every ``refresh_s`` seconds until the run is over
+    (:func:`finished`) or ``timeout_s`` seconds have passed since the call."""
+    start = clock()
+    snap = dog.poll()
+    yield snap
+    while not finished(snap, snap.time) and (timeout_s is None or clock() - start <= timeout_s):
+        time.sleep(refresh_s)
+        snap = dog.poll()
+        yield snap
+
+
+def exit_code(dog: Watchdog, snap: Snapshot, once: bool = False) -> int:
+    """What ``nsa watch`` exits with after ``snap``: 1 when the run failed or crashed (``once``: also when an
+    alarm fires), 3 when this watchdog's ``.HALT`` stopped it, else 0."""
+    if snap.summary.status in ("failed", "crashed") or (once and snap.alarms):
+        return 1
+    return EXIT_WATCHDOG if not once and dog.halted_the_run(snap) else 0
+
+
+def line_record(dog: Watchdog, snap: Snapshot) -> dict[str, Any]:
+    """One refresh as a JSON line (``nsa watch --json`` in live mode)."""
+    s = snap.summary
+    return {"time": snap.time, "status": s.status, "step": s.steps_done, "steps_total": s.steps_total,
+            "loss": s.last_loss, "tokens_per_s": s.tokens_per_s_last, "eta_s": s.eta_s,
+            "new_alarms": [a.rule for a in snap.new], "cleared_alarms": [a.rule for a in snap.cleared],
+            **dog.payload(snap)}

@@ -22,48 +22,26 @@ from typing import Any
 import torch
 
 from nsa.errors import CheckpointError
+from nsa.fileio import surface_os_error
 from nsa.rundir.checkpoints import (
-    CKPT_DIR,
     MANIFEST_FILE,
     MANIFEST_SCHEMA,
     SHARDED_DIR,
     STATE_FILE,
-    STATE_FORMAT,
     Verdict,
     check_state_format,
     is_complete,
-    latest_checkpoint,
     list_checkpoints,
     newest_verified,
-    read_manifest,
     sha256_file,
     step_dir_name,
     verify,
 )
+from nsa.rundir.layout import CHECKPOINTS_DIR
 from nsa.train import distributed as D
 
-__all__ = [
-    "CKPT_DIR",
-    "MANIFEST_FILE",
-    "STATE_FILE",
-    "STATE_FORMAT",
-    "Verdict",
-    "clean_partials",
-    "find_resume",
-    "is_complete",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_sharded",
-    "load_state",
-    "newest_verified",
-    "prune",
-    "read_manifest",
-    "resolve_resume",
-    "save_checkpoint",
-    "save_sharded_checkpoint",
-    "step_dir_name",
-    "verify",
-]
+__all__ = ["clean_partials", "find_resume", "is_sharded", "load_sharded", "load_state", "prune", "resolve_resume",
+           "save_checkpoint", "save_sharded_checkpoint"]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -97,7 +75,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], extra: dict
     manifest then covers too. On any error (``OSError`` such as a full disk included) the temporary
     folder is removed and the error propagates; checkpoints already on disk are untouched.
     """
-    root = Path(run_dir) / CKPT_DIR
+    root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     if tmp is None and is_complete(final) and verify(final).ok:
@@ -134,8 +112,9 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], extra: dict
         if final.exists():  # an incomplete or corrupted leftover with the final name: move it out first
             _remove(final)
         os.rename(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        surface_os_error(exc, final)  # torch.save's RuntimeError around a full disk: the OSError, naming it
         raise
     _fsync_dir(root)
     return final
@@ -149,7 +128,7 @@ def save_sharded_checkpoint(run_dir: Path, step: int, state: dict[str, Any] | No
     import torch.distributed.checkpoint as dcp
 
 
-    root = Path(run_dir) / CKPT_DIR
+    root = Path(run_dir) / CHECKPOINTS_DIR
     final = root / step_dir_name(step)
     name = f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}" if dist.is_main else None
     tmp = root / D.broadcast_object(name, dist)
@@ -205,7 +184,7 @@ def prune(run_dir: Path, keep_last: int) -> list[Path]:
 
 def clean_partials(run_dir: Path) -> list[Path]:
     """Remove ``.tmp-*`` leftovers of interrupted saves or deletes."""
-    root = Path(run_dir) / CKPT_DIR
+    root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     gone = [p for p in root.iterdir() if p.name.startswith(".tmp-")]
@@ -228,7 +207,7 @@ def find_resume(run_dir: Path, resume: str | None) -> tuple[Path | None, list[Ve
     p = Path(resume)
     if p.is_file() and p.name == STATE_FILE:
         p = p.parent
-    if p.is_dir() and (p / CKPT_DIR).is_dir():
+    if p.is_dir() and (p / CHECKPOINTS_DIR).is_dir():
         newest, skipped = newest_verified(p)
         if newest is None:
             raise CheckpointError(f"train.resume={resume}: run directory has no checkpoint that verifies",

@@ -109,11 +109,16 @@ class Output:
 
     def _emit(self, event: Event) -> None:
         line = event_line(event)
-        if line is not None and self._file is not None:
-            with contextlib.suppress(OSError):  # a full disk must not stop training output
-                self._file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        if line is not None:
+            self.record(line)
         if self.enabled:
             self.reporter(event)
+
+    def record(self, line: str) -> None:
+        """``line`` into the log file only (what was already said elsewhere, e.g. by a signal handler)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):  # a full disk must not stop training output
+                self._file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
 
     def start(self, step: int) -> None:
         self._emit(Event("start", step=step, total=self.total))

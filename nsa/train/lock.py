@@ -25,6 +25,7 @@ class RunLock:
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / LOCK_FILE
         self._fd: int | None = None
+        self._previous = b""  # the last holder's record, put back by abandon()
 
     def acquire(self) -> None:
         """Take the lock or raise ``RunDirError`` naming the process that holds it."""
@@ -42,9 +43,20 @@ class RunLock:
                 hint=f"wait for it to end, stop it with: nsa halt {self.path.parent}, or choose another --out-dir",
             ) from None
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}) + "\n"
+        with contextlib.suppress(OSError):
+            self._previous = os.pread(fd, 4096, 0)
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode(), 0)
         self._fd = fd
+
+    def abandon(self) -> None:
+        """Release a lock taken for a start that was then refused (bad input): the file names the last holder
+        again, so ``nsa dump`` and ``nsa watch`` are not pointed at a process that never trained."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, self._previous, 0)
+        self.close()
 
     def close(self) -> None:
         """Release the lock (the file stays; its content names the last holder)."""

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nsa.config.settings import read_settings
-from nsa.envinfo import MemoryErrorProbe
+from nsa.envinfo import GpuProbe
 from nsa.ops import fallback_counts as counts
-from nsa.rundir import RunDir
-from nsa.train import checkpoint as ckpt
+from nsa.rundir.checkpoints import latest_checkpoint
+from nsa.rundir.records import METRICS_SCHEMA, Metrics
 from nsa.train.telemetry import MFU_FORMULA, environment_record, peak_flops, write_json_atomic
 
 if TYPE_CHECKING:
@@ -77,7 +77,6 @@ def memory(device_type: str, device: torch.device) -> dict[str, float | None]:
 
 
 def fallback_counts() -> dict[str, int]:
-
     return dict(counts())
 
 
@@ -89,7 +88,7 @@ class Recorder:
         self.flops_per_token = float(s.model.flops_per_token(s.cfg.train.seq_len))
         self.num_params = int(s.model.num_params())
         self.warnings: list[str] = []
-        self.gpu_errors = _gpu_error_probe(s)
+        self.gpu = _gpu_probe(s)
 
     def mfu(self, tps: float | None) -> float | None:
         s = self.s
@@ -107,12 +106,11 @@ class Recorder:
             self.warnings.append(w)
             if s.dist.is_main:
                 s.out.warn(f"data: {w}")
-                if RunDir(s.plan.run_dir).env.exists():
+                if s.plan.files.env.exists():
                     self.write_env()
         return new
 
     def write_env(self) -> None:
-
         s, plan = self.s, self.s.plan
         settings = {f"NSA_{k.upper()}": v for k, v in read_settings().model_dump(exclude_none=True).items()}
         record = environment_record(
@@ -120,9 +118,10 @@ class Recorder:
             world_size=s.dist.world_size, backend=s.dist.backend, profile=plan.resolved.profile,
             config_path=plan.resolved.config_path, nsa_settings=settings, unknown_nsa=plan.resolved.unknown_env,
         )
-        record.update(run_name=plan.run_name, resumed_from=str(plan.resume_from) if plan.resume_from else None,
-                      data_warnings=list(self.warnings))
-        write_json_atomic(RunDir(plan.run_dir).env, record)
+        record["run_name"] = plan.run_name
+        record["resumed_from"] = str(plan.resume_from) if plan.resume_from else None
+        record["data_warnings"] = list(self.warnings)
+        write_json_atomic(plan.files.env, record)
 
     def started(self) -> None:
         """After set-up: the loader-ready event, env.json, and the opening lines."""
@@ -159,6 +158,7 @@ class Recorder:
         stats = s.model.consume_stats() or {}
         loader_stats = s.loader.stats()
         mem = memory(s.plan.rt.device_type, s.plan.rt.device)
+        gpu = self.gpu.usage() if self.gpu is not None else {"gpu_util_pct": None, "gpu_mem_used_mib": None}
         mfu = self.mfu(tps)
         self.new_data_warnings()
         row = {
@@ -167,7 +167,7 @@ class Recorder:
             "elapsed_s": self.clock.elapsed(), "eta_s": eta,
             "answer_loss": answers[0] if answers else None, "answer_acc": answers[1] if answers else None,
             "fetch_p50_ms": loader_stats.get("fetch_p50_ms"), "fetch_p95_ms": loader_stats.get("fetch_p95_ms"),
-            "scorer_kl": _float(stats.get("scorer_kl")),
+            "scorer_kl": _float(stats.get("scorer_kl")), **mem, **gpu,
         }
         shares = stats.get("gate_branch_shares")
         s.hb.emit(
@@ -180,8 +180,8 @@ class Recorder:
             sel_keys_mean=_float(stats.get("sel_keys_mean")), fallback=fallback_counts(), mfu=mfu,
             data_skipped=_skipped(loader_stats), data_warnings=list(self.warnings),
             answer_loss=row["answer_loss"], answer_acc=row["answer_acc"],
-            gpu_mem_errors=self.gpu_errors.read() if self.gpu_errors is not None else None,
-            scorer_kl=row["scorer_kl"],
+            gpu_mem_errors=self.gpu.read() if self.gpu is not None else None,
+            scorer_kl=row["scorer_kl"], **gpu,
         )
         if heartbeat_only:
             s.out.step(step)
@@ -194,7 +194,10 @@ class Recorder:
         scalars = {
             "train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "perf/tokens_per_s": tps,
             "perf/step_time_s": step_time, "perf/fetch_ms": row["fetch_ms"], "perf/mfu": mfu,
+            "perf/fetch_p50_ms": row["fetch_p50_ms"], "perf/fetch_p95_ms": row["fetch_p95_ms"],
             "mem/allocated_mib": mem["mem_allocated_mib"], "mem/reserved_mib": mem["mem_reserved_mib"],
+            "mem/peak_mib": mem["mem_peak_mib"], "mem/rss_mib": mem["rss_mib"],
+            "gpu/util_pct": gpu["gpu_util_pct"], "gpu/mem_used_mib": gpu["gpu_mem_used_mib"],
             "gate/entropy_mean": _float(stats.get("gate_entropy_mean")),
             "gate/collapse_fraction": _float(stats.get("gate_collapse_fraction")),
             "sel/keys_mean": _float(stats.get("sel_keys_mean")), "sel/scorer_kl": row["scorer_kl"],
@@ -223,7 +226,7 @@ class Recorder:
             s.tb.scalars({"val/loss": val_loss, "val/ppl": ppl, **selection_scalars(selection or [])}, step)
             s.out.message(f"eval step {step}: val_loss {val_loss:.4f} | ppl {ppl:.2f}{selection_text(fig)}")
 
-    def summary(self, status: str, error: str | None) -> dict[str, Any]:
+    def summary(self, status: str, error: str | None) -> Metrics:
         """The content of ``metrics.json``."""
         s, plan, c = self.s, self.s.plan, self.clock
         st = s.state
@@ -232,7 +235,7 @@ class Recorder:
         loader_stats = s.loader.stats()
         done_here = st.step - c.start_step
         return {
-            "schema": 1, "status": status, "error": error, "run_name": plan.run_name,
+            "schema": METRICS_SCHEMA, "status": status, "error": error, "run_name": plan.run_name,
             "steps_done": st.step, "steps_total": s.cfg.train.steps, "steps_this_session": done_here,
             "final_loss": st.last_loss, "last_val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
             "tokens_seen": st.tokens_seen, "tokens_per_step": s.tokens_per_step, "tokens_per_s": tps,
@@ -251,7 +254,7 @@ class Recorder:
             "device": str(plan.rt.device), "device_name": s.device_name, "precision": plan.rt.precision,
             "world_size": s.dist.world_size,
             "resumed_from": str(plan.resume_from) if plan.resume_from else None,
-            "last_checkpoint": str(p) if (p := ckpt.latest_checkpoint(plan.run_dir)) else None,
+            "last_checkpoint": str(p) if (p := latest_checkpoint(plan.run_dir)) else None,
             "memory": memory(plan.rt.device_type, plan.rt.device),
             "fallback": fallback_counts(),
             "data": {k: v for k, v in loader_stats.items() if k != "warnings"},
@@ -311,15 +314,16 @@ def selection_text(fig: dict[str, Any]) -> str:
     return f" | recall {fig['sel_recall_mean']:.2f} (min L{fig['sel_recall_min_layer']} {fig['sel_recall_min']:.2f})"
 
 
-def _gpu_error_probe(s: Session) -> Any:
-    """NVML's memory-error counters of this rank's GPU (CUDA runs), closed with the session; None on CPU."""
+def _gpu_probe(s: Session) -> Any:
+    """NVML's view of this rank's GPU (memory errors, utilisation, memory used; CUDA runs), closed with the
+    session; None on CPU."""
     if s.plan.rt.device_type != "cuda":
         return None
     try:
         uuid = str(torch.cuda.get_device_properties(s.plan.rt.device).uuid)
     except Exception:
         uuid = None
-    probe = MemoryErrorProbe(uuid)
+    probe = GpuProbe(uuid)
     s.closers.callback(probe.close)
     return probe
 

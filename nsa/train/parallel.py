@@ -138,7 +138,6 @@ def _numbering(model: Any, optimizer: torch.optim.Optimizer, count: int) -> list
     names = {id(p): n for n, p in model.named_parameters()}
     ours = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     if len(ours) != count:
-
         raise CheckpointError(f"the checkpoint's optimizer holds {count} parameters, this model {len(ours)}")
     return ours
 

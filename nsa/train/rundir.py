@@ -12,19 +12,18 @@ from typing import Any
 
 from nsa.config import ResolvedConfig
 from nsa.errors import ConfigError, RunDirError
+from nsa.fileio import surface_os_error
 from nsa.model import build_model
 from nsa.rundir import RunDir
+from nsa.rundir.checkpoints import list_checkpoints, sha256_file
 from nsa.rundir.layout import (
     CONFIG_FILE,
+    EXPORT_INFO,
     EXPORT_TOKENIZER,
     EXPORT_WEIGHTS,
-    HALT_FILE,
-    HALTS_DIR,
-    parse_halt,
-    read_lock,
+    read_halt,
 )
-from nsa.train.checkpoint import list_checkpoints
-from nsa.train.lock import RunLock
+from nsa.rundir.records import Anomaly, ExportInfo
 from nsa.train.telemetry import write_json_atomic
 
 
@@ -51,15 +50,6 @@ def _read_only_fs(path: Path) -> bool:
         return False
 
 
-
-def holder_of(run_dir: Path) -> dict[str, Any] | None:
-    """Who holds (or last held) the run directory's lock: ``{"pid", "host", "since"}``, else ``None``."""
-    return read_lock(run_dir)
-
-
-__all__ = ["RunLock", "holder_of"]  # RunLock lives in nsa.train.lock (torch-free, for nsa train's early lock)
-
-
 def check_fresh(run_dir: Path) -> None:
     """A run without ``--resume`` must not write into a directory that already holds a run."""
     if not run_dir.exists():
@@ -73,87 +63,91 @@ def check_fresh(run_dir: Path) -> None:
         )
 
 
-def read_halt(run_dir: Path, settle_s: float = 0.25) -> str | None:
-    """The reason in ``.HALT`` (JSON ``{"reason": ...}`` or plain text), or ``None`` when absent.
-
-    A file caught mid-write (``echo ... > .HALT`` truncates first: empty, or JSON cut short) is re-read
-    for up to ``settle_s`` seconds before its reason is taken as it stands.
-    """
-    path = run_dir / HALT_FILE
-    deadline = time.monotonic() + settle_s
-    while True:
-        try:  # bytes, decoded leniently: any content asks for a halt, none may crash the trainer
-            text = path.read_bytes().decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            return None
-        except OSError:
-            return "halt file (unreadable)"
-        record, partial = parse_halt(text)
-        if not partial or time.monotonic() >= deadline:
-            break
-        time.sleep(0.02)
-    reason = str(record.get("reason") or "").strip()
-    return reason[:500] or text.strip()[:500] or "halt file"
+def halt_request(run_dir: Path, settle_s: float = 0.25) -> tuple[str, str | None] | None:
+    """``(reason, watch rule or None)`` of the ``.HALT`` in ``run_dir`` (:func:`nsa.rundir.layout.read_halt`:
+    any content asks for a halt; a file caught mid-write settles for up to ``settle_s``), None without one.
+    The reason is at most 500 characters, ``halt file`` when the file says none."""
+    record = read_halt(run_dir, settle_s)
+    if record is None:
+        return None
+    rule = record.get("rule")
+    return (str(record.get("reason") or "").strip()[:500] or "halt file"), (rule if isinstance(rule, str) else None)
 
 
-def archive_stale_halt(run_dir: Path) -> Path | None:
-    """Move a ``.HALT`` present at start-up (written before this session) into ``halts/``."""
-    path = run_dir / HALT_FILE
+def archive_stale_halt(files: RunDir) -> Path | None:
+    """Move a ``.HALT`` present at start-up (written before this session, never acted on) into ``halts/``."""
+    return _move_halt(files, "")
+
+
+def retire_halt(files: RunDir) -> Path | None:
+    """Move the ``.HALT`` this session acted on into ``halts/`` (``HALT-<time>-acted``): it asks nothing of
+    the next session, and the report still finds its record (the watchdog's rule)."""
+    return _move_halt(files, "-acted")
+
+
+def _move_halt(files: RunDir, suffix: str) -> Path | None:
+    path = files.halt
     if not path.exists():
         return None
-    dest_dir = run_dir / HALTS_DIR
+    dest_dir = files.halts
     dest_dir.mkdir(exist_ok=True)
-    dest = dest_dir / f"HALT-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 1_000_000:06d}"
+    dest = dest_dir / f"HALT-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 1_000_000:06d}{suffix}"
     os.replace(path, dest)
     return dest
 
 
-def write_config(run_dir: Path, resolved: ResolvedConfig) -> Path:
+def write_config(files: RunDir, resolved: ResolvedConfig) -> Path:
     """``config.yaml``: the resolved config, then a comment block saying where each value came from."""
     lines = [resolved.config.to_yaml().rstrip(), "", "# _sources (key: origin; unlisted keys are defaults)"]
     lines += [f"#   {k}: {v}" for k, v in sorted(resolved.sources.items())]
-    path = RunDir(run_dir).config
+    path = files.config
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def write_anomaly(run_dir: Path, step: int, record: dict[str, Any]) -> Path:
-    folder = RunDir(run_dir).anomalies
-    folder.mkdir(exist_ok=True)
-    path = folder / f"step_{step}.json"
+def write_anomaly(files: RunDir, step: int, record: Anomaly) -> Path:
+    files.anomalies.mkdir(exist_ok=True)
+    path = files.anomaly(step)
     write_json_atomic(path, record)
     return path
 
 
-def export_model(run_dir: Path, model: Any, resolved: ResolvedConfig, tokenizer: Any,
-                 full_state: dict[str, Any] | None = None) -> Path:
-    """``export/``: ``model.safetensors`` (shared tensors stored once), ``config.yaml``, ``tokenizer.json``.
+def export_model(files: RunDir, model: Any, resolved: ResolvedConfig, tokenizer: Any,
+                 full_state: dict[str, Any] | None = None, step: int | None = None) -> Path:
+    """``export/``: ``model.safetensors`` (shared tensors stored once), ``config.yaml``, ``tokenizer.json`` and
+    ``export.json`` (the step and the weights' SHA-256, which ``nsa eval`` records with its results).
 
     ``full_state``: the whole model's weights gathered from a sharded model; they are loaded into a fresh
     unsharded copy on the CPU, which is what is saved."""
     from safetensors.torch import save_model
 
     if full_state is not None:
-
         model = build_model(resolved.config)
         model.load_state_dict(full_state)
 
-    out = RunDir(run_dir).export
-    tmp = run_dir / f".export-tmp-{os.getpid()}"
+    out = files.export
+    tmp = files.root / f".export-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, str(tmp / EXPORT_WEIGHTS))
-    (tmp / CONFIG_FILE).write_text(resolved.config.to_yaml())
-    tok = {
-        "name": getattr(tokenizer, "name", None),
-        "vocab_size": getattr(tokenizer, "vocab_size", None),
-        "eot_id": getattr(tokenizer, "eot_id", None),
-        "path": resolved.config.data.tokenizer_path,
-    }
-    (tmp / EXPORT_TOKENIZER).write_text(json.dumps(tok, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    try:
+        tmp.mkdir()
+        save_model(model, str(tmp / EXPORT_WEIGHTS))
+        (tmp / CONFIG_FILE).write_text(resolved.config.to_yaml())
+        tok = {
+            "name": getattr(tokenizer, "name", None),
+            "vocab_size": getattr(tokenizer, "vocab_size", None),
+            "eot_id": getattr(tokenizer, "eot_id", None),
+            "path": resolved.config.data.tokenizer_path,
+        }
+        (tmp / EXPORT_TOKENIZER).write_text(json.dumps(tok, indent=2) + "\n")
+        info: ExportInfo = {"step": step, "sha256": sha256_file(tmp / EXPORT_WEIGHTS), "time": time.time()}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException as exc:  # a full disk: the previous export (if any) stays, no temporary folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        surface_os_error(exc, out)
+        raise
     return out
 
 

@@ -41,6 +41,17 @@ class Runtime:
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
 
+BF16_HINT = "use runtime.precision=fp32 (or auto)"
+
+
+def bf16_support(device_type: str, device: Any = None) -> tuple[bool, str]:
+    """``(whether nsa train runs bf16 there, where)``: a CUDA device that supports it; never the CPU, where
+    training runs fp32. The one answer of ``resolve_runtime`` and preflight's bf16 check."""
+    if device_type != "cuda":
+        return False, "the CPU"
+    return bool(torch.cuda.is_bf16_supported()), torch.cuda.get_device_name(device)
+
+
 def resolve_runtime(cfg: RunConfig, local_rank: int = 0) -> Runtime:
     """Pick the device and precision, or raise ``ConfigError`` naming the key."""
     rt = cfg.runtime
@@ -52,16 +63,12 @@ def resolve_runtime(cfg: RunConfig, local_rank: int = 0) -> Runtime:
         )
     device_type = "cuda" if (rt.device == "cuda" or (rt.device == "auto" and has_cuda)) else "cpu"
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
-    bf16_ok = device_type == "cuda" and torch.cuda.is_bf16_supported()
+    bf16_ok, where = bf16_support(device_type, device)
     precision = rt.precision
     if precision == "auto":
         precision = "bf16" if bf16_ok else "fp32"
     elif precision == "bf16" and not bf16_ok:
-        where = "the CPU" if device_type == "cpu" else torch.cuda.get_device_name(device)
-        raise ConfigError(
-            f"runtime.precision=bf16 is not supported on {where}",
-            hint="use runtime.precision=fp32 (or auto)",
-        )
+        raise ConfigError(f"runtime.precision=bf16 is not supported on {where}", hint=BF16_HINT)
     elif precision == "fp16":
         raise ConfigError(
             "runtime.precision=fp16 is not supported by nsa train",

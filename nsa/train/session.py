@@ -25,10 +25,12 @@ from nsa.errors import ConfigError, RunDirError
 from nsa.model import build_model
 from nsa.model.documents import from_separators
 from nsa.rundir import RunDir
+from nsa.rundir.records import TRAIN_CSV_HEADER, VAL_CSV_HEADER
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
 from nsa.train.events import Output, Reporter
+from nsa.train.lock import RunLock
 from nsa.train.runtime import (
     Runtime,
     apply_runtime_settings,
@@ -47,7 +49,7 @@ from nsa.train.state import (
     TrainState,
     by_rank_modulo,
 )
-from nsa.train.telemetry import TRAIN_CSV_HEADER, VAL_CSV_HEADER, CsvLog, Heartbeat, TensorBoard
+from nsa.train.telemetry import CsvLog, Heartbeat, TensorBoard
 
 
 @dataclass
@@ -66,6 +68,10 @@ class Plan:
     init_fresh: list[str] = field(default_factory=list)  # model keys init_state lacks (a dense warm-start)
     init_source: Path | None = None
     lock: Any = None  # the run lock, when the caller took it already (nsa train resuming: before torch loads)
+    files: RunDir = field(init=False)  # every path of the run directory
+
+    def __post_init__(self) -> None:
+        self.files = RunDir(self.run_dir)
 
     @property
     def cfg(self) -> RunConfig:
@@ -159,7 +165,7 @@ def _lock_run_dir(plan: Plan, dist: D.DistInfo, closers: contextlib.ExitStack) -
     if dist.is_main:
         try:
             plan.run_dir.mkdir(parents=True, exist_ok=True)
-            lock = plan.lock if plan.lock is not None else rundir.RunLock(plan.run_dir)
+            lock = plan.lock if plan.lock is not None else RunLock(plan.run_dir)
             if plan.lock is None:
                 lock.acquire()
             _on_close(closers, lock.close)
@@ -173,7 +179,7 @@ def _lock_run_dir(plan: Plan, dist: D.DistInfo, closers: contextlib.ExitStack) -
     archived = None
     if dist.is_main:
         ckpt.clean_partials(plan.run_dir)
-        archived = rundir.archive_stale_halt(plan.run_dir)
+        archived = rundir.archive_stale_halt(plan.files)
     D.barrier(dist)
     return archived
 
@@ -232,9 +238,9 @@ def open_session(plan: Plan, reporter: Reporter | None, closers: contextlib.Exit
 
     _check_same_config(plan, dist)
     archived = _lock_run_dir(plan, dist, closers)
-    out.attach_log(RunDir(plan.run_dir).log(dist.rank))
+    out.attach_log(plan.files.log(dist.rank))
     _on_close(closers, out.close)
-    hb = Heartbeat(plan.run_dir, dist.rank)
+    hb = Heartbeat(plan.files.heartbeat(dist.rank), dist.rank)
     _on_close(closers, hb.close)
     hb.emit("boot", 0, run_name=plan.run_name, world_size=dist.world_size, local_rank=dist.local_rank,
             host=socket.gethostname(), device=str(rt.device),
@@ -315,12 +321,12 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
 
     if dist.is_main:
         keep = state.step if plan.resume_from is not None else None
-        rundir.write_config(plan.run_dir, plan.resolved)
-        s.csv = CsvLog(RunDir(plan.run_dir).train_csv, TRAIN_CSV_HEADER, keep)
-        s.val_csv = CsvLog(RunDir(plan.run_dir).val_csv, VAL_CSV_HEADER, keep)
-        s.tb = TensorBoard(plan.run_dir, purge_step=state.step + 1 if keep is not None else None)
+        rundir.write_config(plan.files, plan.resolved)
+        s.csv = CsvLog(plan.files.train_csv, TRAIN_CSV_HEADER, keep)
+        s.val_csv = CsvLog(plan.files.val_csv, VAL_CSV_HEADER, keep)
+        s.tb = TensorBoard(plan.files.tensorboard, purge_step=state.step + 1 if keep is not None else None)
         for f in (s.csv, s.val_csv, s.tb):
             _on_close(closers, f.close)
-    s.signals.install(RunDir(plan.run_dir).stackdump(dist.rank))
+    s.signals.install(plan.files.stackdump(dist.rank))
     _on_close(closers, s.signals.uninstall)
     return s

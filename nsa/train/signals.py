@@ -1,7 +1,10 @@
 """Operator signals. Handlers only set flags (or dump stacks); the training loop acts on them.
 
-SIGTERM / SIGINT: halt gracefully (checkpoint, ``halt`` event, exit 0). A second SIGINT (Ctrl-C twice)
-stops at once; repeated SIGTERMs do not (a scheduler and torchrun may both send one).
+SIGTERM / SIGINT: halt gracefully (checkpoint, ``halt`` event, exit 0), said at once on stderr. A second
+SIGINT (Ctrl-C twice) stops at once (``KeyboardInterrupt``; the run is recorded ``interrupted``), except
+inside a checkpoint write (:meth:`SignalFlags.critical`): that write is finished first and the stop comes
+right after it; a third Ctrl-C stops at once and the partial checkpoint is dropped. Repeated SIGTERMs do
+not stop at once (a scheduler and torchrun may both send one).
 SIGUSR1: append the stacks of all threads to ``stackdump_rank{r}.txt``. The C-level signal handler
 writes the signal number to a wakeup pipe (``signal.set_wakeup_fd``) and a dumper thread formats
 ``sys._current_frames()`` under the GIL, so the dump works while the main thread is blocked inside C
@@ -12,6 +15,7 @@ SIGUSR2: save a checkpoint now and continue.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -19,9 +23,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import IO
+
+INTERRUPTED = "SIGINT received twice (Ctrl-C)"  # the KeyboardInterrupt's text: the operator's abort
 
 
 class SignalFlags:
@@ -30,6 +37,9 @@ class SignalFlags:
     def __init__(self) -> None:
         self.halt_source: str | None = None  # "SIGTERM" or "SIGINT" once asked to halt
         self.save_now = False
+        self.abort_pending = False  # Ctrl-C twice inside a checkpoint write: stop when it is complete
+        self.said: list[str] = []  # what the handlers said on stderr (the trainer copies it to its log)
+        self._critical = 0
         self._previous: dict[int, object] = {}
         self._dump_file: IO[str] | None = None
         self._pipe: tuple[int, int] | None = None
@@ -40,9 +50,41 @@ class SignalFlags:
     def _on_halt(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.halt_source is not None and signum == signal.SIGINT:  # Ctrl-C twice: stop now
-            raise KeyboardInterrupt(f"{name} received twice")
+            if self._critical and not self.abort_pending:
+                self.abort_pending = True
+                self._say("Ctrl-C again: stopping as soon as the checkpoint being written is complete "
+                          "(Ctrl-C once more drops it)")
+                return
+            self._say("Ctrl-C again: stopping now" + (", dropping the partial checkpoint" if self._critical else ""))
+            raise KeyboardInterrupt(INTERRUPTED)
         if self.halt_source is None:  # repeated SIGTERMs (scheduler + torchrun) keep the graceful halt
             self.halt_source = name
+            again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+            self._say(f"{name} received: halting after this step with a checkpoint{again}")
+
+    def _say(self, text: str) -> None:
+        """One line on stderr now (a handler may run while the main thread writes to ``sys.stderr``: then
+        straight to file descriptor 2)."""
+        self.said.append(text)
+        line = f"{text}\n"
+        try:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        except (RuntimeError, OSError, ValueError, AttributeError):  # a reentrant call, a closed stream
+            with contextlib.suppress(OSError):
+                os.write(2, line.encode())
+
+    @contextlib.contextmanager
+    def critical(self) -> Iterator[None]:
+        """A stretch that a second Ctrl-C must not cut (a checkpoint write): the stop it asks for comes
+        right after (``KeyboardInterrupt``); a third Ctrl-C still cuts it."""
+        self._critical += 1
+        try:
+            yield
+        finally:
+            self._critical -= 1
+        if not self._critical and self.abort_pending:
+            raise KeyboardInterrupt(INTERRUPTED)
 
     def _on_save(self, signum: int, frame: FrameType | None) -> None:
         self.save_now = True

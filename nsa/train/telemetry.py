@@ -1,7 +1,6 @@
 """What a run writes about itself: heartbeats, CSV logs, TensorBoard, env.json and metrics.json.
 
-The heartbeat schema lives here (:data:`EVENT_FIELDS`) and in ``docs/run-directory.md``; a test keeps
-the two equal.
+The records' fields are the run directory's vocabulary (:mod:`nsa.rundir.records`); these are the writers.
 """
 
 from __future__ import annotations
@@ -20,36 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from nsa.envinfo import git_info, gpu_info, library_versions
-from nsa.fileio import json_safe, write_atomic
-from nsa.rundir import RunDir
+from nsa.fileio import json_safe, named, write_atomic
 from nsa.rundir.env import recorded_environment, redact_env
-
-HEARTBEAT_SCHEMA = 1
-COMMON_FIELDS = ("schema", "event", "ts", "rank", "pid", "step")
-
-# event -> extra fields (every line also has COMMON_FIELDS)
-EVENT_FIELDS: dict[str, tuple[str, ...]] = {
-    "boot": ("run_name", "world_size", "local_rank", "host", "device", "resumed_from", "steps_total"),
-    "loader-ready": ("source", "source_used", "description", "tokenizer", "first_batch_s", "warnings"),
-    "progress": (
-        "steps_total", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "fetch_p50_ms",
-        "fetch_p95_ms", "tokens_seen", "elapsed_s", "eta_s", "mem_allocated_mib", "mem_reserved_mib",
-        "mem_peak_mib", "rss_mib", "gate_entropy_mean", "gate_branch_shares", "gate_collapse_fraction",
-        "sel_keys_mean", "fallback", "mfu", "data_skipped", "data_warnings", "answer_loss", "answer_acc",
-        "gpu_mem_errors", "scorer_kl",
-    ),
-    "eval": ("val_loss", "val_ppl", "seconds", "selection", "sel_recall_mean", "sel_recall_min", "cmp_entropy_mean"),
-    "checkpoint": ("path", "seconds", "reason"),
-    "anomaly": ("kind", "value", "record"),
-    "halt": ("reason", "source", "checkpoint"),
-    "end": ("status", "error"),
-}
-
-TRAIN_CSV_HEADER = (
-    "step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "fetch_ms", "tokens_seen", "elapsed_s",
-    "answer_loss", "answer_acc", "scorer_kl",
-)
-VAL_CSV_HEADER = ("step", "val_loss", "val_ppl", "sel_recall_mean", "sel_recall_min", "cmp_entropy_mean")
+from nsa.rundir.records import ENV_SCHEMA, EVENT_FIELDS, HEARTBEAT_SCHEMA, Env
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -74,9 +46,11 @@ class LineFile:
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view):]
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, end)
+            if isinstance(exc, OSError):
+                named(exc, self.path)
             raise
 
     def close(self, sync: bool = False) -> None:
@@ -95,8 +69,8 @@ class LineFile:
 class Heartbeat:
     """``heartbeat_rank{r}.jsonl``: one JSON object per line, appended whole per event."""
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
-        self.path = RunDir(Path(run_dir)).heartbeat(rank)
+    def __init__(self, path: Path, rank: int) -> None:
+        self.path = Path(path)
         self.rank = rank
         self._f = LineFile(self.path)
 
@@ -167,12 +141,13 @@ def _fmt(v: Any) -> str:
 
 
 class TensorBoard:
-    """Scalars under ``tb/`` (rank 0). Rows after a resumed step are purged by TensorBoard itself."""
+    """Scalars under ``folder`` (the run's ``tb/``; rank 0). Rows after a resumed step are purged by TensorBoard
+    itself."""
 
-    def __init__(self, run_dir: Path, purge_step: int | None = None) -> None:
+    def __init__(self, folder: Path, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._w = SummaryWriter(log_dir=str(RunDir(Path(run_dir)).tensorboard), purge_step=purge_step)
+        self._w = SummaryWriter(log_dir=str(folder), purge_step=purge_step)
 
     def scalars(self, values: dict[str, Any], step: int) -> None:
         for name, v in values.items():
@@ -191,10 +166,11 @@ class TensorBoard:
 def environment_record(
     *, device: str, device_name: str, precision: str, world_size: int, backend: str | None,
     profile: str | None, config_path: str | None, nsa_settings: dict[str, Any], unknown_nsa: list[str],
-) -> dict[str, Any]:
+) -> Env:
     """The content of ``env.json`` (versions, device, driver, git, settings)."""
+    gpus = gpu_info()
     return {
-        "schema": 1,
+        "schema": ENV_SCHEMA,
         "time": time.time(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
@@ -207,7 +183,8 @@ def environment_record(
         "precision": precision,
         "world_size": world_size,
         "backend": backend,
-        **gpu_info(),
+        "driver": gpus["driver"],
+        "gpus": gpus["gpus"],
         "git": git_info(),
         "profile": profile,
         "config_path": config_path,

@@ -28,12 +28,14 @@ from nsa.config import ResolvedConfig, RunConfig, fill_legacy
 from nsa.data import check_local_inputs
 from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import CheckpointError, ConfigError, NSAError
+from nsa.fileio import os_error_in, write_failure
 from nsa.hf import export_hf, is_hf_folder
 from nsa.hf import read_init_weights as read_hf_init_weights
 from nsa.model import build_model
 from nsa.model.load import read_init_weights
-from nsa.rundir import RunDir
+from nsa.rundir.checkpoints import STATE_FORMAT, newest_verified, read_manifest
 from nsa.rundir.layout import WATCHDOG_PREFIX
+from nsa.rundir.records import Anomaly, Metrics
 from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
@@ -55,7 +57,7 @@ class TrainResult:
     run_dir: Path
     steps_done: int
     final_loss: float | None
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=lambda: Metrics())
     halted_by: str | None = None  # a halt's origin: "watchdog" (nsa watch --halt-on), "operator", "signal"
 
 
@@ -66,7 +68,7 @@ class StepOutcome:
     loss: float
     grad_norm: float
     bad: str | None  # "nonfinite_loss" / "nonfinite_grad": the step must not be applied
-    halt: tuple[str, str] | None  # this rank's own halt request (source, reason)
+    halt: tuple[str, str, str | None] | None  # this rank's own halt request (source, reason, watch rule)
     halt_any: bool
     save_now: bool
     answers: tuple[float, float] | None
@@ -160,7 +162,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         return self.plan.alloc_conf_note
 
     def _check_resume_manifest(self, path: Path) -> None:
-        manifest = fill_legacy(ckpt.read_manifest(path) or {})
+        manifest = fill_legacy(read_manifest(path) or {})
         check_same_model(self.cfg.model_dump(mode="json"), manifest, path)
         done = int(manifest.get("step", 0))
         if self.cfg.train.steps < done:
@@ -233,11 +235,12 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         self._save(s, clock, "final")
         full = parallel.full_model_state(s.model, s.dist) if s.checkpointable.is_sharded else None  # a collective
         if s.dist.is_main:
-            path = rundir.export_model(s.plan.run_dir, s.model, s.plan.resolved, s.plan.tokenizer, full_state=full)
+            path = rundir.export_model(s.plan.files, s.model, s.plan.resolved, s.plan.tokenizer, full_state=full,
+                                       step=s.state.step)
             s.out.stop()
             s.out.message(f"exported {path}")
             if s.cfg.checkpoint.export_hf:
-                hf_path = RunDir(s.plan.run_dir).hf_export
+                hf_path = s.plan.files.hf_export
                 export_hf(path, hf_path, overwrite=True)
                 s.out.message(f"exported {hf_path} (Hugging Face format)")
         return self._finish(s, rec, "completed", None)
@@ -313,12 +316,22 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
 
     # -- checkpoints and endings ---------------------------------------------------------------------
     def _save(self, s: Session, clock: Clock, reason: str) -> Path:
-        """All ranks take part (loader and RNG states are per rank); rank 0 writes."""
+        """All ranks take part (loader and RNG states are per rank); rank 0 writes. A second Ctrl-C during
+        the write stops the run right after it (``SignalFlags.critical``)."""
         t0 = time.perf_counter()
+        with s.signals.critical():
+            path = self._write_checkpoint(s, clock, reason)
+            seconds = time.perf_counter() - t0
+            s.hb.emit("checkpoint", s.state.step, path=str(path), seconds=seconds, reason=reason)
+        if reason in ("periodic", "signal"):
+            s.out.message(f"checkpoint {path.name} ({reason}, {seconds:.2f}s)")
+        return path
+
+    def _write_checkpoint(self, s: Session, clock: Clock, reason: str) -> Path:
         s.state.elapsed_s = clock.elapsed()
         state = s.checkpointable.state_dict()
         config = s.cfg.model_dump(mode="json")
-        state.update(format=ckpt.STATE_FORMAT, config=config)
+        state.update(format=STATE_FORMAT, config=config)
         extra = {
             "run_name": s.plan.run_name, "world_size": s.dist.world_size, "reason": reason,
             "tokens_seen": s.state.tokens_seen, "loss": s.state.last_loss, "model": config["model"],
@@ -332,49 +345,49 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             path = ckpt.save_checkpoint(s.plan.run_dir, s.state.step, state, extra)
         if s.dist.is_main:
             ckpt.prune(s.plan.run_dir, s.cfg.checkpoint.keep_last)
-        path = Path(D.broadcast_object(str(path) if path else None, s.dist))
-        seconds = time.perf_counter() - t0
-        s.hb.emit("checkpoint", s.state.step, path=str(path), seconds=seconds, reason=reason)
-        if reason in ("periodic", "signal"):
-            s.out.message(f"checkpoint {path.name} ({reason}, {seconds:.2f}s)")
-        return path
+        return Path(D.broadcast_object(str(path) if path else None, s.dist))
 
-    def _halt(self, s: Session, rec: Recorder, clock: Clock, step: int, local: tuple[str, str] | None) -> TrainResult:
+    def _halt(self, s: Session, rec: Recorder, clock: Clock, step: int,
+              local: tuple[str, str, str | None] | None) -> TrainResult:
         requests = [r for r in D.gather_objects(local, s.dist) if r is not None]
-        source, reason = requests[0] if requests else ("file", "halt requested")
+        source, reason, rule = requests[0] if requests else ("file", "halt requested", None)
         path = self._save(s, clock, "halt")
-        s.hb.emit("halt", step, reason=reason, source=source, checkpoint=str(path))
+        s.hb.emit("halt", step, reason=reason, source=source, checkpoint=str(path), rule=rule)
+        if source == "file" and s.dist.is_main:  # acted on: retired, so no later start warns about it
+            with contextlib.suppress(OSError):
+                rundir.retire_halt(s.plan.files)
         s.out.stop()
         s.out.message(f"halted at step {step} ({source}: {reason}); checkpoint {path}", tone="caution")
         result = self._finish(s, rec, "halted", None)
         result.halted_by = ("signal" if source in ("SIGTERM", "SIGINT")
-                            else "watchdog" if reason.startswith(WATCHDOG_PREFIX) else "operator")
+                            else "watchdog" if rule or reason.startswith(WATCHDOG_PREFIX) else "operator")
         return result
 
     def _anomaly(self, s: Session, rec: Recorder, step: int, kind: str, value: float, r: StepOutcome) -> TrainResult:
-        last_good, _ = ckpt.newest_verified(s.plan.run_dir)
-        record_path = RunDir(s.plan.run_dir).anomaly(step)
+        last_good, _ = newest_verified(s.plan.run_dir)
+        record_path = s.plan.files.anomaly(step)
         if s.dist.is_main:
-            record = {
+            record: Anomaly = {
                 "step": step, "kind": kind, "value": repr(value), "loss": repr(r.loss), "grad_norm": repr(r.grad_norm),
                 "lr": s.optimizer.param_groups[0]["lr"], "time": time.time(), "applied": False,
                 "last_good_checkpoint": str(last_good) if last_good else None,
                 "fault_injected": self.step_hook is not None,  # a test's hook ran (real runs have none)
             }
-            record_path = rundir.write_anomaly(s.plan.run_dir, step, record)
+            record_path = rundir.write_anomaly(s.plan.files, step, record)
         # the value as text: JSON has no NaN (it would read as null); the record relative to the run directory
         s.hb.emit("anomaly", step, kind=kind, value=repr(value), record=f"anomalies/{record_path.name}")
         s.hb.emit("halt", step - 1, reason=f"{kind} at step {step}", source="anomaly",
-                  checkpoint=str(last_good) if last_good else None)
+                  checkpoint=str(last_good) if last_good else None, rule=None)
         s.out.stop()
         s.out.message(f"anomaly {kind} at step {step} (value {value}); step not applied; record {record_path}; "
                       f"last good checkpoint {last_good}", tone="bad")
         return self._finish(s, rec, "failed", f"{kind} at step {step}")
 
     def _finish(self, s: Session, rec: Recorder, status: Status, error: str | None) -> TrainResult:
+        _log_said(s)
         metrics = rec.summary(status, error)
         if s.dist.is_main:
-            write_json_atomic(RunDir(s.plan.run_dir).metrics, metrics)
+            write_json_atomic(s.plan.files.metrics, metrics)
         s.hb.emit("end", s.state.step, status=status, error=error)
         s.out.stop()
         s.out.message(rec.data_read())
@@ -400,27 +413,50 @@ def check_same_model(mine: dict[str, Any], saved: dict[str, Any], path: Path) ->
         )
 
 
-def _local_halt_request(s: Session) -> tuple[str, str] | None:
-    """(source, reason) when this rank was asked to halt: a signal, or ``.HALT`` (rank 0 reads it)."""
+def _local_halt_request(s: Session) -> tuple[str, str, str | None] | None:
+    """(source, reason, watch rule) when this rank was asked to halt: a signal, or ``.HALT`` (rank 0 reads it;
+    a watchdog's names its rule)."""
     if s.signals.halt_source is not None:
-        return s.signals.halt_source, f"{s.signals.halt_source} received"
+        return s.signals.halt_source, f"{s.signals.halt_source} received", None
     if s.dist.is_main:
-        reason = rundir.read_halt(s.plan.run_dir)
-        if reason is not None:
-            return "file", reason
+        request = rundir.halt_request(s.plan.files.root)
+        if request is not None:
+            return "file", *request
     return None
 
 
+def failure_text(exc: BaseException) -> str:
+    """What a run that ended on ``exc`` records as its error: a write that failed names its file and the free
+    space (``OSError: cannot write RUN/checkpoints/step_00000010: No space left on device (2.9 MiB free)``),
+    even behind ``torch.save``'s ``RuntimeError``; an operator's Ctrl-C twice says so."""
+    if isinstance(exc, KeyboardInterrupt):
+        return f"interrupted: {exc or 'KeyboardInterrupt'}"
+    disk = os_error_in(exc)
+    if disk is not None:
+        return f"{type(disk).__name__}: {write_failure(disk)}"[:1000]
+    return f"{type(exc).__name__}: {exc}"[:1000]
+
+
+def _log_said(s: Session) -> None:
+    """What the signal handlers said on stderr, into the run's log."""
+    while s.signals.said:
+        s.out.record(s.signals.said.pop(0))
+
+
 def _record_failure(s: Session, rec: Recorder, exc: BaseException) -> None:
-    """An exception escaped the loop: say so in the heartbeat and ``metrics.json`` (best effort)."""
+    """An exception escaped the loop: say so in the heartbeat and ``metrics.json`` (best effort); Ctrl-C
+    twice is ``interrupted``, anything else ``failed``."""
+    _log_said(s)
     if s.ended:
         return
-    error = f"{type(exc).__name__}: {exc}"[:1000]
+    status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    error = failure_text(exc)
+    s.out.record(f"run {status} at step {s.state.step}: {error}")
     with contextlib.suppress(Exception):
         if s.dist.is_main:
-            write_json_atomic(RunDir(s.plan.run_dir).metrics, rec.summary("failed", error))
+            write_json_atomic(s.plan.files.metrics, rec.summary(status, error))
     with contextlib.suppress(Exception):
-        s.hb.emit("end", s.state.step, status="failed", error=error)
+        s.hb.emit("end", s.state.step, status=status, error=error)
 
 
 def _answer_scores(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

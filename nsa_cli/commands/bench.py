@@ -119,6 +119,8 @@ def attention(
         for r in rows:
             for note in r.notes:
                 typer.echo(f"note ({r.shape}, S={r.seq_len}): {note}", err=as_json)
+            for note in r.noisy:
+                typer.echo(f"warning ({r.shape}, S={r.seq_len}): {note}", err=True)
         render.json_outputs({"command": "bench attention", "environment": environment(), "tune": tuned,
                              "rows": [r.to_dict() for r in rows]}, as_json=as_json, json_out=json_out)
 

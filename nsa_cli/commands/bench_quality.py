@@ -45,8 +45,7 @@ def quality(
         from rich.console import Console
         from rich.table import Table
 
-        from nsa.bench.quality import parse_arm, relative_to_dense, run_needle_arm, run_text_arm
-        from nsa.bench.retrieval import RetrievalRecipe
+        from nsa.bench.quality import QualitySpec, parse_arm, quality_payload, relative_to_dense, run_quality
         from nsa.config import load_run_config
         from nsa.envinfo import environment
         from nsa_cli import render
@@ -72,28 +71,11 @@ def quality(
             if "eval step" in line or line.startswith(("done", "anomaly")) or " acc " in line:
                 console.print(f"  {line}", highlight=False, markup=False)
 
-        rows = []
-        for seed in seed_list:
-            for arm in arm_list:
-                if task in ("text", "both"):
-                    console.print(f"[bold]{arm.name}[/] seed {seed}: text, {steps} steps", highlight=False)
-                    rows.append(run_text_arm(cfg_name, sets, arm, seed, out_dir, steps=steps, queries=queries, log=log))
-                if task in ("needle", "both"):
-                    import torch
-
-                    device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
-                    recipe = RetrievalRecipe(steps=needle_steps, batch_size=needle_batch,
-                                             eval_every=max(1, needle_steps // 20), eval_samples=64 if tiny else 256)
-                    console.print(f"[bold]{arm.name}[/] seed {seed}: needle S={needle_seq_len} gap {needle_gap}, "
-                                  f"{needle_steps} steps", highlight=False)
-                    needle = run_needle_arm(cfg_name, sets, arm, seed, seq_len=needle_seq_len, gap=needle_gap,
-                                            recipe=recipe, device=device, backend="torch" if device == "cpu" else None,
-                                            log=log)
-                    if task == "both":
-                        rows[-1].needle_acc, rows[-1].needle_steps_to_target = needle.needle_acc, needle.needle_steps_to_target
-                        rows[-1].needle_curve = needle.needle_curve
-                    else:
-                        rows.append(needle)
+        spec = QualitySpec(cfg_name, sets, arm_list, seed_list, steps, out_dir, task=task, queries=queries,
+                           needle_seq_len=needle_seq_len, needle_gap=needle_gap, needle_steps=needle_steps,
+                           needle_batch=needle_batch, needle_eval_samples=64 if tiny else 256,
+                           device="cpu" if tiny else None)
+        rows = run_quality(spec, say=lambda line: console.print(line, highlight=False, markup=False), log=log)
         rel = relative_to_dense(rows)
         table = Table(title=f"quality: config {cfg_name}, {steps} steps, seeds {','.join(map(str, seed_list))}")
         for col in ("arm", "seed", "held-out loss", "vs dense (arm mean)", "recall mean", "recall min",
@@ -119,11 +101,7 @@ def quality(
                     layers.add_row(str(L["layer"]), f(L.get("recall"), ".3f"), f(L.get("cmp_entropy"), ".3f"),
                                    f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
                 console.print(layers)
-        payload = {"command": "bench quality", "config": cfg_name, "sets": sets, "steps": steps, "task": task,
-                   "arms": [{"name": a.name, "sets": list(a.sets), "warm_frac": a.warm_frac} for a in arm_list],
-                   "seeds": seed_list, "relative_to_dense": rel, "environment": environment(),
-                   "rows": [r.to_dict() for r in rows]}
-        render.json_outputs(payload, as_json=as_json, json_out=json_out, indent=1)
+        render.json_outputs(quality_payload(spec, rows, environment()), as_json=as_json, json_out=json_out, indent=1)
 
 
 def register(app: typer.Typer) -> None:

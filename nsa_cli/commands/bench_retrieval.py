@@ -39,6 +39,7 @@ def retrieval(
         from rich.console import Console
         from rich.table import Table
 
+        from nsa.bench.progress import Eta
         from nsa.bench.retrieval import VARIANTS, RetrievalRecipe, learn_retrieval
         from nsa.config import load_run_config
         from nsa.data.retrieval import RetrievalTask
@@ -64,12 +65,13 @@ def retrieval(
 
         device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
         console = Console(width=200, stderr=as_json)
-        curves = []
+        curves: list[Any] = []
+        eta = Eta(len(seed_list) * len(names) * steps)  # every run's steps: the ETA of the whole benchmark
         for seed in seed_list:
             for v in names:
-                def show(p: Any, v: str = v, seed: int = seed) -> None:
+                def show(p: Any, v: str = v, seed: int = seed, before: int = len(curves) * steps) -> None:
                     console.print(f"{v} seed {seed} step {p.step}: loss {p.loss:.3f} acc {p.accuracy:.3f} "
-                                  f"gates {p.gates}", highlight=False)
+                                  f"gates {p.gates} | {eta.line(before + p.step)}", highlight=False)
 
                 curves.append(learn_retrieval(cfg.model, cfg.nsa, task, v, recipe=recipe, seed=seed, device=device,
                                               backend="torch" if device == "cpu" else None, on_point=show))

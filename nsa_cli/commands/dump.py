@@ -39,7 +39,7 @@ def dump(
 
         out = dump_stacks(run_dir, timeout_s=timeout)
     if as_json:
-        render.print_json(render.jsonable(out.to_dict()))
+        render.print_json(out.to_dict())
     else:
         if out.text:
             typer.echo(out.text.rstrip())

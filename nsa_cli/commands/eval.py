@@ -3,7 +3,6 @@ NSA model's selection find what dense attention reads (selection)?"""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -39,10 +38,6 @@ stderr), --json-out PATH writes it there.
 Exit code 0 on success, 2 for bad input (unknown task, a context above model.max_seq_len or too
 short for the task, a depth outside [0, 1], a path without weights, the selection task on a dense model).
 """
-
-DEFAULT_SAMPLES = {"needle": 32, "mqar": 32, "loss": 16, "selection": 8}
-SELECTION_QUERIES = 64  # query positions per layer of the selection task (--queries)
-
 
 def _ints(text: str, flag: str) -> list[int]:
     out = []
@@ -181,82 +176,23 @@ def eval_cmd(
     from nsa_cli import render
 
     with user_errors():
-        from nsa.errors import ConfigError, NSAError
-        from nsa.eval.tasks import HAYSTACKS, TASKS, check_contexts, check_depths, resolve_device
+        from nsa.errors import NSAError
+        from nsa.eval.results import save_results, to_json, write_json
+        from nsa.eval.run import EvalSpec, run_eval
 
-        if task not in TASKS:
-            raise ConfigError(f"unknown task {task!r}", hint=f"use --task {'|'.join(TASKS)}")
-        if haystack not in HAYSTACKS:
-            raise ConfigError(f"--haystack {haystack!r} must be random or text")
-        q = pairs if queries is None else queries
-        ctx_list = _ints(contexts, "--contexts") if contexts is not None else None
-        depth_list = check_depths(_floats(depths, "--depths")) if task == "needle" else None
-        if ctx_list is not None:  # what can be checked before the model is loaded
-            check_contexts(ctx_list, task, None, pairs, q)
-        n = samples or DEFAULT_SAMPLES[task]
-        dev = resolve_device(device)
-
-        from nsa.data.retrieval import TaskLayout
-        from nsa.data.tokenizers import get_tokenizer
-        from nsa.eval.results import build_payload, run_dir_of, save_results, to_json, write_json
-        from nsa.model.load import load_model
-
-        loaded = load_model(path, device=dev)
-        cfg, model = loaded.config, loaded.model
-        if task == "selection" and cfg.model.attention != "nsa":
-            raise ConfigError(f"the selection task needs an NSA model; {loaded.source} has {cfg.model.attention} attention",
-                              hint="evaluate a run trained with model.attention: nsa")
-        limit = cfg.model.max_seq_len
-        if ctx_list is None:
-            ctx_list = [min(cfg.train.seq_len, limit)]
-            check_contexts(ctx_list, task, None, pairs, q)
-        ctx_list = check_contexts(ctx_list, task, limit, pairs, q)
-        tok = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+        spec = EvalSpec(task, contexts=_ints(contexts, "--contexts") if contexts is not None else None,
+                        depths=_floats(depths, "--depths") if task == "needle" else [], samples=samples, pairs=pairs,
+                        queries=queries, haystack=haystack, seed=seed, batch_size=batch_size, device=device)
         to_stdout = as_json or str(json_out) == "-"
         console = render.console(stderr=to_stdout)
-        typer.echo(f"[{loaded.source}, {dev}, task {task}, contexts {','.join(map(str, ctx_list))}]", err=True)
-
-        settings: dict[str, Any] = {"samples": n, "depths": depth_list, "contexts": ctx_list,
-                                    "haystack": haystack if task in ("needle", "mqar") else None,
-                                    "pairs": pairs if task == "mqar" else None, "queries": q if task == "mqar" else None,
-                                    "seed": seed, "batch_size": batch_size, "device": str(dev)}
-        if task in ("loss", "selection"):
-            from nsa.eval.tasks import TOKENS_PER_BATCH, eval_loss, eval_selection
-
-            bs = batch_size or max(1, min(n, TOKENS_PER_BATCH // max(ctx_list)))
-            batches = math.ceil(n / bs)
-            settings.update(samples=batches * bs, batch_size=bs, batches=batches, seed=cfg.train.seed)
-            if task == "loss":
-                rows = eval_loss(model, cfg, tok, ctx_list, batches, batch_size=bs, device=dev, max_seq_len=limit)
-            else:
-                sq = queries or SELECTION_QUERIES
-                settings.update(queries=sq)
-                rows = eval_selection(model, cfg, tok, ctx_list, batches, queries=sq, batch_size=bs, device=dev,
-                                      max_seq_len=limit)
-        else:
-            from nsa.eval.tasks import eval_mqar, eval_needle, text_haystack
-
-            layout = TaskLayout.for_vocab(min(cfg.model.vocab_size, tok.vocab_size), tok.eot_id)
-            text = None
-            if haystack == "text":
-                text = text_haystack(cfg, tok, 2 * max(ctx_list), seq_len=max(ctx_list))
-            if task == "needle":
-                assert depth_list is not None
-                rows = eval_needle(model, layout, ctx_list, depth_list, n, seed=seed, device=dev,
-                                   batch_size=batch_size, haystack=haystack, text_tokens=text, max_seq_len=limit)
-            else:
-                rows = eval_mqar(model, layout, ctx_list, n, pairs=pairs, queries=q, seed=seed, device=dev,
-                                 batch_size=batch_size, haystack=haystack, text_tokens=text, max_seq_len=limit)
-        run_dir = run_dir_of(path)
-        payload = build_payload(task, rows, run=run_dir, checkpoint=loaded.source, settings=settings)
-
+        payload = run_eval(path, spec, say=lambda line: typer.echo(line, err=True))
         for heading, table in _tables(payload):
             console.print(heading, highlight=False)
             console.print(table)
         written: list[Path] = []
         if not no_save:
             try:
-                written = save_results(run_dir, payload)
+                written = save_results(payload["run"], payload)
             except NSAError as exc:
                 typer.echo(f"warning: results not saved in the run directory: {exc.one_line()}", err=True)
         if json_out is not None and str(json_out) != "-":

@@ -44,7 +44,7 @@ def export(
 
         result = export_hf(path, out, overwrite=overwrite)
     if as_json:
-        render.print_json(render.jsonable(result.to_dict()))
+        render.print_json(result.to_dict())
         return
     con = render.console()
     con.print(f"[bold green]exported[/] {result.out} (Hugging Face format, version {result.format_version}): "

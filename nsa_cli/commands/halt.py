@@ -35,19 +35,16 @@ def halt(
     """Write RUN_DIR/.HALT atomically (reason, time, who); with --wait, report the final checkpoint."""
     from nsa_cli import render
 
+    sink = render.Output(as_json)
     with user_errors():
         from nsa.runs.halt import halt_run
 
-        con = render.console()
-        if wait and not as_json:
-            con.print(f"writing .HALT in {run_dir}, then waiting up to {timeout:g} s for the trainer to acknowledge...")
+        if wait:
+            sink.say(f"writing .HALT in {run_dir}, then waiting up to {timeout:g} s for the trainer to acknowledge...")
         out = halt_run(run_dir, reason, wait=wait, timeout_s=timeout)
-    if as_json:
-        render.print_json(render.jsonable(out.to_dict()))
-    else:
-        text = render.styled(out.outcome)
-        text.append(f": {out.message}")
-        con.print(text)
+    text = render.styled(out.outcome)
+    text.append(f": {out.message}")
+    sink.result(out.to_dict(), lambda: sink.show(text))
     if not out.ok:
         raise typer.Exit(EXIT_FAILED)
 

@@ -40,7 +40,7 @@ def preflight(
 
         report = run_preflight(profile, config, out_dir=out_dir, data_timeout_s=data_timeout, sets=sets)
     if as_json:
-        render.print_json(render.jsonable(report.to_dict()))
+        render.print_json(report.to_dict())
     else:
         con = render.console()
         title = f"nsa preflight (profile {report.facts.get('profile') or 'none'}, device {report.facts.get('device')})"

@@ -84,14 +84,14 @@ def show_cmd(
         if show_all or resolved.source_of(k) != "default"
     ]
     if as_json:
-        render.print_json(render.jsonable({
+        render.print_json({
             "profile": prof.model_dump(mode="json"),
             "env": prof.env(),
             "resolved": rows,
             "unknown_env": resolved.unknown_env,
             "notes": resolved.notes,
             "environment_settings": {r["variable"]: r["value"] for r in env_rows},
-        }))
+        })
         return
     from rich.table import Table
 

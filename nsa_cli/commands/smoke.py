@@ -52,7 +52,7 @@ def smoke(
         report = run_smoke(profile, steps, config=config, out_dir=out_dir, skip_preflight=skip_preflight,
                            reporter=RichReporter(con), on_stage=stage)
     if as_json:
-        render.print_json(render.jsonable(report.to_dict()))
+        render.print_json(report.to_dict())
     else:
         f = report.facts
         title = f"nsa smoke (profile {f.get('profile')}, config {f.get('config')}, {f.get('steps')} steps, run {f.get('run_dir')})"

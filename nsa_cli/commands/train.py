@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from nsa_cli import options
-from nsa_cli.errors import EXIT_FAILED, EXIT_OK, EXIT_WATCHDOG, fail, user_errors
+from nsa_cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_WATCHDOG, fail, user_errors
 
 
 def _flag(name: str) -> str:
@@ -119,23 +119,27 @@ def train(
         resolved = load_run_config(config=config, profile=profile, flags=flags_to_keys(**given), sets=set_,
                                    flag_names=flags_as_typed(**given))
         lock = _early_lock(resolved.config, nproc_per_node)
+        try:
+            from rich.console import Console
 
-        from rich.console import Console
+            from nsa.train.distributed import launched_by_torchrun
+            from nsa.train.launch import Rendezvous
+            from nsa.train.trainer import Trainer
+            from nsa_cli.train_view import RichReporter
 
-        from nsa.train.distributed import launched_by_torchrun
-        from nsa.train.launch import Rendezvous
-        from nsa.train.trainer import Trainer
-        from nsa_cli.train_view import RichReporter
-
-        rdzv = Rendezvous(nnodes, node_rank, rdzv_endpoint, rdzv_id)
-        if nnodes > 1 and nproc_per_node is None:
-            raise fail("--nnodes needs --nproc-per-node (ranks on each node)")
-        rdzv.check()
-        launching = nproc_per_node is not None and not launched_by_torchrun()
-        # validates everything before any work (and before torchrun starts)
-        world = nproc_per_node * nnodes if launching and nproc_per_node else None
-        trainer = Trainer(resolved, reporter=RichReporter(Console()), world_size=world,
-                          local_ranks=nproc_per_node if launching else None, run_lock=lock)
+            rdzv = Rendezvous(nnodes, node_rank, rdzv_endpoint, rdzv_id)
+            if nnodes > 1 and nproc_per_node is None:
+                raise fail("--nnodes needs --nproc-per-node (ranks on each node)")
+            rdzv.check()
+            launching = nproc_per_node is not None and not launched_by_torchrun()
+            # validates everything before any work (and before torchrun starts)
+            world = nproc_per_node * nnodes if launching and nproc_per_node else None
+            trainer = Trainer(resolved, reporter=RichReporter(Console()), world_size=world,
+                              local_ranks=nproc_per_node if launching else None, run_lock=lock)
+        except BaseException:
+            if lock is not None:  # a refused resume: .lock names the last trainer again
+                lock.abandon()
+            raise
         if launching:
             assert nproc_per_node is not None
             argv = torchrun_argv(nproc_per_node, sys.argv[1:], rdzv)
@@ -152,32 +156,52 @@ def train(
             return
         try:
             result = trainer.fit()
+        except KeyboardInterrupt:
+            raise _interrupted(trainer) from None
         except Exception as exc:
-            import torch
-
-            if isinstance(exc, torch.cuda.OutOfMemoryError):
-                raise fail(
-                    f"CUDA out of memory at step {trainer.state.step + 1}",
-                    hint="lower --batch-size or --seq-len, raise --accum, or --set runtime.gradient_checkpointing=true",
-                    code=EXIT_FAILED,
-                ) from None
-            if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
-                from nsa.rundir.checkpoints import newest_verified
-
-                where = f" ({exc.filename})" if exc.filename else ""
-                last, _ = newest_verified(trainer.run_dir)
-                raise fail(
-                    f"run failed at step {trainer.state.step + 1}: {exc.strerror or exc}{where}",
-                    hint=(f"fix the cause (free disk space?), then resume from {last.name}: --resume auto" if last
-                          else "fix the cause (free disk space?) and start again"),
-                    code=EXIT_FAILED,
-                ) from None
-            raise
+            raise _failed(trainer, exc) from None
         code = EXIT_OK if result.status in ("completed", "halted") else EXIT_FAILED
         if result.status == "halted" and result.halted_by == "watchdog":
             code = EXIT_WATCHDOG
     if code:
         raise typer.Exit(code)
+
+
+def _interrupted(trainer: Any) -> typer.Exit:
+    """Ctrl-C twice: one line saying what is on disk, exit 130."""
+    from nsa.rundir.checkpoints import newest_verified
+
+    last, _ = newest_verified(trainer.run_dir)
+    where = f"resume from {last.name} with --resume auto" if last else "no checkpoint to resume from"
+    typer.echo(f"interrupted at step {trainer.state.step} (Ctrl-C twice): recorded as interrupted; {where}", err=True)
+    return typer.Exit(EXIT_INTERRUPTED)
+
+
+def _failed(trainer: Any, exc: Exception) -> BaseException:
+    """The one line of a run that failed on out-of-memory or a write (a full disk names the file and the
+    free space); anything else goes on as a traceback (a bug)."""
+    import torch
+
+    from nsa.fileio import os_error_in, write_failure
+
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return fail(
+            f"CUDA out of memory at step {trainer.state.step + 1}",
+            hint="lower --batch-size or --seq-len, raise --accum, or --set runtime.gradient_checkpointing=true",
+            code=EXIT_FAILED,
+        )
+    disk = os_error_in(exc)
+    if disk is None or isinstance(disk, FileNotFoundError):
+        return exc
+    from nsa.rundir.checkpoints import newest_verified
+
+    last, _ = newest_verified(trainer.run_dir)
+    return fail(
+        f"run failed at step {trainer.state.step + 1}: {write_failure(disk)}",
+        hint=(f"fix the cause (free disk space?), then resume from {last.name}: --resume auto" if last
+              else "fix the cause (free disk space?) and start again"),
+        code=EXIT_FAILED,
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from nsa_cli import options
-from nsa_cli.errors import EXIT_FAILED, EXIT_OK, EXIT_WATCHDOG, fail, user_errors
+from nsa_cli.errors import EXIT_OK, fail, user_errors
 
 EPILOG = """\
 Examples:
@@ -34,9 +35,7 @@ Examples:
 
   nsa watch artifacts/m7c-125m --notify 'curl -fsS --data-binary @- https://hooks.example.com/nsa'
 
-Rules (thresholds default to the run's monitor config): crashed, stale=S, nonfinite, gate-entropy=NATS,
-gate-collapse=FRACTION, grad-spike=RATIO, loss-plateau=DROP, memory-creep=RATIO, throughput-drop=RATIO,
-fetch-stall=MS, data-fallback, fallback-rise, gpu-errors; all; none.
+Rules (thresholds default to the run's monitor config): {rules}.
 The watch follows a run across resumes: after an end event, while a new `nsa train --resume` holds the
 run lock, it waits for the new session. Alarms are kept with the run (RUN/alarms.jsonl; nsa report
 judges them).
@@ -60,21 +59,33 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
     hold the newest points (trimmed from the left)."""
     from rich.console import Group
     from rich.panel import Panel
-    from rich.table import Table
-    from rich.text import Text
-
-    from nsa.runs.summary import anomaly_text, halt_checkpoint_text
-    from nsa_cli import render
 
     now = time.time() if now is None else now
-    s = summary
     inner = max(20, width - 4)  # panel border and padding
+    parts: list[Any] = [*_identity(state, summary, inner), _progress(summary, inner),
+                        _metrics(state, summary, gpus, inner, now), *_heartbeats(state, summary, alarms, inner)]
+    events = _events(summary, alarms, log)
+    if events.plain:
+        parts.append(events)
+    return Panel(Group(*parts), title="nsa watch", title_align="left", width=width)
+
+
+def _line(text: str, inner: int, style: str = "") -> Any:
+    from rich.text import Text
+
+    from nsa_cli import render
+
+    return Text(render.fit(text, inner), style=style, no_wrap=True, overflow="ellipsis")
+
+
+def _identity(state: Any, s: Any, inner: int) -> list[Any]:
+    """Run name and directory, then config, profile, commit, device, world size and host, packed in lines."""
+    from rich.text import Text
+
+    from nsa_cli import render
+
     env = state.env or {}
     git = env.get("git") or {}
-
-    def line(text: str = "", style: str = "") -> Text:
-        return Text(render.fit(text, inner), style=style, no_wrap=True, overflow="ellipsis")
-
     head = Text(no_wrap=True, overflow="ellipsis")
     name = render.fit(s.run_name, inner)
     head.append(name, style="bold")
@@ -87,7 +98,14 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
                 f"world {s.world_size}"]
     if s.host:
         segments.append(f"host {s.host} pid {s.pid}")
-    header = [head] + [line(x) for x in render.pack(segments, inner)]
+    return [head] + [_line(x, inner) for x in render.pack(segments, inner)]
+
+
+def _progress(s: Any, inner: int) -> Any:
+    """``RUNNING  step 40/100 ████░░ 40.0%  elapsed 1m02s  ETA 1m30s``."""
+    from rich.text import Text
+
+    from nsa_cli import render
 
     status_style = {"running": "cyan", "completed": "green", "halted": "yellow", "resuming": "cyan"}.get(s.status, "red")
     total = s.steps_total or 0
@@ -105,6 +123,14 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
         filled = int(frac * bar_w)
         prog.append("█" * filled + "░" * (bar_w - filled) + pct)
     prog.append(tail)
+    return prog
+
+
+def _metrics(state: Any, s: Any, gpus: Any, inner: int, now: float) -> Any:
+    """The table of figures: loss, tokens/s, lr, fetch, memory, gates, selection, fallbacks, data, GPUs."""
+    from rich.table import Table
+
+    from nsa_cli import render
 
     detail_w = max(8, inner - METRIC_W - NOW_W - 4)
     t = Table(show_header=True, box=None, pad_edge=False, padding=(0, 1), expand=False)
@@ -154,16 +180,30 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
             t.add_row(f"GPU{g.index}", f"{render.fmt_num(g.utilization_pct, '.0f')}% "
                       f"{render.fmt_num(g.temperature_c, '.0f')}C {render.fmt_num(g.power_w, '.0f')}W",
                       f"{used:,.0f}/{g.memory_total_mib:,.0f} MiB {g.name}")
+    return t
+
+
+def _heartbeats(state: Any, s: Any, alarms: list[Any], inner: int) -> list[Any]:
+    """Each rank's heartbeat age (red while the stale rule fires) and the unreadable lines skipped."""
+    from nsa_cli import render
 
     ages = s.heartbeat_age_s
     stale = any(a.rule == "stale" for a in alarms)
     hb_parts = [f"rank{r} {render.fmt_duration(age)}{' (ended)' if state.ranks[r].end is not None else ''}"
                 for r, age in sorted(ages.items())]
     hb_lines = render.pack(hb_parts, inner - len("heartbeat: "), sep="  ")
-    hb = [line(("heartbeat: " if i == 0 else "           ") + x, "bold red" if stale else "")
-          for i, x in enumerate(hb_lines)] or [line("heartbeat: none yet", "yellow")]
+    hb = [_line(("heartbeat: " if i == 0 else "           ") + x, inner, "bold red" if stale else "")
+          for i, x in enumerate(hb_lines)] or [_line("heartbeat: none yet", inner, "yellow")]
     if s.corrupt_lines or s.truncated_lines:
-        hb.append(line(f"{s.corrupt_lines} corrupt / {s.truncated_lines} truncated line(s) skipped", "yellow"))
+        hb.append(_line(f"{s.corrupt_lines} corrupt / {s.truncated_lines} truncated line(s) skipped", inner, "yellow"))
+    return hb
+
+
+def _events(s: Any, alarms: list[Any], log: Any) -> Any:
+    """What happened: a resume pending, a data fallback, the last anomaly and halt, alarms, cleared ones."""
+    from rich.text import Text
+
+    from nsa.runs.summary import anomaly_text, halt_checkpoint_text
 
     events = Text()
     if s.status == "resuming":
@@ -189,10 +229,7 @@ def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, 
             events.append(f"cleared {old.rule} at {now_iso(old.cleared)[11:]} (since {now_iso(old.since)[11:]})\n",
                           style="dim")
     events.rstrip()
-    parts: list[Any] = [*header, prog, t, *hb]
-    if events.plain:
-        parts.append(events)
-    return Panel(Group(*parts), title="nsa watch", title_align="left", width=width)
+    return events
 
 
 def selection_cells(s: Any) -> tuple[str, str]:
@@ -254,79 +291,121 @@ def watch(
     from nsa_cli import render
 
     with user_errors():
-        from nsa.checks.gpu import query_gpus
-        from nsa.errors import RunDirError
-        from nsa.runs.reader import RunReader, check_run_dir, may_become_run, run_started, wait_for_run
-        from nsa.runs.rules import now_iso, parse_rules
-        from nsa.runs.watchdog import Snapshot, Watchdog, finished
+        from nsa.runs.reader import RunReader
+        from nsa.runs.rules import parse_rules
+        from nsa.runs.watchdog import Watchdog, exit_code, follow
 
         halt_rules = parse_rules(halt_on)
         alert_rules = parse_rules("all" if alert_on is None else alert_on)
     start = time.monotonic()
     path = Path(run_dir)
-
-    # ---- wait for the run to start (only for a folder that is missing, empty, or claimed by a trainer)
-    if (not once if wait is None else wait) and not run_started(path):
-        with user_errors():
-            if not may_become_run(path):
-                check_run_dir(path)
-                raise RunDirError(f"{path} is not a run directory (no heartbeat, config.yaml or .lock)",
-                                  hint="give the train.out_dir of a run started by `nsa train`")
-        what = "to appear" if not path.exists() else "to start (no heartbeat yet)"
-        bound = f" (up to {timeout:g} s)" if timeout is not None else ""
-        typer.echo(f"{now_iso()} waiting for run directory {path} {what}{bound}", err=as_json)
-        try:
-            with user_errors():
-                started = wait_for_run(path, timeout, poll_s=min(refresh, 0.5))
-        except KeyboardInterrupt:
-            raise typer.Exit(EXIT_OK) from None
-        if not started:
-            raise fail(f"run directory {path} did not start within {timeout:g} s",
-                       hint="check the trainer's --out-dir, or give a longer --timeout")
+    if (not once if wait is None else wait) and not _wait_for_start(path, timeout, refresh, as_json):
+        raise fail(f"run directory {path} did not start within {timeout:g} s",
+                   hint="check the trainer's --out-dir, or give a longer --timeout")
     with user_errors():
         reader = RunReader(path)
     dog = Watchdog(reader, alert_rules, halt_rules, notify_cmd=(notify or "") if once else notify,
                    notify_timeout=notify_timeout, stale_after=stale_after,
                    on_warning=lambda msg: typer.echo(f"warning: {msg}", err=True))
-    gpu_local: bool | None = None
-
-    def gpus() -> Any:
-        nonlocal gpu_local
-        if gpu_local is None and reader.state.boot is not None:
-            gpu_local = (reader.state.boot.get("host") in (None, socket.gethostname())
-                         and str((reader.state.env or {}).get("device", "")).startswith("cuda"))
-        return query_gpus(details=False) if gpu_local else None
-
-    def poll(final: bool = False) -> Snapshot:
-        with user_errors():  # a bad monitor config or an unwritable .HALT: one line
-            return dog.poll(final=final)
-
-    def view(snap: Snapshot) -> Any:
-        return dashboard(snap.state, snap.summary, snap.alarms, gpus(), width=con.width, log=dog.log)
-
+    view = _View(dog, reader)
     if once:
-        snap = poll(final=True)
-        if as_json:
-            render.print_json(render.jsonable({**dog.payload(snap), "config": snap.state.config, "env": snap.state.env}))
-        else:
-            con = render.console()
-            con.print(view(snap))
-            if dog.halted:
-                con.print(f"[bold red]watchdog wrote .HALT[/]: {dog.halted[0]['reason']}")
-        raise typer.Exit(EXIT_FAILED if snap.alarms or snap.summary.status in ("failed", "crashed") else EXIT_OK)
-
+        with user_errors():  # a bad monitor config or an unwritable .HALT: one line
+            snap = dog.poll(final=True)
+        view.once(snap, as_json)
+        raise typer.Exit(exit_code(dog, snap, once=True))
     con = render.console()
     mode = "json" if as_json else ("live" if con.is_terminal else "lines")
-    announced_halt: list[Any] = []  # the .HALT times already reported (lines mode)
+    left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+    snaps = follow(dog, refresh, left)
+    try:
+        with user_errors():
+            snap = view.run(snaps, mode, con)
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_OK) from None
+    view.ended(snap, mode, con)
+    raise typer.Exit(exit_code(dog, snap))
 
-    def emit(snap: Snapshot) -> None:
+
+def _wait_for_start(path: Path, timeout: float | None, refresh: float, as_json: bool) -> bool:
+    """Wait for a run that has not started (only for a folder that is missing, empty, or claimed by a trainer;
+    anything else is one line, exit 2); False when ``timeout`` passed first. Ctrl-C: exit 0."""
+    from nsa.errors import RunDirError
+    from nsa.runs.reader import check_run_dir, may_become_run, run_started, wait_for_run
+    from nsa.runs.rules import now_iso
+
+    if run_started(path):
+        return True
+    with user_errors():
+        if not may_become_run(path):
+            check_run_dir(path)
+            raise RunDirError(f"{path} is not a run directory (no heartbeat, config.yaml or .lock)",
+                              hint="give the train.out_dir of a run started by `nsa train`")
+    what = "to appear" if not path.exists() else "to start (no heartbeat yet)"
+    bound = f" (up to {timeout:g} s)" if timeout is not None else ""
+    typer.echo(f"{now_iso()} waiting for run directory {path} {what}{bound}", err=as_json)
+    try:
+        with user_errors():
+            return bool(wait_for_run(path, timeout, poll_s=min(refresh, 0.5)))
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_OK) from None
+
+
+class _View:
+    """How ``nsa watch`` shows what its watchdog sees: a Rich live dashboard on a terminal, else one plain (or
+    JSON) line per refresh."""
+
+    def __init__(self, dog: Any, reader: Any) -> None:
+        self.dog, self.reader = dog, reader
+        self.gpu_local: bool | None = None
+        self.announced_halt: list[Any] = []  # the .HALT times already reported (lines mode)
+
+    def gpus(self) -> Any:
+        from nsa.checks.gpu import query_gpus
+
+        boot = self.reader.state.boot
+        if self.gpu_local is None and boot is not None:
+            self.gpu_local = (boot.get("host") in (None, socket.gethostname())
+                              and str((self.reader.state.env or {}).get("device", "")).startswith("cuda"))
+        return query_gpus(details=False) if self.gpu_local else None
+
+    def panel(self, snap: Any, width: int) -> Any:
+        return dashboard(snap.state, snap.summary, snap.alarms, self.gpus(), width=width, log=self.dog.log)
+
+    def once(self, snap: Any, as_json: bool) -> None:
+        from nsa_cli import render
+
+        if as_json:
+            render.print_json({**self.dog.payload(snap), "config": snap.state.config,
+                                               "env": snap.state.env})
+            return
+        con = render.console()
+        con.print(self.panel(snap, con.width))
+        if self.dog.halted:
+            con.print(f"[bold red]watchdog wrote .HALT[/]: {self.dog.halted[0]['reason']}")
+
+    def run(self, snaps: Any, mode: str, con: Any) -> Any:
+        """Show every snapshot of ``snaps``; the last one."""
+        last = next(snaps)
+        if mode != "live":
+            self.line(last, mode)
+            for last in snaps:
+                self.line(last, mode)
+            return last
+        from rich.live import Live
+
+        with Live(self.panel(last, con.width), console=con, auto_refresh=False, transient=False) as live:
+            for last in snaps:
+                live.update(self.panel(last, con.width), refresh=True)
+        return last
+
+    def line(self, snap: Any, mode: str) -> None:
+        from nsa.fileio import json_safe
+        from nsa.runs.rules import now_iso
+        from nsa.runs.watchdog import line_record
+
         st, summ, now = snap.state, snap.summary, snap.time
         if mode == "json":
-            obj = {"time": now, "status": summ.status, "step": summ.steps_done, "steps_total": summ.steps_total,
-                   "loss": summ.last_loss, "tokens_per_s": summ.tokens_per_s_last, "eta_s": summ.eta_s,
-                   "new_alarms": [a.rule for a in snap.new], "cleared_alarms": [a.rule for a in snap.cleared],
-                   **dog.payload(snap)}
-            typer.echo(json.dumps(render.jsonable(obj), default=str))
+            typer.echo(json.dumps(json_safe(line_record(self.dog, snap)), default=str))
             return
         stamp = now_iso(now)
         typer.echo(status_line(summ, snap.alarms, now))
@@ -335,52 +414,47 @@ def watch(
         for a in snap.cleared:
             typer.echo(f"{stamp} cleared {a.rule} (since {now_iso(a.since)})")
         if snap.wrote_halt:
-            typer.echo(f"{stamp} watchdog wrote .HALT: {dog.halted[0]['reason']}")
+            typer.echo(f"{stamp} watchdog wrote .HALT: {self.dog.halted[0]['reason']}")
         ph = summ.pending_halt
-        if ph is not None and ph.get("time") not in announced_halt:
-            announced_halt.append(ph.get("time"))
+        if ph is not None and ph.get("time") not in self.announced_halt:
+            self.announced_halt.append(ph.get("time"))
             typer.echo(f"{stamp} pending .HALT: {ph.get('reason')} ({ph.get('who') or 'unknown'})")
-        elif ph is None and st.halt_file is not None and st.halt_file.get("time") in announced_halt:
-            announced_halt.remove(st.halt_file.get("time"))
-            h = st.halts[-1] if st.halts else st.end or {}
-            typer.echo(f"{stamp} .HALT acted on at step {h.get('step')}")
+        elif ph is None and self.announced_halt:  # acted on (the trainer retires the file into halts/), or removed
+            since = self.announced_halt.pop()
+            acted = [h for h in st.halts if not isinstance(since, int | float) or float(h.get("ts", 0)) >= since - 1.0]
+            if acted or st.end is not None:
+                h = acted[-1] if acted else st.end or {}
+                typer.echo(f"{stamp} .HALT acted on at step {h.get('step')}")
+            else:
+                typer.echo(f"{stamp} .HALT removed before the trainer acted on it")
 
-    def cycle(first: bool) -> tuple[Snapshot, bool]:
-        if not first:
-            time.sleep(refresh)
-        snap = poll()
-        if mode != "live":
-            emit(snap)
-        return snap, finished(snap, snap.time)
+    def ended(self, snap: Any, mode: str, con: Any) -> None:
+        """The last words: a crash alarm the lines did not say, the .HALT this watchdog wrote."""
+        from nsa.runs.rules import now_iso
 
-    def timed_out() -> bool:
-        return timeout is not None and time.monotonic() - start > timeout
+        if snap.summary.status == "crashed":
+            crash = self.dog.crash(snap)
+            if crash is not None and (mode == "live" or not self.dog.alerts_on_crash):
+                line = f"ALARM crashed: {crash.message}"
+                typer.echo(line if mode == "live" else f"{now_iso()} {line}", err=mode == "json")
+        if mode == "live" and self.dog.halted:
+            con.print(f"[bold red]watchdog wrote .HALT[/]: {self.dog.halted[0]['reason']}")
 
-    try:
-        snap, done = cycle(first=True)
-        if mode == "live":
-            from rich.live import Live
 
-            with Live(view(snap), console=con, auto_refresh=False, transient=False) as live:
-                while not done and not timed_out():
-                    snap, done = cycle(first=False)
-                    live.update(view(snap), refresh=True)
-        else:
-            while not done and not timed_out():
-                snap, done = cycle(first=False)
-    except KeyboardInterrupt:
-        raise typer.Exit(EXIT_OK) from None
-    if snap.summary.status == "crashed":
-        crash = dog.crash(snap)
-        if crash is not None and (mode == "live" or not dog.alerts_on_crash):
-            line = f"ALARM crashed: {crash.message}"
-            typer.echo(line if mode == "live" else f"{now_iso()} {line}", err=mode == "json")
-    if mode == "live" and dog.halted:
-        con.print(f"[bold red]watchdog wrote .HALT[/]: {dog.halted[0]['reason']}")
-    if snap.summary.status in ("failed", "crashed"):
-        raise typer.Exit(EXIT_FAILED)
-    raise typer.Exit(EXIT_WATCHDOG if dog.halted_the_run(snap) else EXIT_OK)
+class WatchCommand(TyperCommand):
+    """``nsa watch``: its help lists the rules from their declarations (``nsa.runs.rules.RULES``), read when
+    the help is shown (so ``nsa --help`` stays light)."""
+
+    @property  # type: ignore[override]
+    def epilog(self) -> str:
+        from nsa.runs.rules import synopsis
+
+        return EPILOG.replace("{rules}", synopsis())
+
+    @epilog.setter
+    def epilog(self, value: str | None) -> None:
+        pass
 
 
 def register(app: typer.Typer) -> None:
-    app.command("watch", epilog=EPILOG)(watch)
+    app.command("watch", cls=WatchCommand)(watch)

@@ -160,6 +160,16 @@ def test_q_start_out_of_range_is_refused(backend: str) -> None:
         ops.nsa_attention(*args, HP, backend=backend, q_start=-1)
 
 
+def test_too_few_compressed_tokens_are_refused() -> None:
+    x = make_inputs(1, 20, 2, 1, 8, 8, l=HP.l, d=HP.d, seed=8)
+    args = _call_args(x, 10, 10, 20)
+    args[1] = args[1][:, :3]  # the query at position 19 sees 4 tokens
+    with pytest.raises(ValueError, match="k_cmp holds 3 compressed tokens but the query at position 19 sees 4"):
+        ops.select_blocks(args[0], args[1], HP, backend="torch", q_start=10)
+    with pytest.raises(ValueError, match="k_cmp holds 3"):
+        ops.nsa_attention(*args, HP, backend="torch", q_start=10)
+
+
 def test_q_start_with_cu_seqlens_is_refused() -> None:
     x = make_inputs(1, 20, 2, 1, 8, 8, l=HP.l, d=HP.d, seed=7)
     cu = torch.tensor([0, 8, 20], dtype=torch.int32)

@@ -130,6 +130,14 @@ def check_q_start(q_start: int, S_q: int, S_k: int | None = None) -> None:
                          f"past the {S_k} key positions: pass keys up to the last query (S_k >= q_start + S_q)")
 
 
+def check_cmp_tokens(n_tokens: int, q_start: int, S_q: int, l: int, d: int) -> None:  # noqa: E741
+    """``k_cmp`` must hold every compressed token the last query row (position ``q_start + S_q - 1``) sees."""
+    need = num_visible_cmp(q_start + S_q - 1, l, d) if S_q else 0
+    if n_tokens < need:
+        raise ValueError(f"k_cmp holds {n_tokens} compressed tokens but the query at position {q_start + S_q - 1} "
+                         f"sees {need}: compress the keys up to the last query")
+
+
 def check_shapes(q: torch.Tensor, k: torch.Tensor, *, name: str = "k",
                  q_start: int = 0) -> tuple[int, int, int, int, int, int]:
     """Validate ``q [B,S_q,HQ,Dk]`` (rows at positions ``q_start ..``) against raw ``k [B,S_k,H,Dk]``

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from nsa.ops.indexing import (
+    check_cmp_tokens,
     check_q_start,
     check_shapes,
     masked_softmax,
@@ -91,6 +92,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale:
     l, d, l_sel, n_sel = hp.l, hp.d, hp.l_sel, hp.n_sel  # noqa: E741
     B, S_q, HQ, Dk = q.shape
     check_q_start(q_start, S_q)
+    check_cmp_tokens(k_cmp.shape[1], q_start, S_q, l, d)
     S = q_start + S_q  # positions up to the last query: every visible token and candidate block
     H = k_cmp.shape[2]
     h = HQ // H
@@ -133,6 +135,7 @@ def nsa_attention(
     rows at positions ``q_start .. q_start + S_q - 1`` against the keys of positions ``0 .. S_k - 1``."""
     l, d, l_sel, n_sel, w = hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w  # noqa: E741
     B, S_q, S, HQ, H, h = check_shapes(q, k_sel, name="k_sel", q_start=q_start)
+    check_cmp_tokens(k_cmp.shape[1], q_start, S_q, l, d)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dev = q.device
     nb = -(-S // l_sel)

@@ -18,7 +18,7 @@ from nsa.ops._triton import interpreting
 from nsa.ops._triton.range_attn import range_bwd, range_fwd
 from nsa.ops._triton.scores import select_top
 from nsa.ops._triton.selection import canonical_blocks, sel_bwd, sel_fwd, sel_mode, work_shape
-from nsa.ops.indexing import check_q_start, check_shapes, num_cmp, num_visible_cmp
+from nsa.ops.indexing import check_cmp_tokens, check_q_start, check_shapes, num_cmp
 from nsa.ops.torch_path import compress_avg as _torch_compress_avg
 from nsa.params import NSAParams
 
@@ -64,12 +64,8 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale:
                   q_start: int = 0) -> torch.Tensor:
     """Top-``n_sel`` blocks per query and group: int32 ``[B, S_q, H, n_sel]``, ascending, -1 padded (query
     row ``i`` at position ``q_start + i``; absolute block numbers)."""
-    S_q = q.shape[1]
-    check_q_start(q_start, S_q)
-    need = num_visible_cmp(q_start + S_q - 1, hp.l, hp.d) if S_q else 0
-    if k_cmp.shape[1] < need:
-        raise ValueError(f"k_cmp holds {k_cmp.shape[1]} compressed tokens but the query at position "
-                         f"{q_start + S_q - 1} sees {need}: compress the keys up to the last query")
+    check_q_start(q_start, q.shape[1])
+    check_cmp_tokens(k_cmp.shape[1], q_start, q.shape[1], hp.l, hp.d)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():
         q, k_cmp = _dense_last(q), _dense_last(k_cmp.to(q.dtype))

@@ -2,8 +2,10 @@
 
 Key ``j`` is visible to the query at position ``t`` iff ``j * STRIDE + OFF <= t`` and, for a window
 (``WIN > 0``), ``t - j < WIN``. Compressed branch: ``STRIDE = d``, ``OFF = l - 1``, ``WIN = 0``; window
-branch: ``STRIDE = 1``, ``OFF = 0``, ``WIN = w``. Rows with no visible key give zeros and
-``lse = +inf`` (so a recomputed probability is exactly 0). ``lse`` is kept in the log2 domain.
+branch: ``STRIDE = 1``, ``OFF = 0``, ``WIN = w``. Query row ``i`` sits at position ``t = Q0 + i``
+(queries at an offset, a runtime integer; 0 for a whole sequence) and keys count from position 0.
+Rows with no visible key give zeros and ``lse = +inf`` (so a recomputed probability is exactly 0).
+``lse`` is kept in the log2 domain.
 
 Forward: ``range_fwd`` (o, lse). Backward: ``range_bwd_dq`` (adds into an fp32 dq) and
 ``range_bwd_dkdv`` (one program per key tile and group, looping over the query rows that see it).

@@ -6,7 +6,8 @@ compressed token with each selection block (a small matrix product with ``W[j, b
 built in registers) and sums the group's heads (a 0/1 matrix product), writing the group-summed
 importance ``P [B*H, slab, n_blocks]`` (fp32). ``top_blocks`` turns ``P`` into the spec's indices:
 forced blocks (current, 0, previous) first, then the highest ``P``, ties to the lower index,
-ascending, ``-1`` padded.
+ascending, ``-1`` padded. Query row ``t`` sits at position ``Q0 + t`` (queries at an offset); block
+numbers are absolute.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ dk/dv always run in the FSA order (also for ``row``). A block chosen by more tha
 
 Block lists must be canonical (:func:`canonical_blocks`): the valid blocks ascending and unique first,
 ``-1`` after; the top-n kernel writes them so, and given lists are made so once.
+
+Queries at an offset: query row ``i`` sits at position ``Q0 + i`` of the ``SK`` keys (``S``: the query
+rows); row buffers are indexed by row, key buffers by key, block numbers are absolute.
 """
 
 from __future__ import annotations

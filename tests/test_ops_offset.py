@@ -185,7 +185,7 @@ def test_q_start_with_cu_seqlens_is_refused() -> None:
 
 INTERP_CASES = {
     # id: ((B, S_k, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w), [(q_start, S_q), ...], tile overrides, seed)
-    "h2-fsa-DkneDv": ((2, 34, 4, 2, 16, 32, 8, 4, 8, 3, 10), [(13, 19), (21, 1), (0, 15)], {}, 10),
+    "h2-fsa-DkneDv": ((2, 30, 4, 2, 16, 32, 8, 4, 8, 3, 10), [(13, 17), (21, 1), (0, 15)], {}, 10),
     "h2-row-tma": ((1, 34, 4, 2, 16, 16, 8, 4, 8, 3, 10), [(11, 21), (33, 1)], {"sel_mode": "row", "sel_tma": 1}, 11),
     "h6-split-dkdv-slabs": ((1, 36, 6, 1, 16, 16, 8, 4, 16, 3, 16), [(5, 29)], {"cmp_qch": 8, "score_slab": 7}, 12),
     "h1-S-lt-l": ((1, 12, 2, 2, 16, 16, 16, 8, 16, 2, 4), [(3, 9), (0, 5)], {}, 13),
@@ -210,7 +210,8 @@ def _triton_offset_case(dims: tuple[int, ...], offsets: list[tuple[int, int]], t
             out, idx = triton_path.nsa_attention(*args, hp, return_block_idx=True, q_start=q0)
             ref, ref_idx = reference.nsa_attention(*ref_args, hp, return_block_idx=True, q_start=q0)
             assert torch.equal(idx.cpu(), ref_idx), (q0, sq)
-            assert torch.equal(triton_path.select_blocks(args[0], args[1], hp, q_start=q0).cpu(), ref_idx)
+            if sq == 1:  # the op alone (the same kernels as inside nsa_attention): one cheap row
+                assert torch.equal(triton_path.select_blocks(args[0], args[1], hp, q_start=q0).cpu(), ref_idx)
             grad = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
             out.backward(grad.to(device, dtype))
             ref.backward(grad)
@@ -235,7 +236,7 @@ def _triton_given_blocks_case(device: str = "cpu") -> None:
     from nsa.ops import reference, tile_overrides, triton_path
 
     hp = NSAParams(l=8, d=4, l_sel=8, n_sel=5, w=6)
-    q0, sq, sk = 11, 21, 36
+    q0, sq, sk = 11, 14, 30
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     x = make_inputs(1, sk, 4, 2, 16, 16, l=8, d=4, dtype=dtype, device=device, seed=14)
     gen = torch.Generator().manual_seed(14)

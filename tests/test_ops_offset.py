@@ -33,7 +33,7 @@ HP2 = NSAParams(l=16, d=8, l_sel=16, n_sel=2, w=12)
 S = 37
 # (q_start, S_q, S_k): full, ragged offsets (not multiples of l, d, l_sel or the 16-row tiles), one row,
 # keys past the last query, an offset call whose keys end before S
-OFFSETS = [(0, S, S), (13, 24, S), (21, 1, 22), (0, 9, 30), (9, 20, S), (30, 7, S)]
+OFFSETS = [(0, S, S), (13, 24, S), (21, 1, 22), (0, 1, 5), (0, 9, 30), (9, 20, S), (30, 7, S)]
 
 
 def _cuts(q0: int, sq: int, sk: int, l: int, d: int) -> list[slice]:  # noqa: E741

@@ -13,7 +13,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for st in $stages; do
   case $st in
     test)
-      timeout 400 python3 -m pytest tests/test_triton_kernels.py -x -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/test.log" ;;
+      timeout 550 python3 -m pytest tests/test_triton_kernels.py tests/test_ops_offset.py -x -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/test.log" ;;
     breakdown)
       timeout 300 python3 - <<'PY' 2>&1 | tee "$OUT/breakdown.log"
 import json, os, torch

@@ -3,7 +3,9 @@
 ``compress_avg(x, hp)``, ``select_blocks(q, k_cmp, hp, *, scale=None)`` and
 ``nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, *, scale=None, block_idx=None)``
 with ``hp`` an :class:`NSAParams` (the five hyper-parameters as one frozen object); see
-``docs/nsa-semantics.md`` for what they compute. Each also takes ``backend=`` (``auto``, ``reference``,
+``docs/nsa-semantics.md`` for what they compute. ``q_start`` (``select_blocks``, ``nsa_attention``):
+the query rows sit at positions ``q_start ..`` of the keys (context parallelism: a rank's own rows
+against the gathered prefix). Each also takes ``backend=`` (``auto``, ``reference``,
 ``torch``, ``triton``) to override the process default (``set_default_backend``, ``use_backend``;
 ``auto`` unless set).
 """
@@ -28,8 +30,11 @@ from nsa.ops.dispatch import (
 from nsa.params import NSAParams
 
 
-def _packed(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[list[int], bool]:
+def _packed(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor, q_start: int = 0) -> tuple[list[int], bool]:
     """The host offsets, and whether each document runs alone (the reference: the definition itself)."""
+    if q_start != 0:
+        raise ValueError(f"q_start={q_start} cannot be combined with cu_seqlens: packed documents start at "
+                         "position 0 (pass q_start=0, or run the documents without cu_seqlens)")
     if x.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs a batch-1 packed row, got batch {x.shape[0]}")
     return varlen.host_offsets(cu_seqlens, x.shape[1]), name == "reference"
@@ -55,16 +60,18 @@ def select_blocks(
     scale: float | None = None,
     backend: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    q_start: int = 0,
 ) -> torch.Tensor:
-    """Selection blocks per query and group: int32 ``[B, S, H, n_sel]``, ascending, ``-1`` padded (with
-    ``cu_seqlens``: block indices local to each document)."""
+    """Selection blocks per query and group: int32 ``[B, S_q, H, n_sel]``, ascending, ``-1`` padded (with
+    ``cu_seqlens``: block indices local to each document; with ``q_start``: row ``i`` is the query at
+    position ``q_start + i`` and the indices are absolute block numbers)."""
     name, impl = pick("select_blocks", backend, (q, k_cmp))
     if cu_seqlens is not None:
-        cu, one = _packed(name, q, cu_seqlens)
+        cu, one = _packed(name, q, cu_seqlens, q_start)
         (out,) = varlen.run_packed(lambda q_, k_: impl(q_, k_, hp, scale=scale),
                                    [q], cu, cmp_rows=[k_cmp], hp=hp, per_document=one)
         return out
-    res: torch.Tensor = impl(q, k_cmp, hp, scale=scale)
+    res: torch.Tensor = impl(q, k_cmp, hp, scale=scale, q_start=q_start)
     return res
 
 
@@ -86,17 +93,16 @@ def nsa_attention(
     cu_seqlens: torch.Tensor | None = None,
     q_start: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Gated NSA attention ``[B, S, HQ, Dv]``; with ``return_block_idx`` also the blocks used."""
-    if q_start:  # TEMPORARY development shim (helper branch brings the real one): pad the queries in front
-        pad = lambda t: torch.cat([t.new_zeros(t.shape[0], q_start, *t.shape[2:]), t], dim=1)  # noqa: E731
-        r = nsa_attention(pad(q), k_cmp, v_cmp, k_sel[:, :q_start + q.shape[1]], v_sel[:, :q_start + q.shape[1]],
-                          k_win[:, :q_start + q.shape[1]], v_win[:, :q_start + q.shape[1]], pad(gates), hp,
-                          scale=scale, return_block_idx=return_block_idx, backend=backend)
-        return (r[0][:, q_start:], r[1][:, q_start:]) if isinstance(r, tuple) else r[:, q_start:]
+    """Gated NSA attention ``[B, S_q, HQ, Dv]``; with ``return_block_idx`` also the blocks used.
+
+    ``q_start``: ``q``, ``gates`` (and ``block_idx``) hold the ``S_q`` query rows at positions
+    ``q_start .. q_start + S_q - 1``; the key/value tensors cover positions ``0 .. S_k - 1`` with
+    ``S_k >= q_start + S_q`` (``k_cmp``/``v_cmp`` compressed from those ``S_k`` raw rows). Every key
+    tensor gets a gradient of all its rows (zero where no query row of the call reads it)."""
     tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
     name, impl = pick("nsa_attention", backend, tensors)
     if cu_seqlens is not None:
-        cu, one = _packed(name, q, cu_seqlens)
+        cu, one = _packed(name, q, cu_seqlens, q_start)
         rows = [q, k_sel, v_sel, k_win, v_win, gates, *([] if block_idx is None else [block_idx])]
 
         def call(q_: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor,
@@ -109,7 +115,7 @@ def nsa_attention(
         outs = varlen.run_packed(call, rows, cu, cmp_rows=[k_cmp, v_cmp], hp=hp, per_document=one)
         return (outs[0], outs[1]) if return_block_idx else outs[0]
     out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = impl(
-        *tensors, hp, scale=scale, block_idx=block_idx, return_block_idx=return_block_idx,
+        *tensors, hp, scale=scale, block_idx=block_idx, return_block_idx=return_block_idx, q_start=q_start,
     )
     return out
 

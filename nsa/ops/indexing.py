@@ -114,14 +114,34 @@ def forced_blocks(t: int, l_sel: int) -> list[int]:
     return out
 
 
-def check_shapes(q: torch.Tensor, k: torch.Tensor, *, name: str = "k") -> tuple[int, int, int, int, int]:
-    """Validate ``q [B,S,HQ,Dk]`` against raw ``k [B,S,H,Dk]``; returns ``B, S, HQ, H, h``."""
+def check_q_start(q_start: int, S_q: int, S_k: int | None = None) -> None:
+    """Queries at an offset: rows ``q_start .. q_start + S_q - 1`` must lie inside the ``S_k`` key positions."""
+    if isinstance(q_start, bool) or not isinstance(q_start, (int, torch.SymInt)) or q_start < 0:
+        raise ValueError(f"q_start must be an integer >= 0, got {q_start!r}")
+    if S_k is not None and q_start + S_q > S_k:
+        raise ValueError(f"q_start={q_start} with {S_q} query rows reaches position {q_start + S_q - 1}, "
+                         f"past the {S_k} key positions: pass keys up to the last query (S_k >= q_start + S_q)")
+
+
+def check_cmp_tokens(n_tokens: int, q_start: int, S_q: int, l: int, d: int) -> None:  # noqa: E741
+    """``k_cmp`` must hold every compressed token the last query row (position ``q_start + S_q - 1``) sees."""
+    need = num_visible_cmp(q_start + S_q - 1, l, d) if S_q else 0
+    if n_tokens < need:
+        raise ValueError(f"k_cmp holds {n_tokens} compressed tokens but the query at position {q_start + S_q - 1} "
+                         f"sees {need}: compress the keys up to the last query")
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, *, name: str = "k",
+                 q_start: int = 0) -> tuple[int, int, int, int, int, int]:
+    """Validate ``q [B,S_q,HQ,Dk]`` (rows at positions ``q_start ..``) against raw ``k [B,S_k,H,Dk]``
+    (positions ``0 .. S_k - 1``, ``S_k >= q_start + S_q``); returns ``B, S_q, S_k, HQ, H, h``."""
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and {name} must be 4-D [B, S, heads, dim], got {tuple(q.shape)} and {tuple(k.shape)}")
-    B, S, HQ, _ = q.shape
-    H = k.shape[2]
-    if k.shape[0] != B or k.shape[1] != S:
-        raise ValueError(f"{name} {tuple(k.shape)} does not match q {tuple(q.shape)} in batch/sequence")
+    B, S_q, HQ, _ = q.shape
+    H, S_k = k.shape[2], k.shape[1]
+    if k.shape[0] != B:
+        raise ValueError(f"{name} {tuple(k.shape)} does not match q {tuple(q.shape)} in batch")
+    check_q_start(q_start, S_q, S_k)
     if HQ % H:
         raise ValueError(f"query heads HQ={HQ} must be a multiple of key/value heads H={H}")
-    return B, S, HQ, H, HQ // H
+    return B, S_q, S_k, HQ, H, HQ // H

@@ -83,31 +83,43 @@ def _check(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
     return B, S, HQ, k.shape[2]
 
 
-def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale: float | None = None) -> torch.Tensor:
-    """Top-``n_sel`` selection blocks per query and group: int32 ``[B, S, H, n_sel]``, -1 padded."""
-    B, S, HQ, H = _check(q, k_cmp)
+def _positions(q_start: int, S_q: int, S_k: int | None) -> range:
+    """Absolute positions of the query rows: ``q_start .. q_start + S_q - 1``, all inside the ``S_k`` keys."""
+    if q_start < 0 or (S_k is not None and q_start + S_q > S_k):
+        raise ValueError(f"q_start={q_start} with {S_q} query rows needs 0 <= q_start and q_start + S_q <= "
+                         f"S_k={S_k} key positions")
+    return range(q_start, q_start + S_q)
+
+
+def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale: float | None = None,
+                  q_start: int = 0) -> torch.Tensor:
+    """Top-``n_sel`` selection blocks per query and group: int32 ``[B, S_q, H, n_sel]``, -1 padded
+    (query row ``i`` at position ``q_start + i``; absolute block numbers)."""
+    B, S_q, HQ, H = _check(q, k_cmp)
     h = HQ // H
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    positions = _positions(q_start, S_q, None)
+    S = q_start + S_q  # every visible token lies inside the keys up to the last query
     n_blocks = len(range(0, S, hp.l_sel))
-    out = torch.full((B, S, H, hp.n_sel), -1, dtype=torch.int32, device=q.device)
+    out = torch.full((B, S_q, H, hp.n_sel), -1, dtype=torch.int32, device=q.device)
     with torch.no_grad():
         for b in range(B):
-            for t in range(S):
+            for i, t in enumerate(positions):
                 vis = _visible_cmp(t, S, hp)
                 for g in range(H):
                     P = [0.0] * n_blocks
                     if vis:
-                        q_g = q[b, t, g * h : (g + 1) * h]
+                        q_g = q[b, i, g * h : (g + 1) * h]
                         p = torch.softmax((q_g @ k_cmp[b, vis, g].T) * scale, dim=-1)
                         p_sum = p.sum(dim=0)  # group reduction (Eq. 10) of per-head Eq. 9 scores
-                        for i, j in enumerate(vis):
+                        for n, j in enumerate(vis):
                             span = set(_cmp_span(j, hp))
                             for blk in range(n_blocks):
                                 shared = len(span.intersection(_block_span(blk, hp)))
                                 if shared:
-                                    P[blk] += float(p_sum[i]) * shared / hp.l
+                                    P[blk] += float(p_sum[n]) * shared / hp.l
                     chosen = _choose(P, t, hp.l_sel, hp.n_sel)
-                    out[b, t, g, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+                    out[b, i, g, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     return out
 
 
@@ -125,30 +137,34 @@ def nsa_attention(
     scale: float | None = None,
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
+    q_start: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """NSA output ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win``: ``[B, S, HQ, Dv]``."""
-    B, S, HQ, H = _check(q, k_sel)
+    """NSA output ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win``: ``[B, S_q, HQ, Dv]`` for the query
+    rows at positions ``q_start .. q_start + S_q - 1`` against the keys of positions ``0 .. S_k - 1``."""
+    B, S_q, HQ, H = _check(q, k_sel)
+    S = k_sel.shape[1]
     h = HQ // H
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    positions = _positions(q_start, S_q, S)
     if block_idx is None:
-        block_idx = select_blocks(q, k_cmp, hp, scale=scale)
+        block_idx = select_blocks(q, k_cmp, hp, scale=scale, q_start=q_start)
     rows = []
     for b in range(B):
         per_t = []
-        for t in range(S):
+        for i, t in enumerate(positions):
             vis = _visible_cmp(t, S, hp)
             per_g = []
             for g in range(H):
                 heads = slice(g * h, (g + 1) * h)
-                q_g = q[b, t, heads]
+                q_g = q[b, i, heads]
                 o_cmp = _attend(q_g, k_cmp[b, vis, g], v_cmp[b, vis, g], scale)
-                blocks = [int(x) for x in block_idx[b, t, g] if int(x) >= 0]
+                blocks = [int(x) for x in block_idx[b, i, g] if int(x) >= 0]
                 pos = sorted({p for blk in blocks for p in _block_span(blk, hp) if p <= t})
                 idx = torch.tensor(pos, dtype=torch.long, device=q.device)
                 o_sel = _attend(q_g, k_sel[b, idx, g], v_sel[b, idx, g], scale)
                 win = [p for p in range(t + 1) if t - p < hp.w]
                 o_win = _attend(q_g, k_win[b, win, g], v_win[b, win, g], scale)
-                g_t = gates[b, t, heads]
+                g_t = gates[b, i, heads]
                 per_g.append(g_t[:, 0:1] * o_cmp + g_t[:, 1:2] * o_sel + g_t[:, 2:3] * o_win)
             per_t.append(torch.cat(per_g, dim=0))
         rows.append(torch.stack(per_t, dim=0))

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from nsa.ops.indexing import (
+    check_cmp_tokens,
+    check_q_start,
     check_shapes,
     masked_softmax,
     num_cmp,
@@ -83,10 +85,15 @@ def _cmp_chunk(
     return o, p_group
 
 
-def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale: float | None = None) -> torch.Tensor:
-    """Top-``n_sel`` selection blocks per query and group: int32 ``[B, S, H, n_sel]``, -1 padded."""
+def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale: float | None = None,
+                  q_start: int = 0) -> torch.Tensor:
+    """Top-``n_sel`` selection blocks per query and group: int32 ``[B, S_q, H, n_sel]``, -1 padded (query
+    row ``i`` at position ``q_start + i``; absolute block numbers)."""
     l, d, l_sel, n_sel = hp.l, hp.d, hp.l_sel, hp.n_sel  # noqa: E741
-    B, S, HQ, Dk = q.shape
+    B, S_q, HQ, Dk = q.shape
+    check_q_start(q_start, S_q)
+    check_cmp_tokens(k_cmp.shape[1], q_start, S_q, l, d)
+    S = q_start + S_q  # positions up to the last query: every visible token and candidate block
     H = k_cmp.shape[2]
     h = HQ // H
     scale = Dk**-0.5 if scale is None else scale
@@ -94,13 +101,13 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale:
     n_all = k_cmp.shape[1]
     W = overlap_weights(n_all, nb, l, d, l_sel, dtype=q.dtype if q.dtype == torch.float64 else torch.float32, device=q.device)
     k_t = k_cmp.permute(0, 2, 1, 3)
-    n_vis_all = visible_cmp_counts(S, l, d, device=q.device)
+    n_vis_all = visible_cmp_counts(S, l, d, device=q.device)[q_start:]
     out = []
     with torch.no_grad():
-        C = _chunk(S, HQ * B, n_all)
-        for c0 in range(0, S, C):
-            c1 = min(S, c0 + C)
-            t = torch.arange(c0, c1, device=q.device)
+        C = _chunk(S_q, HQ * B, n_all)
+        for c0 in range(0, S_q, C):
+            c1 = min(S_q, c0 + C)
+            t = torch.arange(q_start + c0, q_start + c1, device=q.device)
             q_rows = _fold(q[:, c0:c1], H)
             _, p_group = _cmp_chunk(q_rows, k_t, None, n_vis_all[c0:c1], scale, h)
             P = torch.matmul(p_group.to(W.dtype), W)
@@ -122,10 +129,13 @@ def nsa_attention(
     scale: float | None = None,
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
+    q_start: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """NSA output ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win``: ``[B, S, HQ, Dv]``."""
+    """NSA output ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win``: ``[B, S_q, HQ, Dv]`` for the query
+    rows at positions ``q_start .. q_start + S_q - 1`` against the keys of positions ``0 .. S_k - 1``."""
     l, d, l_sel, n_sel, w = hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w  # noqa: E741
-    B, S, HQ, H, h = check_shapes(q, k_sel, name="k_sel")
+    B, S_q, S, HQ, H, h = check_shapes(q, k_sel, name="k_sel", q_start=q_start)
+    check_cmp_tokens(k_cmp.shape[1], q_start, S_q, l, d)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dev = q.device
     nb = -(-S // l_sel)
@@ -137,11 +147,12 @@ def nsa_attention(
     n_vis_all = visible_cmp_counts(S, l, d, device=dev)
     key_block = torch.arange(S, device=dev) // l_sel
     outs, idx_chunks = [], []
-    C = _chunk(S, HQ * B, S)
-    for c0 in range(0, S, C):
-        c1 = min(S, c0 + C)
+    C = _chunk(S_q, HQ * B, S)
+    for r0 in range(0, S_q, C):
+        r1 = min(S_q, r0 + C)  # query rows r0..r1-1 sit at positions c0..c1-1
+        c0, c1 = q_start + r0, q_start + r1
         t = torch.arange(c0, c1, device=dev)
-        q_rows = _fold(q[:, c0:c1], H)
+        q_rows = _fold(q[:, r0:r1], H)
 
         # compressed branch (and the probabilities that score the selection blocks)
         o_cmp, p_group = _cmp_chunk(q_rows, kc, vc, n_vis_all[c0:c1], scale, h)
@@ -150,7 +161,7 @@ def nsa_attention(
             P = torch.matmul(p_group.to(W.dtype), W)
             idx = _top_blocks(P, t, l_sel, n_sel)
         else:
-            idx = block_idx[:, c0:c1].to(torch.int64)
+            idx = block_idx[:, r0:r1].to(torch.int64)
         idx_chunks.append(idx.to(torch.int32))
 
         # selected branch: keys 0..c1-1 in a chosen block and not after the query
@@ -171,7 +182,7 @@ def nsa_attention(
             q_rows, kw[:, :, k0:c1], vw[:, :, k0:c1], attn_mask=_rows(win_mask[None, None], h), scale=scale
         )
 
-        g = gates[:, c0:c1]
+        g = gates[:, r0:r1]
         outs.append(
             g[..., 0:1] * _unfold(o_cmp, h) + g[..., 1:2] * _unfold(o_sel, h) + g[..., 2:3] * _unfold(o_win, h)
         )

@@ -18,7 +18,7 @@ from nsa.ops._triton import interpreting
 from nsa.ops._triton.range_attn import range_bwd, range_fwd
 from nsa.ops._triton.scores import select_top
 from nsa.ops._triton.selection import canonical_blocks, sel_bwd, sel_fwd, sel_mode, work_shape
-from nsa.ops.indexing import check_shapes, num_cmp
+from nsa.ops.indexing import check_cmp_tokens, check_q_start, check_shapes, num_cmp
 from nsa.ops.torch_path import compress_avg as _torch_compress_avg
 from nsa.params import NSAParams
 
@@ -60,13 +60,18 @@ def _cmp_geometry(hp: NSAParams) -> dict[str, Any]:
     return {"stride": hp.d, "off": hp.l - 1, "win": 0}
 
 
-def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale: float | None = None) -> torch.Tensor:
-    """Top-``n_sel`` blocks per query and group: int32 ``[B, S, H, n_sel]``, ascending, -1 padded."""
+def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale: float | None = None,
+                  q_start: int = 0) -> torch.Tensor:
+    """Top-``n_sel`` blocks per query and group: int32 ``[B, S_q, H, n_sel]``, ascending, -1 padded (query
+    row ``i`` at position ``q_start + i``; absolute block numbers)."""
+    check_q_start(q_start, q.shape[1])
+    check_cmp_tokens(k_cmp.shape[1], q_start, q.shape[1], hp.l, hp.d)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():
         q, k_cmp = _dense_last(q), _dense_last(k_cmp.to(q.dtype))
-        lse = range_fwd(q, k_cmp, k_cmp, None, scale=scale, **_cmp_geometry(hp))
-        return select_top(q, k_cmp, lse, l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel, scale=scale)
+        lse = range_fwd(q, k_cmp, k_cmp, None, scale=scale, q_start=q_start, **_cmp_geometry(hp))
+        return select_top(q, k_cmp, lse, l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel, scale=scale,
+                          q_start=q_start)
 
 
 class Stages:
@@ -78,15 +83,16 @@ class Stages:
     skipped when ``block_idx`` is given) -> :meth:`sel_fwd` -> :meth:`win_fwd` (also the gated sum of the
     three branches). Backward, after :meth:`start_backward`: :meth:`cmp_bwd` (also the gate gradient of
     all three branches) -> :meth:`sel_bwd` -> :meth:`win_bwd` (also the final dq in q's dtype); dq
-    accumulates in fp32 between them."""
+    accumulates in fp32 between them. Every kernel takes ``q_start`` as a runtime integer: query row ``i``
+    (of ``q``, ``gates`` and the row buffers) sits at position ``q_start + i`` of the keys."""
 
     def __init__(self, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
                  v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
-                 hp: NSAParams, scale: float) -> None:
+                 hp: NSAParams, scale: float, q_start: int = 0) -> None:
         self.q, self.k_cmp, self.v_cmp, self.k_sel, self.v_sel, self.k_win, self.v_win = (
             _dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
         self.gates = gates.contiguous()
-        self.hp, self.scale = hp, scale
+        self.hp, self.scale, self.q_start = hp, scale, q_start
         # the forward's buffers (the backward is handed the saved ones instead)
         self.o3 = self.out = self.lse_c = self.lse_s = self.lse_w = self.idx = self.work = torch.empty(0)
 
@@ -100,23 +106,23 @@ class Stages:
     # forward
     def cmp_fwd(self) -> None:
         self.lse_c = range_fwd(self.q, self.k_cmp, self.v_cmp, self.o3[:, :, :, 0], scale=self.scale,
-                               **_cmp_geometry(self.hp))
+                               q_start=self.q_start, **_cmp_geometry(self.hp))
 
     def select(self) -> None:
         hp = self.hp
         self.idx = select_top(self.q, self.k_cmp, self.lse_c, l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel,
-                              scale=self.scale)
+                              scale=self.scale, q_start=self.q_start)
 
     def given_blocks(self, block_idx: torch.Tensor) -> None:
-        self.idx = canonical_blocks(block_idx, self.hp.l_sel)  # same key set, a new tensor
+        self.idx = canonical_blocks(block_idx, self.hp.l_sel, self.q_start)  # same key set, a new tensor
 
     def sel_fwd(self) -> None:
         self.lse_s, self.work = sel_fwd(self.q, self.k_sel, self.v_sel, self.idx, self.o3[:, :, :, 1],
-                                        l_sel=self.hp.l_sel, scale=self.scale)
+                                        l_sel=self.hp.l_sel, scale=self.scale, q_start=self.q_start)
 
     def win_fwd(self) -> None:
         self.lse_w = range_fwd(self.q, self.k_win, self.v_win, self.o3[:, :, :, 2], scale=self.scale, stride=1,
-                               off=0, win=self.hp.w, combine=(self.gates, self.out))
+                               off=0, win=self.hp.w, combine=(self.gates, self.out), q_start=self.q_start)
 
     def forward(self, block_idx: torch.Tensor | None) -> None:
         self.start_forward()
@@ -139,17 +145,17 @@ class Stages:
     def cmp_bwd(self) -> None:
         self.dk_c, self.dv_c = range_bwd(self.q, self.k_cmp, self.v_cmp, self.do, self.lse_c, self.gates, self.dg,
                                          self.dq, branch=0, accum=False, scale=self.scale, o3=self.o3,
-                                         **_cmp_geometry(self.hp))
+                                         q_start=self.q_start, **_cmp_geometry(self.hp))
 
     def sel_bwd(self) -> None:
         self.dk_s, self.dv_s = sel_bwd(self.q, self.k_sel, self.v_sel, self.idx, self.do, self.lse_s, self.gates,
                                        self.dg, self.dq, branch=1, accum=True, l_sel=self.hp.l_sel,
-                                       scale=self.scale, work=self.work)
+                                       scale=self.scale, work=self.work, q_start=self.q_start)
 
     def win_bwd(self) -> None:
         self.dk_w, self.dv_w = range_bwd(self.q, self.k_win, self.v_win, self.do, self.lse_w, self.gates, self.dg,
                                          self.dq, branch=2, accum=True, scale=self.scale, stride=1, off=0,
-                                         win=self.hp.w, dq_out=self.dq_out)
+                                         win=self.hp.w, dq_out=self.dq_out, q_start=self.q_start)
 
     def backward(self, do: torch.Tensor) -> None:
         self.start_backward(do)
@@ -162,7 +168,8 @@ class Stages:
 # The kernels as PyTorch custom operators (torch.library): opaque to torch.compile, with fake (meta)
 # implementations for tracing and a registered autograd formula, so a whole compiled NSA model keeps
 # one graph (fullgraph=True) and Inductor fuses the projection / RoPE / gate / combine glue around them.
-# The hyper-parameters cross this boundary as plain integers (a schema allows no other type).
+# The hyper-parameters cross this boundary as plain integers (a schema allows no other type), and so does
+# ``q_start`` (last, default 0: the rows' offset into the keys).
 
 _FWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                  torch.Tensor]
@@ -172,11 +179,12 @@ _FWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 def attention_fwd(
     q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
-    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
+    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
 ) -> _FWD_OUT:
     """Forward kernels: ``(out, block_idx, o3, lse_cmp, lse_sel, lse_win, work)``; everything after
     ``block_idx`` is kept for the backward (``work``: the selected branch's pair list, or empty)."""
-    st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale)
+    st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale,
+                q_start)
     st.forward(block_idx)
     return st.out, st.idx, st.o3, st.lse_c, st.lse_s, st.lse_w, st.work
 
@@ -185,13 +193,13 @@ def attention_fwd(
 def _attention_fwd_fake(
     q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
-    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
+    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
 ) -> _FWD_OUT:
     B, S, HQ, _ = q.shape
     H, Dv = k_sel.shape[2], v_sel.shape[-1]
     f32, i32 = torch.float32, torch.int32
     work = (q.new_empty(0, dtype=i32) if sel_mode(HQ // H, q.device) == "row"
-            else q.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device), dtype=i32))
+            else q.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, q_start), dtype=i32))
     return (q.new_empty(B, S, HQ, Dv), q.new_empty(B, S, H, n_sel, dtype=i32), q.new_empty(B, S, HQ, 3, Dv),
             q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32),
             work)
@@ -206,10 +214,12 @@ def attention_bwd(
     do: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
     v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
     o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, work: torch.Tensor,
-    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
+    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
 ) -> _BWD_OUT:
-    """Backward kernels: ``(dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates)``."""
-    st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale)
+    """Backward kernels: ``(dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates)``; every key/value
+    gradient has all the keys' rows (zeros where no query row of this call reads a key)."""
+    st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale,
+                q_start)
     st.o3, st.idx, st.lse_c, st.lse_s, st.lse_w, st.work = o3, idx, lse_c, lse_s, lse_w, work
     st.backward(do)
     return (st.dq_out, st.dk_c, st.dv_c, st.dk_s.to(k_sel.dtype), st.dv_s.to(v_sel.dtype), st.dk_w, st.dv_w,
@@ -221,25 +231,25 @@ def _attention_bwd_fake(
     do: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
     v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
     o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, work: torch.Tensor,
-    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float,  # noqa: E741
+    l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
 ) -> _BWD_OUT:
     return tuple(t.new_empty(t.shape) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))  # type: ignore[return-value]
 
 
-_HP = ("l", "d", "l_sel", "n_sel", "w", "scale")
+_HP = ("l", "d", "l_sel", "n_sel", "w", "scale", "q_start")
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: _FWD_OUT) -> None:
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, _block_idx, *hp = inputs
     _, idx, o3, lse_c, lse_s, lse_w, work = output
     ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, work)
-    ctx.hp = dict(zip(_HP, hp, strict=True))
+    ctx.hp = dict(zip(_HP, hp, strict=False))  # q_start may be left at its default
     ctx.mark_non_differentiable(idx, o3, lse_c, lse_s, lse_w, work)
 
 
 def _backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
     grads = attention_bwd(do, *ctx.saved_tensors, **ctx.hp)
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -263,10 +273,12 @@ def nsa_attention(
     scale: float | None = None,
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
+    q_start: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Gated NSA attention ``[B, S, HQ, Dv]`` (and the blocks used, with ``return_block_idx``); the
+    """Gated NSA attention ``[B, S_q, HQ, Dv]`` of the query rows at positions ``q_start ..`` against the
+    keys of positions ``0 .. S_k - 1`` (and the blocks used, with ``return_block_idx``); the
     hyper-parameters become plain integers only here, at the custom operators' boundary."""
-    S = check_shapes(q, k_sel, name="k_sel")[1]
+    S = check_shapes(q, k_sel, name="k_sel", q_start=q_start)[2]
     n_c = num_cmp(S, hp.l, hp.d)
     if k_cmp.shape[1] != n_c or v_cmp.shape[1] != n_c:
         raise ValueError(f"k_cmp/v_cmp must hold S_cmp={n_c} tokens for S={S}, l={hp.l}, d={hp.d}; "
@@ -280,5 +292,5 @@ def nsa_attention(
     # projection pass as they are); gates are read as contiguous rows of 3
     args = [_dense_last(t.to(q.dtype)) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)]
     gates = gates.to(q.dtype).contiguous()
-    out, idx, *_ = attention_fwd(*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc)
+    out, idx, *_ = attention_fwd(*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start)
     return (out, idx) if return_block_idx else out

@@ -2,8 +2,10 @@
 
 Key ``j`` is visible to the query at position ``t`` iff ``j * STRIDE + OFF <= t`` and, for a window
 (``WIN > 0``), ``t - j < WIN``. Compressed branch: ``STRIDE = d``, ``OFF = l - 1``, ``WIN = 0``; window
-branch: ``STRIDE = 1``, ``OFF = 0``, ``WIN = w``. Rows with no visible key give zeros and
-``lse = +inf`` (so a recomputed probability is exactly 0). ``lse`` is kept in the log2 domain.
+branch: ``STRIDE = 1``, ``OFF = 0``, ``WIN = w``. Query row ``i`` sits at position ``t = Q0 + i``
+(queries at an offset, a runtime integer; 0 for a whole sequence) and keys count from position 0.
+Rows with no visible key give zeros and ``lse = +inf`` (so a recomputed probability is exactly 0).
+``lse`` is kept in the log2 domain.
 
 Forward: ``range_fwd`` (o, lse). Backward: ``range_bwd_dq`` (adds into an fp32 dq) and
 ``range_bwd_dkdv`` (one program per key tile and group, looping over the query rows that see it).
@@ -26,7 +28,7 @@ LOG2E = 1.4426950408889634
 def _range_fwd_kernel(
     Q, K, V, OUT, LSE, GATE, FINAL,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
-    S, NK, HQ, scale_log2,
+    S, NK, HQ, Q0, scale_log2,
     HG: tl.constexpr, H: tl.constexpr, STRIDE: tl.constexpr, OFF: tl.constexpr, WIN: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, WRITE_O: tl.constexpr, COMBINE: tl.constexpr,
@@ -46,11 +48,12 @@ def _range_fwd_kernel(
     pos64 = pos.to(tl.int64)
     q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
                 mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
-    t_last = tl.minimum(t0 + BT - 1, S - 1)
+    apos = Q0 + pos  # absolute positions of the rows (queries at an offset)
+    t_last = Q0 + tl.minimum(t0 + BT - 1, S - 1)
     j_hi = tl.where(t_last >= OFF, (t_last - OFF) // STRIDE + 1, 0)
     j_hi = tl.minimum(j_hi, NK)
     if WIN > 0:
-        j_lo = tl.maximum(t0 - WIN + 1, 0)
+        j_lo = tl.maximum(Q0 + t0 - WIN + 1, 0)
     else:
         j_lo = 0
     j_start = (j_lo // BN) * BN
@@ -64,9 +67,9 @@ def _range_fwd_kernel(
         k = tl.load(K + b * skb + j64[:, None] * sks + g * skh + ck[None, :],
                     mask=kmask[:, None] & (ck[None, :] < DK), other=0.0)
         s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
-        vis = (j[None, :] * STRIDE + OFF <= pos[:, None]) & kmask[None, :]
+        vis = (j[None, :] * STRIDE + OFF <= apos[:, None]) & kmask[None, :]
         if WIN > 0:
-            vis = vis & (pos[:, None] - j[None, :] < WIN)
+            vis = vis & (apos[:, None] - j[None, :] < WIN)
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -99,7 +102,7 @@ def _range_fwd_kernel(
 def _range_bwd_dq_kernel(
     Q, K, V, DO, LSE, GATE, DG, DQ, O3, DQO,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-    S, NK, HQ, scale_log2, scale,
+    S, NK, HQ, Q0, scale_log2, scale,
     HG: tl.constexpr, H: tl.constexpr, STRIDE: tl.constexpr, OFF: tl.constexpr, WIN: tl.constexpr,
     X: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, ACCUM: tl.constexpr, DG_FROM_O3: tl.constexpr,
@@ -145,11 +148,12 @@ def _range_bwd_dq_kernel(
         delta = gate * tl.load(DG + row * 3 + X, mask=row_ok, other=0.0)
     do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
     lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-    t_last = tl.minimum(t0 + BT - 1, S - 1)
+    apos = Q0 + pos  # absolute positions of the rows (queries at an offset)
+    t_last = Q0 + tl.minimum(t0 + BT - 1, S - 1)
     j_hi = tl.where(t_last >= OFF, (t_last - OFF) // STRIDE + 1, 0)
     j_hi = tl.minimum(j_hi, NK)
     if WIN > 0:
-        j_lo = tl.maximum(t0 - WIN + 1, 0)
+        j_lo = tl.maximum(Q0 + t0 - WIN + 1, 0)
     else:
         j_lo = 0
     j_start = (j_lo // BN) * BN
@@ -163,9 +167,9 @@ def _range_bwd_dq_kernel(
         v = tl.load(V + b * svb + j64[:, None] * svs + g * svh + cv[None, :],
                     mask=kmask[:, None] & (cv[None, :] < DV), other=0.0)
         s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
-        vis = (j[None, :] * STRIDE + OFF <= pos[:, None]) & kmask[None, :]
+        vis = (j[None, :] * STRIDE + OFF <= apos[:, None]) & kmask[None, :]
         if WIN > 0:
-            vis = vis & (pos[:, None] - j[None, :] < WIN)
+            vis = vis & (apos[:, None] - j[None, :] < WIN)
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -186,7 +190,7 @@ def _range_bwd_dq_kernel(
 def _range_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, GATE, DG, DK_, DV_,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-    S, NK, HQ, QCH, scale_log2, scale,
+    S, NK, HQ, Q0, QCH, scale_log2, scale,
     HG: tl.constexpr, H: tl.constexpr, STRIDE: tl.constexpr, OFF: tl.constexpr, WIN: tl.constexpr,
     X: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, ATOMIC: tl.constexpr,
@@ -207,9 +211,10 @@ def _range_bwd_dkdv_kernel(
                 mask=kmask[:, None] & (ck[None, :] < DK), other=0.0)
     v = tl.load(V + b * svb + j64[:, None] * svs + g * svh + cv[None, :],
                 mask=kmask[:, None] & (cv[None, :] < DV), other=0.0)
-    t_min = tl.maximum(j0 * STRIDE + OFF, chunk * QCH)
+    # query rows (row i at position Q0 + i) that can see a key of this tile
+    t_min = tl.maximum(j0 * STRIDE + OFF - Q0, chunk * QCH)
     if WIN > 0:
-        t_max = tl.minimum(S, j0 + BN - 1 + WIN)
+        t_max = tl.minimum(S, j0 + BN - 1 + WIN - Q0)
     else:
         t_max = S
     t_max = tl.minimum(t_max, chunk * QCH + QCH)
@@ -231,9 +236,10 @@ def _range_bwd_dkdv_kernel(
         delta = gate * tl.load(DG + row * 3 + X, mask=row_ok, other=0.0)
         lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
         s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
-        vis = (j[None, :] * STRIDE + OFF <= pos[:, None]) & kmask[None, :] & row_ok[:, None]
+        apos = Q0 + pos
+        vis = (j[None, :] * STRIDE + OFF <= apos[:, None]) & kmask[None, :] & row_ok[:, None]
         if WIN > 0:
-            vis = vis & (pos[:, None] - j[None, :] < WIN)
+            vis = vis & (apos[:, None] - j[None, :] < WIN)
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v))
@@ -280,9 +286,10 @@ def _geom(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, 
 def range_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None, *,
     stride: int, off: int, win: int, scale: float,
-    combine: tuple[torch.Tensor, torch.Tensor] | None = None,
+    combine: tuple[torch.Tensor, torch.Tensor] | None = None, q_start: int = 0,
 ) -> torch.Tensor:
     """Write the branch output into ``o`` (a ``[B,S,HQ,Dv]`` view; None: only lse); return lse.
+    Query row ``i`` sits at position ``q_start + i``; ``k``/``v`` hold the keys from position 0.
 
     ``combine=(gates, out)``: ``o`` is slot 2 of a contiguous ``o3 [B,S,HQ,3,Dv]`` whose slots 0 and 1
     are written; also write the gated sum of the three into contiguous ``out`` (gates ``[B,S,HQ,3]``)."""
@@ -296,7 +303,7 @@ def range_fwd(
     _range_fwd_kernel[grid](
         q, k, v, out, lse, gates, final,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        S, NK, HQ, scale * LOG2E,
+        S, NK, HQ, q_start, scale * LOG2E,
         HG=h, H=H, STRIDE=stride, OFF=off, WIN=win, DK=DK, DV=DV,
         BDK=max(16, next_pow2(DK)), BDV=max(16, next_pow2(DV)), BM=cfg.bm, BN=cfg.bn,
         WRITE_O=o is not None, COMBINE=combine is not None, num_warps=cfg.num_warps,
@@ -309,9 +316,10 @@ def range_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
     gates: torch.Tensor, dg: torch.Tensor, dq: torch.Tensor, *, branch: int, accum: bool,
     stride: int, off: int, win: int, scale: float, o3: torch.Tensor | None = None,
-    dq_out: torch.Tensor | None = None,
+    dq_out: torch.Tensor | None = None, q_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add this branch's dq into fp32 ``dq`` (or store when not ``accum``); return ``dk, dv``.
+    """Add this branch's dq into fp32 ``dq`` (or store when not ``accum``); return ``dk, dv`` (every key
+    row; keys no query row sees get zeros). Query row ``i`` sits at position ``q_start + i``.
 
     ``o3``: compute the gate gradient ``dg`` of all three branches from it first (``dg`` is written);
     ``dq_out``: write the final dq there (its dtype) instead of back into ``dq``."""
@@ -323,7 +331,7 @@ def range_bwd(
     cfg = tile_config(q.device, h, DK, DV, _kind(win) + "dq")
     _range_bwd_dq_kernel[(triton.cdiv(S, cfg.bm // h), B * H)](
         q, k, v, do, lse, gates, dg, dq, o3 if o3 is not None else dq, dq_out if dq_out is not None else dq,
-        *strides, S, NK, HQ, scale * LOG2E, scale, ACCUM=accum, DG_FROM_O3=o3 is not None,
+        *strides, S, NK, HQ, q_start, scale * LOG2E, scale, ACCUM=accum, DG_FROM_O3=o3 is not None,
         CAST_OUT=dq_out is not None, BM=cfg.bm, BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **common,
     )
@@ -340,7 +348,7 @@ def range_bwd(
         dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     if NK > 0:
         _range_bwd_dkdv_kernel[(triton.cdiv(NK, cfg.bn), B * H, n_chunks)](
-            q, k, v, do, lse, gates, dg, dk, dv, *strides, S, NK, HQ, qch, scale * LOG2E, scale,
+            q, k, v, do, lse, gates, dg, dk, dv, *strides, S, NK, HQ, q_start, qch, scale * LOG2E, scale,
             ATOMIC=atomic, BM=cfg.bm, BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
     return dk.to(k.dtype), dv.to(v.dtype)

@@ -6,7 +6,8 @@ compressed token with each selection block (a small matrix product with ``W[j, b
 built in registers) and sums the group's heads (a 0/1 matrix product), writing the group-summed
 importance ``P [B*H, slab, n_blocks]`` (fp32). ``top_blocks`` turns ``P`` into the spec's indices:
 forced blocks (current, 0, previous) first, then the highest ``P``, ties to the lower index,
-ascending, ``-1`` padded.
+ascending, ``-1`` padded. Query row ``t`` sits at position ``Q0 + t`` (queries at an offset); block
+numbers are absolute.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from nsa.ops._triton.range_attn import LOG2E
 def _block_scores_kernel(
     Q, K, LSE, P,
     sqb, sqs, sqh, skb, sks, skh,
-    S, T0, T1, NK, NB, HQ, scale_log2,
+    S, T0, T1, NK, NB, HQ, Q0, scale_log2,
     HG: tl.constexpr, H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr,
     DK: tl.constexpr, BDK: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr,
     NBC: tl.constexpr, NBCP: tl.constexpr, BTP: tl.constexpr, PREC: tl.constexpr, RESHAPE: tl.constexpr,
@@ -43,7 +44,8 @@ def _block_scores_kernel(
     q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
                 mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
     lse = tl.load(LSE + (b * S + pos64) * HQ + head, mask=row_ok, other=float("inf"))
-    t_last = tl.minimum(t0 + BT - 1, T1 - 1)
+    apos = Q0 + pos  # absolute positions of the rows (queries at an offset)
+    t_last = Q0 + tl.minimum(t0 + BT - 1, T1 - 1)
     n_blk = t_last // LS + 1
     # head-sum matrix: E[i, r] = 1 iff row r belongs to the tile's i-th position
     ti = tl.arange(0, BTP)
@@ -58,7 +60,7 @@ def _block_scores_kernel(
         k = tl.load(K + b * skb + j64[:, None] * sks + g * skh + ck[None, :],
                     mask=(j[:, None] < NK) & (ck[None, :] < DK), other=0.0)
         s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
-        vis = (j[None, :] * D + L - 1 <= pos[:, None]) & (j[None, :] < NK)
+        vis = (j[None, :] * D + L - 1 <= apos[:, None]) & (j[None, :] < NK)
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         blk = c0 + bb
         lo = tl.maximum(j[:, None] * D, blk[None, :] * LS)
@@ -84,7 +86,7 @@ def _block_scores_kernel(
 
 @triton.jit
 def _top_blocks_kernel(
-    P, IDX, S, T0, T1, NB, H,
+    P, IDX, S, T0, T1, NB, H, Q0,
     LS: tl.constexpr, N_SEL: tl.constexpr, NBP: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -95,7 +97,7 @@ def _top_blocks_kernel(
     t_ok = t < T1
     t64 = t.to(tl.int64)
     blk = tl.arange(0, NBP)
-    bt = t // LS
+    bt = (Q0 + t) // LS  # current block of row t (position Q0 + t)
     cand = (blk[None, :] <= bt[:, None]) & t_ok[:, None]
     pv = tl.load(P + (bh * (T1 - T0) + t64[:, None] - T0) * NB + blk[None, :], mask=cand, other=0.0)
     key32 = tl.maximum(pv.to(tl.int32, bitcast=True), 0)  # P >= 0: int order == float order
@@ -124,9 +126,9 @@ def _top_blocks_kernel(
 
 
 def _block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, P: torch.Tensor, t0: int, t1: int, *,
-                  l: int, d: int, l_sel: int, scale: float) -> None:  # noqa: E741
-    """Group-summed block importance of positions ``[t0, t1)`` into ``P [B*H, t1-t0, n_blocks]`` (fp32;
-    entries past ``t // l_sel`` unset)."""
+                  l: int, d: int, l_sel: int, scale: float, q_start: int = 0) -> None:  # noqa: E741
+    """Group-summed block importance of query rows ``[t0, t1)`` (positions ``q_start + t``) into
+    ``P [B*H, t1-t0, n_blocks]`` (fp32; entries past ``(q_start + t) // l_sel`` unset)."""
     B, S, HQ, DK = q.shape
     NK, H = k_cmp.shape[1], k_cmp.shape[2]
     h = HQ // H
@@ -138,7 +140,7 @@ def _block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, P: to
     nbc = (bj - halo) // per_blk
     bt = cfg.bm // h
     _block_scores_kernel[(triton.cdiv(t1 - t0, bt), B * H)](
-        q, k_cmp, lse, P, *q.stride()[:3], *k_cmp.stride()[:3], S, t0, t1, NK, NB, HQ, scale * LOG2E,
+        q, k_cmp, lse, P, *q.stride()[:3], *k_cmp.stride()[:3], S, t0, t1, NK, NB, HQ, q_start, scale * LOG2E,
         HG=h, H=H, L=l, D=d, LS=l_sel, DK=DK, BDK=max(16, next_pow2(DK)), BM=cfg.bm, BJ=bj,
         NBC=nbc, NBCP=max(16, next_pow2(nbc)), BTP=max(16, next_pow2(bt)),
         PREC=str(tuned("score_prec", "tf32")) if q.is_cuda else "ieee",
@@ -147,35 +149,37 @@ def _block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, P: to
     )
 
 
-def top_blocks(P: torch.Tensor, idx: torch.Tensor, t0: int, t1: int, *, l_sel: int) -> None:
-    """Spec top-n over ``P`` (positions ``[t0, t1)``) into ``idx [B, S, H, n_sel]``: ascending, ``-1`` padded."""
+def top_blocks(P: torch.Tensor, idx: torch.Tensor, t0: int, t1: int, *, l_sel: int, q_start: int = 0) -> None:
+    """Spec top-n over ``P`` (query rows ``[t0, t1)`` at positions ``q_start + t``) into
+    ``idx [B, S, H, n_sel]``: ascending, ``-1`` padded."""
     B, S, H, n_sel = idx.shape
     NB = P.shape[-1]
     nbp = max(16, next_pow2(NB))
     br = max(1, min(64, int(tuned("topn_elems", 1024)) // nbp))
     warps = int(tuned("topn_warps", 1))  # H100 sweep: 1 warp per row beat 2, 4 and 8
     _top_blocks_kernel[(triton.cdiv(t1 - t0, br), B * H)](
-        P, idx, S, t0, t1, NB, H, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)), BR=br,
+        P, idx, S, t0, t1, NB, H, q_start, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)), BR=br,
         num_warps=warps,
     )
 
 
 def select_top(
     q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, *, l: int, d: int, l_sel: int,  # noqa: E741
-    n_sel: int, scale: float,
+    n_sel: int, scale: float, q_start: int = 0,
 ) -> torch.Tensor:
-    """Spec top-n blocks: int32 ``[B, S, H, n_sel]``, ascending, ``-1`` padded.
+    """Spec top-n blocks: int32 ``[B, S, H, n_sel]``, ascending, ``-1`` padded (row ``t`` at position
+    ``q_start + t``; absolute block numbers).
 
     Positions go in slabs whose score matrix stays under about 128 MiB (scores, then top-n, per slab),
     so the memory of the whole ``[B*H, S, n_blocks]`` matrix (1 GiB at the paper shape, 64k) is never held."""
     B, S = q.shape[:2]
     H = k_cmp.shape[2]
-    NB = -(-S // l_sel)
+    NB = -(-(q_start + S) // l_sel)
     idx = torch.empty(B, S, H, n_sel, device=q.device, dtype=torch.int32)
     slab = int(tuned("score_slab", max(1024, (128 << 20) // (B * H * NB * 4)) if q.is_cuda else S))
     P = torch.empty(B * H, min(S, slab), NB, device=q.device, dtype=torch.float32)
     for t0 in range(0, S, slab):
         t1 = min(S, t0 + slab)
-        _block_scores(q, k_cmp, lse, P, t0, t1, l=l, d=d, l_sel=l_sel, scale=scale)
-        top_blocks(P, idx, t0, t1, l_sel=l_sel)
+        _block_scores(q, k_cmp, lse, P, t0, t1, l=l, d=d, l_sel=l_sel, scale=scale, q_start=q_start)
+        top_blocks(P, idx, t0, t1, l_sel=l_sel, q_start=q_start)
     return idx

@@ -17,6 +17,9 @@ dk/dv always run in the FSA order (also for ``row``). A block chosen by more tha
 
 Block lists must be canonical (:func:`canonical_blocks`): the valid blocks ascending and unique first,
 ``-1`` after; the top-n kernel writes them so, and given lists are made so once.
+
+Queries at an offset: query row ``i`` sits at position ``Q0 + i`` of the ``SK`` keys (``S``: the query
+rows); row buffers are indexed by row, key buffers by key, block numbers are absolute.
 """
 
 from __future__ import annotations
@@ -38,14 +41,14 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 # row order: one program per (position, group)
 
 @triton.jit
-def _load_block(K, k_desc, b, g, blk, kb, ck, skb, sks, skh, S,
+def _load_block(K, k_desc, b, g, blk, kb, ck, skb, sks, skh, SK,
                 LS: tl.constexpr, BLS: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, TMA: tl.constexpr):
     if TMA:
         k = k_desc.load([b.to(tl.int32), blk * LS, g, 0]).reshape(BLS, BDK)
     else:
         kpos = (blk * LS + kb).to(tl.int64)
         k = tl.load(K + b * skb + kpos[:, None] * sks + g * skh + ck[None, :],
-                    mask=(kb[:, None] < LS) & (kpos[:, None] < S) & (ck[None, :] < DK), other=0.0)
+                    mask=(kb[:, None] < LS) & (kpos[:, None] < SK) & (ck[None, :] < DK), other=0.0)
     return k
 
 
@@ -53,7 +56,7 @@ def _load_block(K, k_desc, b, g, blk, kb, ck, skb, sks, skh, S,
 def _sel_fwd_row_kernel(
     Q, K, V, IDX, OUT, LSE, k_desc, v_desc,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
-    S, HQ, scale_log2,
+    S, SK, HQ, Q0, scale_log2,
     HG: tl.constexpr, H: tl.constexpr, LS: tl.constexpr, BLS: tl.constexpr, N_SEL: tl.constexpr,
     NSP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     BH: tl.constexpr, TMA: tl.constexpr,
@@ -79,10 +82,10 @@ def _sel_fwd_row_kernel(
     acc = tl.zeros([BH, BDV], tl.float32)
     for i in range(0, n_valid):
         blk = tl.load(IDX + ibase + i)
-        k = _load_block(K, k_desc, b, g, blk, kb, ck, skb, sks, skh, S, LS, BLS, DK, BDK, TMA)
-        v = _load_block(V, v_desc, b, g, blk, kb, cv, svb, svs, svh, S, LS, BLS, DV, BDV, TMA)
+        k = _load_block(K, k_desc, b, g, blk, kb, ck, skb, sks, skh, SK, LS, BLS, DK, BDK, TMA)
+        v = _load_block(V, v_desc, b, g, blk, kb, cv, svb, svs, svh, SK, LS, BLS, DV, BDV, TMA)
         s = tl.dot(q, tl.trans(k)) * scale_log2
-        vis = (blk * LS + kb <= t) & (kb < LS)
+        vis = (blk * LS + kb <= Q0 + t) & (kb < LS)
         s = tl.where(vis[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -102,7 +105,7 @@ def _sel_fwd_row_kernel(
 def _sel_dq_row_kernel(
     Q, K, V, DO, IDX, LSE, GATE, DG, DQ, k_desc, v_desc,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-    S, HQ, scale_log2, scale,
+    S, SK, HQ, Q0, scale_log2, scale,
     HG: tl.constexpr, H: tl.constexpr, LS: tl.constexpr, BLS: tl.constexpr, N_SEL: tl.constexpr,
     NSP: tl.constexpr, X: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BH: tl.constexpr, TMA: tl.constexpr, ACCUM: tl.constexpr,
@@ -133,10 +136,10 @@ def _sel_dq_row_kernel(
     dq = tl.zeros([BH, BDK], tl.float32)
     for i in range(0, n_valid):
         blk = tl.load(IDX + ibase + i)
-        k = _load_block(K, k_desc, b, g, blk, kb, ck, skb, sks, skh, S, LS, BLS, DK, BDK, TMA)
-        v = _load_block(V, v_desc, b, g, blk, kb, cv, svb, svs, svh, S, LS, BLS, DV, BDV, TMA)
+        k = _load_block(K, k_desc, b, g, blk, kb, ck, skb, sks, skh, SK, LS, BLS, DK, BDK, TMA)
+        v = _load_block(V, v_desc, b, g, blk, kb, cv, svb, svs, svh, SK, LS, BLS, DV, BDV, TMA)
         s = tl.dot(q, tl.trans(k)) * scale_log2
-        vis = (blk * LS + kb <= t) & (kb < LS)
+        vis = (blk * LS + kb <= Q0 + t) & (kb < LS)
         p = tl.where(vis[None, :], tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -156,7 +159,7 @@ def _sel_dq_row_kernel(
 def _sel_fsa_fwd_kernel(
     Q, K, V, WORK, OP, LP,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
-    S, HQ, NB, NW, WROW, SN, scale_log2,
+    S, SK, HQ, Q0, NB, NW, WROW, SN, scale_log2,
     HG: tl.constexpr, H: tl.constexpr, LS: tl.constexpr, BLS: tl.constexpr, N_SEL: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
 ):
@@ -173,7 +176,7 @@ def _sel_fsa_fwd_kernel(
         kb = tl.arange(0, BLS)
         kpos = blk * LS + kb
         kpos64 = kpos.to(tl.int64)
-        kmask = (kb < LS) & (kpos < S)
+        kmask = (kb < LS) & (kpos < SK)
         ck = tl.arange(0, BDK)
         cv = tl.arange(0, BDV)
         k = tl.load(K + b * skb + kpos64[:, None] * sks + g * skh + ck[None, :],
@@ -192,7 +195,7 @@ def _sel_fsa_fwd_kernel(
             q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
                         mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale_log2
-            vis = kmask[None, :] & (kpos[None, :] <= pos[:, None])
+            vis = kmask[None, :] & (kpos[None, :] <= Q0 + pos[:, None])
             s = tl.where(vis, s, float("-inf"))
             m = tl.max(s, 1)
             m = tl.where(m == float("-inf"), 0.0, m)
@@ -242,7 +245,7 @@ def _sel_merge_kernel(
 def _sel_fsa_bwd_kernel(
     Q, K, V, DO, LSE, GATE, DG, DK_, DV_, DQP, WORK,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-    S, HQ, NB, WROW, SN, scale_log2, scale,
+    S, SK, HQ, Q0, NB, WROW, SN, scale_log2, scale,
     HG: tl.constexpr, H: tl.constexpr, LS: tl.constexpr, BLS: tl.constexpr, N_SEL: tl.constexpr,
     X: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     BM: tl.constexpr, WRITE_DQ: tl.constexpr,
@@ -261,7 +264,7 @@ def _sel_fsa_bwd_kernel(
         kb = tl.arange(0, BLS)
         kpos = blk * LS + kb
         kpos64 = kpos.to(tl.int64)
-        kmask = (kb < LS) & (kpos < S)
+        kmask = (kb < LS) & (kpos < SK)
         ck = tl.arange(0, BDK)
         cv = tl.arange(0, BDV)
         k = tl.load(K + b * skb + kpos64[:, None] * sks + g * skh + ck[None, :],
@@ -288,7 +291,7 @@ def _sel_fsa_bwd_kernel(
             delta = gate * tl.load(DG + row * 3 + X, mask=row_ok, other=0.0)
             lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
             s = tl.dot(q, tl.trans(k)) * scale_log2
-            vis = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= pos[:, None])
+            vis = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= Q0 + pos[:, None])
             p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))
@@ -300,8 +303,8 @@ def _sel_fsa_bwd_kernel(
                 tl.store(DQP + (row * N_SEL + slot)[:, None] * DK + ck[None, :], dqp.to(DQP.dtype.element_ty),
                          mask=row_ok[:, None] & (ck[None, :] < DK))
         dk = dk * scale
-        dk_ptr = DK_ + (b * S + kpos64[:, None]) * H * DK + g * DK + ck[None, :]
-        dv_ptr = DV_ + (b * S + kpos64[:, None]) * H * DV + g * DV + cv[None, :]
+        dk_ptr = DK_ + (b * SK + kpos64[:, None]) * H * DK + g * DK + ck[None, :]
+        dv_ptr = DV_ + (b * SK + kpos64[:, None]) * H * DV + g * DV + cv[None, :]
         mk = kmask[:, None] & (ck[None, :] < DK)
         mv = kmask[:, None] & (cv[None, :] < DV)
         if atomic:
@@ -340,12 +343,13 @@ def _sel_dq_reduce_kernel(
 # ---------------------------------------------------------------------------------------------------
 # host side
 
-def canonical_blocks(idx: torch.Tensor, l_sel: int) -> torch.Tensor:
+def canonical_blocks(idx: torch.Tensor, l_sel: int, q_start: int = 0) -> torch.Tensor:
     """A given ``[B, S, H, n]`` block list as the kernels read it: per row the blocks that hold a
-    visible key (``0 <= b <= t // l_sel``) ascending and once each, then ``-1``. Same key set."""
+    visible key (``0 <= b <= t // l_sel``, row ``i`` at position ``t = q_start + i``) ascending and once
+    each, then ``-1``. Same key set."""
     S = idx.shape[1]
     big = torch.iinfo(torch.int32).max
-    t = torch.arange(S, device=idx.device, dtype=torch.int32)[None, :, None, None]
+    t = torch.arange(q_start, q_start + S, device=idx.device, dtype=torch.int32)[None, :, None, None]
     x = idx.to(torch.int32)
     x = torch.where((x < 0) | (x > t // l_sel), big, x)
     x = torch.sort(x, dim=-1).values
@@ -367,23 +371,30 @@ def _pairs_per_program(device: torch.device) -> int:
     return int(tuned("sel_ch", 512)) if device.type == "cuda" else 32
 
 
-def work_shape(B: int, S: int, H: int, n_sel: int, l_sel: int, device: torch.device) -> tuple[int, int]:
+def num_blocks(S: int, l_sel: int, q_start: int = 0) -> int:
+    """Selection blocks the ``S`` query rows at positions ``q_start ..`` may choose (block numbers ``< NB``)."""
+    return -(-(q_start + S) // l_sel)
+
+
+def work_shape(B: int, S: int, H: int, n_sel: int, l_sel: int, device: torch.device,
+               q_start: int = 0) -> tuple[int, int]:
     """Shape of :func:`work_list`'s tensor (shapes only: also under fake tensors)."""
     sn = S * n_sel
-    nw = -(-S // l_sel) + -(-sn // _pairs_per_program(device))
+    nw = num_blocks(S, l_sel, q_start) + -(-sn // _pairs_per_program(device))
     return B * H, sn + 4 * nw
 
 
-def work_list(idx: torch.Tensor, l_sel: int) -> torch.Tensor:
+def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0) -> torch.Tensor:
     """Pairs sorted by chosen block, and the programs' work items, in one int32 tensor (device ops only).
 
     Row ``b*H + g``: ``S*n`` flat pair indices ``pos * n + slot`` ordered by block, then per work item
     ``(block, first, end, atomic)``: the pairs ``[first, end)`` of ``block``; ``atomic`` when the block
-    is split over several items (more than ``CH`` pairs). Items past the last have ``block = NB``."""
+    is split over several items (more than ``CH`` pairs). Items past the last have ``block = NB``
+    (:func:`num_blocks`; rows at positions ``q_start ..`` choose absolute block numbers)."""
     B, S, H, n = idx.shape
     ch = _pairs_per_program(idx.device)
-    NB = -(-S // l_sel)
-    rows, width = work_shape(B, S, H, n, l_sel, idx.device)
+    NB = num_blocks(S, l_sel, q_start)
+    rows, width = work_shape(B, S, H, n, l_sel, idx.device, q_start)
     sn = S * n
     nw = (width - sn) // 4
     keys = idx.permute(0, 2, 1, 3).reshape(rows, sn).to(torch.int32)
@@ -444,11 +455,13 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor, c: dict[str, int]) -> tuple[o
 
 def sel_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, o: torch.Tensor, *,
-    l_sel: int, scale: float,
+    l_sel: int, scale: float, q_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the selected branch into ``o`` (a ``[B,S,HQ,Dv]`` view) from canonical ``idx``; return its
-    lse (log2) and the work list for the backward (``fsa``; an empty tensor for ``row``)."""
+    lse (log2) and the work list for the backward (``fsa``; an empty tensor for ``row``). Query row
+    ``i`` sits at position ``q_start + i``; ``k``/``v`` hold the keys from position 0."""
     B, S, HQ, _ = q.shape
+    SK = k.shape[1]
     H, n_sel = k.shape[2], idx.shape[-1]
     lse = torch.empty(B, S, HQ, device=q.device, dtype=torch.float32)
     nsp = max(2, next_pow2(n_sel))
@@ -457,19 +470,19 @@ def sel_fwd(
         kd, vd, tma = _descriptors(k, v, c)
         _sel_fwd_row_kernel[(S, B * H)](
             q, k, v, idx, o, lse, kd, vd, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            S, HQ, scale * LOG2E, N_SEL=n_sel, NSP=nsp, TMA=tma, **c,
+            S, SK, HQ, q_start, scale * LOG2E, N_SEL=n_sel, NSP=nsp, TMA=tma, **c,
         )
         return lse, idx.new_empty(0)
-    work = work_list(idx, l_sel)
+    work = work_list(idx, l_sel, q_start)
     c = _common(q, k, v, l_sel, "sel")
-    NB = -(-S // l_sel)
+    NB = num_blocks(S, l_sel, q_start)
     sn = S * n_sel
     nw = (work.shape[1] - sn) // 4
     o_part = torch.empty(B * S * HQ, n_sel, v.shape[-1], device=q.device, dtype=q.dtype)
     l_part = torch.empty(B * S * HQ, n_sel, device=q.device, dtype=torch.float32)
     _sel_fsa_fwd_kernel[(nw, B * H)](
         q, k, v, work, o_part, l_part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        S, HQ, NB, nw, work.shape[1], sn, scale * LOG2E, N_SEL=n_sel, **c,
+        S, SK, HQ, q_start, NB, nw, work.shape[1], sn, scale * LOG2E, N_SEL=n_sel, **c,
     )
     N = B * S * HQ
     br = max(1, min(64, 8192 // (nsp * c["BDV"])))
@@ -483,25 +496,27 @@ def sel_fwd(
 def sel_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, do: torch.Tensor,
     lse: torch.Tensor, gates: torch.Tensor, dg: torch.Tensor, dq: torch.Tensor, *, branch: int,
-    accum: bool, l_sel: int, scale: float, work: torch.Tensor | None = None,
+    accum: bool, l_sel: int, scale: float, work: torch.Tensor | None = None, q_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add the selected branch's dq into fp32 ``dq``; return fp32 ``dk, dv`` (``work``: the forward's)."""
+    """Add the selected branch's dq into fp32 ``dq``; return fp32 ``dk, dv`` of every key row (zeros
+    where no query row reads it; ``work``: the forward's). Query row ``i`` sits at position ``q_start + i``."""
     B, S, HQ, _ = q.shape
+    SK = k.shape[1]
     H, n_sel = k.shape[2], idx.shape[-1]
     nsp = max(2, next_pow2(n_sel))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     row = sel_mode(HQ // H, q.device) == "row"
     if work is None or work.numel() == 0:
-        work = work_list(idx, l_sel)
+        work = work_list(idx, l_sel, q_start)
     if row:
         c = _row_config(q, k, v, l_sel, "seldq")
         kd, vd, tma = _descriptors(k, v, c)
         _sel_dq_row_kernel[(S, B * H)](
-            q, k, v, do, idx, lse, gates, dg, dq, kd, vd, *strides, S, HQ, scale * LOG2E, scale,
+            q, k, v, do, idx, lse, gates, dg, dq, kd, vd, *strides, S, SK, HQ, q_start, scale * LOG2E, scale,
             N_SEL=n_sel, NSP=nsp, X=branch, TMA=tma, ACCUM=accum, **c,
         )
     c = _common(q, k, v, l_sel, "seldkdv")
-    NB = -(-S // l_sel)
+    NB = num_blocks(S, l_sel, q_start)
     sn = S * n_sel
     nw = (work.shape[1] - sn) // 4
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
@@ -509,7 +524,8 @@ def sel_bwd(
     dq_part = dq if row else torch.empty(B * S * HQ, n_sel, q.shape[-1], device=q.device, dtype=q.dtype)
     _sel_fsa_bwd_kernel[(nw, B * H)](
         q, k, v, do, lse, gates, dg, dk, dv, dq_part, work, *strides,
-        S, HQ, NB, work.shape[1], sn, scale * LOG2E, scale, N_SEL=n_sel, X=branch, WRITE_DQ=not row, **c,
+        S, SK, HQ, q_start, NB, work.shape[1], sn, scale * LOG2E, scale, N_SEL=n_sel, X=branch,
+        WRITE_DQ=not row, **c,
     )
     if not row:
         N = B * S * HQ

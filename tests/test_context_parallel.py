@@ -4,7 +4,10 @@ whole one in float64: logits of every rank's rows, the loss and every gradient, 
 
 from __future__ import annotations
 
+import csv
 import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ from nsa.config import ModelConfig, NSAConfig
 from nsa.model.context import ContextParallel
 from nsa.model.lm import NSALM
 from tests.conftest import free_port
+from tests.test_train_process import _env, cmd, run_ok
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, mlp_hidden=64,
                     max_seq_len=96)
@@ -137,3 +141,49 @@ def test_split_over_gloo_ranks_is_the_whole_model(size: int, attentions: list[st
                 for (name, p), g in zip(whole.named_parameters(), grads, strict=True):
                     assert p.grad is not None
                     assert torch.allclose(torch.from_numpy(g), p.grad, atol=1e-12, rtol=0), (attention, name)
+
+
+def _losses(run: Path) -> list[float]:
+    with open(run / "training.csv", newline="") as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+@pytest.mark.slow
+def test_nsa_train_over_two_context_ranks_trains_like_one_rank_and_resumes_across_layouts(tmp_path: Path) -> None:
+    """``nsa train --nproc-per-node 2 --context-parallel 2`` (gloo, CPU): one sequence over two ranks gives the
+    losses of one rank holding it all (fp32, same data: the loaders are per data rank), evaluates, says the
+    layout, and its checkpoint resumes on one rank (and the reverse) with the same losses after it."""
+    common = ["--steps", "6", "--set", "checkpoint.every=3", "--set", "eval.every=3", "--set", "eval.batches=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_ok(cmd(*common, "--out-dir", str(one)))
+    res = run_ok(cmd(*common, "--out-dir", str(two), "--nproc-per-node", "2", "--context-parallel", "2"))
+    said = res.stdout + res.stderr
+    assert "2 rank(s) (1 data x 2 context)" in said and "context parallelism: each sequence of 32 positions over 2 ranks" in said
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-4)
+    with open(two / "val.csv", newline="") as f:
+        val_two = [float(r["val_loss"]) for r in csv.DictReader(f)]
+    with open(one / "val.csv", newline="") as f:
+        val_one = [float(r["val_loss"]) for r in csv.DictReader(f)]
+    assert val_two == pytest.approx(val_one, rel=1e-4)
+    # 2 context ranks -> 1 rank, and 1 rank -> 2 context ranks: the steps after the checkpoint as before
+    back, forth = tmp_path / "back", tmp_path / "forth"
+    run_ok(cmd(*common, "--out-dir", str(back), "--resume", str(two / "checkpoints" / "step_00000003")))
+    run_ok(cmd(*common, "--out-dir", str(forth), "--nproc-per-node", "2", "--context-parallel", "2",
+               "--resume", str(one / "checkpoints" / "step_00000003")))
+    assert _losses(back) == pytest.approx(_losses(one)[3:], rel=1e-4)
+    assert _losses(forth) == pytest.approx(_losses(one)[3:], rel=1e-4)
+
+
+def test_context_parallel_settings_that_cannot_work_are_one_line(tmp_path: Path) -> None:
+    bad = {
+        ("--context-parallel", "3"): "must split into 6 equal chunks",
+        ("--context-parallel", "2", "--set", "data.document_mask=true"): "data.document_mask",
+        ("--context-parallel", "2", "--set", "scorer.weight=0.1"): "scorer loss",
+        ("--context-parallel", "2"): "must divide the 1 rank(s)",
+    }
+    for args, want in bad.items():
+        res = subprocess.run(cmd("--steps", "2", "--out-dir", str(tmp_path / "x"), *args), env=_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and want in res.stderr, (args, res.stderr[-500:])
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "x").exists()

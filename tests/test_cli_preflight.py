@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -63,3 +64,31 @@ def test_invalid_config_is_a_fail_not_a_crash(tmp_path) -> None:
     assert res.exit_code == 1
     checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
     assert checks["config"]["status"] == "FAIL" and "nsa.d=16 must divide nsa.l=30" in checks["config"]["reason"]
+
+
+def test_layout_check_counts_gpus_and_their_links_for_the_context_layout() -> None:
+    """``nsa preflight`` judges the data x context layout against the node's GPUs and NVML's peer-to-peer
+    status of the pairs that would share a sequence (faked probes: this machine has no GPU)."""
+    from nsa.checks.gpu import GpuInfo, GpuProbe
+    from nsa.checks.preflight import _check_layout, _Context
+    from nsa.checks.result import Status
+    from nsa.config import load_run_config
+
+    def check(n: int, cp: int, links: dict[str, str], device: str = "cuda") -> tuple[Status, str]:
+        sets = [f"runtime.context_parallel={cp}", f"runtime.device={device}"]
+        ctx = _Context(None, load_run_config("tiny", environ={}, sets=sets), {}, Path("."))
+        ctx.gpu_probe = GpuProbe(True, gpus=[GpuInfo(i, "H100", 80e3, 80e3) for i in range(n)], links=links)
+        c = _check_layout(ctx)
+        return c.status, c.reason
+
+    nv4 = {f"{i}-{j}": "nvlink" for i in range(4) for j in range(i + 1, 4)}
+    assert check(4, 2, nv4) == (Status.PASS, "4 GPUs (2 data x 2 context with --nproc-per-node 4), NVLink")
+    status, said = check(2, 4, {"0-1": "nvlink"})
+    assert status is Status.FAIL and "needs 4 GPUs of one node; 2 visible" in said
+    status, said = check(4, 2, {**nv4, "2-3": "none"})
+    assert status is Status.WARN and "2-3" in said and "host memory" in said
+    assert check(4, 2, {**nv4, "0-2": "none"})[0] is Status.PASS  # 0 and 2 never share a sequence
+    assert check(1, 1, {})[0] is Status.PASS
+    status, said = check(0, 2, {})
+    assert status is Status.FAIL and "none visible" in said
+    assert check(0, 2, {}, device="cpu")[0] is Status.PASS

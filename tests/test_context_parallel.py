@@ -1,10 +1,13 @@
 """Context parallelism (issue 32; nsa/model/context.py): the head/tail layout, and the split model against the
 whole one in float64: logits of every rank's rows, the loss and every gradient, alone (two chunks with
-``q_start``) and over two and three CPU gloo ranks."""
+``q_start``) and over two CPU gloo ranks; the trainer over two context ranks against one rank."""
 
 from __future__ import annotations
 
+import csv
 import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ from nsa.config import ModelConfig, NSAConfig
 from nsa.model.context import ContextParallel
 from nsa.model.lm import NSALM
 from tests.conftest import free_port
+from tests.test_train_process import _env, cmd, run_ok
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, mlp_hidden=64,
                     max_seq_len=96)
@@ -107,7 +111,7 @@ def _worker(rank: int, size: int, port: int, attentions: list[str], out: Any) ->
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("size", "attentions"), [(2, ["nsa", "dense"]), (3, ["nsa"])])
+@pytest.mark.parametrize(("size", "attentions"), [(2, ["nsa", "dense"])])
 def test_split_over_gloo_ranks_is_the_whole_model(size: int, attentions: list[str]) -> None:
     """Seed 5 weights, seed 11 data, float64: each rank's logits are the whole model's at its positions, the
     mean of the ranks' losses is the whole loss, and their reduced gradients are the whole gradients."""
@@ -137,3 +141,52 @@ def test_split_over_gloo_ranks_is_the_whole_model(size: int, attentions: list[st
                 for (name, p), g in zip(whole.named_parameters(), grads, strict=True):
                     assert p.grad is not None
                     assert torch.allclose(torch.from_numpy(g), p.grad, atol=1e-12, rtol=0), (attention, name)
+
+
+def _losses(run: Path) -> list[float]:
+    with open(run / "training.csv", newline="") as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+@pytest.mark.slow
+def test_nsa_train_over_two_context_ranks_trains_like_one_rank_and_resumes_on_one(tmp_path: Path) -> None:
+    """``nsa train --nproc-per-node 2 --context-parallel 2`` (gloo, CPU): one sequence over two ranks gives the
+    losses of one rank holding it all (fp32, same data: the loaders are per data rank), evaluates alike, says
+    the layout, and its checkpoint resumes on one rank with the losses after it."""
+    common = ["--steps", "4", "--set", "checkpoint.every=2", "--set", "eval.every=2", "--set", "eval.batches=2"]
+    one, two, back = tmp_path / "one", tmp_path / "two", tmp_path / "back"
+    run_ok(cmd(*common, "--out-dir", str(one)))
+    res = run_ok(cmd(*common, "--out-dir", str(two), "--nproc-per-node", "2", "--context-parallel", "2"))
+    said = res.stdout + res.stderr
+    assert "2 rank(s) (1 data x 2 context)" in said and "each sequence of 32 positions over 2 ranks" in said
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-4)
+    with open(two / "val.csv", newline="") as f:
+        val_two = [float(r["val_loss"]) for r in csv.DictReader(f)]
+    with open(one / "val.csv", newline="") as f:
+        val_one = [float(r["val_loss"]) for r in csv.DictReader(f)]
+    assert val_two == pytest.approx(val_one, rel=1e-4)
+    run_ok(cmd(*common, "--out-dir", str(back), "--resume", str(two / "checkpoints" / "step_00000002")))
+    assert _losses(back) == pytest.approx(_losses(one)[2:], rel=1e-4)
+
+
+def test_context_parallel_settings_that_cannot_work_are_one_line(tmp_path: Path) -> None:
+    from nsa.config import load_run_config
+    from nsa.errors import NSAError
+    from nsa.train.trainer import Trainer
+    from tests.conftest import quiet, resolve
+
+    bad = {
+        ("train.seq_len=40", "runtime.context_parallel=3"): "must split into 6 equal chunks",
+        ("data.document_mask=true", "runtime.context_parallel=2"): "data.document_mask",
+        ("scorer.weight=0.1", "runtime.context_parallel=2"): "scorer loss",
+    }
+    for sets, want in bad.items():
+        with pytest.raises(NSAError, match=want):
+            load_run_config("tiny", environ={}, sets=list(sets))
+    with pytest.raises(NSAError, match=r"context_parallel=2 must divide the 1 rank\(s\)"):
+        Trainer(resolve(tmp_path / "x", 2, runtime__context_parallel=2), reporter=quiet())
+    res = subprocess.run(cmd("--steps", "2", "--out-dir", str(tmp_path / "y"), "--context-parallel", "2"),
+                         env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "must divide the 1 rank(s)" in res.stderr, res.stderr[-500:]
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

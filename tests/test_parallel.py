@@ -104,7 +104,7 @@ def test_a_checkpoint_moves_between_numbers_of_ranks_exactly(runs: dict[str, Pat
     src = runs["fsdp"] / "checkpoints" / "step_00000003"
     one, back = tmp_path / "one", tmp_path / "back"
     res = run_ok(cmd("--steps", "3", "--set", "eval.every=0", "--out-dir", str(one), "--resume", str(src)))
-    assert "resumed a checkpoint of 2 rank(s) on 1" in res.stdout + res.stderr
+    assert "resumed a checkpoint of 2 data rank(s) on 1" in res.stdout + res.stderr
     whole = torch.load(one / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
     ref = _shards(src, tmp_path)
     assert whole["model"].keys() == ref["model"].keys()

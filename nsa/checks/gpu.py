@@ -34,6 +34,11 @@ class GpuProbe:
     driver_version: str | None = None
     cuda_driver_version: str | None = None
     gpus: list[GpuInfo] = field(default_factory=list)
+    # how each pair of GPUs reaches the other ("0-1": "nvlink", "p2p" over PCIe, or "none": through host memory)
+    links: dict[str, str] = field(default_factory=dict)
+
+    def link(self, i: int, j: int) -> str | None:
+        return self.links.get(f"{min(i, j)}-{max(i, j)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,6 +46,22 @@ class GpuProbe:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _links(pynvml: Any, count: int) -> dict[str, str]:
+    """NVML's peer-to-peer status of every pair: NVLink, PCIe peer reads, or neither (unknown pairs left out)."""
+    ok = getattr(pynvml, "NVML_P2P_STATUS_OK", 0)
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    out: dict[str, str] = {}
+    for i in range(count):
+        for j in range(i + 1, count):
+            def status(cap: str, a: Any = handles[i], b: Any = handles[j]) -> Any:
+                return quietly(pynvml.nvmlDeviceGetP2PStatus, a, b, getattr(pynvml, cap))
+            nvlink, read = status("NVML_P2P_CAPS_INDEX_NVLINK"), status("NVML_P2P_CAPS_INDEX_READ")
+            if nvlink is None and read is None:
+                continue
+            out[f"{i}-{j}"] = "nvlink" if nvlink == ok else "p2p" if read == ok else "none"
+    return out
 
 
 def _basic_info(pynvml: Any, i: int) -> tuple[Any, GpuInfo]:
@@ -99,6 +120,7 @@ def query_gpus(own_pids: set[int] | None = None, details: bool = True) -> GpuPro
                 used = getattr(p, "usedGpuMemory", None)
                 info.other_processes.append({"pid": p.pid, "used_mib": (used or 0) / MIB})
             probe.gpus.append(info)
+        probe.links = _links(pynvml, count)
         return probe
     except Exception as exc:
         return GpuProbe(False, f"NVML query failed ({_text(exc) or type(exc).__name__})")

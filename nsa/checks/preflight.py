@@ -219,6 +219,37 @@ def _check_gpu(ctx: _Context) -> list[Check]:
     return out
 
 
+def _check_layout(ctx: _Context) -> Check:
+    """The run's data x context layout against this node's GPUs: enough of them, and the GPUs that share a
+    sequence (``runtime.context_parallel``, adjacent ranks) connected peer to peer (NVLink best)."""
+    cfg, probe = ctx.cfg, ctx.gpu_probe
+    cp = cfg.runtime.context_parallel if cfg is not None else 1
+    gpus = list(probe.gpus) if probe is not None and probe.available else []
+    if not gpus:
+        if cp > 1 and cfg is not None and cfg.runtime.device == "cuda":
+            return failed("layout", f"runtime.context_parallel={cp} needs {cp} GPUs; none visible",
+                          "run on the GPU machine, or lower --context-parallel")
+        return passed("layout", f"no GPU: ranks on CPUs (gloo){f', {cp} per sequence' if cp > 1 else ''}")
+    n = len(gpus)
+    if cp > n:
+        return failed("layout", f"runtime.context_parallel={cp} needs {cp} GPUs of one node; {n} visible",
+                      f"lower --context-parallel to {n} or less, or run on a node with {cp} GPUs")
+    groups = [list(range(g, g + cp)) for g in range(0, n - n % cp, cp)] if cp > 1 else [list(range(n))]
+    kinds = {probe.link(i, j) for grp in groups for i in grp for j in grp if i < j}
+    grid = f"{n // cp} data x {cp} context" if cp > 1 else f"{n} data"
+    if n == 1:
+        return passed("layout", "one GPU: one rank (--nproc-per-node 1)")
+    if "none" in kinds:
+        pairs = [f"{i}-{j}" for grp in groups for i in grp for j in grp if i < j and probe.link(i, j) == "none"]
+        return warned("layout", f"{n} GPUs ({grid} with --nproc-per-node {n}): no peer-to-peer path between GPUs "
+                      f"{', '.join(pairs[:4])}: {'the ranks of a sequence' if cp > 1 else 'gradient'} traffic goes "
+                      "through host memory", "check nvidia-smi topo -m; keep the ranks of a sequence on linked GPUs")
+    how = "NVLink" if kinds == {"nvlink"} else "PCIe peer-to-peer" if kinds == {"p2p"} else (
+        "NVLink and PCIe" if kinds <= {"nvlink", "p2p"} and kinds else "links not reported by NVML")
+    extra = f"; {n % cp} GPU(s) left over" if cp > 1 and n % cp else ""
+    return passed("layout", f"{n} GPUs ({grid} with --nproc-per-node {n - n % cp}), {how}{extra}")
+
+
 def _check_bf16(ctx: _Context) -> Check:
     """Whether ``nsa train`` runs bf16 here: the trainer's own answer (``nsa.train.runtime.bf16_support``), so
     preflight never calls bf16 supported where training refuses it (the CPU)."""
@@ -440,6 +471,7 @@ def run_preflight(
     report.run("triton", lambda: _check_triton(ctx))
     report.run("flash-attn", lambda: _check_flash_attn(ctx))
     report.run("gpu", lambda: _check_gpu(ctx))
+    report.run("layout", lambda: _check_layout(ctx))
     report.run("bf16", lambda: _check_bf16(ctx))
     report.run("nsa-parity", lambda: _check_parity(ctx))
     report.run("triton-compile", lambda: _check_triton_compile(ctx))

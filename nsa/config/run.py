@@ -163,6 +163,9 @@ class RuntimeConfig(_Section):
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="several ranks: ddp (replicas) or fsdp (FSDP2: parameters, gradients, optimizer sharded)",
         json_schema_extra=exposed(env="NSA_PARALLEL"))
+    context_parallel: int = Field(
+        1, ge=1, description="ranks that share one sequence (each holds 1/N of its positions; the other factor of the "
+        "world is data parallel)", json_schema_extra=exposed(env="NSA_CONTEXT_PARALLEL", flag="--context-parallel"))
     fsdp_cpu_offload: bool = Field(False, description="fsdp: keep the sharded parameters and optimizer state in host memory")
     fsdp_reshard_after_forward: bool = Field(
         True, description="fsdp: free gathered parameters after each block's forward (less memory, one more gather)")
@@ -198,6 +201,16 @@ class RunConfig(_Section):
             raise ValueError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
+        cp = self.runtime.context_parallel
+        if cp > 1:
+            if self.train.seq_len % (2 * cp):
+                raise ValueError(f"train.seq_len={self.train.seq_len} must split into {2 * cp} equal chunks for "
+                                 f"runtime.context_parallel={cp} (a multiple of {2 * cp})")
+            if self.data.document_mask:
+                raise ValueError("data.document_mask does not run under runtime.context_parallel yet: set one of them")
+            if self.scorer.weight > 0:
+                raise ValueError("the scorer loss (scorer.weight) does not run under runtime.context_parallel: "
+                                 "set one of them")
         return self
 
     def to_yaml(self) -> str:

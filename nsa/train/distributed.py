@@ -28,6 +28,33 @@ class DistInfo:
         return self.world_size > 1
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Data x context ranks: rank ``= data_rank * context_size + context_rank`` (the ranks of one sequence are
+    adjacent: on one node, over NVLink); ``context_group`` joins them (None without context parallelism)."""
+
+    data_rank: int = 0
+    data_size: int = 1
+    context_rank: int = 0
+    context_size: int = 1
+    context_group: Any = None
+
+    def describe(self) -> str:
+        return (f"{self.data_size} data x {self.context_size} context" if self.context_size > 1
+                else f"{self.data_size} data")
+
+
+def layout(info: DistInfo, context: int, device_type: str) -> Layout:
+    """This rank's place in the data x context grid (a device mesh; a collective when ``context > 1``)."""
+    if context <= 1:
+        return Layout(info.rank, info.world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (info.world_size // context, context), mesh_dim_names=("data", "context"))
+    return Layout(info.rank // context, info.world_size // context, info.rank % context, context,
+                  mesh.get_group("context"))
+
+
 def env_info() -> DistInfo:
     """Rank, world size and local rank from torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

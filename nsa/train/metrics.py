@@ -265,10 +265,10 @@ class Recorder:
 def measure_selection(s: Session, x: torch.Tensor) -> list[dict[str, Any]] | None:
     """The NSA layers' selection diagnostics on the held-out inputs ``x`` (:meth:`NSALM.selection_report`,
     ``eval.selection_queries`` query positions per layer, under the run's autocast, no gradient); None when
-    off (``eval.selection_queries: 0``) or for a dense model. Every rank runs it (under FSDP the report's
-    forward gathers the shards like any other)."""
+    off (``eval.selection_queries: 0``), for a dense model or under context parallelism (it needs whole
+    sequences). Every rank runs it (under FSDP the report's forward gathers the shards like any other)."""
     queries = s.cfg.eval.selection_queries
-    if queries <= 0 or s.cfg.model.attention == "dense":
+    if queries <= 0 or s.cfg.model.attention == "dense" or s.context is not None:
         return None
     with torch.no_grad(), s.plan.rt.autocast():
         layers = s.model.selection_report(x, queries)

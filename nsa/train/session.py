@@ -23,6 +23,7 @@ from nsa.config.resolve import default_config_note
 from nsa.data.loader import build_loader, slowest_position
 from nsa.errors import ConfigError, RunDirError
 from nsa.model import build_model
+from nsa.model.context import ContextParallel
 from nsa.model.documents import from_separators
 from nsa.rundir import RunDir
 from nsa.rundir.records import TRAIN_CSV_HEADER, VAL_CSV_HEADER
@@ -101,6 +102,8 @@ class Session:
     first_batch: tuple[torch.Tensor, torch.Tensor] | None
     answer_mask: torch.Tensor | None
     first_batch_s: float
+    layout: D.Layout = field(default_factory=D.Layout)  # data x context ranks
+    context: ContextParallel | None = None  # this rank's share of each sequence (runtime.context_parallel)
     csv: CsvLog | None = None
     val_csv: CsvLog | None = None
     tb: TensorBoard | None = None
@@ -114,15 +117,22 @@ class Session:
     @property
     def tokens_per_step(self) -> int:
         tr = self.cfg.train
-        return tr.batch_size * tr.seq_len * tr.accum * self.dist.world_size
+        return tr.batch_size * tr.seq_len * tr.accum * self.layout.data_size
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first batch (read during set-up), then the loader's."""
+        """The first batch (read during set-up), then the loader's; this rank's positions of it under
+        context parallelism."""
         if self.first_batch is not None:
             batch, self.first_batch = self.first_batch, None
+        else:
+            batch = next(self.loader)
+        return self.rows(batch)
+
+    def rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, labels)`` at this rank's positions (all of them without context parallelism)."""
+        if self.context is None:
             return batch
-        batch = next(self.loader)
-        return batch  # type: ignore[no-any-return]
+        return self.context.shard(batch[0]), self.context.shard(batch[1])
 
     def documents(self, x: torch.Tensor) -> torch.Tensor | None:
         """``cu_seqlens`` of a batch with ``data.document_mask`` (a document ends at each separator)."""
@@ -185,8 +195,14 @@ def _lock_run_dir(plan: Plan, dist: D.DistInfo, closers: contextlib.ExitStack) -
 
 
 def _announce(plan: Plan, dist: D.DistInfo, out: Output, archived: Path | None) -> None:
+    cp = plan.cfg.runtime.context_parallel
+    grid = f" ({dist.world_size // cp} data x {cp} context)" if cp > 1 else ""
     out.message(f"nsa train run {plan.run_name} -> {plan.run_dir} | {plan.rt.device} {plan.rt.precision} | "
-                f"{dist.world_size} rank(s)", tone="headline")
+                f"{dist.world_size} rank(s){grid}", tone="headline")
+    if cp > 1:
+        out.message(f"context parallelism: each sequence of {plan.cfg.train.seq_len} positions over {cp} ranks, "
+                    f"{plan.cfg.train.seq_len // cp} each (a head and a tail chunk); the selection diagnostics "
+                    "of evaluation are off")
     out.message("resolved config (saved as config.yaml):")
     for line in rundir.config_summary(plan.resolved):
         out.message(line)
@@ -269,6 +285,10 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
                         f"{len(plan.init_fresh)} NSA-only tensors (gates, compression) freshly initialised")
     model.configure_scorer(cfg.scorer.queries if cfg.scorer.weight > 0 else 0, cfg.scorer.weight)
     model = model.to(rt.device)
+    grid = D.layout(dist, cfg.runtime.context_parallel, rt.device_type)
+    context = (ContextParallel(grid.context_group, grid.context_rank, grid.context_size)
+               if grid.context_size > 1 else None)
+    model.set_context_parallel(context)
     model.set_gradient_checkpointing(cfg.runtime.gradient_checkpointing)
     compiled = cfg.runtime.compiles(rt.device_type)
     # wrapped before the optimizer is built: FSDP replaces the parameters by their shards
@@ -277,8 +297,9 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     scheduler = build_scheduler(optimizer, tr.steps, cfg.schedule.warmup_steps, cfg.schedule.min_lr_ratio)
 
     t_loader = time.perf_counter()
-    common: dict[str, Any] = dict(seq_len=tr.seq_len, batch_size=tr.batch_size, seed=tr.seed, rank=dist.rank,
-                  world_size=dist.world_size, device=rt.device)
+    # the ranks of one sequence read the same batches: the loaders are per data rank
+    common: dict[str, Any] = dict(seq_len=tr.seq_len, batch_size=tr.batch_size, seed=tr.seed, rank=grid.data_rank,
+                  world_size=grid.data_size, device=rt.device)
     loader = build_loader(cfg.data, plan.tokenizer, split="train", **common)
     _on_close(closers, loader.close)
     val_loader = val_start = None
@@ -290,7 +311,7 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     state = TrainState()
     run_sharded = parallel.sharded(cfg, dist)
 
-    per_rank_loader = PerRank(loader, dist, reshard=slowest_position)
+    per_rank_loader = PerRank(loader, dist, reshard=slowest_position, every=grid.context_size)
     per_rank_rng = PerRank(RandomStreams(), dist, reshard=by_rank_modulo)
 
     def components(weights: dict[str, Stateful]) -> Checkpointable:
@@ -305,19 +326,21 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
         loading = components(parallel.load_views(model, optimizer, run_sharded=run_sharded,
                                                  ckpt_sharded=ckpt.is_sharded(path)))
         loading.load_state_dict(ckpt.load_state(path), lambda template: ckpt.load_sharded(path, template))
-        if per_rank_loader.saved_by != dist.world_size:
-            out.warn(f"resumed a checkpoint of {per_rank_loader.saved_by} rank(s) on {dist.world_size}: model, "
+        if per_rank_loader.saved_by != grid.data_size:
+            out.warn(f"resumed a checkpoint of {per_rank_loader.saved_by} data rank(s) on {grid.data_size}: model, "
                      "optimizer, schedule "
                      "and counters exactly; each rank's data continues from the slowest saved rank's document")
 
     first_batch = next(loader)  # used by the first step, not discarded
     mask = getattr(loader, "answer_mask", None)
+    if mask is not None and context is not None:
+        mask = context.shard(mask, dim=0)
     s = Session(plan=plan, dist=dist, out=out, hb=hb, signals=SignalFlags(), device_name=device_name, model=model,
                 train_model=train_model, optimizer=optimizer, scheduler=scheduler, loader=loader,
                 val_loader=val_loader, val_start=val_start, state=state, checkpointable=checkpointable,
                 compiled=compiled, first_batch=first_batch,
                 answer_mask=mask.to(rt.device) if mask is not None else None,
-                first_batch_s=time.perf_counter() - t_loader, closers=closers)
+                first_batch_s=time.perf_counter() - t_loader, closers=closers, layout=grid, context=context)
 
     if dist.is_main:
         keep = state.step if plan.resume_from is not None else None

@@ -76,25 +76,34 @@ class RandomStreams:
 class PerRank:
     """A component whose state differs per rank: saved as the list of every rank's state (a collective),
     loaded from this rank's entry. A checkpoint of another number of ranks goes through ``reshard(states,
-    rank, world_size)`` (the state this rank continues from); without one it is refused."""
+    rank, world_size)`` (the state this rank continues from); without one it is refused.
+
+    ``every > 1``: ranks in groups of ``every`` share one state (the context-parallel ranks of a sequence
+    read the same data): one entry per group is saved, and this rank loads its group's."""
 
     def __init__(self, inner: Stateful, dist: D.DistInfo,
-                 reshard: Callable[[list[Any], int, int], Any] | None = None) -> None:
-        self.inner, self.dist, self.reshard = inner, dist, reshard
-        self.saved_by: int | None = None  # ranks of the checkpoint last loaded
+                 reshard: Callable[[list[Any], int, int], Any] | None = None, every: int = 1) -> None:
+        self.inner, self.dist, self.reshard, self.every = inner, dist, reshard, every
+        self.saved_by: int | None = None  # entries of the checkpoint last loaded
+
+    @property
+    def slot(self) -> tuple[int, int]:
+        """This rank's entry and the number of entries."""
+        return self.dist.rank // self.every, self.dist.world_size // self.every
 
     def state_dict(self) -> list[Any]:
-        return D.gather_objects(self.inner.state_dict(), self.dist)
+        return D.gather_objects(self.inner.state_dict(), self.dist)[:: self.every]
 
     def load_state_dict(self, state: list[Any]) -> None:
         self.saved_by = len(state)
-        if len(state) == self.dist.world_size:
-            self.inner.load_state_dict(state[self.dist.rank])
+        mine, count = self.slot
+        if len(state) == count:
+            self.inner.load_state_dict(state[mine])
             return
         if self.reshard is None:
             raise CheckpointError(f"the checkpoint was written by {len(state)} ranks, this run has "
-                                  f"{self.dist.world_size}", hint="resume with the same number of ranks")
-        self.inner.load_state_dict(self.reshard(state, self.dist.rank, self.dist.world_size))
+                                  f"{count}", hint="resume with the same number of ranks")
+        self.inner.load_state_dict(self.reshard(state, mine, count))
 
 
 def by_rank_modulo(states: list[Any], rank: int, world_size: int) -> Any:

@@ -113,6 +113,10 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         alloc_conf_note = apply_alloc_conf(cfg)  # before anything below initialises CUDA
         dist = D.env_info()
         self._expected_world = world_size or dist.world_size
+        cp = cfg.runtime.context_parallel
+        if self._expected_world % cp:
+            raise ConfigError(f"runtime.context_parallel={cp} must divide the {self._expected_world} rank(s) of the run",
+                              hint=f"launch a multiple of {cp} ranks (--nproc-per-node) or lower --context-parallel")
         rt = resolve_runtime(cfg, dist.local_rank)
         if rt.device_type == "cuda":
             local = local_ranks or world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -250,7 +254,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         of everything the ranks must agree on."""
         tr = s.cfg.train
         loss_sum = torch.zeros((), device=s.plan.rt.device)
-        answer_sums = torch.zeros(2, device=s.plan.rt.device)  # answer loss, answer accuracy
+        answer_sums = torch.zeros(3, device=s.plan.rt.device)  # answer loss and hits summed, answers
         fetch_s = 0.0
         for micro in range(tr.accum):
             tf = time.perf_counter()
@@ -264,7 +268,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 loss.backward()
             loss_sum += loss.detach()
             if s.answer_mask is not None:
-                answer_sums += _answer_scores(out.logits.detach(), y, s.answer_mask) / tr.accum
+                answer_sums += _answer_scores(out.logits.detach(), y, s.answer_mask)
         params = [p for p in s.model.parameters() if p.requires_grad]
         clip = s.cfg.optimizer.grad_clip
         grad_norm = parallel.local_norm(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
@@ -277,13 +281,14 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             *answer_sums,
         ])
         D.all_reduce_sum(flags, s.dist)
-        loss_t, bad_loss, bad_grad, halt_any, save_any, norm_t, ans_loss, ans_acc = flags.tolist()  # the one sync
+        loss_t, bad_loss, bad_grad, halt_any, save_any, norm_t, ans_loss, ans_hits, ans_n = flags.tolist()  # one sync
         n = s.dist.world_size
         return StepOutcome(
             loss=loss_t / n, grad_norm=norm_t / n,
             bad="nonfinite_loss" if bad_loss else "nonfinite_grad" if bad_grad else None,
             halt=halt, halt_any=bool(halt_any), save_now=bool(save_any),
-            answers=(ans_loss / n, ans_acc / n) if s.answer_mask is not None else None, fetch_s=fetch_s,
+            answers=(ans_loss / max(ans_n, 1), ans_hits / max(ans_n, 1)) if s.answer_mask is not None else None,
+            fetch_s=fetch_s,
         )
 
     def _evaluate(self, s: Session, rec: Recorder, step: int) -> None:
@@ -298,7 +303,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         first: torch.Tensor | None = None
         with torch.no_grad():
             for _ in range(batches):
-                x, y = next(s.val_loader)
+                x, y = s.rows(next(s.val_loader))
                 first = x if first is None else first
                 with s.plan.rt.autocast():
                     total += s.model(x, labels=y, cu_seqlens=s.documents(x)).loss.float()
@@ -460,10 +465,12 @@ def _record_failure(s: Session, rec: Recorder, exc: BaseException) -> None:
 
 
 def _answer_scores(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[cross-entropy, accuracy]`` of the predictions at a synthetic task's answer positions."""
+    """``[cross-entropy summed, hits, answers]`` of the predictions at a synthetic task's answer positions
+    (sums, so ranks holding different numbers of answers combine exactly; none: zeros)."""
     picked, want = logits[:, mask].float(), y[:, mask]
-    loss = torch.nn.functional.cross_entropy(picked.reshape(-1, picked.shape[-1]), want.reshape(-1))
-    return torch.stack([loss, (picked.argmax(-1) == want).float().mean()])
+    loss = torch.nn.functional.cross_entropy(picked.reshape(-1, picked.shape[-1]), want.reshape(-1), reduction="sum")
+    hits = (picked.argmax(-1) == want).float().sum()
+    return torch.stack([loss, hits, torch.tensor(float(want.numel()), device=logits.device)])
 
 
 __all__ = ["TrainResult", "TrainState", "Trainer"]

@@ -90,6 +90,7 @@ def train(
     resume: Annotated[str | None, typer.Option("--resume", help="'auto' (newest complete checkpoint) or a checkpoint path.")] = None,
     attention: Annotated[str | None, typer.Option("--attention", help="nsa or dense.")] = None,
     compile_: Annotated[bool | None, typer.Option("--compile/--no-compile", help="torch.compile the model.")] = None,
+    context_parallel: Annotated[int | None, typer.Option("--context-parallel", min=1, help="Ranks that share each sequence (runtime.context_parallel; docs/training.md, 'Training longer than one GPU holds').")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="section.key=value for any config key; repeatable.")] = None,
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1, help="Launch torchrun with N ranks on this node (runtime.parallel: ddp or fsdp).")] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Nodes of a multi-node run (with --nproc-per-node and --rdzv-endpoint).")] = 1,
@@ -114,7 +115,7 @@ def train(
         given = dict(
             steps=steps, seq_len=seq_len, batch_size=batch_size, accum=accum, lr=lr, out_dir=out_dir,
             dataset=dataset, data_path=data_path, tokenizer=tokenizer, seed=seed, resume=resume,
-            attention=attention, compile=compile_,
+            attention=attention, compile=compile_, context_parallel=context_parallel,
         )
         resolved = load_run_config(config=config, profile=profile, flags=flags_to_keys(**given), sets=set_,
                                    flag_names=flags_as_typed(**given))

@@ -247,9 +247,30 @@ def test_bench_quality_tiny_prints_loss_and_recall_side_by_side(tmp_path: Path) 
     assert payload["relative_to_dense"]["dense"] == 0.0
     assert [step for step, _ in rows["nsa-half"]["loss_curve"]][-1] == 4  # the training-loss curve comes along
     assert "held-out loss" in res.output and "selection per layer: nsa-half" in res.output
+    assert "arms over their seeds" in res.output and "one seed" in res.output  # one seed: no spread to judge by
+    assert {a["arm"]: a["reading"] for a in payload["arms_summary"]} == {"dense": "dense", "nsa-half": "one seed"}
 
 
 def test_bench_quality_refuses_an_unknown_arm_in_one_line(tmp_path: Path) -> None:
     res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "dense,bogus", "-o", str(tmp_path)])
     assert res.exit_code == 2
     assert "arm 'bogus'" in res.output and "Traceback" not in res.output
+
+
+def test_quality_summary_says_within_noise_when_the_seeds_disagree() -> None:
+    """The issue-24 H100 rows: window gates -5.8% and +1.7% against dense on seeds 0 and 1 (mean -2.1%,
+    spread 5.3%) read "within noise"; a difference larger than its spread reads better/worse."""
+    from nsa.bench.quality import QualityRow, summarise_arms
+
+    rows = [QualityRow("dense", 0, val_loss=1.2446), QualityRow("dense", 1, val_loss=1.2048),
+            QualityRow("nsa-window", 0, val_loss=1.1721), QualityRow("nsa-window", 1, val_loss=1.2247),
+            QualityRow("slow", 0, val_loss=1.3125), QualityRow("slow", 1, val_loss=1.3077),
+            QualityRow("once", 0, val_loss=1.2), QualityRow("other", 5, val_loss=1.0)]
+    got = {a.arm: a for a in summarise_arms(rows)}
+    w = got["nsa-window"]
+    assert w.seeds == 2 and w.paired_seeds == 2 and w.reading == "within noise"
+    assert w.vs_dense == pytest.approx(((1.1721 / 1.2446 - 1) + (1.2247 / 1.2048 - 1)) / 2)
+    assert w.sd == pytest.approx(abs(1.2247 - 1.1721) / math.sqrt(2))
+    assert got["slow"].reading == "worse" and got["slow"].vs_dense == pytest.approx(0.0699, abs=1e-3)
+    assert got["once"].reading == "one seed" and got["other"].reading == "no dense arm"
+    assert got["dense"].reading == "dense" and got["dense"].vs_dense is None

@@ -220,6 +220,58 @@ def relative_to_dense(rows: list[QualityRow]) -> dict[str, float | None]:
 
 
 @dataclass
+class ArmSummary:
+    """An arm's held-out loss over its seeds against dense attention's, paired by seed."""
+
+    arm: str
+    seeds: int
+    mean: float
+    sd: float | None  # sample standard deviation over the seeds (None with one seed)
+    vs_dense: float | None = None  # mean over the shared seeds of (arm / dense - 1)
+    vs_dense_sd: float | None = None  # its spread over those seeds
+    paired_seeds: int = 0
+    reading: str = ""  # "better", "worse", "within noise", "one seed", "dense" or "no dense arm"
+
+
+def _sd(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return None
+    m = sum(values) / len(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def summarise_arms(rows: list[QualityRow]) -> list[ArmSummary]:
+    """Mean and spread of each arm's held-out loss, and its difference from dense paired by seed. The reading
+    is "within noise" when the mean difference is no larger than the differences' spread over the seeds
+    (one standard deviation): two seeds that disagree in sign cannot tell +1% from -1%."""
+    by: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r.val_loss is not None and math.isfinite(r.val_loss):
+            by.setdefault(r.arm, {})[r.seed] = r.val_loss
+    dense = by.get("dense", {})
+    out = []
+    for arm, losses in by.items():
+        vals = list(losses.values())
+        s = ArmSummary(arm, len(vals), sum(vals) / len(vals), _sd(vals))
+        shared = sorted(set(losses) & set(dense))
+        if arm == "dense":
+            s.reading = "dense"
+        elif not shared:
+            s.reading = "no dense arm"
+        else:
+            diffs = [losses[k] / dense[k] - 1.0 for k in shared]
+            s.vs_dense, s.vs_dense_sd, s.paired_seeds = sum(diffs) / len(diffs), _sd(diffs), len(shared)
+            if s.vs_dense_sd is None:
+                s.reading = "one seed"
+            elif abs(s.vs_dense) <= s.vs_dense_sd:
+                s.reading = "within noise"
+            else:
+                s.reading = "better" if s.vs_dense < 0 else "worse"
+        out.append(s)
+    return out
+
+
+@dataclass
 class QualitySpec:
     """One ``nsa bench quality``: every arm of ``arms`` trained once per seed on ``task`` (``text``: held-out
     loss and selection over ``steps``; ``needle``: single-needle retrieval; ``both``)."""
@@ -286,9 +338,10 @@ def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict
     return {"command": "bench quality", "config": spec.config, "sets": spec.sets, "steps": spec.steps,
             "task": spec.task,
             "arms": [{"name": a.name, "sets": list(a.sets), "warm_frac": a.warm_frac} for a in spec.arms],
-            "seeds": spec.seeds, "relative_to_dense": relative_to_dense(rows), "environment": environment,
+            "seeds": spec.seeds, "relative_to_dense": relative_to_dense(rows),
+            "arms_summary": [asdict(a) for a in summarise_arms(rows)], "environment": environment,
             "rows": [r.to_dict() for r in rows]}
 
 
-__all__ = ["ARMS", "Arm", "QualityRow", "QualitySpec", "parse_arm", "quality_payload", "relative_to_dense",
-           "run_needle_arm", "run_quality", "run_text_arm", "selection_of"]
+__all__ = ["ARMS", "Arm", "ArmSummary", "QualityRow", "QualitySpec", "parse_arm", "quality_payload", "relative_to_dense",
+           "run_needle_arm", "run_quality", "run_text_arm", "selection_of", "summarise_arms"]

@@ -45,7 +45,14 @@ def quality(
         from rich.console import Console
         from rich.table import Table
 
-        from nsa.bench.quality import QualitySpec, parse_arm, quality_payload, relative_to_dense, run_quality
+        from nsa.bench.quality import (
+            QualitySpec,
+            parse_arm,
+            quality_payload,
+            relative_to_dense,
+            run_quality,
+            summarise_arms,
+        )
         from nsa.config import load_run_config
         from nsa.envinfo import environment
         from nsa_cli import render
@@ -92,6 +99,15 @@ def quality(
                           f(r.needle_acc, ".3f"), "-" if r.needle_steps_to_target is None else str(r.needle_steps_to_target),
                           f"{r.seconds:.0f}")
         console.print(table)
+        over_seeds = Table(title="arms over their seeds (vs dense: paired by seed, mean +- sd)")
+        for col in ("arm", "seeds", "held-out loss mean +- sd", "vs dense", "reading"):
+            over_seeds.add_column(col, justify="right")
+        for a in summarise_arms(rows):
+            spread = "" if a.sd is None else f" +- {a.sd:.4f}"
+            diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
+                    + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%"))
+            over_seeds.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, a.reading)
+        console.print(over_seeds)
         for r in rows:
             if r.selection and r.seed == seed_list[0]:
                 layers = Table(title=f"selection per layer: {r.arm} (seed {r.seed}, held-out batches)")

@@ -16,7 +16,6 @@ torch path and increments ``fallback_counts()[reason]`` (host-side counters, no 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections import Counter
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -33,7 +32,9 @@ except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
 
 BACKENDS = ("reference", "torch", "triton")
 
-_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("nsa_ops_backend", default=None)
+# the ``use_backend`` blocks open now, innermost last: a plain module global (not a ContextVar, which
+# ``torch.compile(fullgraph=True)`` cannot trace), so a compiled caller guards on it and recompiles if it changes
+_override: list[str] = []
 _fallbacks: Counter[str] = Counter()
 _default = "auto"
 
@@ -49,14 +50,15 @@ def set_default_backend(name: str | None) -> None:
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Run the ops in this block on ``name`` (unless a call passes ``backend=`` itself)."""
+    """Run the ops in this block on ``name`` (unless a call passes ``backend=`` itself); process-wide, for
+    the block's duration (threads share it)."""
     if name not in (*BACKENDS, "auto"):
         raise ValueError(f"unknown NSA backend '{name}': choose one of auto, {', '.join(BACKENDS)}")
-    token = _override.set(name)
+    _override.append(name)
     try:
         yield
     finally:
-        _override.reset(token)
+        _override.pop()
 
 
 def fallback_counts() -> dict[str, int]:
@@ -88,8 +90,8 @@ def _triton_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
 def requested_backend(backend: str | None = None) -> str:
     if backend is not None:
         name = backend
-    elif _override.get() is not None:
-        name = _override.get() or "auto"
+    elif _override:
+        name = _override[-1]
     else:
         name = _default
     if name not in (*BACKENDS, "auto"):

@@ -134,13 +134,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``@pytest.mark.gpu``: the test needs a CUDA device and is skipped cleanly without one
-    (``pytest -m gpu`` runs only those on a GPU machine)."""
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    (``pytest -m gpu`` runs only those on a GPU machine); ``multigpu`` ones need two devices
+    (``pytest -m multigpu`` on a machine with two)."""
+    gpus = torch.cuda.device_count() if HAS_CUDA else 0
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and gpus == 0:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        elif "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA devices (this machine has {gpus})"))
 
 
 @pytest.fixture(params=backends_under_test())

@@ -40,6 +40,35 @@ def test_bench_attention_cuda_graph_flag_is_recorded(tmp_path: Path) -> None:
     assert row["cuda_graph"] is False and row["nsa_fwdbwd_ms"] > 0 and "CUDA graphs" not in res.output
 
 
+def test_stage_rows_put_each_stage_against_its_roofline() -> None:
+    """Paper shape at S=4096 with made-up stage times: FLOPs and bytes from ``stage_costs``, the roofline is
+    the larger of FLOPs at the peak rate and bytes at the peak bandwidth, and the total adds the stages."""
+    from nsa.bench.attention import stage_costs, stage_rows
+
+    times = {"compress_avg": 0.05, "cmp_fwd": 0.4, "select": 0.3, "sel_fwd": 0.5, "win_fwd": 0.2}
+    rows = stage_rows("paper", 4096, 64, 4, 128, times, peak_tflops=750, peak_tbps=3)
+    assert [r.stage for r in rows] == [*times, "total"]
+    costs = stage_costs(4096, 64, 4, 128, 128)
+    for r in rows[:-1]:
+        flops, nbytes = costs[r.stage]
+        assert r.roofline_ms == max(flops / 750e9, nbytes / 3e9)
+        assert r.bound == ("compute" if flops / 750e9 >= nbytes / 3e9 else "memory")
+        assert r.tflops == flops / 1e9 / times[r.stage] and r.of_roofline == r.roofline_ms / times[r.stage]
+    assert rows[0].bound == "memory" and rows[0].gflop == 0  # compression is a pure read/write
+    assert rows[2].bound == "memory"  # block scoring at 4k: reading q outweighs S x S/16 products per head...
+    (long,) = [r for r in stage_rows("paper", 65536, 64, 4, 128, {"select": 3.0}) if r.stage == "select"]
+    assert long.bound == "compute"  # ...and at 64k the products win
+    total = rows[-1]
+    assert abs(total.ms - sum(times.values())) < 1e-12
+    assert abs(total.roofline_ms - sum(r.roofline_ms for r in rows[:-1])) < 1e-12
+
+
+def test_bench_attention_stages_need_the_triton_kernels() -> None:
+    res = runner.invoke(app, ["bench", "attention", "--tiny", "--stages"])
+    assert res.exit_code == 2 and "--stages times the Triton kernels" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+
+
 def test_bench_train_tiny(tmp_path: Path) -> None:
     out = tmp_path / "train.json"
     res = runner.invoke(app, ["bench", "train", "--tiny", "--profile-step", "--json-out", str(out)])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -60,10 +61,14 @@ def attention(
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (seq 64,128; tiny shape; small NSA blocks).")] = False,
     tune: Annotated[list[str] | None, typer.Option("--tune", help="Triton tile override key=value (sweeps), e.g. sel_bm=16.")] = None,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Time every side as CUDA-graph replays (no launch overhead).")] = False,
+    stages: Annotated[bool, typer.Option("--stages", help="Also time each Triton stage alone, against its roofline (FLOPs at --peak-tflops, bytes at --peak-tbps).")] = False,
+    peak_tflops: Annotated[float, typer.Option("--peak-tflops", min=1.0, help="Matrix-product rate of the stage table's roofline.")] = 750.0,
+    peak_tbps: Annotated[float, typer.Option("--peak-tbps", min=0.1, help="Memory bandwidth (TB/s) of the stage table's roofline.")] = 3.0,
     as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
     json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
 ) -> None:
-    """Forward and forward+backward time and peak memory: NSA vs dense causal SDPA (and fla-core)."""
+    """Forward and forward+backward time and peak memory: NSA vs dense causal SDPA (and fla-core); with
+    --stages each Triton stage's time against the machine's bound."""
     with user_errors():
         tuned = _parse_tune(tune)
         from rich.console import Console
@@ -94,6 +99,9 @@ def attention(
 
         if not tiny and not torch.cuda.is_available():
             raise fail("no CUDA device for bench attention", hint="use --tiny on a CPU machine")
+        if stages and (tiny or backend in ("torch", "reference")):
+            raise fail("--stages times the Triton kernels on a CUDA device",
+                       hint="leave out --tiny and --backend torch/reference, or --stages")
         import time
 
         t0 = time.monotonic()
@@ -121,8 +129,40 @@ def attention(
                 typer.echo(f"note ({r.shape}, S={r.seq_len}): {note}", err=as_json)
             for note in r.noisy:
                 typer.echo(f"warning ({r.shape}, S={r.seq_len}): {note}", err=True)
+        stage_list = _stage_table(shapes, lens, batch, tuned, warmup_ms, rep_ms, peak_tflops, peak_tbps,
+                                  progress, as_json) if stages else []
         render.json_outputs({"command": "bench attention", "environment": environment(), "tune": tuned,
-                             "rows": [r.to_dict() for r in rows]}, as_json=as_json, json_out=json_out)
+                             "rows": [r.to_dict() for r in rows],
+                             **({"stages": [r.to_dict() for r in stage_list],
+                                 "roofline": {"peak_tflops": peak_tflops, "peak_tbps": peak_tbps}} if stages else {})},
+                            as_json=as_json, json_out=json_out)
+
+
+def _stage_table(shapes: list[tuple[str, int, int, int]], lens: list[int], batch: int, tuned: dict[str, int | str],
+                 warmup_ms: int, rep_ms: int, peak_tflops: float, peak_tbps: float,
+                 progress: Callable[[str], None], as_json: bool) -> list[Any]:
+    """Each Triton stage timed alone per shape and length, printed against its roofline."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from nsa.bench.attention import kernel_breakdown, stage_rows
+
+    out = []
+    for name, HQ, H, D in shapes:
+        for S in lens:
+            progress(f"{name} S={S}: each Triton stage alone")
+            times = kernel_breakdown(S, HQ, H, D, batch=batch, warmup_ms=warmup_ms, rep_ms=rep_ms, tune=tuned)
+            out.extend(stage_rows(name, S, HQ, H, D, times, batch=batch, peak_tflops=peak_tflops,
+                                  peak_tbps=peak_tbps))
+    table = Table(title=f"NSA stages against the roofline ({peak_tflops:g} TFLOP/s, {peak_tbps:g} TB/s)")
+    for col in ("shape", "S", "stage", "ms", "TFLOP/s", "GB/s", "roofline ms", "bound", "of roofline"):
+        table.add_column(col, justify="right")
+    for r in out:
+        table.add_row(r.shape, str(r.seq_len), r.stage, f"{r.ms:.3f}", f"{r.tflops:.0f}",
+                      f"{r.mbytes / r.ms:.0f}" if r.ms > 0 else "-", f"{r.roofline_ms:.3f}", r.bound,
+                      f"{r.of_roofline:.0%}")
+    Console(width=200, stderr=as_json).print(table)
+    return out
 
 
 @bench_app.command("train", cls=command_class(json_path=True))

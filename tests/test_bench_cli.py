@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from nsa_cli.app import app
+from tests.test_train_process import _env
 
 runner = CliRunner()
 
@@ -67,6 +71,34 @@ def test_bench_attention_stages_need_the_triton_kernels() -> None:
     res = runner.invoke(app, ["bench", "attention", "--tiny", "--stages"])
     assert res.exit_code == 2 and "--stages times the Triton kernels" in res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
+
+
+@pytest.mark.slow
+def test_bench_train_over_two_context_ranks(tmp_path: Path) -> None:
+    """``--nproc-per-node 2 --context-parallel 2`` on two gloo ranks: one row per attention with the layout,
+    tokens/s counting each sequence once (batch 2 x 64 positions over the slowest rank's step)."""
+    out = tmp_path / "train.json"
+    res = subprocess.run([sys.executable, "-m", "nsa_cli", "bench", "train", "--tiny", "--attention", "nsa",
+                          "--nproc-per-node", "2", "--context-parallel", "2", "--json-out", str(out)],
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "ranks 2 (1 data x 2 context)" in res.stdout + res.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["world_size"] == 2 and row["context_parallel"] == 2 and row["parallel"] == "ddp"
+    assert row["tokens_per_s"] == pytest.approx(2 * 64 / (row["step_ms"] / 1e3))
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(row["tokens_per_s"] / 2)
+
+
+def test_bench_train_rank_flags_that_cannot_work_are_one_line() -> None:
+    for args, want in (
+        (["--tiny", "--context-parallel", "2"], "needs ranks to share the sequence"),
+        (["--tiny", "--nproc-per-node", "3", "--context-parallel", "2"], "must divide --nproc-per-node 3"),
+        (["--seq-lens", "30", "--batch-sizes", "1", "--nproc-per-node", "2", "--context-parallel", "2"],
+         "must split into 4 equal chunks"),
+    ):
+        res = runner.invoke(app, ["bench", "train", *args])
+        assert res.exit_code == 2 and want in res.output, (args, res.output)
+        assert len(res.output.strip().splitlines()) == 1, res.output
 
 
 def test_bench_train_tiny(tmp_path: Path) -> None:

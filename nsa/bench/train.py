@@ -16,8 +16,12 @@ from typing import Any
 import torch
 
 from nsa.config import RunConfig
+from nsa.errors import ConfigError
 from nsa.model import build_model
+from nsa.model.context import ContextParallel
 from nsa.ops import fallback_counts, reset_fallback_counts, tile_overrides
+from nsa.train import distributed as D
+from nsa.train import parallel
 from nsa.train.telemetry import peak_flops
 
 
@@ -43,6 +47,11 @@ class TrainRow:
     # one profiled step (``profile=True``): kernels by CUDA time, ``{"name", "ms", "launches"}``
     kernels: list[dict[str, Any]] | None = None
     launches: int | None = None  # GPU kernel launches of the profiled step
+    # several ranks (``nsa bench train --nproc-per-node N``): tokens/s count each sequence once over all ranks,
+    # ``step_ms`` is the slowest rank's median and ``peak_mib`` the largest rank's peak
+    world_size: int = 1
+    context_parallel: int = 1  # ranks that share each sequence
+    parallel: str = "none"  # ddp, fsdp or none (one rank)
 
     @property
     def mode(self) -> str:
@@ -56,14 +65,26 @@ class TrainRow:
         n = sum(self.fallbacks.values())
         return f"{self.backend} + torch fallback ({n:,} calls)" if n and self.backend != "torch" else self.backend
 
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s / self.world_size
+
+    @property
+    def ranks(self) -> str:
+        """``1``, or ``N (D data x C context)``."""
+        if self.world_size == 1:
+            return "1"
+        return f"{self.world_size} ({self.world_size // self.context_parallel} data x {self.context_parallel} context)"
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "path": self.path, "world_size": 1}
+        return {**asdict(self), "path": self.path, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu}
 
 
 def bench_train_step(
     run_cfg: RunConfig, *, attention: str, seq_len: int, batch_size: int, steps: int = 10,
     warmup: int = 3, device: str | torch.device | None = None, compiled: bool | None = None,
     tune: Mapping[str, int | str] | None = None, profile: bool = False,
+    ranks: tuple[D.DistInfo, D.Layout] | None = None,
 ) -> TrainRow:
     """Median step time of forward + backward + optimizer step for one model variant.
 
@@ -80,8 +101,10 @@ def bench_train_step(
 
     try:
         with tile_overrides(tune):
-            return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile, profile)
+            return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile, profile, ranks)
     except torch.OutOfMemoryError:
+        if ranks is not None and ranks[0].enabled:
+            raise  # the other ranks wait in a collective: the job stops (the launcher says which rank)
         torch._dynamo.reset()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -92,22 +115,31 @@ def bench_train_step(
 
 
 def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, steps: int, warmup: int,
-                dev: torch.device, use_compile: bool, profile: bool = False) -> TrainRow:
+                dev: torch.device, use_compile: bool, profile: bool = False,
+                ranks: tuple[D.DistInfo, D.Layout] | None = None) -> TrainRow:
 
     cfg.model.attention = attention  # type: ignore[assignment]
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq_len)
     if dev.type == "cuda" and cfg.runtime.attn_backend == "auto":
         cfg.runtime.attn_backend = "triton"  # explicit, so a fallback to torch is counted
+    info, grid = ranks or (D.DistInfo(), D.Layout())
     torch.manual_seed(0)
     model = build_model(cfg).to(dev)
     model.train()
     if use_compile:
         torch._dynamo.reset()  # a fresh graph per row: shapes differ, never the recompile limit
-    forward = torch.compile(model, mode=cfg.runtime.compile_mode) if use_compile else model
+    cp = ContextParallel(grid.context_group, grid.context_rank, grid.context_size) if grid.context_size > 1 else None
+    model.set_context_parallel(cp)
+    if info.enabled:  # the trainer's own wrapping: DDP or FSDP2, compiled from the outside
+        forward = parallel.wrap(model, cfg, info, "bf16" if dev.type == "cuda" else "fp32", dev.type, use_compile)
+    else:
+        forward = torch.compile(model, mode=cfg.runtime.compile_mode) if use_compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(grid.data_rank)  # each data rank its own batch
     ids = torch.randint(0, cfg.model.vocab_size, (batch_size, seq_len + 1), generator=gen).to(dev)
     inputs, labels = ids[:, :-1], ids[:, 1:]
+    if cp is not None:  # this rank's head and tail chunks of each sequence
+        inputs, labels = cp.shard(inputs), cp.shard(labels)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def step() -> None:
@@ -145,14 +177,19 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
             times.append((time.perf_counter() - t0) * 1e3)
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
+    if info.enabled:  # the slowest rank sets the step; the fullest rank the memory
+        ms, peak_all = (max(v) for v in zip(*D.gather_objects((ms, peak or 0.0), info), strict=True))
+        peak = peak_all if dev.type == "cuda" else None
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    tps = batch_size * seq_len / (ms / 1e3)
+    tps = batch_size * grid.data_size * seq_len / (ms / 1e3)
     fpt = float(model.flops_per_token(seq_len))
     peak_fl = peak_flops(name, None)[0] if dev.type == "cuda" else None
     row = TrainRow(attention=attention, seq_len=seq_len, batch_size=batch_size,
                    params_m=model.num_params() / 1e6, step_ms=ms, tokens_per_s=tps, peak_mib=peak, device=name,
                    backend=cfg.runtime.attn_backend, compiled=use_compile, fallbacks=fallback_counts(),
-                   mfu=tps * fpt / peak_fl if peak_fl else None, flops_per_token=fpt, compile_s=compile_s)
+                   mfu=tps / info.world_size * fpt / peak_fl if peak_fl else None, flops_per_token=fpt,
+                   compile_s=compile_s, world_size=info.world_size, context_parallel=grid.context_size,
+                   parallel=cfg.runtime.parallel if info.enabled else "none")
     if profile:
         row.kernels, row.launches = _profile_step(step, dev)
     if dev.type == "cuda":
@@ -187,21 +224,32 @@ def _profile_step(step: Callable[[], None], dev: torch.device, top: int = 25) ->
     return kernels, int(sum(v[1] for v in per.values()))
 
 
+def join_ranks(context: int, device_type: str) -> tuple[D.DistInfo, D.Layout]:
+    """This process's rank in a torchrun job (NCCL on CUDA, gloo on CPU) and its place in the data x
+    context grid; one process alone: rank 0 of 1."""
+    info = D.init(device_type)
+    if info.world_size % context:
+        raise ConfigError(f"--context-parallel {context} must divide the {info.world_size} rank(s)",
+                          hint="pass --nproc-per-node a multiple of it")
+    return info, D.layout(info, context, device_type)
+
+
 def bench_train(
     run_cfg: RunConfig, seq_lens: list[int], batch_sizes: list[int], *, attentions: tuple[str, ...] = ("nsa", "dense"),
     steps: int = 10, warmup: int = 3, device: str | None = None, modes: tuple[bool | None, ...] = (None,),
     on_row: Callable[[TrainRow], None] | None = None, tune: Mapping[str, int | str] | None = None,
-    profile: bool = False,
+    profile: bool = False, ranks: tuple[D.DistInfo, D.Layout] | None = None,
 ) -> list[TrainRow]:
     """Rows for each sequence length (with its batch size), each mode (``False`` eager, ``True`` compiled,
-    ``None`` the config's ``runtime.compile``) and each attention variant; ``on_row`` sees each as it ends."""
+    ``None`` the config's ``runtime.compile``) and each attention variant; ``on_row`` sees each as it ends.
+    ``ranks`` (:func:`join_ranks`, in a process of a torchrun job): every rank runs the same rows together."""
     rows = []
     for S, bs in zip(seq_lens, batch_sizes, strict=True):
         for mode in modes:
             for att in attentions:
                 rows.append(bench_train_step(run_cfg, attention=att, seq_len=S, batch_size=bs, steps=steps,
                                              warmup=warmup, device=device, compiled=mode, tune=tune,
-                                             profile=profile))
+                                             profile=profile, ranks=ranks))
                 if on_row is not None:
                     on_row(rows[-1])
     return rows

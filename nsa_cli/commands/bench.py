@@ -180,12 +180,22 @@ def train(
         "--modes", help="eager and/or compiled, comma-separated (default: both on CUDA, eager on CPU).")] = None,
     profile_step: Annotated[bool, typer.Option(
         "--profile-step", help="Profile one more step per row: kernels by time and launches (CPU: operators), in the JSON.")] = False,
+    nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1, help="Run on N ranks of this node through torchrun (DDP, or FSDP with --set runtime.parallel=fsdp).")] = None,
+    context_parallel: Annotated[int, typer.Option("--context-parallel", min=1, help="Ranks that share each sequence (docs/training.md, 'Training longer than one GPU holds').")] = 1,
     as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
     json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
 ) -> None:
     """Training-step tokens/s, MFU and peak memory: NSA model vs the same model with dense attention,
-    eager and compiled."""
+    eager and compiled; on several ranks with --nproc-per-node (and context parallelism)."""
     with user_errors():
+        from nsa.train.distributed import launched_by_torchrun
+
+        under_torchrun = launched_by_torchrun()
+        if context_parallel > 1 and nproc_per_node is None and not under_torchrun:
+            raise fail(f"--context-parallel {context_parallel} needs ranks to share the sequence",
+                       hint=f"add --nproc-per-node {context_parallel}")
+        if nproc_per_node is not None and nproc_per_node % context_parallel:
+            raise fail(f"--context-parallel {context_parallel} must divide --nproc-per-node {nproc_per_node}")
         tuned = _parse_tune(tune)
         from rich.console import Console
         from rich.table import Table
@@ -213,26 +223,54 @@ def train(
         if not names or any(m not in ("eager", "compiled") for m in names):
             raise fail(f"--modes {modes!r} must be eager and/or compiled")
         flags = tuple(m == "compiled" for m in dict.fromkeys(names))
+        if context_parallel > 1 and (bad := [n for n in lens if n % (2 * context_parallel)]):
+            raise fail(f"--seq-lens {','.join(map(str, bad))}: each must split into {2 * context_parallel} equal "
+                       f"chunks for --context-parallel {context_parallel}")
+        if nproc_per_node is not None and not under_torchrun:
+            import sys
+
+            from nsa.train.launch import launch, strip_option, torchrun_argv
+
+            argv = torchrun_argv(nproc_per_node, ["-m", "nsa_cli", *strip_option(sys.argv[1:], "--nproc-per-node")])
+            typer.echo(f"launching: {' '.join(argv[1:])}", err=True)
+            if code := launch(argv):
+                raise typer.Exit(code)
+            return
+        from nsa.bench.train import join_ranks
+
+        ranks = join_ranks(context_parallel, device) if under_torchrun else None
+        main = ranks is None or ranks[0].is_main
+
         def progress(r: Any) -> None:
             what = r.error or f"{r.tokens_per_s:,.0f} tokens/s, {r.step_ms:.1f} ms/step, peak {_fmt(r.peak_mib, '.0f')} MiB"
-            typer.echo(f"{r.attention} {r.mode} S={r.seq_len} b={r.batch_size}: {what}", err=True)
+            if main:
+                typer.echo(f"{r.attention} {r.mode} S={r.seq_len} b={r.batch_size} ranks {r.ranks}: {what}", err=True)
 
         rows = bench_train(resolved.config, lens, bss, attentions=atts, steps=steps, warmup=warmup, device=device,
-                           modes=flags, on_row=progress, tune=tuned, profile=profile_step)
-        table = Table(title=f"training step ({rows[0].device}, config {config}, world size 1; path: the attention "
-                      "path that ran)")
-        for col in ("attention", "path", "mode", "S", "batch", "params M", "step ms", "tokens/s", "MFU", "peak MiB",
-                    "compile s"):
+                           modes=flags, on_row=progress, tune=tuned, profile=profile_step, ranks=ranks)
+        if ranks is not None:
+            from nsa.train.distributed import shutdown
+
+            shutdown()
+        if not main:
+            return
+        world = rows[0].world_size
+        table = Table(title=f"training step ({rows[0].device}, config {config}, ranks {rows[0].ranks}; path: the "
+                      "attention path that ran; batch: per data rank)")
+        for col in ("attention", "path", "mode", "S", "batch", "params M", "step ms", "tokens/s", "tok/s/GPU", "MFU",
+                    "peak MiB", "compile s"):
             table.add_column(col, justify="right")
         for r in rows:
             if r.error:
-                table.add_row(r.attention, r.path, r.mode, str(r.seq_len), str(r.batch_size), "", r.error, "", "", "", "")
+                table.add_row(r.attention, r.path, r.mode, str(r.seq_len), str(r.batch_size), "", r.error, "", "", "",
+                              "", "")
                 continue
             table.add_row(r.attention, r.path, r.mode, str(r.seq_len), str(r.batch_size), f"{r.params_m:.1f}",
-                          f"{r.step_ms:.1f}", f"{r.tokens_per_s:,.0f}", _fmt(r.mfu, ".1%") if r.mfu else "-",
-                          _fmt(r.peak_mib, ".0f"), _fmt(r.compile_s, ".0f") if r.compile_s else "-")
+                          f"{r.step_ms:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s_per_gpu:,.0f}",
+                          _fmt(r.mfu, ".1%") if r.mfu else "-", _fmt(r.peak_mib, ".0f"),
+                          _fmt(r.compile_s, ".0f") if r.compile_s else "-")
         Console(width=200, stderr=as_json).print(table)
-        typer.echo(f"MFU: {MFU_FORMULA} (world_size 1)", err=as_json)
+        typer.echo(f"MFU: {MFU_FORMULA} (world_size {world})", err=as_json)
         ratio = speedups(rows)
         for key, x in ratio.items():
             typer.echo(f"{key}: NSA/dense tokens/s = {x:.2f}", err=as_json)

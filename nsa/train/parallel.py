@@ -41,16 +41,18 @@ def shard(model: Any, cfg: RunConfig, precision: str, device_type: str) -> None:
 
 
 def wrap(model: Any, cfg: RunConfig, dist: D.DistInfo, precision: str, device_type: str, compiled: bool) -> Any:
-    """The module the training step calls: sharded (FSDP) or replicated (DDP), compiled when asked."""
-    shards = sharded(cfg, dist)
-    if shards:
+    """The module the training step calls: sharded (FSDP) or replicated (DDP), then compiled when asked.
+
+    DDP is compiled from the outside (``torch.compile(DDP(model))``, as PyTorch advises): Dynamo's DDP
+    optimizer then splits the graph at the gradient buckets, so each bucket's all-reduce overlaps the rest of
+    the backward (measured on 2x H200, m7c-125m at 2k: 1.95x one GPU against 1.91x the other way round)."""
+    if sharded(cfg, dist):
         shard(model, cfg, precision, device_type)
-    out: Any = torch.compile(model, mode=cfg.runtime.compile_mode) if compiled else model
-    if dist.enabled and not shards:
+    elif dist.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        out = DDP(out, device_ids=[dist.local_rank] if device_type == "cuda" else None)
-    return out
+        model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None)
+    return torch.compile(model, mode=cfg.runtime.compile_mode) if compiled else model
 
 
 @contextlib.contextmanager

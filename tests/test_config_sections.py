@@ -24,12 +24,14 @@ from nsa.config.legacy import MOVED_KEYS, REMOVED_KEYS
 from nsa.config.settings import ENV_TO_CONFIG, KNOWN, NSASettings, describe_unknown, env_overlay
 from nsa.errors import ConfigError
 
-# every NSA_* variable of the release before the split but NSA_WINDOW_BACKEND (removed): each still a field
+# every NSA_* variable of the release before the split but NSA_WINDOW_BACKEND (removed): each still a field;
+# and those added since (NSA_CONTEXT_PARALLEL, issue 32)
 VARIABLES = {
     "NSA_PROFILE", "NSA_DEVICE", "NSA_PRECISION", "NSA_ATTN_BACKEND", "NSA_COMPILE", "NSA_COMPILE_MODE",
     "NSA_GRAD_CKPT", "NSA_PARALLEL", "NSA_DETERMINISTIC", "NSA_TF32", "NSA_ALLOC_CONF", "NSA_STEPS", "NSA_SEQ_LEN",
     "NSA_BATCH_SIZE", "NSA_ACCUM", "NSA_LR", "NSA_SEED", "NSA_OUT_DIR", "NSA_SAVE_EVERY", "NSA_DATASET",
     "NSA_DATA_PATH", "NSA_TOKENIZER", "NSA_PREFETCH_DEPTH", "NSA_LOADER_TIMEOUT",
+    "NSA_CONTEXT_PARALLEL",
 }
 
 

@@ -19,7 +19,7 @@ from nsa.config import ModelConfig, NSAConfig
 from nsa.model.context import ContextParallel
 from nsa.model.lm import NSALM
 from tests.conftest import free_port
-from tests.test_train_process import _env, cmd, run_ok
+from tests.test_train_process import _env, cmd, run_all_ok, run_ok
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, mlp_hidden=64,
                     max_seq_len=96)
@@ -155,8 +155,8 @@ def test_nsa_train_over_two_context_ranks_trains_like_one_rank_and_resumes_on_on
     the layout, and its checkpoint resumes on one rank with the losses after it."""
     common = ["--steps", "4", "--set", "checkpoint.every=2", "--set", "eval.every=2", "--set", "eval.batches=2"]
     one, two, back = tmp_path / "one", tmp_path / "two", tmp_path / "back"
-    run_ok(cmd(*common, "--out-dir", str(one)))
-    res = run_ok(cmd(*common, "--out-dir", str(two), "--nproc-per-node", "2", "--context-parallel", "2"))
+    _, res = run_all_ok(cmd(*common, "--out-dir", str(one)),
+                        cmd(*common, "--out-dir", str(two), "--nproc-per-node", "2", "--context-parallel", "2"))
     said = res.stdout + res.stderr
     assert "2 rank(s) (1 data x 2 context)" in said and "each sequence of 32 positions over 2 ranks" in said
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-4)

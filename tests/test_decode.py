@@ -398,7 +398,9 @@ def _triton_vs_torch_append(device: str, dtype: torch.dtype) -> None:
         ref = DecodeCaches(*(r(B, H, n, D) for n, D in shapes))
         fused = DecodeCaches(*(x.clone() for x in ref))
         t = torch.tensor([0, 3, T // 3], device=device)
-        for _ in range(min(T - T // 3 - 1, 2 * l + 3 * d + 1)):
+        # row 0 walks from before the first compressed token (t < l-1) through its emission (t = l-1) and two
+        # more (every d), wrapping the raw ring (every l) on the way; the window ring wraps where w < l+2d
+        for _ in range(min(T - T // 3 - 1, l + 2 * d + 1)):
             kv = r(B, 1, 3, H * (Dk + Dv))  # rows as views of one projection, like the model's
             new = NewToken(*(kv[:, 0, i, : H * Dk].reshape(B, H, Dk) if j == 0 else
                              kv[:, 0, i, H * Dk :].reshape(B, H, Dv) for i in range(3) for j in range(2)))

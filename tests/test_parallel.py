@@ -18,9 +18,12 @@ import torch
 from nsa.config import load_run_config
 from nsa.rundir.checkpoints import verify
 from tests.conftest import free_port
-from tests.test_train_process import _env, cmd, run_ok
+from tests.test_train_process import _env, cmd, run_all_ok, run_ok
 
-COMMON = ["--steps", "6", "--nproc-per-node", "2", "--set", "eval.every=0", "--set", "checkpoint.every=3"]
+# S=64 (beyond the window of 32): the evaluations at steps 3 and 6 have selection diagnostics to record
+SEQ = ["--set", "train.seq_len=64"]
+COMMON = ["--steps", "6", "--nproc-per-node", "2", *SEQ, "--set", "eval.every=3", "--set", "eval.batches=1",
+          "--set", "checkpoint.every=3"]
 
 
 def _rows(run: Path) -> list[dict[str, str]]:
@@ -36,8 +39,8 @@ def _rows_of(path: Path) -> list[dict[str, str]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("parallel")
     out = {"ddp": root / "ddp", "fsdp": root / "fsdp", "resumed": root / "resumed"}
-    run_ok(cmd(*COMMON, "--out-dir", str(out["ddp"])))
-    run_ok(cmd(*COMMON, "--out-dir", str(out["fsdp"]), "--set", "runtime.parallel=fsdp"))
+    run_all_ok(cmd(*COMMON, "--out-dir", str(out["ddp"])),
+               cmd(*COMMON, "--out-dir", str(out["fsdp"]), "--set", "runtime.parallel=fsdp"))
     ckpt = out["fsdp"] / "checkpoints" / "step_00000003"
     run_ok(cmd(*COMMON, "--out-dir", str(out["resumed"]), "--set", "runtime.parallel=fsdp", "--resume", str(ckpt)))
     return out
@@ -96,15 +99,19 @@ def _same_optimizer(a: dict, b: dict) -> None:
 def test_a_checkpoint_moves_between_numbers_of_ranks_exactly(runs: dict[str, Path], tmp_path: Path) -> None:
     """Saved by 2 FSDP ranks, resumed by 1 process (whole model), resumed back by 2 FSDP ranks, with no
     step in between: the model and every optimizer moment are bitwise those of the first checkpoint at each
-    hop, and the run says what it did with the data position."""
+    hop, and the run says what it did with the data position. (The one-process hop runs in this process.)"""
     from nsa.model import build_model
     from nsa.train.parallel import by_name
     from nsa.train.session import build_optimizer
+    from nsa.train.trainer import Trainer
+    from tests.conftest import quiet, resolve
 
     src = runs["fsdp"] / "checkpoints" / "step_00000003"
     one, back = tmp_path / "one", tmp_path / "back"
-    res = run_ok(cmd("--steps", "3", "--set", "eval.every=0", "--out-dir", str(one), "--resume", str(src)))
-    assert "resumed a checkpoint of 2 data rank(s) on 1" in res.stdout + res.stderr
+    said = quiet()
+    hop = resolve(one, 3, train__seq_len=64, eval__every=0, train__resume=str(src))
+    assert Trainer(hop, reporter=said).fit().status == "completed"
+    assert "resumed a checkpoint of 2 data rank(s) on 1" in said.text()
     whole = torch.load(one / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
     ref = _shards(src, tmp_path)
     assert whole["model"].keys() == ref["model"].keys()
@@ -113,7 +120,7 @@ def test_a_checkpoint_moves_between_numbers_of_ranks_exactly(runs: dict[str, Pat
     model = build_model(cfg)
     _same_optimizer(by_name(model, build_optimizer(model, cfg, "cpu"), whole["optimizer"]), ref["optimizer"])
 
-    run_ok(cmd("--steps", "3", "--nproc-per-node", "2", "--set", "runtime.parallel=fsdp", "--set", "eval.every=0",
+    run_ok(cmd("--steps", "3", "--nproc-per-node", "2", *SEQ, "--set", "runtime.parallel=fsdp", "--set", "eval.every=0",
                "--out-dir", str(back), "--resume", str(one / "checkpoints" / "step_00000003")))
     again = _shards(back / "checkpoints" / "step_00000003", tmp_path)
     assert all(torch.equal(again["model"][k], ref["model"][k]) for k in ref["model"])
@@ -228,13 +235,12 @@ def test_both_nodes_report_their_ranks_code_when_the_store_host_stops_first(tmp_
 
 
 @pytest.mark.slow
-def test_fsdp_runs_record_the_selection_diagnostics(tmp_path: Path) -> None:
-    """The selection report runs through the sharded root's forward (its hooks gather the shards)."""
-    out = tmp_path / "fsdp-eval"
-    run_ok(cmd("--steps", "3", "--nproc-per-node", "2", "--set", "runtime.parallel=fsdp", "--set", "eval.every=3",
-               "--set", "eval.batches=1", "--set", "train.seq_len=64", "--set", "checkpoint.every=0",
-               "--out-dir", str(out)))
-    rows = _rows_of(out / "val.csv")
-    assert rows and all(0 < float(r["sel_recall_mean"]) <= 1 and 0 < float(r["cmp_entropy_mean"]) <= 1 + 1e-5
-                        for r in rows)
+def test_fsdp_runs_record_the_selection_diagnostics(runs: dict[str, Path]) -> None:
+    """The selection report runs through the sharded root's forward (its hooks gather the shards): the FSDP run
+    evaluates at steps 3 and 6, its resumed run at step 6, each with the selection figures."""
+    for name, steps in (("fsdp", ["3", "6"]), ("resumed", ["6"])):
+        rows = _rows_of(runs[name] / "val.csv")
+        assert [r["step"] for r in rows] == steps, (name, rows)
+        assert all(0 < float(r["sel_recall_mean"]) <= 1 and 0 < float(r["cmp_entropy_mean"]) <= 1 + 1e-5
+                   for r in rows), (name, rows)
 

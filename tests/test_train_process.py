@@ -72,6 +72,25 @@ def run_ok(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess
     return res
 
 
+def run_all_ok(*commands: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess[str]]:
+    """Independent runs started together (a launch is mostly one process importing torch: two of them use
+    both cores of a small machine); each must exit 0."""
+    procs = [subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in commands]
+    out = []
+    try:
+        for c, p in zip(commands, procs, strict=True):
+            stdout, stderr = p.communicate(timeout=timeout)
+            assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+            out.append(subprocess.CompletedProcess(c, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
 @pytest.mark.slow
 def test_sigusr_then_sigkill_then_resume_reproduces_the_losses(tmp_path: Path) -> None:
     """SIGUSR1 dumps stacks, SIGUSR2 checkpoints and continues; after a SIGKILL, ``--resume auto``
@@ -98,8 +117,7 @@ def test_sigusr_then_sigkill_then_resume_reproduces_the_losses(tmp_path: Path) -
     newest = latest_checkpoint(cut)
     assert newest is not None and int(newest.name.split("_")[1]) >= saved["step"]
 
-    run_ok(cmd(*steps, "--out-dir", str(ref)))
-    res = run_ok(cmd(*steps, "--out-dir", str(cut), "--resume", "auto"))
+    _, res = run_all_ok(cmd(*steps, "--out-dir", str(ref)), cmd(*steps, "--out-dir", str(cut), "--resume", "auto"))
     assert "resumed from" in res.stdout
     boots = [e for e in events(cut) if e["event"] == "boot"]
     assert len(boots) == 2 and boots[1]["resumed_from"] == str(newest)

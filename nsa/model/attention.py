@@ -93,6 +93,7 @@ class NSAAttention(nn.Module):
 
     @property
     def gate_bias(self) -> tuple[float, float, float]:
+        """``gates.bias`` (read under this name by the ``modeling_nsa.py`` of Hugging Face exports)."""
         return self.gates.bias
 
     @property

@@ -144,7 +144,7 @@ def install(spec: str) -> None:
             B, S, _ = inp.shape
             pos = torch.arange(S, device=inp.device)
             p = self.project(inp, pos)
-            collect = self.training and not self._suppress_stats
+            collect = self.diag.collects(self.training)
             q_win = self.rope(self.q_win(inp).view(B, S, self.n_heads, self.d_k), pos)
             o = _window_apart(self, p, collect, q_win, p.k_win, p.v_win, p.gates)
             return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))

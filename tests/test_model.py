@@ -10,6 +10,7 @@ import torch
 
 from nsa.config import ModelConfig, NSAConfig, load_named
 from nsa.model import NSALM, DenseAttention, LMOutput, NSAAttention, RMSNorm, build_model
+from nsa.model.gates import GateParams
 from nsa.ops import NSAParams
 
 HP = NSAParams(l=4, d=2, l_sel=4, n_sel=2, w=6)
@@ -17,7 +18,7 @@ HP = NSAParams(l=4, d=2, l_sel=4, n_sel=2, w=6)
 
 def _attn(h: int, phi: str = "avg", gate: str = "sigmoid", shared_kv: bool = False, H: int = 2, **kw) -> NSAAttention:
     torch.manual_seed(0)
-    return NSAAttention(24, h * H, H, 8, 6, HP, phi=phi, gate=gate, shared_kv=shared_kv, **kw)
+    return NSAAttention(24, h * H, H, 8, 6, HP, GateParams(kind=gate, **kw), phi=phi, shared_kv=shared_kv)
 
 
 def _tiny_lm(attention: str = "nsa", **nsa_kw) -> NSALM:
@@ -321,3 +322,35 @@ def test_a_config_saved_before_the_gate_fields_loads_with_the_old_gates(tmp_path
     loaded = load_model(tmp_path)
     attn = loaded.model.blocks[0].attn
     assert isinstance(attn, NSAAttention) and attn.gate_scale == 1.0 and attn.gate_bias == (0.0, 0.0, 0.0)
+
+
+def test_gate_options_are_one_record_and_the_old_keywords_build_the_same_layer() -> None:
+    """``GateParams`` carries the gate options (issue 34); the loose keywords that the ``modeling_nsa.py`` of
+    earlier Hugging Face exports passes build the same layer."""
+    gates = GateParams(kind="softmax", hidden=5, bias=(0, 1, -1), scale=0.5, collapse_threshold=0.4)
+    assert gates.bias == (0.0, 1.0, -1.0) and gates == GateParams.of_config(NSAConfig(
+        gate="softmax", gate_hidden=5, gate_bias=(0.0, 1.0, -1.0), gate_scale=0.5, collapse_threshold=0.4))
+    torch.manual_seed(0)
+    new = NSAAttention(24, 4, 2, 8, 6, HP, gates, phi="mlp")
+    torch.manual_seed(0)
+    old = NSAAttention(24, 4, 2, 8, 6, HP, phi="mlp", gate="softmax", gate_hidden=5, gate_bias=(0.0, 1.0, -1.0),
+                       gate_scale=0.5, fixed_gates=None, collapse_threshold=0.4)
+    assert old.gates == gates and old.state_dict().keys() == new.state_dict().keys()
+    x = torch.randn(1, 9, 24)
+    torch.testing.assert_close(old(x), new(x), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="not both"):
+        NSAAttention(24, 4, 2, 8, 6, HP, gates, gate="sigmoid")
+    with pytest.raises(ValueError, match=r"nsa\.gate='relu'"):
+        GateParams(kind="relu")
+
+
+def test_diagnostics_follow_the_layer_and_stay_out_of_its_state() -> None:
+    """The layer's diagnostics (running sums, scorer weight) move with ``.double()``/``.to()`` and add nothing
+    to ``state_dict`` or the module's buffers."""
+    m = _attn(2)
+    keys = set(m.state_dict())
+    m.diag.configure_scorer(4, 0.25)
+    m.double()
+    assert set(m.state_dict()) == keys and [n for n, _ in m.named_buffers()] == ["gate_offset"]
+    assert m.diag.acc.dtype == torch.float64 and m.diag.scorer_weight.dtype == torch.float64
+    assert float(m.diag.scorer_weight) == 0.25

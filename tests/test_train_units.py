@@ -199,3 +199,31 @@ def test_cuda_random_state_is_this_ranks_device_and_restores_on_fewer_gpus(monke
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     runtime.set_rng_state(legacy)  # a device the saver did not see: its first state
     assert restored == [(2, 0), (1, 0), (1, 3)]
+
+
+def test_step_hooks_are_registered_by_the_config_and_split_their_totals() -> None:
+    """``nsa.train.hooks``: the scorer's warm-up ends after ``scorer.until``; the answer metrics' sums join
+    the step's all-reduce and come back as ``answer_loss``/``answer_acc``."""
+    from types import SimpleNamespace
+
+    from nsa.config import load_named
+    from nsa.train.hooks import AnswerMetrics, ScorerWarmup, step_hooks
+
+    cfg = load_named("tiny")
+    assert step_hooks(cfg, None, None).hooks == []
+    calls: list[tuple[int, float]] = []
+    model = SimpleNamespace(configure_scorer=lambda q, w: calls.append((q, w)))
+    on = cfg.model_copy(update={"scorer": cfg.scorer.model_copy(update={"weight": 0.5, "until": 2})})
+    hooks = step_hooks(on, model, torch.tensor([False, True, True]))
+    assert [type(h) for h in hooks.hooks] == [ScorerWarmup, AnswerMetrics]
+    for step in (1, 2, 3, 4):
+        hooks.on_step_start(step)
+        assert calls == ([] if step <= 2 else [(0, 0.0)])
+    logits = torch.zeros(1, 3, 5)
+    logits[0, 1, 2] = 9.0  # right at position 1, wrong at position 2
+    hooks.on_micro_batch(SimpleNamespace(logits=logits), torch.tensor([[0, 2, 3]]))
+    sums = hooks.step_sums()
+    assert len(sums) == 3 and float(sums[1]) == 1.0 and float(sums[2]) == 2.0
+    fields = hooks.log_fields([float(v) * 2 for v in sums])  # two ranks with the same answers
+    assert list(fields) == ["answer_loss", "answer_acc"] and fields["answer_acc"] == 0.5
+    assert fields["answer_loss"] == pytest.approx(float(sums[0]) / 2)

@@ -45,6 +45,7 @@ try:  # the nsa package, when installed: its layers and decode caches
     from nsa.model.attention import NSAAttention as _PkgNSAAttention
     from nsa.model.cache import ModelCache as _PkgModelCache
     from nsa.model.dense import DenseAttention as _PkgDenseAttention
+    from nsa.model.gates import GateParams as _PkgGateParams
     from nsa.ops import NSAParams as _PkgNSAParams
 
     _PKG_ERROR: str | None = None
@@ -383,11 +384,11 @@ def _package_attention(config: NSAConfig) -> nn.Module:
                                   c.v_head_dim, rope_theta=c.rope_theta)
     hp = _PkgNSAParams(l=int(n["l"]), d=int(n["d"]), l_sel=int(n["l_sel"]), n_sel=int(n["n_sel"]), w=int(n["w"]))
     fixed = None if n["fixed_gates"] is None else _triple(n["fixed_gates"])
+    gates = _PkgGateParams(kind=n["gate"], hidden=n["gate_hidden"], bias=_triple(n["gate_bias"]),
+                           scale=float(n["gate_scale"]), fixed=fixed)
     return _PkgNSAAttention(
-        c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.v_head_dim, hp, phi=n["phi"],
-        gate=n["gate"], shared_kv=bool(n["shared_kv"]), rope_theta=c.rope_theta, gate_hidden=n["gate_hidden"],
-        gate_bias=_triple(n["gate_bias"]), gate_scale=float(n["gate_scale"]), fixed_gates=fixed,
-        backend=backend,
+        c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.v_head_dim, hp, gates,
+        phi=n["phi"], shared_kv=bool(n["shared_kv"]), rope_theta=c.rope_theta, backend=backend,
     )
 
 
@@ -467,10 +468,9 @@ def _reset_buffers(module: Any) -> None:
         return
     p = next(module.parameters())
     module.gate_offset = torch.tensor(module.gate_bias, dtype=p.dtype, device=p.device).repeat(module.n_heads)
-    if isinstance(getattr(module, "scorer_weight", None), torch.Tensor):
-        module.scorer_weight = torch.zeros((), dtype=p.dtype, device=p.device)
-    if isinstance(getattr(module, "_stat_acc", None), torch.Tensor):
-        module._stat_acc = torch.zeros_like(module._stat_acc, device=p.device)
+    diag = getattr(module, "diag", None)
+    if diag is not None:  # the layer's diagnostics (running sums, scorer weight) follow it
+        diag.follow(p.device, p.dtype)
 
 
 class NSAModel(NSAPreTrainedModel):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,17 +12,9 @@ from nsa.model import documents
 from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
 from nsa.model.compress import Compressor
 from nsa.model.context import ContextParallel
+from nsa.model.diagnostics import LayerDiagnostics
+from nsa.model.gates import GateParams
 from nsa.model.rope import RotaryEmbedding
-from nsa.model.selection import (
-    AttachLoss,
-    block_scores,
-    compressed_probs,
-    dense_block_mass,
-    layer_report,
-    probe_positions,
-    scorer_kl,
-)
-from nsa.model.stats import N_FIELDS, gate_sums, scorer_sums, selection_sums, summarise
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.decode_cache import NewToken
@@ -57,52 +47,34 @@ class NSAAttention(nn.Module):
     - RoPE on ``q``, ``k_sel``, ``k_win`` and on the raw compression keys before ``phi`` (values: none).
     - ``phi``: ``avg`` (``nsa.ops.compress_avg``) or ``mlp`` (learnable block MLP with intra-block
       position embedding, separate for keys and values).
-    - Gates: logits ``gate_bias + gate_scale * mlp(x)`` with ``mlp = Linear(dim, gate_hidden) -> SiLU
-      -> Linear(gate_hidden, n_heads * 3)`` (``gate_bias`` a constant per branch), then ``sigmoid`` per
-      branch or ``softmax`` over the three branches; order (cmp, sel, win). Small, slow gates at init are what
-      lets the model learn long-range retrieval (docs/design.md, "Gates").
+    - Gates (``gates``: :class:`nsa.model.gates.GateParams`): logits ``bias + scale * mlp(x)`` with
+      ``mlp = Linear(dim, hidden) -> SiLU -> Linear(hidden, n_heads * 3)`` (``bias`` a constant per branch),
+      then ``sigmoid`` per branch or ``softmax`` over the three branches; order (cmp, sel, win). Small, slow
+      gates at init are what lets the model learn long-range retrieval (docs/design.md, "Gates").
     - ``o_proj``: ``Linear(n_heads * d_v, dim)``.
 
-    On every training forward the gate and selection statistics are added to a device-side vector
-    (no host sync); ``consume_stats()`` reads and resets it with one transfer.
-
-    ``scorer_queries > 0``: every training forward also computes the scorer loss
-    (:func:`nsa.model.selection.scorer_kl` on that many query positions) and adds
-    ``scorer_weight * loss`` to the backward pass (not to the reported loss); ``scorer_weight`` is a
-    buffer, so a schedule changes it without recompiling. :meth:`arm_probe` measures selection recall.
+    What the layer measures besides its output (gate and selection statistics, the selection probe, the
+    scorer loss) lives in ``diag`` (:class:`nsa.model.diagnostics.LayerDiagnostics`); the forward hands it the
+    tensors it needs. ``legacy``: the loose gate keywords of before issue 34 (``gate``, ``gate_hidden``,
+    ``gate_bias``, ``gate_scale``, ``fixed_gates``, ``collapse_threshold``) instead of ``gates``, as the
+    ``modeling_nsa.py`` of earlier Hugging Face exports passes them.
     """
 
     def __init__(
-        self,
-        dim: int,
-        n_heads: int,
-        n_kv_groups: int,
-        d_k: int,
-        d_v: int,
-        hp: NSAParams,
-        phi: str = "avg",
-        gate: str = "sigmoid",
-        shared_kv: bool = False,
-        rope_theta: float = 10000.0,
-        gate_hidden: int | None = None,
-        gate_bias: tuple[float, float, float] = (-2.0, -2.0, 2.0),
-        gate_scale: float = 0.1,
-        fixed_gates: tuple[float, float, float] | None = None,
-        collapse_threshold: float = 0.9,
-        backend: str | None = None,
-        scorer_queries: int = 0,
-        scorer_weight: float = 0.0,
+        self, dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, hp: NSAParams,
+        gates: GateParams | None = None, *, phi: str = "avg", shared_kv: bool = False, rope_theta: float = 10000.0,
+        backend: str | None = None, **legacy: Any,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_groups:
             raise ValueError(f"model.n_kv_groups={n_kv_groups} must divide model.n_heads={n_heads}")
-        if gate not in ("sigmoid", "softmax"):
-            raise ValueError(f"nsa.gate='{gate}' must be 'sigmoid' or 'softmax'")
+        if legacy and gates is not None:
+            raise TypeError(f"NSAAttention: pass gates or the loose gate keywords ({', '.join(legacy)}), not both")
+        gates = GateParams.of_keywords(**legacy) if legacy else gates or GateParams()
         self.dim, self.n_heads, self.n_kv_groups = dim, n_heads, n_kv_groups
         self.d_k, self.d_v = d_k, d_v
-        self.hp = hp
-        self.phi, self.gate, self.shared_kv = phi, gate, shared_kv
-        self.collapse_threshold = collapse_threshold
+        self.hp, self.gates = hp, gates
+        self.phi, self.shared_kv = phi, shared_kv
         self.backend = backend
         self.scale = d_k**-0.5
 
@@ -110,26 +82,23 @@ class NSAAttention(nn.Module):
         self.n_kv_branches = 1 if shared_kv else 3
         self.kv_proj = nn.Linear(dim, self.n_kv_branches * n_kv_groups * (d_k + d_v), bias=False)
         self.compress = Compressor(phi, hp, d_k, d_v, backend=backend)
-        gh = gate_hidden or max(1, dim // 4)
+        gh = gates.hidden or max(1, dim // 4)
         self.gate_mlp = nn.Sequential(nn.Linear(dim, gh), nn.SiLU(), nn.Linear(gh, n_heads * 3))
-        self.gate_bias = tuple(float(b) for b in gate_bias)
-        self.gate_scale = float(gate_scale)
         # a constant (config, not state): the learned part of the logits starts at 0 around it
-        self.register_buffer("gate_offset", torch.tensor(self.gate_bias).repeat(n_heads), persistent=False)
-        self.fixed_gates = None if fixed_gates is None else tuple(float(g) for g in fixed_gates)
+        self.register_buffer("gate_offset", torch.tensor(gates.bias).repeat(n_heads), persistent=False)
         self.o_proj = nn.Linear(n_heads * d_v, dim, bias=False)
         self.rope = RotaryEmbedding(d_k, rope_theta)
-
-        # float64 running sums (nsa.model.stats.FIELDS): a plain attribute, not a buffer (DDP would broadcast
-        # rank 0's sums over the others'), allocated here and moved by _apply, so a compiled forward never
-        # meets it missing or on another device (each would be a guard failure and a recompilation)
-        self._stat_acc = torch.zeros(N_FIELDS, dtype=torch.float64)
-        self._suppress_stats = False
-        self.scorer_queries = int(scorer_queries)
-        self.register_buffer("scorer_weight", torch.tensor(float(scorer_weight)), persistent=False)
         self.context: ContextParallel | None = None  # set by NSALM.set_context_parallel
-        self._probe_queries = 0  # > 0 inside probe(): the next forward records layer_report here
-        self._probe_out: dict[str, Any] | None = None
+        self.diag = LayerDiagnostics(hp, self.scale, gates.collapse_threshold)
+
+    @property
+    def gate_bias(self) -> tuple[float, float, float]:
+        """``gates.bias`` (read under this name by the ``modeling_nsa.py`` of Hugging Face exports)."""
+        return self.gates.bias
+
+    @property
+    def gate_scale(self) -> float:
+        return self.gates.scale
 
     # ------------------------------------------------------------------------------------------
     # shared pieces
@@ -148,11 +117,11 @@ class NSAAttention(nn.Module):
         assert isinstance(offset, torch.Tensor)
         if pre is not None or x.shape[0] * x.shape[1] > 8:
             hid = F.silu(fc1(x) if pre is None else pre + fc1.bias.to(pre.dtype))
-            const = offset.to(hid.dtype) + self.gate_scale * fc2.bias.to(hid.dtype)
+            const = offset.to(hid.dtype) + self.gates.scale * fc2.bias.to(hid.dtype)
             return torch.addmm(const, hid.reshape(-1, hid.shape[-1]), fc2.weight.to(hid.dtype).t(),
-                               alpha=self.gate_scale).view(*hid.shape[:-1], -1)
+                               alpha=self.gates.scale).view(*hid.shape[:-1], -1)
         hid = F.silu((x[..., None, :] * fc1.weight).sum(-1) + fc1.bias)
-        return offset + self.gate_scale * ((hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias)
+        return offset + self.gates.scale * ((hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias)
 
     def in_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(q, kv, gate pre-activation)`` of ``x``: one GEMM over the concatenated weights of ``q_proj``,
@@ -160,7 +129,7 @@ class NSAAttention(nn.Module):
         read of ``x`` instead of three), else the separate layers (a decode step)."""
         fc1 = self.gate_mlp[0]
         assert isinstance(fc1, nn.Linear)
-        gate = self.fixed_gates is None
+        gate = self.gates.fixed is None
         if x.shape[0] * x.shape[1] <= 8:
             return self.q_proj(x), self.kv_proj(x), None
         ws = [self.q_proj.weight, self.kv_proj.weight, *([fc1.weight] if gate else [])]
@@ -183,20 +152,21 @@ class NSAAttention(nn.Module):
             vs.append(kv[:, :, i, H * Dk :].reshape(B, S, H, Dv))
         if self.shared_kv:
             ks, vs = ks * 3, vs * 3
-        if self.fixed_gates is not None:  # ablation: constant gates, the gate MLP unused
-            gates = torch.tensor(self.fixed_gates, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads, 3)
+        if self.gates.fixed is not None:  # ablation: constant gates, the gate MLP unused
+            gates = torch.tensor(self.gates.fixed, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads, 3)
         else:
             g = self.gate_logits(x, gate_pre).view(B, S, self.n_heads, 3)
-            gates = torch.sigmoid(g) if self.gate == "sigmoid" else torch.softmax(g, dim=-1)
+            gates = torch.sigmoid(g) if self.gates.kind == "sigmoid" else torch.softmax(g, dim=-1)
         return Projected(
             q=q, k_cmp_raw=ks[0], v_cmp_raw=vs[0], k_sel=ks[1], v_sel=vs[1], k_win=ks[2], v_win=vs[2],
             gates=gates,
         )
 
     def attend(self, p: Projected, collect: bool) -> torch.Tensor:
-        """Compress, run the NSA op, and (if ``collect``) add the statistics: ``[B, S, HQ, Dv]``."""
+        """Compress and run the NSA op: ``[B, S, HQ, Dv]``; ``diag`` observes the forward when it collects
+        statistics (``collect``) or a probe is armed."""
         k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw)
-        want_idx = collect or self._probe_queries > 0
+        want_idx = collect or self.diag.probe_queries > 0
         res = nsa_attention(
             p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, p.gates, self.hp, scale=self.scale,
             return_block_idx=want_idx, backend=self.backend,
@@ -205,28 +175,7 @@ class NSAAttention(nn.Module):
             assert isinstance(res, torch.Tensor)
             return res
         o, idx = res
-        if self._probe_queries > 0:
-            self._probe_out = layer_report(p.q, p.k_sel, k_cmp, idx, p.gates, self.hp, self.scale, self._probe_queries)
-        if collect:
-            self._accumulate(p.gates, idx)
-            o = self._scorer_loss(p, k_cmp, o)
-        return o
-
-    def _scorer_loss(self, p: Projected, k_cmp: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """``o``, carrying ``scorer_weight * scorer_kl`` into the backward (training forwards with
-        ``scorer_queries > 0`` and gradients on)."""
-        S = p.q.shape[1]
-        ts = probe_positions(S, self.hp, self.scorer_queries, p.q.device)
-        if ts is None or not torch.is_grad_enabled():
-            return o
-        target = dense_block_mass(p.q, p.k_sel, ts, self.hp, self.scale)
-        probs, _ = compressed_probs(p.q, k_cmp, ts, S, self.hp, self.scale)
-        kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))
-        with torch.no_grad():
-            self._stat_acc[N_FIELDS - 2:].add_(scorer_sums(kl))
-        weight = self.scorer_weight
-        assert isinstance(weight, torch.Tensor)
-        return AttachLoss.apply(o, kl * weight)
+        return self.diag.observe(p.q, p.k_sel, k_cmp, p.gates, idx, o, collect)
 
     def attend_documents(self, p: Projected, cu_seqlens: torch.Tensor, collect: bool) -> torch.Tensor:
         """:meth:`attend` for packed documents (``cu_seqlens`` over the flattened batch)."""
@@ -242,7 +191,7 @@ class NSAAttention(nn.Module):
         o, idx = documents.attend(one_batch, [p.q, p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win,
                                               p.gates], cu_seqlens)
         if collect:
-            self._accumulate(p.gates, idx)
+            self.diag.accumulate(p.gates, idx)
         return o
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -253,14 +202,14 @@ class NSAAttention(nn.Module):
         B, S, _ = x.shape
         pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
         p = self.project(x, pos)
-        collect = self.training and not self._suppress_stats
+        collect = self.diag.collects(self.training)
         o = self.attend(p, collect) if cu_seqlens is None else self.attend_documents(p, cu_seqlens, collect)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
     def _forward_context(self, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
         """This rank's rows (:mod:`nsa.model.context`): the keys and values of the whole sequence gathered,
         each of the rank's chunks attending to the prefix that ends with it."""
-        if self._probe_queries > 0 or self.scorer_queries > 0:
+        if self.diag.whole_sequence_only():
             raise ValueError("the scorer loss and selection probes do not run under context parallelism")
         B, S_local, _ = x.shape
         S = S_local * cp.size
@@ -272,7 +221,7 @@ class NSAAttention(nn.Module):
                 whole[id(t)] = cp.gather(t)
         kc, vc, ks, vs, kw, vw = (whole[id(t)] for t in raw)
         k_cmp, v_cmp = self.compress(kc, vc)
-        collect = self.training and not self._suppress_stats
+        collect = self.diag.collects(self.training)
         outs, idxs = [], []
         for i, (start, stop) in enumerate(cp.chunks(S)):
             rows = slice(i * (S_local // 2), (i + 1) * (S_local // 2))
@@ -287,7 +236,7 @@ class NSAAttention(nn.Module):
             else:
                 outs.append(res)
         if collect:
-            self._accumulate(p.gates, torch.cat(idxs, dim=1))
+            self.diag.accumulate(p.gates, torch.cat(idxs, dim=1))
         o = torch.cat(outs, dim=1)
         return self.o_proj(o.reshape(B, S_local, self.n_heads * self.d_v))
 
@@ -341,58 +290,28 @@ class NSAAttention(nn.Module):
         return self.o_proj(res.o.reshape(B, 1, self.n_heads * self.d_v))
 
     # ------------------------------------------------------------------------------------------
-    # statistics
-
-    @torch.no_grad()
-    def _accumulate(self, gates: torch.Tensor, block_idx: torch.Tensor) -> None:
-        add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.hp.l_sel)])
-        if self._stat_acc.device != add.device:  # a module used on a device it was not moved to
-            self._stat_acc = torch.zeros(N_FIELDS, dtype=torch.float64, device=add.device)
-        # in place: torch.compile keeps one graph (the last two fields are the scorer's: _scorer_loss)
-        self._stat_acc[: add.numel()].add_(add)
-
-    def arm_probe(self, queries: int) -> None:
-        """The next forward records :func:`nsa.model.selection.layer_report` on ``queries`` positions
-        (read it with :meth:`take_probe`; ``NSALM.selection_report`` drives both)."""
-        self._probe_queries, self._probe_out = int(queries), None
-
-    def take_probe(self) -> dict[str, Any]:
-        """The recorded report (empty if no forward ran, or it ran over packed documents), disarmed."""
-        out, self._probe_out, self._probe_queries = self._probe_out or {}, None, 0
-        return out
+    # what the layer measures (self.diag)
 
     def _apply(self, fn: Any, recurse: bool = True) -> NSAAttention:
-        """``.to()``/``.cuda()``: the statistics follow the module's device (zeroed), staying float64."""
+        """``.to()``/``.cuda()``/``.double()``: the diagnostics follow the module (device, floating dtype)."""
         super()._apply(fn, recurse)
-        device = self.gate_offset.device if isinstance(self.gate_offset, torch.Tensor) else self._stat_acc.device
-        self._stat_acc = torch.zeros(N_FIELDS, dtype=torch.float64, device=device)
+        offset = self.gate_offset
+        if isinstance(offset, torch.Tensor):
+            self.diag.follow(offset.device, offset.dtype)
         return self
 
     def take_stat_sums(self) -> torch.Tensor | None:
-        """A copy of the device-side running sums (``nsa.model.stats.FIELDS``; zeros when no training forward
-        ran since the last call), then zero them in place. No host sync."""
-        out = self._stat_acc.clone()
-        self._stat_acc.zero_()
-        return out
+        """The running sums since the last call (``nsa.model.stats.FIELDS``), zeroed; no host sync."""
+        return self.diag.take_sums()
 
     def consume_stats(self) -> dict[str, float | list[float]]:
         """Gate entropy, branch shares, collapse fraction, mean gates, ``sel_keys_mean``; one transfer."""
-        acc = self.take_stat_sums()
-        return {} if acc is None else summarise(acc.tolist())
-
-    @contextlib.contextmanager
-    def suppress_stats(self) -> Iterator[None]:
-        """No statistics inside (used for the recompute pass of gradient checkpointing)."""
-        old, self._suppress_stats = self._suppress_stats, True
-        try:
-            yield
-        finally:
-            self._suppress_stats = old
+        return self.diag.consume()
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.n_heads}, kv_groups={self.n_kv_groups}, d_k={self.d_k}, d_v={self.d_v}, "
             f"l={self.hp.l}, d={self.hp.d}, l_sel={self.hp.l_sel}, n_sel={self.hp.n_sel}, w={self.hp.w}, "
-            f"phi={self.phi}, gate={self.gate}, shared_kv={self.shared_kv}"
-            + (f", fixed_gates={self.fixed_gates}" if self.fixed_gates is not None else "")
+            f"phi={self.phi}, gate={self.gates.kind}, shared_kv={self.shared_kv}"
+            + (f", fixed_gates={self.gates.fixed}" if self.gates.fixed is not None else "")
         )

@@ -8,6 +8,7 @@ from torch import nn
 from nsa.config import ModelConfig, NSAConfig
 from nsa.model.attention import NSAAttention
 from nsa.model.dense import DenseAttention
+from nsa.model.gates import GateParams
 from nsa.model.norm import RMSNorm, SwiGLU
 
 
@@ -19,13 +20,8 @@ def make_attention(
     if m.attention == "dense":
         return DenseAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, rope_theta=m.rope_theta)
     n = nsa_cfg
-    return NSAAttention(
-        m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, n.params(), phi=n.phi, gate=n.gate,
-        shared_kv=n.shared_kv, rope_theta=m.rope_theta, gate_hidden=n.gate_hidden,
-        gate_bias=n.gate_bias, gate_scale=n.gate_scale,
-        fixed_gates=n.fixed_gates,
-        collapse_threshold=n.collapse_threshold, backend=backend,
-    )
+    return NSAAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, n.params(), GateParams.of_config(n), phi=n.phi,
+                        shared_kv=n.shared_kv, rope_theta=m.rope_theta, backend=backend)
 
 
 class Block(nn.Module):

@@ -33,7 +33,7 @@ def _run_block(block: Block, calls: list[int], x: torch.Tensor, cu_seqlens: torc
     """Run ``block``; calls after the first are checkpoint recomputes and add no statistics."""
     calls[0] += 1
     if calls[0] > 1 and isinstance(block.attn, NSAAttention):
-        with block.attn.suppress_stats():
+        with block.attn.diag.suppress():
             return block(x, cu_seqlens)
     return block(x, cu_seqlens)
 
@@ -143,23 +143,20 @@ class NSALM(nn.Module):
         was_training = self.training
         self.eval()
         for _, attn in layers:
-            attn.arm_probe(queries)
+            attn.diag.arm_probe(queries)
         try:
             self(input_ids)  # through __call__: wrappers' hooks (FSDP2 gathers) run
         finally:
-            reports = [{"layer": i, **attn.take_probe()} for i, attn in layers]
+            reports = [{"layer": i, **attn.diag.take_probe()} for i, attn in layers]
             self.train(was_training)
         return reports
 
     def configure_scorer(self, queries: int, weight: float) -> None:
         """The scorer loss in every NSA layer: ``queries`` positions per forward (0: off, nothing computed)
-        and its ``weight`` (a buffer: changing only the weight does not recompile)."""
+        and its ``weight`` (filled in place: changing only the weight does not recompile)."""
         for block in self.block_list():
             if isinstance(block.attn, NSAAttention):
-                block.attn.scorer_queries = int(queries)
-                buf = block.attn.scorer_weight
-                assert isinstance(buf, torch.Tensor)
-                buf.fill_(float(weight))
+                block.attn.diag.configure_scorer(queries, weight)
 
     # ------------------------------------------------------------------------------------------
     # sizes

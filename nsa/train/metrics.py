@@ -145,10 +145,11 @@ class Recorder:
         skipped = f", {st['skipped_total']:,} record(s) skipped" if st.get("skipped_total") else ""
         return f"data read: {st.get('docs_seen', 0):,} documents{chars}{skipped} (epoch {st.get('epoch', 0)})"
 
-    def log_step(self, step: int, loss: float, lr: float, grad_norm: float,
-                 answers: tuple[float, float] | None, heartbeat_only: bool = False) -> None:
+    def log_step(self, step: int, loss: float, lr: float, grad_norm: float, fields: dict[str, float],
+                 heartbeat_only: bool = False) -> None:
         """A log step: the heartbeat's ``progress`` event, a CSV row, TensorBoard and the console line
-        (``heartbeat_only``: the event alone, for ``logging.heartbeat_every`` between log steps)."""
+        (``heartbeat_only``: the event alone, for ``logging.heartbeat_every`` between log steps). ``fields``:
+        the step hooks' (:mod:`nsa.train.hooks`; ``answer_loss``/``answer_acc`` of a synthetic task)."""
         s, tr = self.s, self.s.cfg.train
         n, win_time, fetch_s = self.clock.window if heartbeat_only else self.clock.take_window()
         n = int(n)
@@ -165,7 +166,7 @@ class Recorder:
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
             "step_time_s": step_time, "fetch_ms": 1000 * fetch_s / max(n, 1), "tokens_seen": s.state.tokens_seen,
             "elapsed_s": self.clock.elapsed(), "eta_s": eta,
-            "answer_loss": answers[0] if answers else None, "answer_acc": answers[1] if answers else None,
+            "answer_loss": fields.get("answer_loss"), "answer_acc": fields.get("answer_acc"),
             "fetch_p50_ms": loader_stats.get("fetch_p50_ms"), "fetch_p95_ms": loader_stats.get("fetch_p95_ms"),
             "scorer_kl": _float(stats.get("scorer_kl")), **mem, **gpu,
         }
@@ -202,8 +203,7 @@ class Recorder:
             "gate/collapse_fraction": _float(stats.get("gate_collapse_fraction")),
             "sel/keys_mean": _float(stats.get("sel_keys_mean")), "sel/scorer_kl": row["scorer_kl"],
         }
-        if answers is not None:
-            scalars.update({"train/answer_loss": answers[0], "train/answer_acc": answers[1]})
+        scalars.update({f"train/{name}": value for name, value in fields.items()})
         if shares is not None:
             scalars.update({f"gate/share_{b}": float(x) for b, x in zip(("cmp", "sel", "win"), shares, strict=False)})
         s.tb.scalars(scalars, step)

@@ -31,6 +31,7 @@ from nsa.train import checkpoint as ckpt
 from nsa.train import distributed as D
 from nsa.train import parallel, rundir
 from nsa.train.events import Output, Reporter
+from nsa.train.hooks import StepHooks, step_hooks
 from nsa.train.lock import RunLock
 from nsa.train.runtime import (
     Runtime,
@@ -100,7 +101,7 @@ class Session:
     checkpointable: Checkpointable
     compiled: bool
     first_batch: tuple[torch.Tensor, torch.Tensor] | None
-    answer_mask: torch.Tensor | None
+    hooks: StepHooks  # what only some runs do at each step (nsa.train.hooks)
     first_batch_s: float
     layout: D.Layout = field(default_factory=D.Layout)  # data x context ranks
     context: ContextParallel | None = None  # this rank's share of each sequence (runtime.context_parallel)
@@ -339,7 +340,7 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
                 train_model=train_model, optimizer=optimizer, scheduler=scheduler, loader=loader,
                 val_loader=val_loader, val_start=val_start, state=state, checkpointable=checkpointable,
                 compiled=compiled, first_batch=first_batch,
-                answer_mask=mask.to(rt.device) if mask is not None else None,
+                hooks=step_hooks(cfg, model, mask.to(rt.device) if mask is not None else None),
                 first_batch_s=time.perf_counter() - t_loader, closers=closers, layout=grid, context=context)
 
     if dist.is_main:

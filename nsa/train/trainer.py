@@ -6,8 +6,9 @@ doing work (device, precision, combinations, resume target, tokenizer vocabulary
 ``ConfigError`` / ``CheckpointError``; ``fit`` does the work and returns a :class:`TrainResult`.
 
 The pieces: :mod:`nsa.train.session` (set-up and the live components), :mod:`nsa.train.state`
-(checkpointable ``Stateful`` state, one save/load path), :mod:`nsa.train.metrics` (timing, log steps,
-``metrics.json``), :mod:`nsa.train.events` (what people see; the CLI renders it).
+(checkpointable ``Stateful`` state, one save/load path), :mod:`nsa.train.hooks` (what only some runs do
+at each step: the scorer's warm-up, a synthetic task's answer metrics), :mod:`nsa.train.metrics` (timing, log
+steps, ``metrics.json``), :mod:`nsa.train.events` (what people see; the CLI renders it).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class StepOutcome:
     halt: tuple[str, str, str | None] | None  # this rank's own halt request (source, reason, watch rule)
     halt_any: bool
     save_now: bool
-    answers: tuple[float, float] | None
+    fields: dict[str, float]  # the step hooks' telemetry fields (nsa.train.hooks)
     fetch_s: float
 
 
@@ -196,12 +197,9 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         rec.started()
         s.out.start(s.state.step)
         s.train_model.train()
-        scorer_until = s.cfg.scorer.until if s.cfg.scorer.weight > 0 else None
         while s.state.step < tr.steps:
             step = s.state.step + 1
-            if scorer_until is not None and step > scorer_until:  # the scorer's warm-up is over
-                s.model.configure_scorer(0, 0.0)
-                scorer_until = None
+            s.hooks.on_step_start(step)
             t0 = time.perf_counter()
             lr = s.optimizer.param_groups[0]["lr"]
             r = self._step(s, step)
@@ -219,9 +217,9 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 s.out.message(f"torch.compile: first step (compilation included) took {dt:.1f} s")
 
             if step == 1 or step % log.every == 0 or step == tr.steps:
-                rec.log_step(step, r.loss, lr, r.grad_norm, r.answers)
+                rec.log_step(step, r.loss, lr, r.grad_norm, r.fields)
             elif log.heartbeat_every is not None and step % log.heartbeat_every == 0:
-                rec.log_step(step, r.loss, lr, r.grad_norm, r.answers, heartbeat_only=True)
+                rec.log_step(step, r.loss, lr, r.grad_norm, r.fields, heartbeat_only=True)
             else:
                 s.out.step(step)
             if s.val_loader is not None and (step % s.cfg.eval.every == 0 or step == tr.steps):
@@ -251,10 +249,9 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
 
     def _step(self, s: Session, step: int) -> StepOutcome:
         """Forward and backward over ``train.accum`` micro-batches, the gradient norm, and one all-reduce
-        of everything the ranks must agree on."""
+        of everything the ranks must agree on (the step hooks' sums included)."""
         tr = s.cfg.train
         loss_sum = torch.zeros((), device=s.plan.rt.device)
-        answer_sums = torch.zeros(3, device=s.plan.rt.device)  # answer loss and hits summed, answers
         fetch_s = 0.0
         for micro in range(tr.accum):
             tf = time.perf_counter()
@@ -267,8 +264,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 loss = out.loss.float() / tr.accum
                 loss.backward()
             loss_sum += loss.detach()
-            if s.answer_mask is not None:
-                answer_sums += _answer_scores(out.logits.detach(), y, s.answer_mask)
+            s.hooks.on_micro_batch(out, y)
         params = [p for p in s.model.parameters() if p.requires_grad]
         clip = s.cfg.optimizer.grad_clip
         grad_norm = parallel.local_norm(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
@@ -278,16 +274,16 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             loss_sum, (~torch.isfinite(loss_sum)).float(), (~torch.isfinite(grad_norm)).float(),
             torch.tensor(float(halt is not None), device=dev), torch.tensor(float(s.signals.save_now), device=dev),
             grad_norm.float(),  # identical on all ranks after the gradient all-reduce (DDP) / reduce-scatter (FSDP)
-            *answer_sums,
+            *s.hooks.step_sums(),
         ])
         D.all_reduce_sum(flags, s.dist)
-        loss_t, bad_loss, bad_grad, halt_any, save_any, norm_t, ans_loss, ans_hits, ans_n = flags.tolist()  # one sync
+        loss_t, bad_loss, bad_grad, halt_any, save_any, norm_t, *hook_totals = flags.tolist()  # one sync
         n = s.dist.world_size
         return StepOutcome(
             loss=loss_t / n, grad_norm=norm_t / n,
             bad="nonfinite_loss" if bad_loss else "nonfinite_grad" if bad_grad else None,
             halt=halt, halt_any=bool(halt_any), save_now=bool(save_any),
-            answers=(ans_loss / max(ans_n, 1), ans_hits / max(ans_n, 1)) if s.answer_mask is not None else None,
+            fields=s.hooks.log_fields(hook_totals),
             fetch_s=fetch_s,
         )
 
@@ -462,15 +458,6 @@ def _record_failure(s: Session, rec: Recorder, exc: BaseException) -> None:
             write_json_atomic(s.plan.files.metrics, rec.summary(status, error))
     with contextlib.suppress(Exception):
         s.hb.emit("end", s.state.step, status=status, error=error)
-
-
-def _answer_scores(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[cross-entropy summed, hits, answers]`` of the predictions at a synthetic task's answer positions
-    (sums, so ranks holding different numbers of answers combine exactly; none: zeros)."""
-    picked, want = logits[:, mask].float(), y[:, mask]
-    loss = torch.nn.functional.cross_entropy(picked.reshape(-1, picked.shape[-1]), want.reshape(-1), reduction="sum")
-    hits = (picked.argmax(-1) == want).float().sum()
-    return torch.stack([loss, hits, torch.tensor(float(want.numel()), device=logits.device)])
 
 
 __all__ = ["TrainResult", "TrainState", "Trainer"]

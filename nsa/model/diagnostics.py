@@ -1,0 +1,143 @@
+"""What an NSA layer measures besides its output, kept apart from the layer's math: the running gate and
+selection statistics (:mod:`nsa.model.stats`), the selection probe and the scorer loss
+(:mod:`nsa.model.selection`).
+
+:class:`LayerDiagnostics` is a plain object that the layer owns (``NSAAttention.diag``), not a module: none of
+its tensors is in ``state_dict`` or broadcast by DDP (rank 0's running sums must not overwrite the others').
+Its tensors exist from construction and follow the layer's ``.to()``/``.cuda()`` (the layer's ``_apply`` calls
+:meth:`LayerDiagnostics.follow`), so a compiled forward never meets them missing or on another device (each
+would be a guard failure and a recompilation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from nsa.model.selection import (
+    AttachLoss,
+    block_scores,
+    compressed_probs,
+    dense_block_mass,
+    layer_report,
+    probe_positions,
+    scorer_kl,
+)
+from nsa.model.stats import N_FIELDS, gate_sums, scorer_sums, selection_sums, summarise
+from nsa.ops import NSAParams
+
+
+class LayerDiagnostics:
+    """Statistics, probe and scorer loss of one NSA layer (``hp``, softmax ``scale``, ``collapse_threshold``:
+    the layer's).
+
+    - Statistics: every training forward adds its gate and selection sums to ``acc`` (float64, no host
+      sync); :meth:`take_sums` reads and zeroes it, :meth:`suppress` pauses it (checkpoint recomputes).
+    - Probe: after :meth:`arm_probe` the next forward records :func:`nsa.model.selection.layer_report`;
+      :meth:`take_probe` returns it.
+    - Scorer loss: with ``scorer_queries > 0`` every training forward computes
+      :func:`nsa.model.selection.scorer_kl` on that many query positions and adds ``scorer_weight * loss`` to
+      the backward pass (not to the reported loss). ``scorer_weight`` is a tensor filled in place, so a
+      schedule changes it without recompiling.
+    """
+
+    def __init__(self, hp: NSAParams, scale: float, collapse_threshold: float) -> None:
+        self.hp, self.scale, self.collapse_threshold = hp, scale, collapse_threshold
+        self.acc = torch.zeros(N_FIELDS, dtype=torch.float64)  # nsa.model.stats.FIELDS
+        self.suppressed = False
+        self.scorer_queries = 0
+        self._weight = 0.0  # scorer_weight's value on the host: a move rebuilds the tensor from it
+        self.scorer_weight = torch.tensor(self._weight)
+        self.probe_queries = 0  # > 0 once armed: the next forward records layer_report in probe_out
+        self.probe_out: dict[str, Any] | None = None
+
+    def follow(self, device: torch.device, dtype: torch.dtype) -> None:
+        """After the layer's ``.to()``/``.cuda()``/``.double()``: running sums zeroed on ``device`` (float64),
+        ``scorer_weight`` on ``device`` in ``dtype`` (as a floating buffer of the layer would be)."""
+        self.acc = torch.zeros(N_FIELDS, dtype=torch.float64, device=device)
+        self.scorer_weight = torch.tensor(self._weight, dtype=dtype, device=device)
+
+    # ------------------------------------------------------------------------------------------
+    # the layer's forward calls these
+
+    def collects(self, training: bool) -> bool:
+        """Whether a forward in this mode adds statistics (and the scorer loss)."""
+        return training and not self.suppressed
+
+    def whole_sequence_only(self) -> bool:
+        """The probe or the scorer is on: neither runs under context parallelism."""
+        return self.probe_queries > 0 or self.scorer_queries > 0
+
+    def observe(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, gates: torch.Tensor,
+                block_idx: torch.Tensor, o: torch.Tensor, collect: bool) -> torch.Tensor:
+        """One forward's probe, statistics and scorer loss (``collect``: a training forward); returns ``o``,
+        carrying the scorer loss into the backward when it is on."""
+        if self.probe_queries > 0:
+            self.probe_out = layer_report(q, k_sel, k_cmp, block_idx, gates, self.hp, self.scale, self.probe_queries)
+        if collect:
+            self.accumulate(gates, block_idx)
+            o = self._scorer_loss(q, k_sel, k_cmp, o)
+        return o
+
+    @torch.no_grad()
+    def accumulate(self, gates: torch.Tensor, block_idx: torch.Tensor) -> None:
+        add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.hp.l_sel)])
+        if self.acc.device != add.device:  # a module used on a device it was not moved to
+            self.acc = torch.zeros(N_FIELDS, dtype=torch.float64, device=add.device)
+        # in place: torch.compile keeps one graph (the last two fields are the scorer's: _scorer_loss)
+        self.acc[: add.numel()].add_(add)
+
+    def _scorer_loss(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """``o``, carrying ``scorer_weight * scorer_kl`` into the backward (training forwards with
+        ``scorer_queries > 0`` and gradients on)."""
+        S = q.shape[1]
+        ts = probe_positions(S, self.hp, self.scorer_queries, q.device)
+        if ts is None or not torch.is_grad_enabled():
+            return o
+        target = dense_block_mass(q, k_sel, ts, self.hp, self.scale)
+        probs, _ = compressed_probs(q, k_cmp, ts, S, self.hp, self.scale)
+        kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))
+        with torch.no_grad():
+            self.acc[N_FIELDS - 2:].add_(scorer_sums(kl))
+        return AttachLoss.apply(o, kl * self.scorer_weight)
+
+    # ------------------------------------------------------------------------------------------
+    # the language model drives these
+
+    def configure_scorer(self, queries: int, weight: float) -> None:
+        """``queries`` positions per training forward (0: off, nothing computed) and the loss's ``weight``
+        (filled in place: no recompilation)."""
+        self.scorer_queries, self._weight = int(queries), float(weight)
+        self.scorer_weight.fill_(self._weight)
+
+    def arm_probe(self, queries: int) -> None:
+        """The next forward records :func:`nsa.model.selection.layer_report` on ``queries`` positions."""
+        self.probe_queries, self.probe_out = int(queries), None
+
+    def take_probe(self) -> dict[str, Any]:
+        """The recorded report (empty if no forward ran, or it ran over packed documents), disarmed."""
+        out, self.probe_out, self.probe_queries = self.probe_out or {}, None, 0
+        return out
+
+    def take_sums(self) -> torch.Tensor:
+        """A copy of the running sums (zeros when no training forward ran since the last call), then zero them
+        in place. No host sync."""
+        out = self.acc.clone()
+        self.acc.zero_()
+        return out
+
+    def consume(self) -> dict[str, float | list[float]]:
+        """Gate entropy, branch shares, collapse fraction, mean gates, ``sel_keys_mean``; one transfer."""
+        return summarise(self.take_sums().tolist())
+
+    @contextlib.contextmanager
+    def suppress(self) -> Iterator[None]:
+        """No statistics inside (the recompute pass of gradient checkpointing)."""
+        old, self.suppressed = self.suppressed, True
+        try:
+            yield
+        finally:
+            self.suppressed = old

@@ -377,3 +377,30 @@ def test_tile_overrides_are_scoped_and_checked() -> None:
     assert tuned("sel_bm", 64) == 64
     with pytest.raises(ValueError, match="unknown tile override sel_bmx"), tile_overrides({"sel_bmx": 1}):
         pass
+
+
+def test_starting_the_toolkit_does_not_import_dynamo() -> None:
+    """Dynamo costs 7-8 s of every process's start (launchers, ranks, CLI calls), compiled or not: importing
+    the CLI, the trainer and the model must not load it; the ops mark their compile-time constants as Dynamo's
+    own ``assume_constant_result`` does, so a compiled graph still folds them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, nsa_cli.app, nsa.train.trainer, nsa.model, nsa.ops; "
+            "print('torch._dynamo' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stdout + res.stderr[-2000:]
+
+    import torch._dynamo
+
+    from nsa.ops._triton import _cc_major, _constant_under_compile, _sm_count
+
+    def theirs() -> int:
+        return 1
+
+    def ours() -> int:
+        return 1
+
+    torch._dynamo.assume_constant_result(theirs)
+    assert vars(_constant_under_compile(ours)) == vars(theirs) == {"_dynamo_marked_constant": True}
+    assert vars(_sm_count) == vars(_cc_major) == vars(theirs)

@@ -29,11 +29,20 @@ def offsets(cu_seqlens: torch.Tensor, B: int, S: int) -> list[int]:
     return cu
 
 
-@torch.compiler.disable
 def attend(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], rows: list[torch.Tensor],
            cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     """``fn`` (attention of an ordinary ``[n, L, ...]`` batch) over each document of ``rows [B, S, ...]``;
-    outputs back as ``[B, S, ...]``."""
+    outputs back as ``[B, S, ...]``. Outside ``torch.compile``'s graph (host offsets; one graph break)."""
+    if not _EAGER:  # wrapped on first use: torch.compiler.disable imports Dynamo (7-8 s of every start)
+        _EAGER.append(torch.compiler.disable(_attend))
+    return _EAGER[0](fn, rows, cu_seqlens)
+
+
+_EAGER: list[Callable[..., list[torch.Tensor]]] = []
+
+
+def _attend(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], rows: list[torch.Tensor],
+            cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     B, S = rows[0].shape[:2]
     cu = offsets(cu_seqlens, B, S)
     flat = [r.reshape(1, B * S, *r.shape[2:]) for r in rows]

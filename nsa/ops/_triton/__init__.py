@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -22,10 +23,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _constant_under_compile(fn: Any) -> Any:
+    """``torch.compiler.assume_constant_result`` without importing Dynamo at import time (7-8 s of every
+    process's start, compiled or not): the same mark, which ``tests/test_ops.py`` checks is Dynamo's."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 _SM_COUNT: dict[int, int] = {}
 
 
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def _sm_count(index: int) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -40,7 +48,7 @@ def sm_count(device: torch.device) -> int:
 _CC_MAJOR: dict[int, int] = {}
 
 
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def _cc_major(index: int) -> int:
     if index not in _CC_MAJOR:
         _CC_MAJOR[index] = torch.cuda.get_device_capability(index)[0]

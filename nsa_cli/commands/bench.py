@@ -244,7 +244,8 @@ def train(
         def progress(r: Any) -> None:
             what = r.error or f"{r.tokens_per_s:,.0f} tokens/s, {r.step_ms:.1f} ms/step, peak {_fmt(r.peak_mib, '.0f')} MiB"
             if main:
-                typer.echo(f"{r.attention} {r.mode} S={r.seq_len} b={r.batch_size} ranks {r.ranks}: {what}", err=True)
+                where = f" ranks {r.ranks}" if r.world_size > 1 else ""
+                typer.echo(f"{r.attention} {r.mode} S={r.seq_len} b={r.batch_size}{where}: {what}", err=True)
 
         rows = bench_train(resolved.config, lens, bss, attentions=atts, steps=steps, warmup=warmup, device=device,
                            modes=flags, on_row=progress, tune=tuned, profile=profile_step, ranks=ranks)

@@ -84,6 +84,19 @@ def test_one_rank_in_two_chunks_is_the_whole_model(attention: str) -> None:
     assert torch.allclose(split(ids).logits, a.logits, atol=1e-12, rtol=0)
 
 
+def reduced(model: torch.nn.Module, loss: torch.Tensor, size: int) -> tuple[list[torch.Tensor], float]:
+    """After the backward: every gradient and the loss all-reduced and averaged over the ``size`` ranks (the
+    data-parallel reduction: the mean of the rows' means)."""
+    grads = []
+    for p in model.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        grads.append(p.grad / size)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return grads, float(total) / size
+
+
 def _worker(rank: int, size: int, port: int, attentions: list[str], out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -97,15 +110,9 @@ def _worker(rank: int, size: int, port: int, attentions: list[str], out: Any) ->
             res = split(cp.shard(ids), cp.shard(labels))
             assert res.loss is not None
             res.loss.backward()
-            grads = []
-            for p in split.parameters():
-                assert p.grad is not None
-                dist.all_reduce(p.grad)  # data-parallel reduction over the ranks: the mean of the rows' means
-                grads.append(p.grad / size)
-            loss = res.loss.detach().clone()
-            dist.all_reduce(loss)
+            grads, loss = reduced(split, res.loss, size)
             # numpy arrays travel by value (tensors would travel as handles to memory of a finished process)
-            out.put((attention, rank, cp.positions(S).numpy(), res.logits.detach().numpy(), float(loss) / size,
+            out.put((attention, rank, cp.positions(S).numpy(), res.logits.detach().numpy(), loss,
                      [g.numpy() for g in grads] if rank == 0 else None))
     finally:
         dist.destroy_process_group()

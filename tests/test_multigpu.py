@@ -21,6 +21,7 @@ from nsa.config import ModelConfig, NSAConfig
 from nsa.model.context import ContextParallel
 from nsa.model.lm import NSALM
 from tests.conftest import free_port
+from tests.test_context_parallel import reduced
 from tests.test_train_process import _env, cmd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.slow]
@@ -62,13 +63,7 @@ def _worker(rank: int, port: int, out: Any) -> None:
                 res = model(cp.shard(ids), cp.shard(labels))
             assert res.loss is not None
             res.loss.backward()
-            grads = []
-            for p in model.parameters():
-                assert p.grad is not None
-                dist.all_reduce(p.grad)
-                grads.append(p.grad / 2)
-            loss = res.loss.detach().clone()
-            dist.all_reduce(loss)
+            grads, loss = reduced(model, res.loss, 2)
             report: dict[str, float] = {}
             if rank == 0:  # the whole sequence on this GPU alone, the same weights and data
                 whole = _model(attention, device)
@@ -76,7 +71,7 @@ def _worker(rank: int, port: int, out: Any) -> None:
                     ref = whole(ids, labels)
                 assert ref.loss is not None
                 ref.loss.backward()
-                report["loss"] = abs(float(loss) / 2 - float(ref.loss))
+                report["loss"] = abs(loss - float(ref.loss))
                 report["logits"] = _rel(res.logits, ref.logits[:, cp.positions(S, device)])
                 report["grads"] = max(_rel(g, p.grad) for g, p in zip(grads, whole.parameters(), strict=True)
                                       if p.grad is not None)

@@ -130,10 +130,8 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
         torch._dynamo.reset()  # a fresh graph per row: shapes differ, never the recompile limit
     cp = ContextParallel(grid.context_group, grid.context_rank, grid.context_size) if grid.context_size > 1 else None
     model.set_context_parallel(cp)
-    if info.enabled:  # the trainer's own wrapping: DDP or FSDP2, compiled from the outside
-        forward = parallel.wrap(model, cfg, info, "bf16" if dev.type == "cuda" else "fp32", dev.type, use_compile)
-    else:
-        forward = torch.compile(model, mode=cfg.runtime.compile_mode) if use_compile else model
+    # the trainer's own wrapping: DDP or FSDP2 on several ranks, compiled from the outside (one rank: compiled)
+    forward = parallel.wrap(model, cfg, info, "bf16" if dev.type == "cuda" else "fp32", dev.type, use_compile)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     gen = torch.Generator(device="cpu").manual_seed(grid.data_rank)  # each data rank its own batch
     ids = torch.randint(0, cfg.model.vocab_size, (batch_size, seq_len + 1), generator=gen).to(dev)

@@ -455,7 +455,7 @@ class RunReader:
                 st.config_sources = parse_sources(text)
                 if st.config is None:
                     st.config_error = f"{CONFIG_FILE} is not a mapping of sections"
-            except FileNotFoundError:
+            except FileNotFoundError:  # a run still starting: no config yet, nothing to say
                 pass
             except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
                 why = " ".join(str(exc).split())

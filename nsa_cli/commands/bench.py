@@ -229,9 +229,10 @@ def train(
         if nproc_per_node is not None and not under_torchrun:
             import sys
 
-            from nsa.train.launch import launch, strip_option, torchrun_argv
+            from nsa.train.launch import launch
+            from nsa_cli.commands.train import torchrun_argv
 
-            argv = torchrun_argv(nproc_per_node, ["-m", "nsa_cli", *strip_option(sys.argv[1:], "--nproc-per-node")])
+            argv = torchrun_argv(nproc_per_node, sys.argv[1:])
             typer.echo(f"launching: {' '.join(argv[1:])}", err=True)
             if code := launch(argv):
                 raise typer.Exit(code)

@@ -453,7 +453,7 @@ class WatchCommand(TyperCommand):
 
     @epilog.setter
     def epilog(self, value: str | None) -> None:
-        pass
+        """Click assigns the epilog at construction; it is derived above, so the value is not kept."""
 
 
 def register(app: typer.Typer) -> None:

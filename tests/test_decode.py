@@ -339,6 +339,53 @@ def _triton_vs_torch_decode(device: str, dtype: torch.dtype, tol: float) -> None
         assert err < tol, (h, T, err)
 
 
+def _q_win_case(device: str, dtype: torch.dtype, hp: dict, h: int, Dk: int, Dv: int, T: int, extra: list[int],
+                seed: int) -> tuple[tuple, torch.Tensor, NSAParams]:
+    """Random decode arguments ``(q, t, caches..., gates)``, a window query ``q_win`` (a non-contiguous
+    view, with strides of its own) and the params: ``B = 5`` sequences at different positions."""
+    from nsa.ops.indexing import num_cmp
+
+    torch.manual_seed(seed)
+    B, H = 5, 2
+    C, R = num_cmp(T, hp["l"], hp["d"]), min(hp["w"], T)
+
+    def r(*s: int) -> torch.Tensor:
+        return torch.randn(*s).to(device=device, dtype=dtype)
+
+    t = torch.tensor([T - 1, 5, T // 2, *extra], device=device)[:B]
+    args = (r(B, H * h, Dk) * 2, t, r(B, H, C + 1, Dk), r(B, H, C + 1, Dv), r(B, H, T, Dk), r(B, H, T, Dv),
+            r(B, H, R, Dk), r(B, H, R, Dv), torch.rand(B, H * h, 3).to(device=device, dtype=dtype))
+    q_win = (r(B, Dk, 2 * H * h) * 2).transpose(1, 2)[:, 1::2]  # [B, HQ, Dk], not contiguous
+    return args, q_win, NSAParams(**hp)
+
+
+def _triton_vs_torch_decode_q_win(device: str, dtype: torch.dtype, tol: float) -> None:
+    """With a window query ``q_win`` the fused Triton step equals the torch step (same blocks, reads,
+    output), its blocks are those without ``q_win``, and ``q_win=None`` equals ``q_win=q`` exactly.
+    Cases: one window tile, and window and compressed ranges split over several programs."""
+    from nsa.ops.decode import nsa_decode
+
+    # (l, d, l_sel, n_sel, w), h, Dk, Dv, T, extra positions
+    cases = [((4, 2, 2, 5, 5), 1, 8, 6, 40, [3, 22]), ((8, 4, 16, 3, 20), 6, 8, 12, 70, [31, 47]),
+             ((8, 4, 8, 40, 33), 4, 16, 16, 90, [63, 64])]
+    if device == "cuda":
+        cases += [((32, 16, 64, 16, 512), 16, 128, 128, 3000, [2047, 2048])]
+    for i, ((l, d, l_sel, n_sel, w), h, Dk, Dv, T, extra) in enumerate(cases):  # noqa: E741
+        args, qw, hp = _q_win_case(device, dtype, dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w), h, Dk, Dv, T,
+                                   extra, seed=20 + i)
+        a = nsa_decode(*args, hp, backend="torch", q_win=qw)
+        b = nsa_decode(*args, hp, backend="triton", q_win=qw)
+        plain = nsa_decode(*args, hp, backend="triton")
+        assert torch.equal(a.block_idx, b.block_idx), (h, T, a.block_idx, b.block_idx)
+        assert torch.equal(b.block_idx, plain.block_idx)
+        assert torch.equal(a.reads, b.reads)
+        err = ((a.o.float() - b.o.float()).norm() / a.o.float().norm()).item()
+        assert err < tol, (h, T, err)
+        assert ((b.o.float() - plain.o.float()).norm() / plain.o.float().norm()).item() > 10 * tol  # q_win used
+        same = nsa_decode(*args, hp, backend="triton", q_win=args[0])
+        assert torch.equal(same.o, plain.o) and torch.equal(same.block_idx, plain.block_idx)
+
+
 def _run_interpreted(code: str) -> None:
     """Run ``code`` in a fresh Python under ``TRITON_INTERPRET=1`` (Triton reads it at import); must exit 0."""
     import os
@@ -377,6 +424,66 @@ def test_triton_decode_kernel_in_interpreter() -> None:
 @pytest.mark.gpu
 def test_triton_decode_kernel_on_gpu() -> None:
     _triton_vs_torch_decode("cuda", torch.bfloat16, 2e-2)
+
+
+def test_triton_decode_q_win_in_interpreter() -> None:
+    """CPU: the fused step with a window query ``q_win`` under ``TRITON_INTERPRET=1`` equals the torch step."""
+    _run_interpreted("from tests.test_decode import _triton_vs_torch_decode_q_win\n"
+                     "_triton_vs_torch_decode_q_win('cpu', torch.float32, 1e-5)\n"
+                     "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n")
+
+
+@pytest.mark.gpu
+def test_triton_decode_q_win_on_gpu() -> None:
+    _triton_vs_torch_decode_q_win("cuda", torch.bfloat16, 2e-2)
+
+
+@pytest.mark.parametrize("hp", CONFIGS)
+def test_nsa_decode_q_win_feeds_only_the_window_branch(hp: dict) -> None:
+    """Torch step with ``q_win``: ``g_cmp * o_cmp(q) + g_sel * o_sel(q) + g_win * o_win(q_win)`` (each
+    branch from one-hot gates), with the blocks and reads of ``q`` alone (float64)."""
+    from nsa.ops.decode import nsa_decode
+
+    args, qw, params = _q_win_case("cpu", torch.float64, hp, 3, 8, 6, 37, [20, 36], seed=31)
+    q, t, *caches, gates = args
+    res = nsa_decode(*args, params, q_win=qw)
+    plain = nsa_decode(*args, params)
+    assert torch.equal(res.block_idx, plain.block_idx)
+    assert torch.equal(res.reads, plain.reads)
+
+    def branch(query: torch.Tensor, k: int) -> torch.Tensor:
+        onehot = torch.zeros_like(gates)
+        onehot[..., k] = 1.0
+        return nsa_decode(query, t, *caches, onehot, params).o
+
+    o_cmp, o_sel, o_win = branch(q, 0), branch(q, 1), branch(qw, 2)
+    expected = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_sel + gates[..., 2:3] * o_win
+    torch.testing.assert_close(res.o, expected, rtol=1e-12, atol=1e-12)
+    # and the window branch really changed (the check above is not that of q_win = q)
+    assert (res.o - plain.o).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("hp", CONFIGS)
+def test_nsa_decode_q_win_none_equals_q(hp: dict) -> None:
+    """``q_win=None`` is ``q_win=q`` (and a copy of ``q``) bit for bit, on the torch step."""
+    from nsa.ops.decode import nsa_decode
+
+    args, _, params = _q_win_case("cpu", torch.float32, hp, 2, 8, 8, 29, [0, 13], seed=32)
+    plain = nsa_decode(*args, params)
+    for qw in (args[0], args[0].clone()):
+        res = nsa_decode(*args, params, q_win=qw)
+        assert torch.equal(res.o, plain.o) and torch.equal(res.block_idx, plain.block_idx)
+        assert torch.equal(res.reads, plain.reads)
+
+
+def test_nsa_decode_q_win_must_match_q() -> None:
+    from nsa.ops.decode import nsa_decode
+
+    args, qw, params = _q_win_case("cpu", torch.float32, CONFIGS[0], 1, 8, 8, 20, [3, 9], seed=33)
+    with pytest.raises(ValueError, match="q_win"):
+        nsa_decode(*args, params, q_win=qw[:, :, :4])
+    with pytest.raises(ValueError, match="q_win"):
+        nsa_decode(*args, params, q_win=qw.double())
 
 
 def _triton_vs_torch_append(device: str, dtype: torch.dtype) -> None:

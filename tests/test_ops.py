@@ -274,6 +274,42 @@ def test_gradients_match_reference(fast_backend: str) -> None:
         torch.testing.assert_close(g, g_ref, **_tol(backend), msg=lambda m, nm=nm: f"grad {nm}: {m}")
 
 
+def test_window_query_is_the_window_branchs_own(backend: str) -> None:
+    """``q_win``: the window branch attends with its own queries; the compressed and selected branches and
+    the block choice keep ``q`` (the output is the sum of the op with the window gated off and the op run
+    with ``q_win`` as the query and only the window gated on); ``q_win=q`` is the one-query op exactly,
+    and every gradient, ``q_win``'s included, equals the reference's."""
+    hp = NSAParams(l=8, d=4, l_sel=8, n_sel=3, w=6)
+    x = make_inputs(2, 37, 6, 2, 8, 6, l=8, d=4, dtype=_dtype(backend), device=_device(backend), seed=21)
+    qw = make_inputs(2, 37, 6, 2, 8, 6, l=8, d=4, dtype=_dtype(backend), device=_device(backend), seed=22).q
+    a = list(x.args())
+    out, idx = ops.nsa_attention(*a, hp, q_win=qw, return_block_idx=True, backend=backend)
+    only = torch.zeros_like(a[7])
+    cs, win = a[7] * torch.tensor([1.0, 1.0, 0.0], dtype=a[7].dtype, device=a[7].device), only.clone()
+    win[..., 2] = a[7][..., 2]
+    expect = (ops.nsa_attention(*a[:7], cs, hp, backend=backend)
+              + ops.nsa_attention(qw, *a[1:7], win, hp, block_idx=idx, backend=backend))
+    torch.testing.assert_close(out, expect, **_tol(backend))
+    assert torch.equal(idx, ops.select_blocks(a[0], a[1], hp, backend=backend))
+    same = ops.nsa_attention(*a, hp, q_win=a[0], backend=backend)
+    torch.testing.assert_close(same, ops.nsa_attention(*a, hp, backend=backend), rtol=0, atol=0)
+    if backend == "reference":
+        return
+    grads = {}
+    for name in ("reference", backend):
+        args = [t.detach().clone().double().cpu() if name == "reference" else t.detach().clone() for t in (*a, qw)]
+        for t in args:
+            t.requires_grad_(True)
+        o = ops.nsa_attention(*args[:8], hp, q_win=args[8], backend=name)
+        up = torch.randn(o.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+        (o * up.to(o.device, o.dtype)).sum().backward()
+        grads[name] = [t.grad.double().cpu() for t in args]
+    for nm, g_ref, g in zip((*GRAD_NAMES, "q_win"), grads["reference"], grads[backend], strict=True):
+        torch.testing.assert_close(g, g_ref, **_tol(backend), msg=lambda m, nm=nm: f"grad {nm}: {m}")
+    with pytest.raises(ValueError, match="q_win"):
+        ops.nsa_attention(*a, hp, q_win=qw[:, :5], backend=backend)
+
+
 def test_no_gradient_through_block_choice() -> None:
     """Choosing blocks is not differentiated (spec): q's and k_cmp's gradients with the blocks chosen inside
     the op equal those with the same blocks passed in as constants; with the compressed branch gated off,

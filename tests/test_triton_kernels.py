@@ -37,15 +37,20 @@ def _poison(device: torch.device) -> None:
 
 def _check(B: int, S: int, HQ: int, H: int, Dk: int, Dv: int, *, l: int, d: int, l_sel: int,  # noqa: E741
            n_sel: int, w: int, dtype: torch.dtype, device: str, tol: float, oracle: str,
-           strided: bool = False) -> None:
+           strided: bool = False, window_query: bool = False) -> None:
     from nsa.ops import reference, torch_path, triton_path
 
     dev = torch.device(device)
     x = make_inputs(B, S, HQ, H, Dk, Dv, l=l, d=d, dtype=dtype, device=device)
     assert triton_path.supports(*x.args()) is None
-    args = [a.detach().clone().requires_grad_(True) for a in x.args()]
+    # window_query: the window branch's own queries (q_win), checked like every other input
+    q_win = [make_inputs(B, S, HQ, H, Dk, Dv, l=l, d=d, dtype=dtype, device=device, seed=99).q] if window_query else []
+    args = [a.detach().clone().requires_grad_(True) for a in (*x.args(), *q_win)]
     ref_mod = reference if oracle == "reference" else torch_path
-    ref_args = [a.detach().double().requires_grad_(True) for a in x.args()]
+    ref_args = [a.detach().double().requires_grad_(True) for a in (*x.args(), *q_win)]
+    extra = {"q_win": args[8]} if window_query else {}
+    ref_extra = {"q_win": ref_args[8]} if window_query else {}
+    args8, ref_args8 = args[:8], ref_args[:8]
     hp = NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
 
     _poison(dev)
@@ -57,23 +62,23 @@ def _check(B: int, S: int, HQ: int, H: int, Dk: int, Dv: int, *, l: int, d: int,
     assert agree == 1.0 if dtype == torch.float32 else agree > 0.97, agree
 
     _poison(dev)
-    out, idx2 = triton_path.nsa_attention(*args, hp, return_block_idx=True)
+    out, idx2 = triton_path.nsa_attention(*args8, hp, return_block_idx=True, **extra)
     assert torch.equal(idx2, idx), "nsa_attention chose other blocks than select_blocks"
-    inputs = list(args)
+    inputs = list(args8)
     if strided:  # q, k_sel, v_sel, k_win as views of wider rows (a fused projection): stride(-1) == 1 only
         for i in (0, 3, 4, 5):
             inputs[i] = torch.cat([args[i], args[i]], dim=-1)[..., : args[i].shape[-1]]
             assert not inputs[i].is_contiguous()
     _poison(dev)
-    out = triton_path.nsa_attention(*inputs, hp, block_idx=idx_ref)
-    ref = ref_mod.nsa_attention(*ref_args, hp, block_idx=idx_ref)
+    out = triton_path.nsa_attention(*inputs, hp, block_idx=idx_ref, **extra)
+    ref = ref_mod.nsa_attention(*ref_args8, hp, block_idx=idx_ref, **ref_extra)
     assert out.shape == ref.shape and out.dtype == dtype
     assert _rel(out, ref) < tol
     grad = torch.randn(ref.shape, dtype=torch.float64, device=device)
     _poison(dev)
     out.backward(grad.to(dtype))
     ref.backward(grad)
-    for name, a, r in zip(NAMES, args, ref_args, strict=True):
+    for name, a, r in zip(NAMES + ("q_win",) * window_query, args, ref_args, strict=True):
         if r.grad is None:  # k_cmp / v_cmp with no compressed token (S < l)
             assert a.grad is None or a.grad.abs().sum() == 0
             continue
@@ -88,6 +93,7 @@ CPU_CASES = {
     "h3-nsel1-D8": (1, 36, 6, 2, 8, 8, 16, 8, 8, 1, 8),
     "S-lt-l": (1, 10, 4, 1, 16, 16, 16, 8, 16, 2, 4),
     "h2-strided-views": (1, 40, 4, 2, 16, 16, 8, 4, 8, 3, 12, True),
+    "h2-window-query": (1, 40, 4, 2, 16, 16, 8, 4, 8, 3, 12, False, True),
 }
 
 
@@ -100,12 +106,13 @@ CPU_TUNED_CASES = {
 }
 
 
-def _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w, strided=False, tune=None) -> None:  # noqa: E741
+def _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w, strided=False, window_query=False,  # noqa: E741
+              tune=None) -> None:
     from nsa.ops import tile_overrides
 
     with tile_overrides(tune):
         _check(B, S, HQ, H, Dk, Dv, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, dtype=torch.float32,
-               device="cpu", tol=2e-5, oracle="reference", strided=strided)
+               device="cpu", tol=2e-5, oracle="reference", strided=strided, window_query=window_query)
 
 
 def _messy_blocks_case(device: str = "cpu") -> None:
@@ -202,6 +209,14 @@ GPU_CASES = [
 def test_gpu_matches_torch_path(B, S, HQ, H, Dk, Dv, dtype) -> None:
     _check(B, S, HQ, H, Dk, Dv, l=32, d=16, l_sel=64, n_sel=16, w=512, dtype=dtype, device="cuda",
            tol=2e-2, oracle="torch", strided=HQ == 12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("HQ", [2, 12])
+def test_gpu_window_query_matches_torch_path(HQ: int) -> None:
+    """The window branch's own queries (``q_win``): forward and every gradient, ``q_win``'s included."""
+    _check(1, 1500, HQ, 2, 64, 64, l=32, d=16, l_sel=64, n_sel=16, w=512, dtype=torch.bfloat16, device="cuda",
+           tol=2e-2, oracle="torch", window_query=True)
 
 
 def _top_blocks_case(device: str) -> None:

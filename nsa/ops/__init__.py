@@ -3,7 +3,8 @@
 ``compress_avg(x, hp)``, ``select_blocks(q, k_cmp, hp, *, scale=None)`` and
 ``nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, *, scale=None, block_idx=None)``
 with ``hp`` an :class:`NSAParams` (the five hyper-parameters as one frozen object); see
-``docs/nsa-semantics.md`` for what they compute. ``q_start`` (``select_blocks``, ``nsa_attention``):
+``docs/nsa-semantics.md`` for what they compute. ``q_win`` (``nsa_attention``): the window branch's own
+queries (``q``'s shape); the compressed and selected branches and the block scores keep ``q``. ``q_start`` (``select_blocks``, ``nsa_attention``):
 the query rows sit at positions ``q_start ..`` of the keys (context parallelism: a rank's own rows
 against the gathered prefix). Each also takes ``backend=`` (``auto``, ``reference``,
 ``torch``, ``triton``) to override the process default (``set_default_backend``, ``use_backend``;
@@ -92,30 +93,43 @@ def nsa_attention(
     backend: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
     q_start: int = 0,
+    q_win: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Gated NSA attention ``[B, S_q, HQ, Dv]``; with ``return_block_idx`` also the blocks used.
 
     ``q_start``: ``q``, ``gates`` (and ``block_idx``) hold the ``S_q`` query rows at positions
     ``q_start .. q_start + S_q - 1``; the key/value tensors cover positions ``0 .. S_k - 1`` with
     ``S_k >= q_start + S_q`` (``k_cmp``/``v_cmp`` compressed from those ``S_k`` raw rows). Every key
-    tensor gets a gradient of all its rows (zero where no query row of the call reads it)."""
+    tensor gets a gradient of all its rows (zero where no query row of the call reads it).
+
+    ``q_win``: the window branch's own queries (``q``'s shape and dtype); ``None``: ``q`` (one query for
+    all three branches, the paper's layer)."""
+    if q_win is not None and (q_win.shape != q.shape or q_win.dtype != q.dtype):
+        raise ValueError(f"q_win {tuple(q_win.shape)} {q_win.dtype} must have q's shape and dtype "
+                         f"{tuple(q.shape)} {q.dtype}")
     tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
-    name, impl = pick("nsa_attention", backend, tensors)
+    name, impl = pick("nsa_attention", backend, tensors if q_win is None else (*tensors, q_win))
     if cu_seqlens is not None:
         cu, one = _packed(name, q, cu_seqlens, q_start)
-        rows = [q, k_sel, v_sel, k_win, v_win, gates, *([] if block_idx is None else [block_idx])]
+        extra = [t for t in (block_idx, q_win) if t is not None]
+        rows = [q, k_sel, v_sel, k_win, v_win, gates, *extra]
 
         def call(q_: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor,
                  g: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-            idx, (kc, vc) = (rest[0], rest[1:]) if block_idx is not None else (None, rest)
+            it = iter(rest)
+            idx = next(it) if block_idx is not None else None
+            qw = next(it) if q_win is not None else None
+            kc, vc = it
             r: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = impl(
-                q_, kc, vc, ks, vs, kw, vw, g, hp, scale=scale, block_idx=idx, return_block_idx=return_block_idx)
+                q_, kc, vc, ks, vs, kw, vw, g, hp, scale=scale, block_idx=idx, return_block_idx=return_block_idx,
+                **({} if qw is None else {"q_win": qw}))
             return r
 
         outs = varlen.run_packed(call, rows, cu, cmp_rows=[k_cmp, v_cmp], hp=hp, per_document=one)
         return (outs[0], outs[1]) if return_block_idx else outs[0]
     out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = impl(
         *tensors, hp, scale=scale, block_idx=block_idx, return_block_idx=return_block_idx, q_start=q_start,
+        **({} if q_win is None else {"q_win": q_win}),
     )
     return out
 

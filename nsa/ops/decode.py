@@ -73,8 +73,12 @@ def nsa_decode(
     scale: float | None = None,
     table: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str | None = None,
+    q_win: torch.Tensor | None = None,
 ) -> DecodeOutput:
     """NSA output of one query per sequence: ``q [B, HQ, Dk]`` at positions ``t [B]``; ``gates [B, HQ, 3]``.
+
+    ``q_win``: the sliding-window branch's own queries (``q``'s shape and dtype); ``None`` uses ``q``.
+    The compressed and selected branches, and the block scores behind ``block_idx``, always use ``q``.
 
     ``table`` is ``cmp_block_table(C, ceil(T / l_sel), ...)`` (torch path; computed when not given).
     ``backend`` (as for ``nsa_attention``; default ``NSA_ATTN_BACKEND``, else ``auto``): ``triton`` runs
@@ -83,25 +87,33 @@ def nsa_decode(
     requested ``triton`` that cannot serve the call falls back here, counted in
     ``nsa.ops.fallback_counts()``.
     """
+    if q_win is not None and (q_win.shape != q.shape or q_win.dtype != q.dtype):
+        raise ValueError(f"q_win {tuple(q_win.shape)} {q_win.dtype} must match q {tuple(q.shape)} {q.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    _, impl = pick("nsa_decode", backend, (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates), hp=hp)
-    out: DecodeOutput = impl(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, scale=scale, table=table)
+    tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates) + (() if q_win is None else (q_win,))
+    _, impl = pick("nsa_decode", backend, tensors, hp=hp)
+    out: DecodeOutput = impl(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, scale=scale, table=table,
+                             q_win=q_win)
     return out
 
 
 def _decode_triton(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
                    v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, hp: NSAParams,
-                   *, scale: float, table: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutput:
+                   *, scale: float, table: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   q_win: torch.Tensor | None = None) -> DecodeOutput:
     """The fused four-kernel step (``nsa.ops._triton.decode``); ``table`` is the torch path's."""
     assert _triton_decode is not None  # dispatch sends here only when triton_decode_supported
     return DecodeOutput(*_triton_decode.nsa_decode_triton(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
-                                           l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel, w=hp.w, scale=scale))
+                                           l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel, w=hp.w, scale=scale,
+                                           q_win=q_win))
 
 
 def _decode_torch(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
                   v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, hp: NSAParams,
-                  *, scale: float, table: tuple[torch.Tensor, torch.Tensor] | None = None) -> DecodeOutput:
-    """The vectorised torch step: the fused Triton step's reference (the index sets of the module doc)."""
+                  *, scale: float, table: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  q_win: torch.Tensor | None = None) -> DecodeOutput:
+    """The vectorised torch step: the fused Triton step's reference (the index sets of the module doc);
+    the window branch attends with ``q_win`` when given."""
     l, d, l_sel, n_sel, w = hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w  # noqa: E741
     B, HQ, Dk = q.shape
     H, C, T, R = k_cmp.shape[1], k_cmp.shape[2], k_sel.shape[2], k_win.shape[2]
@@ -138,7 +150,8 @@ def _decode_torch(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: 
     slot = torch.arange(R, device=dev)[None, :]
     p_win = t[:, None] - torch.remainder(t[:, None] - slot, R)
     win_mask = ((p_win >= 0) & (p_win > t[:, None] - w))[:, None, :]  # [B, 1, R]
-    o_win = _sdpa(qg, k_win, v_win, win_mask, scale)
+    qw = qg if q_win is None else q_win.reshape(B, H, h, Dk)
+    o_win = _sdpa(qw, k_win, v_win, win_mask, scale)
 
     g = gates.reshape(B, H, h, 3).to(o_cmp.dtype)
     o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win

@@ -138,10 +138,13 @@ def nsa_attention(
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
     q_start: int = 0,
+    q_win: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """NSA output ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win``: ``[B, S_q, HQ, Dv]`` for the query
-    rows at positions ``q_start .. q_start + S_q - 1`` against the keys of positions ``0 .. S_k - 1``."""
+    rows at positions ``q_start .. q_start + S_q - 1`` against the keys of positions ``0 .. S_k - 1``.
+    ``q_win``: the window branch's own queries (``q``'s shape; ``None``: ``q``)."""
     B, S_q, HQ, H = _check(q, k_sel)
+    q_w = q if q_win is None else q_win
     S = k_sel.shape[1]
     h = HQ // H
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -163,7 +166,7 @@ def nsa_attention(
                 idx = torch.tensor(pos, dtype=torch.long, device=q.device)
                 o_sel = _attend(q_g, k_sel[b, idx, g], v_sel[b, idx, g], scale)
                 win = [p for p in range(t + 1) if t - p < hp.w]
-                o_win = _attend(q_g, k_win[b, win, g], v_win[b, win, g], scale)
+                o_win = _attend(q_w[b, i, heads], k_win[b, win, g], v_win[b, win, g], scale)
                 g_t = gates[b, i, heads]
                 per_g.append(g_t[:, 0:1] * o_cmp + g_t[:, 1:2] * o_sel + g_t[:, 2:3] * o_win)
             per_t.append(torch.cat(per_g, dim=0))

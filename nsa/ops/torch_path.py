@@ -130,9 +130,11 @@ def nsa_attention(
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
     q_start: int = 0,
+    q_win: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """NSA output ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win``: ``[B, S_q, HQ, Dv]`` for the query
-    rows at positions ``q_start .. q_start + S_q - 1`` against the keys of positions ``0 .. S_k - 1``."""
+    rows at positions ``q_start .. q_start + S_q - 1`` against the keys of positions ``0 .. S_k - 1``.
+    ``q_win``: the window branch's own queries (``q``'s shape; ``None``: ``q``)."""
     l, d, l_sel, n_sel, w = hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w  # noqa: E741
     B, S_q, S, HQ, H, h = check_shapes(q, k_sel, name="k_sel", q_start=q_start)
     check_cmp_tokens(k_cmp.shape[1], q_start, S_q, l, d)
@@ -178,8 +180,9 @@ def nsa_attention(
         k0 = max(0, c0 - w + 1)
         kpos = torch.arange(k0, c1, device=dev)[None, :]
         win_mask = (kpos <= t[:, None]) & (kpos > t[:, None] - w)
+        q_w = q_rows if q_win is None else _fold(q_win[:, r0:r1], H)
         o_win = F.scaled_dot_product_attention(
-            q_rows, kw[:, :, k0:c1], vw[:, :, k0:c1], attn_mask=_rows(win_mask[None, None], h), scale=scale
+            q_w, kw[:, :, k0:c1], vw[:, :, k0:c1], attn_mask=_rows(win_mask[None, None], h), scale=scale
         )
 
         g = gates[:, r0:r1]

@@ -3,6 +3,7 @@
 Forward of ``nsa_attention``: compressed branch (o_cmp + lse) -> block importance and top-n (unless
 ``block_idx`` is given) -> selected branch -> window branch -> gate combine. Backward: the gate gradient
 (one pass over ``do`` and the three branch outputs), then per branch dq (accumulated in fp32) and dk/dv.
+With ``q_win`` the window branch reads its own queries and its dq is a buffer of its own.
 No step reads a device value on the host, so forward and backward never synchronise.
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tiny shapes, for CI).
@@ -84,13 +85,16 @@ class Stages:
     three branches). Backward, after :meth:`start_backward`: :meth:`cmp_bwd` (also the gate gradient of
     all three branches) -> :meth:`sel_bwd` -> :meth:`win_bwd` (also the final dq in q's dtype); dq
     accumulates in fp32 between them. Every kernel takes ``q_start`` as a runtime integer: query row ``i``
-    (of ``q``, ``gates`` and the row buffers) sits at position ``q_start + i`` of the keys."""
+    (of ``q``, ``gates`` and the row buffers) sits at position ``q_start + i`` of the keys. ``q_win``: the
+    window branch's own queries (``None``: ``q``); then :meth:`win_bwd` writes their gradient ``dq_win``
+    and :meth:`sel_bwd` finishes ``q``'s."""
 
     def __init__(self, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
                  v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
-                 hp: NSAParams, scale: float, q_start: int = 0) -> None:
+                 hp: NSAParams, scale: float, q_start: int = 0, q_win: torch.Tensor | None = None) -> None:
         self.q, self.k_cmp, self.v_cmp, self.k_sel, self.v_sel, self.k_win, self.v_win = (
             _dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
+        self.q_win = None if q_win is None or q_win.numel() == 0 else _dense_last(q_win)
         self.gates = gates.contiguous()
         self.hp, self.scale, self.q_start = hp, scale, q_start
         # the forward's buffers (the backward is handed the saved ones instead)
@@ -121,7 +125,7 @@ class Stages:
                                         l_sel=self.hp.l_sel, scale=self.scale, q_start=self.q_start)
 
     def win_fwd(self) -> None:
-        self.lse_w = range_fwd(self.q, self.k_win, self.v_win, self.o3[:, :, :, 2], scale=self.scale, stride=1,
+        self.lse_w = range_fwd(self.q if self.q_win is None else self.q_win, self.k_win, self.v_win, self.o3[:, :, :, 2], scale=self.scale, stride=1,
                                off=0, win=self.hp.w, combine=(self.gates, self.out), q_start=self.q_start)
 
     def forward(self, block_idx: torch.Tensor | None) -> None:
@@ -141,6 +145,7 @@ class Stages:
         self.dg = torch.empty(*q.shape[:3], 3, device=q.device, dtype=torch.float32)
         self.dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         self.dq_out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        self.dq_win = torch.empty(0, device=q.device, dtype=q.dtype)
 
     def cmp_bwd(self) -> None:
         self.dk_c, self.dv_c = range_bwd(self.q, self.k_cmp, self.v_cmp, self.do, self.lse_c, self.gates, self.dg,
@@ -151,11 +156,19 @@ class Stages:
         self.dk_s, self.dv_s = sel_bwd(self.q, self.k_sel, self.v_sel, self.idx, self.do, self.lse_s, self.gates,
                                        self.dg, self.dq, branch=1, accum=True, l_sel=self.hp.l_sel,
                                        scale=self.scale, work=self.work, q_start=self.q_start)
+        if self.q_win is not None:  # the window's queries are their own: q's gradient is complete here
+            self.dq_out = self.dq.to(self.q.dtype)
 
     def win_bwd(self) -> None:
-        self.dk_w, self.dv_w = range_bwd(self.q, self.k_win, self.v_win, self.do, self.lse_w, self.gates, self.dg,
-                                         self.dq, branch=2, accum=True, scale=self.scale, stride=1, off=0,
-                                         win=self.hp.w, dq_out=self.dq_out, q_start=self.q_start)
+        if self.q_win is None:
+            q, dq, accum, dq_out = self.q, self.dq, True, self.dq_out
+        else:
+            q, accum = self.q_win, False
+            dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+            dq_out = self.dq_win = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        self.dk_w, self.dv_w = range_bwd(q, self.k_win, self.v_win, self.do, self.lse_w, self.gates, self.dg,
+                                         dq, branch=2, accum=accum, scale=self.scale, stride=1, off=0,
+                                         win=self.hp.w, dq_out=dq_out, q_start=self.q_start)
 
     def backward(self, do: torch.Tensor) -> None:
         self.start_backward(do)
@@ -180,11 +193,12 @@ def attention_fwd(
     q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
+    q_win: torch.Tensor | None = None,
 ) -> _FWD_OUT:
     """Forward kernels: ``(out, block_idx, o3, lse_cmp, lse_sel, lse_win, work)``; everything after
     ``block_idx`` is kept for the backward (``work``: the selected branch's pair list, or empty)."""
     st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale,
-                q_start)
+                q_start, q_win)
     st.forward(block_idx)
     return st.out, st.idx, st.o3, st.lse_c, st.lse_s, st.lse_w, st.work
 
@@ -194,6 +208,7 @@ def _attention_fwd_fake(
     q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
+    q_win: torch.Tensor | None = None,
 ) -> _FWD_OUT:
     B, S, HQ, _ = q.shape
     H, Dv = k_sel.shape[2], v_sel.shape[-1]
@@ -206,7 +221,7 @@ def _attention_fwd_fake(
 
 
 _BWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                 torch.Tensor, torch.Tensor]
+                 torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @torch.library.custom_op("nsa::attention_bwd", mutates_args=())
@@ -215,15 +230,17 @@ def attention_bwd(
     v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
     o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, work: torch.Tensor,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
+    q_win: torch.Tensor | None = None,
 ) -> _BWD_OUT:
-    """Backward kernels: ``(dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates)``; every key/value
-    gradient has all the keys' rows (zeros where no query row of this call reads a key)."""
+    """Backward kernels: ``(dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates, dq_win)`` (``dq_win``
+    empty without ``q_win``); every key/value gradient has all the keys' rows (zeros where no query row of
+    this call reads a key)."""
     st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale,
-                q_start)
+                q_start, q_win)
     st.o3, st.idx, st.lse_c, st.lse_s, st.lse_w, st.work = o3, idx, lse_c, lse_s, lse_w, work
     st.backward(do)
     return (st.dq_out, st.dk_c, st.dv_c, st.dk_s.to(k_sel.dtype), st.dv_s.to(v_sel.dtype), st.dk_w, st.dv_w,
-            st.dg.to(gates.dtype))
+            st.dg.to(gates.dtype), st.dq_win)
 
 
 @attention_bwd.register_fake
@@ -232,24 +249,31 @@ def _attention_bwd_fake(
     v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
     o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, work: torch.Tensor,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
+    q_win: torch.Tensor | None = None,
 ) -> _BWD_OUT:
-    return tuple(t.new_empty(t.shape) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))  # type: ignore[return-value]
+    dq_win = q.new_empty(0) if q_win is None else q_win.new_empty(q_win.shape)
+    return (*(t.new_empty(t.shape) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)), dq_win)  # type: ignore[return-value]
 
 
 _HP = ("l", "d", "l_sel", "n_sel", "w", "scale", "q_start")
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: _FWD_OUT) -> None:
-    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, _block_idx, *hp = inputs
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, _block_idx, *rest = inputs
+    hp, q_win = rest[:len(_HP)], (rest[len(_HP)] if len(rest) > len(_HP) else None)
     _, idx, o3, lse_c, lse_s, lse_w, work = output
-    ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, work)
+    ctx.has_q_win = q_win is not None
+    ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, work,
+                          *([q_win] if q_win is not None else []))
     ctx.hp = dict(zip(_HP, hp, strict=False))  # q_start may be left at its default
     ctx.mark_non_differentiable(idx, o3, lse_c, lse_s, lse_w, work)
 
 
 def _backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
-    grads = attention_bwd(do, *ctx.saved_tensors, **ctx.hp)
-    return (*grads, None, None, None, None, None, None, None, None)
+    saved = ctx.saved_tensors
+    q_win = saved[14] if ctx.has_q_win else None
+    *grads, dq_win = attention_bwd(do, *saved[:14], **ctx.hp, q_win=q_win)
+    return (*grads, None, None, None, None, None, None, None, None, dq_win if q_win is not None else None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -274,10 +298,12 @@ def nsa_attention(
     block_idx: torch.Tensor | None = None,
     return_block_idx: bool = False,
     q_start: int = 0,
+    q_win: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Gated NSA attention ``[B, S_q, HQ, Dv]`` of the query rows at positions ``q_start ..`` against the
     keys of positions ``0 .. S_k - 1`` (and the blocks used, with ``return_block_idx``); the
-    hyper-parameters become plain integers only here, at the custom operators' boundary."""
+    hyper-parameters become plain integers only here, at the custom operators' boundary. ``q_win``: the
+    window branch's own queries (``None``: ``q``)."""
     S = check_shapes(q, k_sel, name="k_sel", q_start=q_start)[2]
     n_c = num_cmp(S, hp.l, hp.d)
     if k_cmp.shape[1] != n_c or v_cmp.shape[1] != n_c:
@@ -292,5 +318,6 @@ def nsa_attention(
     # projection pass as they are); gates are read as contiguous rows of 3
     args = [_dense_last(t.to(q.dtype)) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)]
     gates = gates.to(q.dtype).contiguous()
-    out, idx, *_ = attention_fwd(*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start)
+    qw = None if q_win is None else _dense_last(q_win.to(q.dtype))
+    out, idx, *_ = attention_fwd(*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start, qw)
     return (out, idx) if return_block_idx else out

@@ -6,7 +6,7 @@ rows of a tile) and splits long key ranges over several programs (split-KV), so 
 fills the GPU:
 
 1. ``_cmp_win_kernel``: the compressed branch over the visible compressed tokens and the sliding
-   window, as split partials (running max, sum, weighted values; log2 domain). Each compressed tile
+   window (queried with ``q_win``'s rows when given), as split partials (running max, sum, weighted values; log2 domain). Each compressed tile
    also turns its probabilities into *block partials*: ``p @ W`` with the tile's overlap weights
    ``W[j, b] = overlap(j, b) / l`` (block-aligned tiles, so one ``W`` serves every tile), stored per
    head relative to the tile's running max; the part that spills into the next tile's first blocks
@@ -76,8 +76,8 @@ def _store_partial(M_OUT, L_OUT, A_OUT, row, row_ok, m_i, l_i, acc, DV: tl.const
 
 @triton.jit
 def _cmp_win_kernel(
-    Q, KC, VC, KW, VW, T, M_OUT, L_OUT, A_OUT, PART, SPILL, MT,
-    sqb, sqh, skcb, skch, skcs, svcb, svch, svcs, skwb, skwh, skws, svwb, svwh, svws,
+    Q, QW, KC, VC, KW, VW, T, M_OUT, L_OUT, A_OUT, PART, SPILL, MT,
+    sqb, sqh, sqwb, sqwh, skcb, skch, skcs, svcb, svch, svcs, skwb, skwh, skws, svwb, svwh, svws,
     C, R, NB, scale_log2,
     H: tl.constexpr, HG: tl.constexpr, HP: tl.constexpr, NS_C: tl.constexpr, NS_W: tl.constexpr,
     NT_C: tl.constexpr, NT_W: tl.constexpr, L: tl.constexpr, D: tl.constexpr, LSEL: tl.constexpr, W: tl.constexpr,
@@ -95,12 +95,12 @@ def _cmp_win_kernel(
     ck = tl.arange(0, BDK)
     cv = tl.arange(0, BDV)
     n = tl.arange(0, BC)
-    q = _group_queries(Q, b, g, sqb, sqh, HG, HP, DK, BDK)
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, BDV], tl.float32)
     if split < NS_C:
         # compressed branch: tokens j < N_c(t); tiles of BC tokens start on selection-block boundaries
+        q = _group_queries(Q, b, g, sqb, sqh, HG, HP, DK, BDK)
         n_c = _visible_cmp(t, L, D)
         jj = tl.arange(0, BC)[:, None]
         kb = tl.arange(0, NBT2)[None, :]
@@ -128,7 +128,9 @@ def _cmp_win_kernel(
                          mask=seen[:, None] & (sp[None, :] >= 0) & (sp[None, :] < X))
             tl.store(MT + (bh * NT_C + i) * HG + r, m_use, mask=seen)
     else:
-        # sliding window from the ring: positions t-R+1 .. t, slot p % R, visible if p > t - W
+        # sliding window from the ring: positions t-R+1 .. t, slot p % R, visible if p > t - W;
+        # its own queries QW (the launcher passes Q itself when there are none)
+        q = _group_queries(QW, b, g, sqwb, sqwh, HG, HP, DK, BDK)
         ws = split - NS_C
         for i0 in range(0, NT_W, NS_W):
             i = i0 + ws
@@ -384,9 +386,11 @@ def nsa_decode_triton(
     n_sel: int,
     w: int,
     scale: float,
+    q_win: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused step (see the module doc): ``(o [B, HQ, Dv], block_idx int32 [B, H, n_sel], reads [B, H])``.
-    Callers check ``decode_unsupported`` first."""
+    ``q_win`` (``q``'s shape and dtype; ``None``: ``q``) are the window branch's queries; the compressed
+    and selected branches and the block scores use ``q``. Callers check ``decode_unsupported`` first."""
     B, HQ, Dk = q.shape
     H, C, T, R = k_cmp.shape[1], k_cmp.shape[2], k_sel.shape[2], k_win.shape[2]
     Dv = v_sel.shape[-1]
@@ -407,6 +411,7 @@ def nsa_decode_triton(
     ns_w = _splits(NT_W, G, dev, int(tuned("dec_win_min_tiles", 2)))
     ns1 = ns_c + ns_w
     qc = q.contiguous()
+    qw = qc if q_win is None else q_win.contiguous()
     k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = (x if x.stride(-1) == 1 else x.contiguous()
                                                 for x in (k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
     t = t.to(device=dev, dtype=torch.int64).contiguous()
@@ -422,8 +427,8 @@ def nsa_decode_triton(
     mt = f32(G * NT_C * h)
     scale_log2 = scale * LOG2E
     _cmp_win_kernel[(ns1, G)](
-        qc, k_cmp, v_cmp, k_win, v_win, t, m1, l1, a1, part, spill, mt,
-        qc.stride(0), qc.stride(1), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+        qc, qw, k_cmp, v_cmp, k_win, v_win, t, m1, l1, a1, part, spill, mt,
+        qc.stride(0), qc.stride(1), qw.stride(0), qw.stride(1), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
         v_win.stride(0), v_win.stride(1), v_win.stride(2),
         C, R, NB, scale_log2,

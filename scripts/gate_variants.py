@@ -11,7 +11,9 @@ Variants (``NAME`` or ``NAME:PARAM``):
   K/V projection reparametrised ``W = A * W'`` (so Adam moves ``W`` ``A`` times slower).
 - ``fastkv:R``: the compressed and selected branches' K/V projections learn ``R`` times faster
   (``W = R * W'``, ``W'`` starting at ``W / R``).
-- ``fastsel:R``: ``fastkv:R`` plus a query projection of the window branch's own (``q_win``).
+- ``fastsel:R``: ``fastkv:R`` plus a query projection of the window branch's own (``q_win``); the layer
+  does this itself now (``nsa.window_query``, ``nsa.kv_speed``: the default, at R=3), so a variant runs on
+  the paper's layer (``--set nsa.window_query=false --set nsa.kv_speed=1``).
 
 The variants that split the window branch out of the op (``window-*``, ``slowwin``, ``fastsel``) call the
 NSA op twice per layer, so they are slower; they are measured for their learning, not their speed.
@@ -118,6 +120,9 @@ def install(spec: str) -> None:
     if name in ("fastkv", "fastsel"):
         def init(self: LM.NSALM, *a: Any, **kw: Any) -> None:
             _ORIG["init"](self, *a, **kw)
+            if self.nsa_cfg.window_query or self.nsa_cfg.kv_speed != 1:
+                raise SystemExit(f"gate variant {name} patches the paper's layer: add --set nsa.window_query=false "
+                                 "--set nsa.kv_speed=1 (the shipped nsa.window_query + nsa.kv_speed are fastsel)")
             _reparam(self, (0, 1), x)
             if name == "fastsel":
                 for block in self.block_list():

@@ -22,8 +22,10 @@ SETS=(--set data.source=local --set data.path=$corpus --set data.tokenizer=byte 
 for spec in "$@"; do
   arm=${spec%%:*}; seed=${spec##*:}
   tag=$(printf %s "$arm" | tr -c "a-zA-Z0-9-" "_")-s$seed
-  if [ -n "${GATE_VARIANT:-}" ]; then cli=(scripts/gate_variants.py "$GATE_VARIANT" --); else cli=(-m nsa_cli); fi
-  python3 "${cli[@]}" bench quality --config m7c-125m "${SETS[@]}" --arms "$arm" --seeds "$seed" \
+  # a variant patches the paper's layer (one query, every K/V at the same speed)
+  if [ -n "${GATE_VARIANT:-}" ]; then cli=(scripts/gate_variants.py "$GATE_VARIANT" --); paper=(--set nsa.window_query=false --set nsa.kv_speed=1)
+  else cli=(-m nsa_cli); paper=(); fi
+  python3 "${cli[@]}" bench quality --config m7c-125m "${SETS[@]}" "${paper[@]}" --arms "$arm" --seeds "$seed" \
     --steps ${STEPS:-1200} -o /tmp/quality --json-out "$out/$tag.json" > "$out/$tag.log" 2>&1 &
 done
 wait

@@ -61,7 +61,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     else:
         gate_variants.reset()
     model = ModelConfig(**{**sh["model"], **cand.get("model", {})})
-    nsa = NSAConfig(**{**sh["nsa"], **cand.get("nsa", {})})
+    # a variant patches the paper's layer (one query, every K/V at the same speed)
+    paper = {"window_query": False, "kv_speed": 1.0} if cand.get("patch") else {}
+    nsa = NSAConfig(**{**sh["nsa"], **paper, **cand.get("nsa", {})})
     task = RetrievalTask(**sh["task"])
     recipe = RetrievalRecipe(steps=job["steps"], batch_size=sh["batch"], eval_every=job["eval_every"],
                              eval_samples=job.get("eval_samples", 128), target=job["target"], stop_at_target=True,

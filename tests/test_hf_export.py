@@ -67,11 +67,15 @@ def test_the_folder_holds_the_format(trained: Path) -> None:
     assert cfg["nsa_format_version"] == FORMAT_VERSION and cfg["model_type"] == "nsa"
     assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_nsa.NSAForCausalLM"
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["nsa"]["l"], cfg["nsa"]["w"]) == (64, 2, 8, 32)
+    # today's defaults: the window's own queries and faster cmp/sel K/V (so the tests below of this run, the one
+    # without the nsa package and train.init_from included, cover them)
+    assert (cfg["nsa"]["window_query"], cfg["nsa"]["kv_speed"]) == (True, 3.0)
     from safetensors.torch import load_file
 
     names = set(load_file(folder / "model.safetensors"))
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-            "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight",
+            "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_win_proj.weight",
+            "model.layers.1.mlp.gate_proj.weight",
             "model.layers.1.post_attention_layernorm.weight"} <= names
     assert (folder / "modeling_nsa.py").read_bytes() == (ROOT / "nsa" / "hf" / "modeling_nsa.py").read_bytes()
     from nsa.hf import modeling_nsa
@@ -301,6 +305,91 @@ def test_model_variants_round_trip(tmp_path: Path, change: dict[str, dict[str, A
     state, back, _ = read_hf(folder)
     assert back.model == cfg.model.model_copy(update={"mlp_hidden": cfg.model.ffn_hidden})
     assert back.nsa.params() == cfg.nsa.params() and back.nsa.gate_bias == cfg.nsa.gate_bias
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+
+
+def _variant(tmp_path: Path, seed: int, **nsa: Any) -> tuple[Any, Path]:
+    """``(nsa model, its export folder)``: the tiny config with ``nsa`` changed, random weights of
+    ``seed``, exported as ``nsa export --format hf`` does."""
+    cfg = load_named("tiny")
+    cfg = cfg.model_copy(update={"nsa": cfg.nsa.model_copy(update=nsa)})
+    torch.manual_seed(seed)
+    ref = build_model(cfg).eval()
+    folder = tmp_path / "variant_model"
+    export_hf(_run_of(ref, cfg, tmp_path / "run"), folder)
+    return ref, folder
+
+
+def _both_paths_match(ref: Any, folder: Path, seed: int) -> None:
+    """The package and the standalone path give ``ref``'s logits (float32, 1e-5) and greedy tokens, also for a
+    left-padded batch (the standalone decode path keeps only keys and values)."""
+    ids = torch.randint(1, 256, (1, 100), generator=torch.Generator().manual_seed(seed))
+    rows = torch.randint(1, 256, (2, 60), generator=torch.Generator().manual_seed(seed + 1))
+    mask = torch.ones_like(rows)
+    mask[0, :23] = 0  # the first row left-padded
+    with torch.no_grad():
+        want = ref(ids).logits
+    for impl in ("package", "standalone"):
+        hf = _hf(folder, nsa_impl=impl)
+        assert hf.uses_nsa_package == (impl == "package")
+        with torch.no_grad():
+            assert float((hf(ids).logits - want).abs().max()) <= 1e-5, impl
+        assert torch.equal(_greedy(hf, ids, 16), ref.generate(ids, 16)), impl
+        assert torch.equal(_greedy(hf, rows, 8, attention_mask=mask), ref.generate(rows, 8, attention_mask=mask)), impl
+
+
+def test_window_query_and_kv_speed_export(tmp_path: Path) -> None:
+    """The measured recipe (``window_query=True, kv_speed=3``, the defaults): config.json carries both, the
+    weights hold ``q_win_proj`` and ``kv_proj`` as stored (divided by kv_speed), and both implementations
+    multiply them back and give the window its own queries: the nsa model's logits and greedy tokens."""
+    from safetensors.torch import load_file
+
+    ref, folder = _variant(tmp_path, 41, window_query=True, kv_speed=3.0)
+    attn = ref.blocks[0].attn
+    assert attn.q_win_proj is not None and attn.kv_gain is not None
+    assert not torch.equal(attn.kv_weight(), attn.kv_proj.weight)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["nsa"]["window_query"], config["nsa"]["kv_speed"]) == (True, 3.0)
+    tensors = load_file(folder / "model.safetensors")
+    for i, block in enumerate(ref.blocks):
+        assert torch.equal(tensors[f"model.layers.{i}.self_attn.q_win_proj.weight"], block.attn.q_win_proj.weight)
+        assert torch.equal(tensors[f"model.layers.{i}.self_attn.kv_proj.weight"], block.attn.kv_proj.weight)
+    _both_paths_match(ref, folder, 43)
+    for impl in ("package", "standalone"):  # the weights as used: exactly the nsa layer's
+        hf = _hf(folder, nsa_impl=impl)
+        for layer, block in zip(hf.model.layers, ref.blocks, strict=True):
+            assert torch.equal(layer.self_attn.kv_weight(), block.attn.kv_weight()), impl
+    # the window's own queries matter: the same weights read as the paper's layer give other logits
+    old = json.loads((folder / "config.json").read_text())
+    old["nsa"]["window_query"], old["nsa"]["kv_speed"] = False, 1.0
+    plain = tmp_path / "plain_model"
+    shutil.copytree(folder, plain)
+    (plain / "config.json").write_text(json.dumps(old))
+    ids = torch.randint(1, 256, (1, 100), generator=torch.Generator().manual_seed(43))
+    with torch.no_grad():
+        assert float((_hf(plain, nsa_impl="standalone")(ids).logits - ref(ids).logits).abs().max()) > 1e-3
+    state, back, _ = read_hf(folder)
+    assert (back.nsa.window_query, back.nsa.kv_speed) == (True, 3.0)
+    assert state.keys() == ref.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+
+
+def test_an_export_without_the_new_keys_is_the_papers_layer(tmp_path: Path) -> None:
+    """A config.json written before ``window_query`` and ``kv_speed`` existed (the two keys deleted, weights of
+    a model with ``window_query=False, kv_speed=1``): both implementations load it as the paper's layer and
+    give the nsa model's logits and tokens; ``read_hf`` (``train.init_from``) reads the same options."""
+    ref, folder = _variant(tmp_path, 47, window_query=False, kv_speed=1.0)
+    assert ref.blocks[0].attn.q_win_proj is None and ref.blocks[0].attn.kv_gain is None
+    config = json.loads((folder / "config.json").read_text())
+    del config["nsa"]["window_query"], config["nsa"]["kv_speed"]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    _both_paths_match(ref, folder, 53)
+    for impl in ("package", "standalone"):
+        hf = _hf(folder, nsa_impl=impl)
+        assert (hf.config.nsa["window_query"], hf.config.nsa["kv_speed"]) == (False, 1.0), impl
+        assert not any("q_win_proj" in k for k in hf.state_dict()), impl
+    state, back, _ = read_hf(folder)
+    assert (back.nsa.window_query, back.nsa.kv_speed) == (False, 1.0)
     assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
 
 

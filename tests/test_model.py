@@ -324,6 +324,92 @@ def test_a_config_saved_before_the_gate_fields_loads_with_the_old_gates(tmp_path
     assert isinstance(attn, NSAAttention) and attn.gate_scale == 1.0 and attn.gate_bias == (0.0, 0.0, 0.0)
 
 
+def test_a_config_saved_before_the_window_query_loads_the_paper_layer() -> None:
+    """Runs saved before ``nsa.window_query``/``kv_speed`` have one query and plain K/V weights: loading
+    them rebuilds that layer (their checkpoints have no ``q_win_proj`` and unscaled ``kv_proj`` rows)."""
+    from nsa.config import RunConfig, saved_run_config
+
+    tree = RunConfig().model_dump(mode="json")
+    for key in ("window_query", "kv_speed"):
+        del tree["nsa"][key]
+    cfg = saved_run_config(tree)
+    assert cfg.nsa.window_query is False and cfg.nsa.kv_speed == 1.0
+    fresh = RunConfig.model_validate(tree).nsa
+    assert fresh.window_query is True and fresh.kv_speed == 3.0  # a user's config without them: the recipe
+    attn = build_model(cfg.model_copy(update={"model": load_named("tiny").model})).blocks[0].attn
+    assert isinstance(attn, NSAAttention) and attn.q_win_proj is None and attn.kv_gain is None
+
+
+def test_kv_speed_keeps_the_initial_model_and_moves_the_sparse_kv_faster() -> None:
+    """``kv_speed=3``: the same logits at initialisation as ``kv_speed=1`` (the stored rows are W / 3, the
+    forward multiplies back), and one AdamW step moves the effective compressed and selected K/V rows 3x as
+    far while the window's rows move as far (Adam normalises the 3x gradient of the stored rows away)."""
+    ids = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(4))
+    moved = {}
+    for speed in (1.0, 3.0):
+        torch.manual_seed(11)
+        lm = _tiny_lm(kv_speed=speed)
+        attn = lm.blocks[0].attn
+        assert isinstance(attn, NSAAttention)
+        before = attn.kv_weight().detach().clone()
+        out = lm(ids, labels=ids)
+        moved[f"logits{speed}"] = out.logits.detach()
+        opt = torch.optim.AdamW(lm.parameters(), lr=1e-3, weight_decay=0.0)
+        assert out.loss is not None
+        out.loss.backward()
+        opt.step()
+        moved[speed] = (attn.kv_weight().detach() - before).abs()
+    torch.testing.assert_close(moved["logits3.0"], moved["logits1.0"], rtol=1e-5, atol=1e-6)
+    rows = 2 * (8 + 8)  # one branch's rows: n_kv_groups * (d_k + d_v)
+    sparse = moved[3.0][: 2 * rows].mean() / moved[1.0][: 2 * rows].mean()
+    window = moved[3.0][2 * rows:].mean() / moved[1.0][2 * rows:].mean()
+    assert abs(sparse - 3.0) < 0.05 and abs(window - 1.0) < 0.05, (sparse, window)
+
+
+def test_weights_of_the_papers_layer_start_the_default_layer_as_the_same_function() -> None:
+    """``train.init_from`` of a run trained with the paper's layer (``window_query=false, kv_speed=1``) into
+    today's default: ``q_win_proj`` starts as ``q_proj`` and the K/V rows are stored for ``kv_speed``, so
+    the model computes what the source did; between kv speeds the same; a window query the target has no
+    place for is one line naming it."""
+    from pathlib import Path
+
+    from nsa.config import RunConfig
+    from nsa.errors import CheckpointError
+    from nsa.model.load import fit_init_weights
+
+    ids = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(9))
+    paper = {"window_query": False, "kv_speed": 1.0}
+    for src_kw, dst_kw in ((paper, {}), ({}, {"kv_speed": 7.0}), ({}, paper)):
+        torch.manual_seed(3)
+        src = _tiny_lm(**src_kw)
+        cfg = RunConfig(model=src.model_cfg, nsa=src.nsa_cfg)
+        dst = _tiny_lm(**dst_kw)
+        if dst_kw == paper:
+            with pytest.raises(CheckpointError, match="q_win_proj"):
+                fit_init_weights(src.state_dict(), cfg, Path("src"), dst)
+            continue
+        state, _, fresh = fit_init_weights(src.state_dict(), cfg, Path("src"), dst)
+        assert not fresh
+        dst.load_state_dict(state)
+        torch.testing.assert_close(dst(ids).logits, src(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_window_query_feeds_only_the_window_branch() -> None:
+    """With the window gated off (fixed gates) ``q_win_proj`` gets no gradient and the output does not
+    depend on it; with only the window on, ``q_proj`` gets none from attention (the block choice is not
+    differentiated)."""
+    x = torch.randn(2, 19, 24, generator=torch.Generator().manual_seed(5))
+    for fixed, silent in (((0.5, 0.5, 0.0), "q_win_proj"), ((0.0, 0.0, 1.0), "q_proj")):
+        torch.manual_seed(0)
+        m = NSAAttention(24, 4, 2, 8, 6, HP, GateParams(fixed=fixed), window_query=True)
+        assert m.q_win_proj is not None
+        m(x).square().sum().backward()
+        grad = getattr(m, silent).weight.grad
+        assert grad is None or grad.abs().max() == 0, silent
+        other = m.q_proj if silent == "q_win_proj" else m.q_win_proj
+        assert other.weight.grad is not None and other.weight.grad.abs().max() > 0
+
+
 def test_gate_options_are_one_record_and_the_old_keywords_build_the_same_layer() -> None:
     """``GateParams`` carries the gate options (issue 34); the loose keywords that the ``modeling_nsa.py`` of
     earlier Hugging Face exports passes build the same layer."""

@@ -186,19 +186,23 @@ def test_gate_init_and_a_different_gate_bias_are_refused_in_one_line(tmp_path: P
 
 
 def test_a_gate_start_that_does_not_learn_retrieval_is_said_once_at_the_start(tmp_path: Path) -> None:
-    """docs/design.md, "Gates against retrieval": the window start (the default) learned key/value retrieval
-    in none of 4 seeds; ``nsa train`` says so in one warning line, and not for other starts, fixed gates
+    """docs/design.md, "Gates against retrieval": the window start with the paper's layer (one query, every
+    K/V at the same speed) learned key/value retrieval in none of 4 seeds; ``nsa train`` says so in one
+    warning line, and not for the default (the window's own query, kv_speed 3), other starts, fixed gates
     or dense attention."""
     rep = quiet()
-    assert Trainer(resolve(tmp_path / "window", 1), reporter=rep).fit().status == "completed"
+    paper = {"nsa__window_query": False, "nsa__kv_speed": 1.0}
+    assert Trainer(resolve(tmp_path / "window", 1, **paper), reporter=rep).fit().status == "completed"
     said = [ln for ln in rep.text().splitlines() if "does not learn long-range retrieval" in ln]
-    assert len(said) == 1 and "nsa.gate_init=slow" in said[0] and "the default" in said[0]
-    for name, extra in {"slow": {"nsa__gate_init": "slow"}, "dense": {"model__attention": "dense"},
-                        "fixed": {"nsa__fixed_gates": [0.0, 1.0, 0.0]}}.items():
+    assert len(said) == 1 and "nsa.window_query=true, nsa.kv_speed=3" in said[0], said
+    for name, extra in {"default": {}, "slow": {"nsa__gate_init": "slow", **paper},
+                        "dense": {"model__attention": "dense", **paper},
+                        "fixed": {"nsa__fixed_gates": [0.0, 1.0, 0.0], **paper}}.items():
         rep = quiet()
         assert Trainer(resolve(tmp_path / name, 1, **extra), reporter=rep).fit().status == "completed"
         assert "long-range retrieval" not in rep.text(), name
-    assert NSAConfig(gate_bias=(-2.0, -2.0, 1.0)).retrieval_concern() is None  # a bias of its own: not measured
+    assert NSAConfig(gate_bias=(-2.0, -2.0, 1.0), window_query=False).retrieval_concern() is None  # not measured
+    assert NSAConfig(kv_speed=2.0).retrieval_concern() is not None  # below the measured speed
     assert NSAConfig(gate_init="window").gate_preset() == "window"
 
 
@@ -219,6 +223,9 @@ def test_dense_warm_start_copies_shared_weights_and_keeps_nsa_parts_fresh(tmp_pa
     dense_kv = state["blocks.0.attn.kv_proj.weight"]
     rows = dense_kv.shape[0] // 3
     torch.testing.assert_close(dense_kv[:rows], dense_kv[rows : 2 * rows])  # one dense projection per branch
+    # stored for kv_speed: the effective compressed/selected rows are the dense ones, as the window's are
+    torch.testing.assert_close(dense_kv[:rows] * cfg.nsa.kv_speed, dense_kv[2 * rows :])
+    torch.testing.assert_close(state["blocks.0.attn.q_win_proj.weight"], state["blocks.0.attn.q_proj.weight"])
     # the other way round is not a warm-start: one line naming what does not fit
     with pytest.raises(CheckpointError, match="do not fit"):
         dcfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attention": "dense"})})

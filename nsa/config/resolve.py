@@ -117,7 +117,8 @@ def parse_set(item: str) -> tuple[str, Any]:
 
 # Fields added after runs were first saved, with the values that rebuild those runs' models exactly
 # (today's defaults differ: see docs/design.md, "Gates").
-LEGACY_DEFAULTS: dict[str, Any] = {"nsa.gate_bias": [0.0, 0.0, 0.0], "nsa.gate_scale": 1.0}
+LEGACY_DEFAULTS: dict[str, Any] = {"nsa.gate_bias": [0.0, 0.0, 0.0], "nsa.gate_scale": 1.0,
+                                   "nsa.window_query": False, "nsa.kv_speed": 1.0}
 
 
 # Keys that only name another key's value (not saved with a run: the value is): `nsa.gate_init` -> `nsa.gate_bias`.

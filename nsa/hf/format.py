@@ -49,9 +49,12 @@ MODEL_KEYS = {
     "init_std": "initializer_range",
 }
 # run config `nsa.*` carried in config.json's "nsa" object (gate_init is input only; collapse_threshold is a
-# training statistic)
+# training statistic). A config.json without `window_query`/`kv_speed` (written before they existed) reads as
+# the paper's layer (False, 1.0): `saved_run_config` fills them from `LEGACY_DEFAULTS`, `modeling_nsa.NSAConfig`
+# from its own defaults. With `kv_speed`, model.safetensors holds `kv_proj.weight` as stored (its compressed and
+# selected rows divided by kv_speed); the layer multiplies them back.
 NSA_KEYS = ("l", "d", "l_sel", "n_sel", "w", "phi", "gate", "shared_kv", "gate_hidden", "gate_bias", "gate_scale",
-            "fixed_gates")
+            "fixed_gates", "window_query", "kv_speed")
 
 
 def hf_config(cfg: RunConfig, *, eot_id: int, tokenizer: str, source: str | None = None) -> dict[str, Any]:

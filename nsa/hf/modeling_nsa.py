@@ -19,7 +19,10 @@ The standalone implementation follows the ``nsa`` project's contract (docs/nsa-s
 branch over visible compressed tokens only (zero where none is), block importance from the compressed
 probabilities (overlap / l, summed over the heads of a group), forced blocks (current, initial, previous)
 then the highest scores with ties to the lower index, selected branch over the chosen blocks' positions
-<= t, window of ``w`` positions, outputs mixed by the gates (cmp, sel, win).
+<= t, window of ``w`` positions, outputs mixed by the gates (cmp, sel, win). ``window_query``: the window branch
+attends with queries of its own projection (``q_win_proj``); the other branches and the block choice keep
+``q_proj``'s. ``kv_speed``: the weights hold ``kv_proj``'s compressed and selected rows (its first two thirds)
+divided by ``kv_speed``; the layer multiplies them back (``kv_weight``).
 
 Conventions that differ from ``nsa``'s own model: ``labels`` are shifted inside (transformers' rule);
 a plain ``model(ids)`` builds no cache (pass ``use_cache=True`` for one); beam search decodes without a
@@ -71,8 +74,10 @@ class NSAConfig(PretrainedConfig):
     """The model (LLaMA-style decoder) and its NSA hyper-parameters.
 
     ``nsa`` holds ``l, d, l_sel, n_sel, w, phi, gate, shared_kv, gate_hidden, gate_bias, gate_scale,
-    fixed_gates``; ``attention`` is ``nsa`` or ``dense``; ``nsa_impl`` picks the implementation (module
-    docstring); ``nsa_ops_backend`` is passed to the ``nsa`` package's layers (its ``runtime.attn_backend``).
+    fixed_gates, window_query, kv_speed`` (a config.json written before the last two existed has the paper's
+    layer: ``window_query=False, kv_speed=1.0``, the defaults here); ``attention`` is ``nsa`` or ``dense``;
+    ``nsa_impl`` picks the implementation (module docstring); ``nsa_ops_backend`` is passed to the ``nsa``
+    package's layers (its ``runtime.attn_backend``).
     """
 
     model_type = "nsa"
@@ -121,7 +126,7 @@ class NSAConfig(PretrainedConfig):
         self.attention = attention
         defaults = {"l": 32, "d": 16, "l_sel": 64, "n_sel": 16, "w": 512, "phi": "avg", "gate": "sigmoid",
                     "shared_kv": False, "gate_hidden": None, "gate_bias": [-2.0, -2.0, 2.0], "gate_scale": 0.1,
-                    "fixed_gates": None}
+                    "fixed_gates": None, "window_query": False, "kv_speed": 1.0}
         self.nsa = {**defaults, **(nsa or {})}
         self.initializer_range = initializer_range
         self.nsa_impl = nsa_impl
@@ -197,10 +202,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def nsa_reference(q: torch.Tensor, q_pos: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                   k_sel: torch.Tensor, v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
                   gates: torch.Tensor, *, l: int, d: int, l_sel: int, n_sel: int, w: int,  # noqa: E741
-                  scale: float) -> torch.Tensor:
+                  scale: float, q_win: torch.Tensor | None = None) -> torch.Tensor:
     """NSA for one sequence: queries ``q [Sq, HQ, Dk]`` at positions ``q_pos [Sq]`` over raw keys/values
     ``[T, H, D]`` (positions ``0 .. T-1``) and the compressed stream ``[C, H, D]``; gates ``[Sq, HQ, 3]``
-    (cmp, sel, win) -> ``[Sq, HQ, Dv]``. Query head ``i`` belongs to group ``i // (HQ // H)``."""
+    (cmp, sel, win) -> ``[Sq, HQ, Dv]``. Query head ``i`` belongs to group ``i // (HQ // H)``. ``q_win``: the
+    window branch's own queries (``q``'s shape); ``None``: ``q``."""
     Sq, HQ, Dk = q.shape
     T, H, Dv = v_sel.shape
     h = HQ // H
@@ -240,7 +246,7 @@ def nsa_reference(q: torch.Tensor, q_pos: torch.Tensor, k_cmp: torch.Tensor, v_c
     o_sel = _attend(qg, k_sel, v_sel, sel_mask, scale)
 
     win_mask = ((pos <= t) & (pos > t - w))[:, None, None, :]
-    o_win = _attend(qg, k_win, v_win, win_mask, scale)
+    o_win = _attend(qg if q_win is None else q_win.view(Sq, H, h, Dk), k_win, v_win, win_mask, scale)
 
     g = gates.view(Sq, H, h, 3).to(o_cmp.dtype)
     o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win
@@ -278,7 +284,8 @@ class Compressor(nn.Module):
 
 
 class StandaloneNSAAttention(nn.Module):
-    """The NSA layer in plain torch (the parameters of the nsa package's ``NSAAttention``, same names)."""
+    """The NSA layer in plain torch (the parameters of the nsa package's ``NSAAttention``, same names):
+    ``q_win_proj`` with ``window_query``; ``kv_proj`` holds the stored weights (``kv_weight``: as used)."""
 
     def __init__(self, config: NSAConfig) -> None:
         super().__init__()
@@ -298,13 +305,26 @@ class StandaloneNSAAttention(nn.Module):
         gh = n["gate_hidden"] or max(1, dim // 4)
         self.gate_mlp = nn.Sequential(nn.Linear(dim, gh), nn.SiLU(), nn.Linear(gh, self.n_heads * 3))
         self.o_proj = nn.Linear(self.n_heads * self.d_v, dim, bias=False)
+        self.q_win_proj = nn.Linear(dim, self.n_heads * self.d_k, bias=False) if n["window_query"] else None
+        self.kv_speed = 1.0 if n["shared_kv"] else float(n["kv_speed"])
+
+    def kv_weight(self) -> torch.Tensor:
+        """``kv_proj``'s weight as the layer uses it: the compressed and selected rows (the first two thirds)
+        times ``kv_speed`` (the package's ``NSAAttention.kv_weight``, the same product)."""
+        w = self.kv_proj.weight
+        if self.kv_speed == 1.0:
+            return w
+        rows = self.n_kv * (self.d_k + self.d_v)
+        gain = torch.tensor([self.kv_speed] * (2 * rows) + [1.0] * rows, device=w.device)[:, None]
+        return w * gain.to(w.dtype)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Queries, the three branches' raw K/V (keys rotated) and activated gates of ``x [B, S, dim]``."""
+        """Queries (``q``; ``qw``: the window's, with ``window_query``), the three branches' raw K/V (keys
+        rotated) and activated gates of ``x [B, S, dim]``."""
         B, S, _ = x.shape
         H, Dk, Dv = self.n_kv, self.d_k, self.d_v
         q = rope(self.q_proj(x).view(B, S, self.n_heads, Dk), positions, self.theta)
-        kv = self.kv_proj(x).view(B, S, self.n_branches, H * (Dk + Dv))
+        kv = F.linear(x, self.kv_weight()).view(B, S, self.n_branches, H * (Dk + Dv))
         ks = [rope(kv[:, :, i, : H * Dk].reshape(B, S, H, Dk), positions, self.theta) for i in range(self.n_branches)]
         vs = [kv[:, :, i, H * Dk:].reshape(B, S, H, Dv) for i in range(self.n_branches)]
         if self.n_branches == 1:
@@ -315,21 +335,28 @@ class StandaloneNSAAttention(nn.Module):
             offset = torch.tensor(self.gate_bias, device=x.device, dtype=x.dtype).repeat(self.n_heads)
             g = (offset + self.gate_scale * self.gate_mlp(x)).view(B, S, self.n_heads, 3)
             gates = torch.sigmoid(g) if self.gate == "sigmoid" else torch.softmax(g, dim=-1)
-        return {"q": q, "kc": ks[0], "vc": vs[0], "ks": ks[1], "vs": vs[1], "kw": ks[2], "vw": vs[2], "gates": gates}
+        out = {"q": q, "kc": ks[0], "vc": vs[0], "ks": ks[1], "vs": vs[1], "kw": ks[2], "vw": vs[2], "gates": gates}
+        if self.q_win_proj is not None:
+            out["qw"] = rope(self.q_win_proj(x).view(B, S, self.n_heads, Dk), positions, self.theta)
+        return out
 
-    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, gates: torch.Tensor, raw: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One sequence: ``q [Sq, HQ, Dk]`` at ``q_pos`` over its raw rows ``raw[name] [T, H, D]`` -> ``[Sq, HQ*Dv]``."""
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, gates: torch.Tensor, raw: dict[str, torch.Tensor],
+               q_win: torch.Tensor | None = None) -> torch.Tensor:
+        """One sequence: ``q [Sq, HQ, Dk]`` (``q_win``: the window's, same shape) at ``q_pos`` over its raw rows
+        ``raw[name] [T, H, D]`` -> ``[Sq, HQ*Dv]``."""
         k_cmp = self.compress(raw["kc"], self.compress.mlp_k)
         v_cmp = self.compress(raw["vc"], self.compress.mlp_v)
         o = nsa_reference(q, q_pos, k_cmp, v_cmp, raw["ks"], raw["vs"], raw["kw"], raw["vw"], gates,
-                          scale=self.scale, **self.hp)
+                          scale=self.scale, q_win=q_win, **self.hp)
         return o.reshape(q.shape[0], -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
         pos = torch.arange(S, device=x.device)
         p = self.project(x, pos)
-        rows = [self.attend(p["q"][b], pos, p["gates"][b], {k: v[b] for k, v in p.items()}) for b in range(B)]
+        q_win = p.get("qw")
+        rows = [self.attend(p["q"][b], pos, p["gates"][b], {k: v[b] for k, v in p.items()},
+                            None if q_win is None else q_win[b]) for b in range(B)]
         return self.o_proj(torch.stack(rows))
 
 
@@ -355,7 +382,8 @@ class StandaloneDenseAttention(nn.Module):
         v = kv[..., H * self.d_k:].reshape(B, S, H, self.d_v)
         return {"q": q, "k": k, "v": v}
 
-    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, gates: Any, raw: dict[str, torch.Tensor]) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, gates: Any, raw: dict[str, torch.Tensor],
+               q_win: torch.Tensor | None = None) -> torch.Tensor:
         Sq, HQ, Dk = q.shape
         T = raw["k"].shape[0]
         mask = (torch.arange(T, device=q.device)[None, :] <= q_pos[:, None])[:, None, None, :]
@@ -389,6 +417,7 @@ def _package_attention(config: NSAConfig) -> nn.Module:
     return _PkgNSAAttention(
         c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.v_head_dim, hp, gates,
         phi=n["phi"], shared_kv=bool(n["shared_kv"]), rope_theta=c.rope_theta, backend=backend,
+        window_query=bool(n["window_query"]), kv_speed=float(n["kv_speed"]),
     )
 
 
@@ -460,9 +489,15 @@ class NSAPreTrainedModel(PreTrainedModel):
 
 
 def _reset_buffers(module: Any) -> None:
-    """The nsa package layer's constant buffers, on its weights' device and in their dtype (as ``.to()`` leaves
-    them in the nsa model). They are not in the weights: a model built on the meta device, as transformers 5
-    does, gets them uninitialised."""
+    """The nsa package layer's constant buffers (``gate_offset``, ``kv_gain``), on its weights' device and in
+    their dtype (as ``.to()`` leaves them in the nsa model). They are not in the weights: a model built on the
+    meta device, as transformers 5 does, gets them uninitialised."""
+    gain = getattr(module, "kv_gain", None)
+    if isinstance(gain, torch.Tensor) and hasattr(module, "kv_speed") and hasattr(module, "kv_proj"):
+        w = module.kv_proj.weight
+        rows = module.n_kv_groups * (module.d_k + module.d_v)
+        module.kv_gain = torch.tensor([float(module.kv_speed)] * (2 * rows) + [1.0] * rows, dtype=w.dtype,
+                                      device=w.device)[:, None]
     offset = getattr(module, "gate_offset", None)
     if not isinstance(offset, torch.Tensor) or not hasattr(module, "gate_bias"):
         return
@@ -753,11 +788,12 @@ class NSACache(Cache):
     def _layer_rows(self, attn: Any, x: torch.Tensor, q_pos: torch.Tensor, layer: int, b: int) -> torch.Tensor:
         p = attn.project(x, q_pos)
         gates = p.pop("gates", None)
-        q = p.pop("q")
+        q, q_win = p.pop("q"), p.pop("qw", None)  # queries are not kept: only the keys and values
         store = self.raw[layer][b]
         for k, v in p.items():
             store[k] = v[0] if k not in store else torch.cat([store[k], v[0]])
-        return attn.o_proj(attn.attend(q[0], q_pos, None if gates is None else gates[0], store))[None]
+        return attn.o_proj(attn.attend(q[0], q_pos, None if gates is None else gates[0], store,
+                                       None if q_win is None else q_win[0]))[None]
 
     def _run_raw(self, ids: torch.Tensor, q_pos: torch.Tensor, b: int) -> torch.Tensor:
         m = self.model.model

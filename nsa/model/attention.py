@@ -24,9 +24,10 @@ from nsa.ops.indexing import num_cmp
 class Projected:
     """Everything a layer computes from its input before attention (one forward or one decode step)."""
 
-    __slots__ = ("gates", "k_cmp_raw", "k_sel", "k_win", "q", "v_cmp_raw", "v_sel", "v_win")
+    __slots__ = ("gates", "k_cmp_raw", "k_sel", "k_win", "q", "q_win", "v_cmp_raw", "v_sel", "v_win")
 
-    def __init__(self, **kw: torch.Tensor) -> None:
+    def __init__(self, **kw: torch.Tensor | None) -> None:
+        self.q_win = None
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -38,6 +39,7 @@ class Projected:
     k_win: torch.Tensor
     v_win: torch.Tensor
     gates: torch.Tensor
+    q_win: torch.Tensor | None  # the window branch's own queries (``window_query``), else None
 
 
 class NSAAttention(nn.Module):
@@ -52,6 +54,11 @@ class NSAAttention(nn.Module):
       then ``sigmoid`` per branch or ``softmax`` over the three branches; order (cmp, sel, win). Small, slow
       gates at init are what lets the model learn long-range retrieval (docs/design.md, "Gates").
     - ``o_proj``: ``Linear(n_heads * d_v, dim)``.
+    - ``window_query``: the window branch's own query projection ``q_win_proj`` (the other branches and the
+      block choice keep ``q_proj``); ``kv_speed``: the compressed and selected branches' K/V rows of
+      ``kv_proj`` are stored divided by it and multiplied back in the forward, so Adam moves them
+      ``kv_speed`` times faster (docs/design.md, "Gates against retrieval"). The defaults here are the
+      paper's layer; the config's (``nsa.window_query``, ``nsa.kv_speed``) are the measured recipe.
 
     What the layer measures besides its output (gate and selection statistics, the selection probe, the
     scorer loss) lives in ``diag`` (:class:`nsa.model.diagnostics.LayerDiagnostics`); the forward hands it the
@@ -63,7 +70,7 @@ class NSAAttention(nn.Module):
     def __init__(
         self, dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, hp: NSAParams,
         gates: GateParams | None = None, *, phi: str = "avg", shared_kv: bool = False, rope_theta: float = 10000.0,
-        backend: str | None = None, **legacy: Any,
+        backend: str | None = None, window_query: bool = False, kv_speed: float = 1.0, **legacy: Any,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_groups:
@@ -87,6 +94,14 @@ class NSAAttention(nn.Module):
         # a constant (config, not state): the learned part of the logits starts at 0 around it
         self.register_buffer("gate_offset", torch.tensor(gates.bias).repeat(n_heads), persistent=False)
         self.o_proj = nn.Linear(n_heads * d_v, dim, bias=False)
+        self.q_win_proj = nn.Linear(dim, n_heads * d_k, bias=False) if window_query else None
+        self.kv_speed = 1.0 if shared_kv else float(kv_speed)
+        if self.kv_speed != 1.0:  # per row of kv_proj: kv_speed for the compressed and selected branches, 1 window
+            rows = n_kv_groups * (d_k + d_v)
+            gain = torch.tensor([self.kv_speed] * (2 * rows) + [1.0] * rows)[:, None]
+            self.register_buffer("kv_gain", gain, persistent=False)
+        else:
+            self.kv_gain = None
         self.rope = RotaryEmbedding(d_k, rope_theta)
         self.context: ContextParallel | None = None  # set by NSALM.set_context_parallel
         self.diag = LayerDiagnostics(hp, self.scale, gates.collapse_threshold)
@@ -123,27 +138,44 @@ class NSAAttention(nn.Module):
         hid = F.silu((x[..., None, :] * fc1.weight).sum(-1) + fc1.bias)
         return offset + self.gates.scale * ((hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias)
 
-    def in_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(q, kv, gate pre-activation)`` of ``x``: one GEMM over the concatenated weights of ``q_proj``,
-        ``kv_proj`` and the gate MLP's first layer when ``x`` has more than a few rows (one launch and one
-        read of ``x`` instead of three), else the separate layers (a decode step)."""
+    def kv_weight(self) -> torch.Tensor:
+        """``kv_proj``'s weight as the forward uses it: the compressed and selected rows times ``kv_speed``."""
+        w = self.kv_proj.weight
+        return w if self.kv_gain is None else w * self.kv_gain.to(w.dtype)
+
+    def scale_fast_kv_init(self) -> None:
+        """Store the compressed and selected K/V rows divided by ``kv_speed`` (call after initialising the
+        weights: the forward multiplies them back, so the model at initialisation is the plain one)."""
+        if self.kv_gain is not None:
+            with torch.no_grad():
+                self.kv_proj.weight.div_(self.kv_gain.to(self.kv_proj.weight.dtype))
+
+    def in_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(q, kv, gate pre-activation, window queries)`` of ``x``: one GEMM over the concatenated weights of
+        ``q_proj``, ``kv_proj`` (:meth:`kv_weight`), ``q_win_proj`` and the gate MLP's first layer when ``x``
+        has more than a few rows (one launch and one read of ``x`` instead of several), else the separate
+        layers (a decode step)."""
         fc1 = self.gate_mlp[0]
         assert isinstance(fc1, nn.Linear)
         gate = self.gates.fixed is None
+        qw = self.q_win_proj
         if x.shape[0] * x.shape[1] <= 8:
-            return self.q_proj(x), self.kv_proj(x), None
-        ws = [self.q_proj.weight, self.kv_proj.weight, *([fc1.weight] if gate else [])]
+            return self.q_proj(x), F.linear(x, self.kv_weight()), None, None if qw is None else qw(x)
+        ws = [self.q_proj.weight, self.kv_weight(), *([] if qw is None else [qw.weight]),
+              *([fc1.weight] if gate else [])]
         y = F.linear(x, torch.cat(ws))
-        sizes = [w.shape[0] for w in ws]
-        parts = torch.split(y, sizes, dim=-1)
-        return parts[0], parts[1], parts[2] if gate else None
+        parts = list(torch.split(y, [w.shape[0] for w in ws], dim=-1))
+        q, kv = parts[0], parts[1]
+        q_win = None if qw is None else parts[2]
+        return q, kv, parts[-1] if gate else None, q_win
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> Projected:
         """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``."""
         B, S, _ = x.shape
         H, Dk, Dv = self.n_kv_groups, self.d_k, self.d_v
-        q_lin, kv_lin, gate_pre = self.in_proj(x)
+        q_lin, kv_lin, gate_pre, q_win_lin = self.in_proj(x)
         q = self.rope(q_lin.view(B, S, self.n_heads, Dk), positions)
+        q_win = None if q_win_lin is None else self.rope(q_win_lin.view(B, S, self.n_heads, Dk), positions)
         kv = kv_lin.view(B, S, self.n_kv_branches, H * (Dk + Dv))
         ks, vs = [], []
         for i in range(self.n_kv_branches):
@@ -159,7 +191,7 @@ class NSAAttention(nn.Module):
             gates = torch.sigmoid(g) if self.gates.kind == "sigmoid" else torch.softmax(g, dim=-1)
         return Projected(
             q=q, k_cmp_raw=ks[0], v_cmp_raw=vs[0], k_sel=ks[1], v_sel=vs[1], k_win=ks[2], v_win=vs[2],
-            gates=gates,
+            gates=gates, q_win=q_win,
         )
 
     def attend(self, p: Projected, collect: bool) -> torch.Tensor:
@@ -169,7 +201,7 @@ class NSAAttention(nn.Module):
         want_idx = collect or self.diag.probe_queries > 0
         res = nsa_attention(
             p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, p.gates, self.hp, scale=self.scale,
-            return_block_idx=want_idx, backend=self.backend,
+            return_block_idx=want_idx, backend=self.backend, q_win=p.q_win,
         )
         if not want_idx:
             assert isinstance(res, torch.Tensor)
@@ -181,15 +213,16 @@ class NSAAttention(nn.Module):
         """:meth:`attend` for packed documents (``cu_seqlens`` over the flattened batch)."""
 
         def one_batch(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-                      kw: torch.Tensor, vw: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      kw: torch.Tensor, vw: torch.Tensor, g: torch.Tensor,
+                      *q_win: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             k_cmp, v_cmp = self.compress(kc, vc)
             res = nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, g, self.hp, scale=self.scale,
-                                return_block_idx=True, backend=self.backend)
+                                return_block_idx=True, backend=self.backend, q_win=q_win[0] if q_win else None)
             assert isinstance(res, tuple)
             return res
 
         o, idx = documents.attend(one_batch, [p.q, p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win,
-                                              p.gates], cu_seqlens)
+                                              p.gates, *([] if p.q_win is None else [p.q_win])], cu_seqlens)
         if collect:
             self.diag.accumulate(p.gates, idx)
         return o
@@ -229,7 +262,7 @@ class NSAAttention(nn.Module):
             res = nsa_attention(
                 p.q[:, rows], k_cmp[:, :n], v_cmp[:, :n], ks[:, :stop], vs[:, :stop], kw[:, :stop], vw[:, :stop],
                 p.gates[:, rows], self.hp, scale=self.scale, q_start=start, return_block_idx=collect,
-                backend=self.backend)
+                backend=self.backend, q_win=None if p.q_win is None else p.q_win[:, rows])
             if isinstance(res, tuple):
                 outs.append(res[0])
                 idxs.append(res[1])
@@ -255,7 +288,7 @@ class NSAAttention(nn.Module):
         k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw)
         o = nsa_attention(
             p.q, k_cmp, v_cmp, p.k_sel, p.v_sel, p.k_win, p.v_win, p.gates, self.hp, scale=self.scale,
-            backend=self.backend,
+            backend=self.backend, q_win=p.q_win,
         )
         assert isinstance(o, torch.Tensor)
         layer.fill(p.k_sel, p.v_sel, p.k_win, p.v_win, p.k_cmp_raw, p.v_cmp_raw, k_cmp, v_cmp, cache.lengths)
@@ -284,6 +317,7 @@ class NSAAttention(nn.Module):
         res = nsa_decode(
             p.q[:, 0], t, layer.k_cmp, layer.v_cmp, layer.k_sel, layer.v_sel, layer.k_win, layer.v_win,
             p.gates[:, 0], self.hp, scale=self.scale, table=layer.table, backend=backend,
+            q_win=None if p.q_win is None else p.q_win[:, 0],
         )
         layer.last_block_idx, layer.last_reads = res.block_idx, res.reads
         cache.reads_total += res.reads.sum(dim=-1)
@@ -312,6 +346,7 @@ class NSAAttention(nn.Module):
         return (
             f"heads={self.n_heads}, kv_groups={self.n_kv_groups}, d_k={self.d_k}, d_v={self.d_v}, "
             f"l={self.hp.l}, d={self.hp.d}, l_sel={self.hp.l_sel}, n_sel={self.hp.n_sel}, w={self.hp.w}, "
-            f"phi={self.phi}, gate={self.gates.kind}, shared_kv={self.shared_kv}"
+            f"phi={self.phi}, gate={self.gates.kind}, shared_kv={self.shared_kv}, "
+            f"window_query={self.q_win_proj is not None}, kv_speed={self.kv_speed}"
             + (f", fixed_gates={self.gates.fixed}" if self.gates.fixed is not None else "")
         )

@@ -21,7 +21,8 @@ def make_attention(
         return DenseAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, rope_theta=m.rope_theta)
     n = nsa_cfg
     return NSAAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, n.params(), GateParams.of_config(n), phi=n.phi,
-                        shared_kv=n.shared_kv, rope_theta=m.rope_theta, backend=backend)
+                        shared_kv=n.shared_kv, rope_theta=m.rope_theta, backend=backend, window_query=n.window_query,
+                        kv_speed=n.kv_speed)
 
 
 class Block(nn.Module):

@@ -268,6 +268,8 @@ def _init_weights(module: nn.Module, std: float) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=std)
     elif isinstance(module, BlockMLP):
         nn.init.normal_(module.pos, mean=0.0, std=std)
+    elif isinstance(module, NSAAttention):  # after its own layers (``apply`` visits children first)
+        module.scale_fast_kv_init()
 
 
 def build_model(run_cfg: RunConfig) -> NSALM:

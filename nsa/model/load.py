@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from nsa.config import RunConfig, saved_run_config
 from nsa.errors import CheckpointError, RunDirError
+from nsa.model.attention import NSAAttention
 from nsa.model.lm import NSALM, build_model
 from nsa.rundir.checkpoints import (
     STATE_FILE,
@@ -144,7 +145,9 @@ def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: P
 def dense_to_nsa(state: dict[str, torch.Tensor], model: NSALM) -> tuple[dict[str, torch.Tensor], list[str]]:
     """A dense model's weights for the NSA ``model`` of the same model section (the dense warm-start):
     every shared weight copied, each layer's key/value projection copied into every NSA branch (cmp, sel,
-    win), and the NSA-only parameters (gate MLP, compression MLP) left to the model's own initialisation.
+    win; :func:`adapt_layer_options` then stores the rows for ``kv_speed`` and starts the window's own query
+    from the dense one), and the NSA-only parameters (gate MLP, compression MLP) left to the model's own
+    initialisation.
     Returns ``(state, the fresh keys)``."""
     out: dict[str, torch.Tensor] = {}
     fresh: list[str] = []
@@ -156,10 +159,35 @@ def dense_to_nsa(state: dict[str, torch.Tensor], model: NSALM) -> tuple[dict[str
             out[key] = torch.cat([theirs] * (mine.shape[0] // theirs.shape[0]))  # NSA rows: [cmp | sel | win]
         elif theirs is None and (".gate_mlp." in key or ".compress." in key):
             fresh.append(key)
+        elif theirs is None and key.endswith("attn.q_win_proj.weight"):
+            continue  # the dense query (adapt_layer_options)
         else:
             out[key] = theirs if theirs is not None else mine  # check_fits names the mismatch
     out.update({k: v for k, v in state.items() if k not in out and k not in fresh})
     return out, fresh
+
+
+def adapt_layer_options(state: dict[str, torch.Tensor], cfg: RunConfig, model: NSALM) -> dict[str, torch.Tensor]:
+    """``state`` (trained with ``cfg``) for ``model``'s NSA layer options, the function kept: a missing
+    ``q_win_proj`` starts as the layer's ``q_proj`` (what the window branch read before), and the
+    compressed and selected rows of ``kv_proj`` are rescaled from the source's ``kv_speed`` to the model's
+    (stored rows are W / kv_speed; a dense source's rows are W)."""
+    src = 1.0 if cfg.model.attention == "dense" or cfg.nsa.shared_kv else cfg.nsa.kv_speed
+    out = dict(state)
+    for i, block in enumerate(model.block_list()):
+        attn = block.attn
+        if not isinstance(attn, NSAAttention):
+            continue
+        pre = f"blocks.{i}.attn."
+        if attn.q_win_proj is not None and pre + "q_win_proj.weight" not in out and pre + "q_proj.weight" in out:
+            out[pre + "q_win_proj.weight"] = out[pre + "q_proj.weight"].clone()
+        kv = out.get(pre + "kv_proj.weight")
+        if kv is not None and attn.kv_speed != src and kv.shape[0] == attn.kv_proj.weight.shape[0]:
+            rows = 2 * kv.shape[0] // 3  # [cmp | sel | win]: the first two branches learn at kv_speed
+            kv = kv.clone()
+            kv[:rows] *= src / attn.kv_speed
+            out[pre + "kv_proj.weight"] = kv
+    return out
 
 
 def read_init_weights(path: str | Path, model: NSALM) -> tuple[dict[str, torch.Tensor], Path, list[str]]:
@@ -176,6 +204,8 @@ def fit_init_weights(state: dict[str, torch.Tensor], cfg: RunConfig, source: Pat
     fresh: list[str] = []
     if cfg.model.attention == "dense" and model.model_cfg.attention == "nsa":
         state, fresh = dense_to_nsa(state, model)
+    if model.model_cfg.attention == "nsa":
+        state = adapt_layer_options(state, cfg, model)
     check_fits(model, state, source, fresh)
     return state, source, fresh
 

@@ -401,14 +401,17 @@ def _run_interpreted(code: str) -> None:
 
 
 def test_triton_decode_kernel_in_interpreter() -> None:
-    """CPU: the kernel under ``TRITON_INTERPRET=1`` (a fresh process: Triton reads it at import)."""
-    # default tiles, then several block chunks per group (chunk-local candidates); then a fallback case
+    """CPU: the kernel under ``TRITON_INTERPRET=1`` (a fresh process: Triton reads it at import), also with a
+    window query ``q_win``."""
+    # default tiles, then several block chunks per group (chunk-local candidates); the window's own
+    # queries; then a fallback case
     _run_interpreted(
-        "from tests.test_decode import _triton_vs_torch_decode\n"
+        "from tests.test_decode import _triton_vs_torch_decode, _triton_vs_torch_decode_q_win\n"
         "from nsa.ops import tile_overrides\n"
         "for tune in ({}, {'dec_score_cols': 16}):\n"
         "    with tile_overrides(tune):\n"
         "        _triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
+        "_triton_vs_torch_decode_q_win('cpu', torch.float32, 1e-5)\n"
         "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
         "from nsa.ops import NSAParams\n"
         "from nsa.ops.decode import nsa_decode\n"
@@ -424,13 +427,6 @@ def test_triton_decode_kernel_in_interpreter() -> None:
 @pytest.mark.gpu
 def test_triton_decode_kernel_on_gpu() -> None:
     _triton_vs_torch_decode("cuda", torch.bfloat16, 2e-2)
-
-
-def test_triton_decode_q_win_in_interpreter() -> None:
-    """CPU: the fused step with a window query ``q_win`` under ``TRITON_INTERPRET=1`` equals the torch step."""
-    _run_interpreted("from tests.test_decode import _triton_vs_torch_decode_q_win\n"
-                     "_triton_vs_torch_decode_q_win('cpu', torch.float32, 1e-5)\n"
-                     "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n")
 
 
 @pytest.mark.gpu

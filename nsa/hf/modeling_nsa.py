@@ -493,11 +493,9 @@ def _reset_buffers(module: Any) -> None:
     their dtype (as ``.to()`` leaves them in the nsa model). They are not in the weights: a model built on the
     meta device, as transformers 5 does, gets them uninitialised."""
     gain = getattr(module, "kv_gain", None)
-    if isinstance(gain, torch.Tensor) and hasattr(module, "kv_speed") and hasattr(module, "kv_proj"):
+    if isinstance(gain, torch.Tensor) and hasattr(module, "kv_row_gain"):
         w = module.kv_proj.weight
-        rows = module.n_kv_groups * (module.d_k + module.d_v)
-        module.kv_gain = torch.tensor([float(module.kv_speed)] * (2 * rows) + [1.0] * rows, dtype=w.dtype,
-                                      device=w.device)[:, None]
+        module.kv_gain = module.kv_row_gain(module.kv_speed).to(device=w.device, dtype=w.dtype)
     offset = getattr(module, "gate_offset", None)
     if not isinstance(offset, torch.Tensor) or not hasattr(module, "gate_bias"):
         return

@@ -67,6 +67,8 @@ class NSAAttention(nn.Module):
     ``modeling_nsa.py`` of earlier Hugging Face exports passes them.
     """
 
+    kv_gain: torch.Tensor | None  # a non-persistent buffer: kv_row_gain(kv_speed), None at speed 1
+
     def __init__(
         self, dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, hp: NSAParams,
         gates: GateParams | None = None, *, phi: str = "avg", shared_kv: bool = False, rope_theta: float = 10000.0,
@@ -96,12 +98,8 @@ class NSAAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * d_v, dim, bias=False)
         self.q_win_proj = nn.Linear(dim, n_heads * d_k, bias=False) if window_query else None
         self.kv_speed = 1.0 if shared_kv else float(kv_speed)
-        if self.kv_speed != 1.0:  # per row of kv_proj: kv_speed for the compressed and selected branches, 1 window
-            rows = n_kv_groups * (d_k + d_v)
-            gain = torch.tensor([self.kv_speed] * (2 * rows) + [1.0] * rows)[:, None]
-            self.register_buffer("kv_gain", gain, persistent=False)
-        else:
-            self.kv_gain = None
+        gain = self.kv_row_gain(self.kv_speed) if self.kv_speed != 1.0 else None
+        self.register_buffer("kv_gain", gain, persistent=False)
         self.rope = RotaryEmbedding(d_k, rope_theta)
         self.context: ContextParallel | None = None  # set by NSALM.set_context_parallel
         self.diag = LayerDiagnostics(hp, self.scale, gates.collapse_threshold)
@@ -138,6 +136,13 @@ class NSAAttention(nn.Module):
         hid = F.silu((x[..., None, :] * fc1.weight).sum(-1) + fc1.bias)
         return offset + self.gates.scale * ((hid[..., None, :] * fc2.weight).sum(-1) + fc2.bias)
 
+    def kv_row_gain(self, speed: float) -> torch.Tensor:
+        """``[rows, 1]``: ``speed`` for ``kv_proj``'s compressed and selected rows, 1 for the window's (the
+        stored rows are the forward's divided by this; with ``shared_kv`` every row is 1)."""
+        rows = self.n_kv_groups * (self.d_k + self.d_v)
+        fast = 1.0 if self.shared_kv else float(speed)
+        return torch.tensor([fast] * (2 * rows) + [1.0] * rows)[: self.kv_proj.out_features, None]
+
     def kv_weight(self) -> torch.Tensor:
         """``kv_proj``'s weight as the forward uses it: the compressed and selected rows times ``kv_speed``."""
         w = self.kv_proj.weight
@@ -159,8 +164,9 @@ class NSAAttention(nn.Module):
         assert isinstance(fc1, nn.Linear)
         gate = self.gates.fixed is None
         qw = self.q_win_proj
-        if x.shape[0] * x.shape[1] <= 8:
-            return self.q_proj(x), F.linear(x, self.kv_weight()), None, None if qw is None else qw(x)
+        if x.shape[0] * x.shape[1] <= 8:  # a decode step: scale the few output rows, not the weight
+            kv = self.kv_proj(x) if self.kv_gain is None else self.kv_proj(x) * self.kv_gain[:, 0].to(x.dtype)
+            return self.q_proj(x), kv, None, None if qw is None else qw(x)
         ws = [self.q_proj.weight, self.kv_weight(), *([] if qw is None else [qw.weight]),
               *([fc1.weight] if gate else [])]
         y = F.linear(x, torch.cat(ws))

@@ -183,10 +183,7 @@ def adapt_layer_options(state: dict[str, torch.Tensor], cfg: RunConfig, model: N
             out[pre + "q_win_proj.weight"] = out[pre + "q_proj.weight"].clone()
         kv = out.get(pre + "kv_proj.weight")
         if kv is not None and attn.kv_speed != src and kv.shape[0] == attn.kv_proj.weight.shape[0]:
-            rows = 2 * kv.shape[0] // 3  # [cmp | sel | win]: the first two branches learn at kv_speed
-            kv = kv.clone()
-            kv[:rows] *= src / attn.kv_speed
-            out[pre + "kv_proj.weight"] = kv
+            out[pre + "kv_proj.weight"] = kv * (attn.kv_row_gain(src) / attn.kv_row_gain(attn.kv_speed)).to(kv.dtype)
     return out
 
 

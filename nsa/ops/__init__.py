@@ -28,6 +28,7 @@ from nsa.ops.dispatch import (
     set_default_backend,
     use_backend,
 )
+from nsa.ops.indexing import with_window_query
 from nsa.params import NSAParams
 
 
@@ -104,11 +105,8 @@ def nsa_attention(
 
     ``q_win``: the window branch's own queries (``q``'s shape and dtype); ``None``: ``q`` (one query for
     all three branches, the paper's layer)."""
-    if q_win is not None and (q_win.shape != q.shape or q_win.dtype != q.dtype):
-        raise ValueError(f"q_win {tuple(q_win.shape)} {q_win.dtype} must have q's shape and dtype "
-                         f"{tuple(q.shape)} {q.dtype}")
     tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
-    name, impl = pick("nsa_attention", backend, tensors if q_win is None else (*tensors, q_win))
+    name, impl = pick("nsa_attention", backend, with_window_query(q, q_win, tensors))
     if cu_seqlens is not None:
         cu, one = _packed(name, q, cu_seqlens, q_start)
         extra = [t for t in (block_idx, q_win) if t is not None]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nsa.ops.dispatch import pick, register
-from nsa.ops.indexing import cmp_block_table, masked_softmax, top_n_blocks, visible_cmp
+from nsa.ops.indexing import cmp_block_table, masked_softmax, top_n_blocks, visible_cmp, with_window_query
 from nsa.params import NSAParams
 
 try:  # the fused Triton step is optional: without triton every call runs the torch step
@@ -87,10 +87,8 @@ def nsa_decode(
     requested ``triton`` that cannot serve the call falls back here, counted in
     ``nsa.ops.fallback_counts()``.
     """
-    if q_win is not None and (q_win.shape != q.shape or q_win.dtype != q.dtype):
-        raise ValueError(f"q_win {tuple(q_win.shape)} {q_win.dtype} must match q {tuple(q.shape)} {q.dtype}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates) + (() if q_win is None else (q_win,))
+    tensors = with_window_query(q, q_win, (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))
     _, impl = pick("nsa_decode", backend, tensors, hp=hp)
     out: DecodeOutput = impl(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, scale=scale, table=table,
                              q_win=q_win)

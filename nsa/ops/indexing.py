@@ -123,6 +123,18 @@ def check_q_start(q_start: int, S_q: int, S_k: int | None = None) -> None:
                          f"past the {S_k} key positions: pass keys up to the last query (S_k >= q_start + S_q)")
 
 
+def with_window_query(q: torch.Tensor, q_win: torch.Tensor | None,
+                      tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` and ``q_win`` when given (what the dispatcher checks), after checking that ``q_win`` (the
+    window branch's own queries) has ``q``'s shape and dtype."""
+    if q_win is None:
+        return tensors
+    if q_win.shape != q.shape or q_win.dtype != q.dtype:
+        raise ValueError(f"q_win {tuple(q_win.shape)} {q_win.dtype} must have q's shape and dtype "
+                         f"{tuple(q.shape)} {q.dtype}")
+    return (*tensors, q_win)
+
+
 def check_cmp_tokens(n_tokens: int, q_start: int, S_q: int, l: int, d: int) -> None:  # noqa: E741
     """``k_cmp`` must hold every compressed token the last query row (position ``q_start + S_q - 1``) sees."""
     need = num_visible_cmp(q_start + S_q - 1, l, d) if S_q else 0

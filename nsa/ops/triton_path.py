@@ -94,7 +94,7 @@ class Stages:
                  hp: NSAParams, scale: float, q_start: int = 0, q_win: torch.Tensor | None = None) -> None:
         self.q, self.k_cmp, self.v_cmp, self.k_sel, self.v_sel, self.k_win, self.v_win = (
             _dense_last(t) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
-        self.q_win = None if q_win is None or q_win.numel() == 0 else _dense_last(q_win)
+        self.q_win = None if q_win is None else _dense_last(q_win)
         self.gates = gates.contiguous()
         self.hp, self.scale, self.q_start = hp, scale, q_start
         # the forward's buffers (the backward is handed the saved ones instead)

@@ -65,6 +65,9 @@ def test_stage_rows_put_each_stage_against_its_roofline() -> None:
     total = rows[-1]
     assert abs(total.ms - sum(times.values())) < 1e-12
     assert abs(total.roofline_ms - sum(r.roofline_ms for r in rows[:-1])) < 1e-12
+    # the compressed stages say which kernel ran them; the others have one kernel each
+    paths = {r.stage: r.path for r in stage_rows("paper", 4096, 64, 4, 128, times, cmp_path="cudnn")}
+    assert paths == {"compress_avg": "", "cmp_fwd": "cudnn", "select": "", "sel_fwd": "", "win_fwd": "", "total": ""}
 
 
 def test_bench_attention_stages_need_the_triton_kernels() -> None:

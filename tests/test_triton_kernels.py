@@ -37,7 +37,22 @@ def _poison(device: torch.device) -> None:
 
 def _check(B: int, S: int, HQ: int, H: int, Dk: int, Dv: int, *, l: int, d: int, l_sel: int,  # noqa: E741
            n_sel: int, w: int, dtype: torch.dtype, device: str, tol: float, oracle: str,
-           strided: bool = False, window_query: bool = False) -> None:
+           strided: bool = False, window_query: bool = False, cmp_path: str = "kernel") -> None:
+    from nsa.ops import triton_path
+
+    triton_path.set_cmp_path(cmp_path)
+    try:
+        _check_on_path(B, S, HQ, H, Dk, Dv, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, dtype=dtype, device=device,
+                       tol=tol, oracle=oracle, strided=strided, window_query=window_query)
+        if cmp_path != "kernel":
+            assert triton_path.path_counts().get(cmp_path, 0) > 0, triton_path.path_counts()
+    finally:
+        triton_path.set_cmp_path(None)
+
+
+def _check_on_path(B: int, S: int, HQ: int, H: int, Dk: int, Dv: int, *, l: int, d: int, l_sel: int,  # noqa: E741
+                   n_sel: int, w: int, dtype: torch.dtype, device: str, tol: float, oracle: str,
+                   strided: bool, window_query: bool) -> None:
     from nsa.ops import reference, torch_path, triton_path
 
     dev = torch.device(device)
@@ -94,6 +109,10 @@ CPU_CASES = {
     "S-lt-l": (1, 10, 4, 1, 16, 16, 16, 8, 16, 2, 4),
     "h2-strided-views": (1, 40, 4, 2, 16, 16, 8, 4, 8, 3, 12, True),
     "h2-window-query": (1, 40, 4, 2, 16, 16, 8, 4, 8, 3, 12, False, True),
+    # the compressed branch as square causal attention over virtual rows (cmp_sdpa, plain torch on CPU):
+    # S=48 leaves a partial last virtual row, S=43 a whole one; with and without the window's own queries
+    "h6-cmp-sdpa": (1, 48, 6, 1, 16, 16, 8, 4, 16, 3, 16, False, False, "math"),
+    "h2-B2-cmp-sdpa-window-query": (2, 43, 4, 2, 16, 16, 8, 4, 8, 3, 12, True, True, "math"),
 }
 
 
@@ -107,12 +126,13 @@ CPU_TUNED_CASES = {
 
 
 def _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w, strided=False, window_query=False,  # noqa: E741
-              tune=None) -> None:
+              cmp_path="kernel", tune=None) -> None:
     from nsa.ops import tile_overrides
 
     with tile_overrides(tune):
         _check(B, S, HQ, H, Dk, Dv, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, dtype=torch.float32,
-               device="cpu", tol=2e-5, oracle="reference", strided=strided, window_query=window_query)
+               device="cpu", tol=2e-5, oracle="reference", strided=strided, window_query=window_query,
+               cmp_path=cmp_path)
 
 
 def _messy_blocks_case(device: str = "cpu") -> None:
@@ -209,6 +229,18 @@ GPU_CASES = [
 def test_gpu_matches_torch_path(B, S, HQ, H, Dk, Dv, dtype) -> None:
     _check(B, S, HQ, H, Dk, Dv, l=32, d=16, l_sel=64, n_sel=16, w=512, dtype=dtype, device="cuda",
            tol=2e-2, oracle="torch", strided=HQ == 12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cudnn", "flash"])
+@pytest.mark.parametrize("B,S,HQ,H,D,window_query", [(1, 1500, 12, 2, 64, True), (2, 1024, 8, 2, 128, False),
+                                                       (1, 1040, 64, 4, 128, True)])
+def test_gpu_cmp_sdpa_matches_torch_path(impl: str, B: int, S: int, HQ: int, H: int, D: int,
+                                         window_query: bool) -> None:
+    """The compressed branch by cuDNN's or FlashAttention's kernel over virtual rows: forward and every
+    gradient against the torch path (ragged and whole last virtual rows)."""
+    _check(B, S, HQ, H, D, D, l=32, d=16, l_sel=64, n_sel=16, w=512, dtype=torch.bfloat16, device="cuda",
+           tol=2e-2, oracle="torch", window_query=window_query, cmp_path=impl)
 
 
 @pytest.mark.gpu

@@ -303,6 +303,7 @@ class StageRow:
     mbytes: float
     roofline_ms: float  # max(FLOPs at the peak rate, minimum bytes at the peak bandwidth)
     bound: str  # "compute" or "memory": which of the two sets roofline_ms
+    path: str = ""  # the compressed stages: "kernel" (ours) or the library kernel that ran them
 
     @property
     def tflops(self) -> float:
@@ -319,7 +320,7 @@ class StageRow:
 
 def stage_rows(shape: str, S: int, HQ: int, H: int, D: int, times_ms: Mapping[str, float], *,
                params: NSAParams | None = None, batch: int = 1, peak_tflops: float = PEAK_TFLOPS,
-               peak_tbps: float = PEAK_TBPS) -> list[StageRow]:
+               peak_tbps: float = PEAK_TBPS, cmp_path: str = "kernel") -> list[StageRow]:
     """Each timed stage with its FLOPs and minimum bytes (:func:`stage_costs`) and its roofline time, the
     stages in the op's order and a ``total`` row (pure arithmetic: ``times_ms`` from :func:`kernel_breakdown`)."""
     costs = stage_costs(S, HQ, H, D, D, params, batch)
@@ -329,7 +330,7 @@ def stage_rows(shape: str, S: int, HQ: int, H: int, D: int, times_ms: Mapping[st
             continue
         t_c, t_m = flops / (peak_tflops * 1e9), nbytes / (peak_tbps * 1e9)
         rows.append(StageRow(shape, S, name, float(times_ms[name]), flops / 1e9, nbytes / 1e6, max(t_c, t_m),
-                             "compute" if t_c >= t_m else "memory"))
+                             "compute" if t_c >= t_m else "memory", cmp_path if name.startswith("cmp_") else ""))
     if rows:
         rows.append(StageRow(shape, S, "total", sum(r.ms for r in rows), sum(r.gflop for r in rows),
                              sum(r.mbytes for r in rows), sum(r.roofline_ms for r in rows),
@@ -341,19 +342,33 @@ def stage_rows(shape: str, S: int, HQ: int, H: int, D: int, times_ms: Mapping[st
 def kernel_breakdown(
     S: int, HQ: int, H: int, D: int, *, params: NSAParams | None = None, batch: int = 1,
     dtype: torch.dtype = torch.bfloat16, warmup_ms: int = 10, rep_ms: int = 50, seed: int = 0,
-    only: tuple[str, ...] | None = None, tune: Mapping[str, int | str] | None = None,
+    only: tuple[str, ...] | None = None, tune: Mapping[str, int | str] | None = None, cmp_path: str | None = None,
 ) -> dict[str, float]:
     """Median milliseconds of each Triton stage of the NSA forward and backward, as the op runs them
     (:class:`nsa.ops.triton_path.Stages`; CUDA only; ``tune``: block-shape overrides,
-    :func:`nsa.ops.tile_overrides`)."""
+    :func:`nsa.ops.tile_overrides`; ``cmp_path``: how the compressed stages run, default as the op would
+    choose, :func:`stage_cmp_path`; a library kernel's stages include the layout copies around it)."""
     with tile_overrides(tune):
-        return _kernel_breakdown(S, HQ, H, D, params or NSAParams(), batch, dtype, warmup_ms, rep_ms, seed, only)
+        return _kernel_breakdown(S, HQ, H, D, params or NSAParams(), batch, dtype, warmup_ms, rep_ms, seed, only,
+                                 cmp_path or stage_cmp_path(S, HQ, H, D, params))
+
+
+def stage_cmp_path(S: int, HQ: int, H: int, D: int, params: NSAParams | None = None) -> str:
+    """How the op runs the compressed branch for this shape on this process's GPU."""
+    from nsa.ops._triton import cc_major
+    from nsa.ops.triton_path import cmp_path_for
+
+    p = params or NSAParams()
+    cc = cc_major(torch.device("cuda")) if torch.cuda.is_available() else 0
+    return cmp_path_for(S, HQ // H, D, D, max(0, (S - p.l) // p.d + 1), 0, cc)
 
 
 def _kernel_breakdown(S: int, HQ: int, H: int, D: int, p: NSAParams, batch: int, dtype: torch.dtype,
-                      warmup_ms: int, rep_ms: int, seed: int, only: tuple[str, ...] | None) -> dict[str, float]:
+                      warmup_ms: int, rep_ms: int, seed: int, only: tuple[str, ...] | None,
+                      cmp_path: str) -> dict[str, float]:
     import triton.testing
 
+    from nsa.ops import cmp_sdpa
     from nsa.ops.triton_path import Stages
 
     dev = torch.device("cuda")
@@ -368,13 +383,30 @@ def _kernel_breakdown(S: int, HQ: int, H: int, D: int, p: NSAParams, batch: int,
     do = rnd(batch, S, HQ, D)
     k_cmp, v_cmp = compress_avg(k_raw, p).contiguous(), compress_avg(v_raw, p).contiguous()
     st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, p, D**-0.5)
-    st.forward(None)
-    st.start_backward(do)
-    st.cmp_bwd()  # the gate gradient the later stages read
+    cmp_fwd, cmp_bwd = st.cmp_fwd, st.cmp_bwd
+    if cmp_path == "kernel":
+        st.forward(None)
+        st.start_backward(do)
+        st.cmp_bwd()  # the gate gradient the later stages read
+    else:  # a library kernel on the virtual rows (nsa.ops.cmp_sdpa); the window's backward writes dg
+        q_g, k_g, v_g = leaves = [t.detach().requires_grad_(True) for t in (q, k_cmp, v_cmp)]
+        o_v, lse_v = cmp_sdpa.attend(q_g, k_g, v_g, p.l, p.d, D**-0.5, cmp_path)
+        st.forward(None, (o_v.detach(), lse_v))
+        st.start_backward(do)
+        st.win_bwd()
+
+        def cmp_fwd() -> None:
+            with torch.no_grad():
+                st.take_cmp(*cmp_sdpa.attend(q, k_cmp, v_cmp, p.l, p.d, D**-0.5, cmp_path))
+
+        def cmp_bwd() -> None:
+            st.cmp_grad()
+            torch.autograd.grad(o_v, leaves, st.d_ocmp, retain_graph=True)
+
     stages: dict[str, Callable[[], Any]] = {
         "compress_avg": lambda: (compress_avg(k_raw, p).contiguous(), compress_avg(v_raw, p).contiguous()),
-        "cmp_fwd": st.cmp_fwd, "select": st.select, "sel_fwd": st.sel_fwd, "win_fwd": st.win_fwd,
-        "cmp_bwd": st.cmp_bwd, "sel_bwd": st.sel_bwd, "win_bwd": st.win_bwd,
+        "cmp_fwd": cmp_fwd, "select": st.select, "sel_fwd": st.sel_fwd, "win_fwd": st.win_fwd,
+        "cmp_bwd": cmp_bwd, "sel_bwd": st.sel_bwd, "win_bwd": st.win_bwd,
     }
     return {name: float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
             for name, fn in stages.items() if only is None or name in only}

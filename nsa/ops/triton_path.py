@@ -11,11 +11,13 @@ Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (tiny shapes, f
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 
-from nsa.ops._triton import interpreting
+from nsa.ops import cmp_sdpa
+from nsa.ops._triton import cc_major, interpreting
 from nsa.ops._triton.range_attn import range_bwd, range_fwd
 from nsa.ops._triton.scores import select_top
 from nsa.ops._triton.selection import canonical_blocks, sel_bwd, sel_fwd, sel_mode, work_shape
@@ -61,6 +63,48 @@ def _cmp_geometry(hp: NSAParams) -> dict[str, Any]:
     return {"stride": hp.d, "off": hp.l - 1, "win": 0}
 
 
+CMP_PATHS = ("auto", "kernel", *cmp_sdpa.IMPLS)
+# from these lengths cuDNN's kernel on the virtual rows beats ours on the compressed branch, whole op
+# fwd+bwd (H200, docs/benchmarks/cmp-sdpa-h200.md): 16k with 16+ heads per group, else 32k
+CMP_SDPA_MIN_S, CMP_SDPA_MIN_S_BIG_GROUPS = 32768, 16384
+_cmp_path = "auto"
+_paths: Counter[str] = Counter()
+
+
+def set_cmp_path(name: str | None) -> None:
+    """How the compressed branch runs (process-wide): ``kernel`` (ours), ``cudnn``/``flash``/``math``
+    (:mod:`nsa.ops.cmp_sdpa`, where it can serve the call, else ours) or ``auto`` (``None``): by shape."""
+    global _cmp_path
+    name = name or "auto"
+    if name not in CMP_PATHS:
+        raise ValueError(f"unknown compressed-branch path '{name}': choose one of {', '.join(CMP_PATHS)}")
+    _cmp_path = name
+
+
+def path_counts() -> dict[str, int]:
+    """How often each compressed-branch path ran (host-side counts: what the dispatcher chose)."""
+    return dict(_paths)
+
+
+def cmp_path(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, q_start: int) -> str:
+    """The compressed branch's path for this call: the set one where it can serve, else by shape (``kernel``
+    for short sequences, queries at an offset, head dims over 128 and pre-Hopper GPUs)."""
+    cc = cc_major(q.device) if q.is_cuda else 0
+    return cmp_path_for(q.shape[1], q.shape[2] // k_cmp.shape[2], q.shape[-1], v_cmp.shape[-1], k_cmp.shape[1],
+                        q_start, cc)
+
+
+def cmp_path_for(S: int, G: int, Dk: int, Dv: int, n_cmp: int, q_start: int, cc: int) -> str:
+    """:func:`cmp_path` from the shape (``cc``: the GPU's major compute capability, 0 off CUDA)."""
+    ok = q_start == 0 and n_cmp > 0 and Dv == Dk and Dk % 8 == 0 and Dk <= 128
+    if _cmp_path != "auto":
+        return _cmp_path if ok and (_cmp_path == "math" or cc > 0) else "kernel"
+    shortest = CMP_SDPA_MIN_S_BIG_GROUPS if G >= 16 else CMP_SDPA_MIN_S
+    if not ok or cc < 9 or interpreting() or shortest > S:
+        return "kernel"
+    return "cudnn"
+
+
 def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale: float | None = None,
                   q_start: int = 0) -> torch.Tensor:
     """Top-``n_sel`` blocks per query and group: int32 ``[B, S_q, H, n_sel]``, ascending, -1 padded (query
@@ -97,6 +141,7 @@ class Stages:
         self.q_win = None if q_win is None else _dense_last(q_win)
         self.gates = gates.contiguous()
         self.hp, self.scale, self.q_start = hp, scale, q_start
+        self.cmp_given = False  # the compressed branch ran outside (cmp_sdpa): its output is handed in
         # the forward's buffers (the backward is handed the saved ones instead)
         self.o3 = self.out = self.lse_c = self.lse_s = self.lse_w = self.idx = self.work = torch.empty(0)
 
@@ -111,6 +156,12 @@ class Stages:
     def cmp_fwd(self) -> None:
         self.lse_c = range_fwd(self.q, self.k_cmp, self.v_cmp, self.o3[:, :, :, 0], scale=self.scale,
                                q_start=self.q_start, **_cmp_geometry(self.hp))
+
+    def take_cmp(self, o_v: torch.Tensor, lse_v: torch.Tensor) -> None:
+        """The compressed branch's output as :func:`nsa.ops.cmp_sdpa.attend` computed it (virtual layout)."""
+        self.cmp_given = True
+        hp = self.hp
+        self.lse_c = cmp_sdpa.take(o_v, lse_v, self.o3[:, :, :, 0], self.k_cmp.shape[2], hp.l, hp.d)
 
     def select(self) -> None:
         hp = self.hp
@@ -128,9 +179,13 @@ class Stages:
         self.lse_w = range_fwd(self.q if self.q_win is None else self.q_win, self.k_win, self.v_win, self.o3[:, :, :, 2], scale=self.scale, stride=1,
                                off=0, win=self.hp.w, combine=(self.gates, self.out), q_start=self.q_start)
 
-    def forward(self, block_idx: torch.Tensor | None) -> None:
+    def forward(self, block_idx: torch.Tensor | None,
+                cmp_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.start_forward()
-        self.cmp_fwd()
+        if cmp_out is None:
+            self.cmp_fwd()
+        else:
+            self.take_cmp(*cmp_out)
         if block_idx is None:
             self.select()
         else:
@@ -152,29 +207,45 @@ class Stages:
                                          self.dq, branch=0, accum=False, scale=self.scale, o3=self.o3,
                                          q_start=self.q_start, **_cmp_geometry(self.hp))
 
+    def cmp_grad(self) -> None:
+        """With the compressed branch given: its output's gradient ``gate * do`` in the virtual layout."""
+        hp = self.hp
+        self.d_ocmp = cmp_sdpa.grad_out(self.do, self.gates[..., 0], self.k_cmp.shape[2], hp.l, hp.d)
+
     def sel_bwd(self) -> None:
+        # with the compressed branch given, the window's backward ran first and wrote q's dq unless it has its own
+        accum = not self.cmp_given or self.q_win is None
         self.dk_s, self.dv_s = sel_bwd(self.q, self.k_sel, self.v_sel, self.idx, self.do, self.lse_s, self.gates,
-                                       self.dg, self.dq, branch=1, accum=True, l_sel=self.hp.l_sel,
+                                       self.dg, self.dq, branch=1, accum=accum, l_sel=self.hp.l_sel,
                                        scale=self.scale, work=self.work, q_start=self.q_start)
-        if self.q_win is not None:  # the window's queries are their own: q's gradient is complete here
+        if self.q_win is not None or self.cmp_given:  # no later stage adds into q's gradient
             self.dq_out = self.dq.to(self.q.dtype)
 
     def win_bwd(self) -> None:
         if self.q_win is None:
-            q, dq, accum, dq_out = self.q, self.dq, True, self.dq_out
+            q, dq, accum = self.q, self.dq, not self.cmp_given
+            dq_out = None if self.cmp_given else self.dq_out
         else:
             q, accum = self.q_win, False
             dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
             dq_out = self.dq_win = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         self.dk_w, self.dv_w = range_bwd(q, self.k_win, self.v_win, self.do, self.lse_w, self.gates, self.dg,
                                          dq, branch=2, accum=accum, scale=self.scale, stride=1, off=0,
-                                         win=self.hp.w, dq_out=dq_out, q_start=self.q_start)
+                                         win=self.hp.w, dq_out=dq_out, q_start=self.q_start,
+                                         o3=self.o3 if self.cmp_given else None)
 
     def backward(self, do: torch.Tensor) -> None:
+        """Compressed (which also writes the gate gradient) -> selected -> window; with the compressed branch
+        given: window (writing the gate gradient) -> selected -> the given branch's output gradient."""
         self.start_backward(do)
-        self.cmp_bwd()
-        self.sel_bwd()
-        self.win_bwd()
+        if self.cmp_given:
+            self.win_bwd()
+            self.sel_bwd()
+            self.cmp_grad()
+        else:
+            self.cmp_bwd()
+            self.sel_bwd()
+            self.win_bwd()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,13 +264,14 @@ def attention_fwd(
     q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
-    q_win: torch.Tensor | None = None,
+    q_win: torch.Tensor | None = None, o_cmp: torch.Tensor | None = None, lse_cmp: torch.Tensor | None = None,
 ) -> _FWD_OUT:
     """Forward kernels: ``(out, block_idx, o3, lse_cmp, lse_sel, lse_win, work)``; everything after
-    ``block_idx`` is kept for the backward (``work``: the selected branch's pair list, or empty)."""
+    ``block_idx`` is kept for the backward (``work``: the selected branch's pair list, or empty).
+    ``o_cmp, lse_cmp``: the compressed branch computed outside (:func:`nsa.ops.cmp_sdpa.attend`)."""
     st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale,
                 q_start, q_win)
-    st.forward(block_idx)
+    st.forward(block_idx, None if o_cmp is None or lse_cmp is None else (o_cmp, lse_cmp))
     return st.out, st.idx, st.o3, st.lse_c, st.lse_s, st.lse_w, st.work
 
 
@@ -208,7 +280,7 @@ def _attention_fwd_fake(
     q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
-    q_win: torch.Tensor | None = None,
+    q_win: torch.Tensor | None = None, o_cmp: torch.Tensor | None = None, lse_cmp: torch.Tensor | None = None,
 ) -> _FWD_OUT:
     B, S, HQ, _ = q.shape
     H, Dv = k_sel.shape[2], v_sel.shape[-1]
@@ -221,7 +293,7 @@ def _attention_fwd_fake(
 
 
 _BWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                 torch.Tensor, torch.Tensor, torch.Tensor]
+                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @torch.library.custom_op("nsa::attention_bwd", mutates_args=())
@@ -230,17 +302,21 @@ def attention_bwd(
     v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
     o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, work: torch.Tensor,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
-    q_win: torch.Tensor | None = None,
+    q_win: torch.Tensor | None = None, cmp_given: bool = False,
 ) -> _BWD_OUT:
-    """Backward kernels: ``(dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates, dq_win)`` (``dq_win``
-    empty without ``q_win``); every key/value gradient has all the keys' rows (zeros where no query row of
-    this call reads a key)."""
+    """Backward kernels: ``(dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates, dq_win, d_ocmp)``
+    (``dq_win`` empty without ``q_win``); every key/value gradient has all the keys' rows (zeros where no
+    query row of this call reads a key). ``cmp_given``: the forward was handed the compressed branch; then
+    ``d_ocmp`` is its output's gradient (virtual layout) and ``dk_cmp, dv_cmp`` are empty."""
     st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale,
                 q_start, q_win)
     st.o3, st.idx, st.lse_c, st.lse_s, st.lse_w, st.work = o3, idx, lse_c, lse_s, lse_w, work
+    st.cmp_given = cmp_given
     st.backward(do)
+    if cmp_given:  # outputs may not alias each other: a fresh empty tensor for each
+        st.dk_c, st.dv_c = q.new_empty(0), q.new_empty(0)
     return (st.dq_out, st.dk_c, st.dv_c, st.dk_s.to(k_sel.dtype), st.dv_s.to(v_sel.dtype), st.dk_w, st.dv_w,
-            st.dg.to(gates.dtype), st.dq_win)
+            st.dg.to(gates.dtype), st.dq_win, st.d_ocmp if cmp_given else q.new_empty(0))
 
 
 @attention_bwd.register_fake
@@ -249,10 +325,15 @@ def _attention_bwd_fake(
     v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
     o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, work: torch.Tensor,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
-    q_win: torch.Tensor | None = None,
+    q_win: torch.Tensor | None = None, cmp_given: bool = False,
 ) -> _BWD_OUT:
     dq_win = q.new_empty(0) if q_win is None else q_win.new_empty(q_win.shape)
-    return (*(t.new_empty(t.shape) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)), dq_win)  # type: ignore[return-value]
+    dk_c, dv_c = (q.new_empty(0), q.new_empty(0)) if cmp_given else (k_cmp.new_empty(k_cmp.shape),
+                                                                      v_cmp.new_empty(v_cmp.shape))
+    d_ocmp = (q.new_empty(q.shape[0], q.shape[2] * d, k_cmp.shape[1], v_sel.shape[-1]) if cmp_given
+              else q.new_empty(0))
+    return (q.new_empty(q.shape), dk_c, dv_c, *(t.new_empty(t.shape) for t in (k_sel, v_sel, k_win, v_win, gates)),
+            dq_win, d_ocmp)  # type: ignore[return-value]
 
 
 _HP = ("l", "d", "l_sel", "n_sel", "w", "scale", "q_start")
@@ -260,9 +341,10 @@ _HP = ("l", "d", "l_sel", "n_sel", "w", "scale", "q_start")
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: _FWD_OUT) -> None:
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, _block_idx, *rest = inputs
-    hp, q_win = rest[:len(_HP)], (rest[len(_HP)] if len(rest) > len(_HP) else None)
+    hp, (q_win, o_cmp, *_) = rest[:len(_HP)], (*rest[len(_HP):], None, None)
     _, idx, o3, lse_c, lse_s, lse_w, work = output
     ctx.has_q_win = q_win is not None
+    ctx.cmp_given = o_cmp is not None
     ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, work,
                           *([q_win] if q_win is not None else []))
     ctx.hp = dict(zip(_HP, hp, strict=False))  # q_start may be left at its default
@@ -272,8 +354,12 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: _FWD_OUT) -> None:
 def _backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
     saved = ctx.saved_tensors
     q_win = saved[14] if ctx.has_q_win else None
-    *grads, dq_win = attention_bwd(do, *saved[:14], **ctx.hp, q_win=q_win)
-    return (*grads, None, None, None, None, None, None, None, None, dq_win if q_win is not None else None)
+    dq, dk_c, dv_c, *grads, dq_win, d_ocmp = attention_bwd(do, *saved[:14], **ctx.hp, q_win=q_win,
+                                                           cmp_given=ctx.cmp_given)
+    if ctx.cmp_given:  # k_cmp/v_cmp fed only the block scores here: their gradient comes through o_cmp
+        dk_c = dv_c = None
+    return (dq, dk_c, dv_c, *grads, None, None, None, None, None, None, None, None,
+            dq_win if q_win is not None else None, d_ocmp if ctx.cmp_given else None, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -319,5 +405,12 @@ def nsa_attention(
     args = [_dense_last(t.to(q.dtype)) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)]
     gates = gates.to(q.dtype).contiguous()
     qw = None if q_win is None else _dense_last(q_win.to(q.dtype))
-    out, idx, *_ = attention_fwd(*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start, qw)
+    path = cmp_path(args[0], args[1], args[2], q_start)
+    if not torch.compiler.is_compiling():  # a counter in a traced graph would be a guard: recompiles
+        _paths[path] += 1
+    o_cmp = lse_cmp = None
+    if path != "kernel":  # the compressed branch by a library kernel, differentiable on its own
+        o_cmp, lse_cmp = cmp_sdpa.attend(args[0], args[1], args[2], hp.l, hp.d, sc, path)
+    out, idx, *_ = attention_fwd(*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start, qw,
+                                 o_cmp, lse_cmp)
     return (out, idx) if return_block_idx else out

@@ -145,20 +145,23 @@ def _stage_table(shapes: list[tuple[str, int, int, int]], lens: list[int], batch
     from rich.console import Console
     from rich.table import Table
 
-    from nsa.bench.attention import kernel_breakdown, stage_rows
+    from nsa.bench.attention import kernel_breakdown, stage_cmp_path, stage_rows
 
     out = []
     for name, HQ, H, D in shapes:
         for S in lens:
             progress(f"{name} S={S}: each Triton stage alone")
-            times = kernel_breakdown(S, HQ, H, D, batch=batch, warmup_ms=warmup_ms, rep_ms=rep_ms, tune=tuned)
+            path = stage_cmp_path(S, HQ, H, D)
+            times = kernel_breakdown(S, HQ, H, D, batch=batch, warmup_ms=warmup_ms, rep_ms=rep_ms, tune=tuned,
+                                     cmp_path=path)
             out.extend(stage_rows(name, S, HQ, H, D, times, batch=batch, peak_tflops=peak_tflops,
-                                  peak_tbps=peak_tbps))
+                                  peak_tbps=peak_tbps, cmp_path=path))
     table = Table(title=f"NSA stages against the roofline ({peak_tflops:g} TFLOP/s, {peak_tbps:g} TB/s)")
     for col in ("shape", "S", "stage", "ms", "TFLOP/s", "GB/s", "roofline ms", "bound", "of roofline"):
         table.add_column(col, justify="right")
     for r in out:
-        table.add_row(r.shape, str(r.seq_len), r.stage, f"{r.ms:.3f}", f"{r.tflops:.0f}",
+        table.add_row(r.shape, str(r.seq_len), r.stage + (f" ({r.path})" if r.path not in ("", "kernel") else ""),
+                      f"{r.ms:.3f}", f"{r.tflops:.0f}",
                       f"{r.mbytes / r.ms:.0f}" if r.ms > 0 else "-", f"{r.roofline_ms:.3f}", r.bound,
                       f"{r.of_roofline:.0%}")
     Console(width=200, stderr=as_json).print(table)

@@ -25,7 +25,7 @@ def _block_scores_kernel(
     Q, K, LSE, P,
     sqb, sqs, sqh, skb, sks, skh,
     S, T0, T1, NK, NB, HQ, Q0, scale_log2,
-    HG: tl.constexpr, H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr,
+    HG: tl.constexpr, HGP: tl.constexpr, H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr,
     DK: tl.constexpr, BDK: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr,
     NBC: tl.constexpr, NBCP: tl.constexpr, BTP: tl.constexpr, PREC: tl.constexpr, RESHAPE: tl.constexpr,
 ):
@@ -33,12 +33,13 @@ def _block_scores_kernel(
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     g = bh % H
-    BT: tl.constexpr = BM // HG
+    # HGP >= HG rows per position (padded to a power of two: the head sum is then a reshape)
+    BT: tl.constexpr = BM // HGP
     t0 = T0 + pid * BT
     r = tl.arange(0, BM)
-    pos = t0 + r // HG
-    head = g * HG + r % HG
-    row_ok = (r < BT * HG) & (pos < T1)
+    pos = t0 + r // HGP
+    head = g * HG + r % HGP
+    row_ok = (r < BT * HGP) & (pos < T1) & (r % HGP < HG)
     ck = tl.arange(0, BDK)
     pos64 = pos.to(tl.int64)
     q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
@@ -49,7 +50,7 @@ def _block_scores_kernel(
     n_blk = t_last // LS + 1
     # head-sum matrix: E[i, r] = 1 iff row r belongs to the tile's i-th position
     ti = tl.arange(0, BTP)
-    E = tl.where((r[None, :] // HG == ti[:, None]) & (r[None, :] < BT * HG), 1.0, 0.0)
+    E = tl.where((r[None, :] // HGP == ti[:, None]) & (r[None, :] < BT * HGP), 1.0, 0.0)
     jj = tl.arange(0, BJ)
     bb = tl.arange(0, NBCP)
     for c0 in range(0, n_blk, NBC):
@@ -71,8 +72,8 @@ def _block_scores_kernel(
         else:
             p_rows = tl.dot(p, w, input_precision=PREC)
         if RESHAPE:
-            # HG is a power of two: the tile's rows are [BT, HG] and the head sum is a reduction
-            p_pos2 = tl.sum(tl.reshape(p_rows, [BT, HG, NBCP]), 1)
+            # the tile's rows are [BT, HGP] and the head sum is a reduction (padded rows hold zeros)
+            p_pos2 = tl.sum(tl.reshape(p_rows, [BT, HGP, NBCP]), 1)
             t2 = tl.arange(0, BT)
             tpos2 = (t0 + t2).to(tl.int64)
             tl.store(P + (bh * (T1 - T0) + tpos2[:, None] - T0) * NB + blk[None, :], p_pos2,
@@ -138,13 +139,16 @@ def _block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, P: to
     per_blk = l_sel // d
     bj = max(next_pow2(per_blk + halo), 64 if q.is_cuda else 16)
     nbc = (bj - halo) // per_blk
-    bt = cfg.bm // h
+    # a group of h heads takes hp rows per position: padded to a power of two, the head sum is a reshape
+    # instead of a product with a 0/1 matrix
+    hp = next_pow2(h) if bool(tuned("score_pad", 1)) else h
+    bt = cfg.bm // hp
     _block_scores_kernel[(triton.cdiv(t1 - t0, bt), B * H)](
         q, k_cmp, lse, P, *q.stride()[:3], *k_cmp.stride()[:3], S, t0, t1, NK, NB, HQ, q_start, scale * LOG2E,
-        HG=h, H=H, L=l, D=d, LS=l_sel, DK=DK, BDK=max(16, next_pow2(DK)), BM=cfg.bm, BJ=bj,
+        HG=h, HGP=hp, H=H, L=l, D=d, LS=l_sel, DK=DK, BDK=max(16, next_pow2(DK)), BM=cfg.bm, BJ=bj,
         NBC=nbc, NBCP=max(16, next_pow2(nbc)), BTP=max(16, next_pow2(bt)),
         PREC=str(tuned("score_prec", "tf32")) if q.is_cuda else "ieee",
-        RESHAPE=bool(tuned("score_reshape", 1)) and q.is_cuda and h & (h - 1) == 0 and cfg.bm == bt * h,
+        RESHAPE=bool(tuned("score_reshape", 1)) and q.is_cuda and hp & (hp - 1) == 0 and cfg.bm == bt * hp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

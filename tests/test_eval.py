@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from nsa.config import load_named
 from nsa.data.retrieval import TaskLayout, needle_position
 from nsa.errors import ConfigError
-from nsa.eval.tasks import check_contexts, eval_loss, eval_mqar, eval_needle
+from nsa.eval.tasks import check_contexts, eval_loss, eval_mqar, eval_needle, position_buckets
 from nsa.model.lm import NSALM, LMOutput
 from nsa.rundir.records import EvalResult
 from nsa_cli.app import app
@@ -184,6 +184,19 @@ def test_eval_loss_on_the_val_split(tiny_run: Path) -> None:
         # bytes <= tokens (separators decode to nothing), and separators are rare in the corpus
         assert r["loss"] / math.log(2) <= r["bits_per_byte"] <= 1.2 * r["loss"] / math.log(2)
     assert eval_loss(loaded.model, loaded.config, tok, [16], batches=2, batch_size=2, device=CPU) == rows[:1]
+    for r in rows:  # by position in the window: the ranges cover it and add up to the whole loss
+        spans = r["by_position"]
+        assert [(b["start"], b["end"]) for b in spans] == position_buckets(r["context"])
+        assert sum(b["n"] for b in spans) == r["n"]
+        assert abs(sum(b["loss"] * b["n"] for b in spans) / r["n"] - r["loss"]) < 1e-9
+
+
+def test_position_buckets_share_their_edges_across_contexts() -> None:
+    assert position_buckets(16) == [(0, 16)]
+    assert position_buckets(100) == [(0, 64), (64, 100)]
+    assert position_buckets(2048) == [(0, 64), (64, 128), (128, 256), (256, 512), (512, 1024), (1024, 2048)]
+    assert position_buckets(8192)[:6] == position_buckets(2048)
+    assert position_buckets(8192)[6:] == [(2048, 4096), (4096, 8192)]
 
 
 def test_cli_needle_end_to_end(tiny_run: Path, tmp_path: Path) -> None:
@@ -224,9 +237,9 @@ def test_cli_mqar_and_loss(tiny_run: Path, tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "loss.json").read_text())["results"]
     assert [r["context"] for r in rows] == [16, 32]
     for r in rows:
-        assert set(r) == {"context", "loss", "bits_per_byte", "n"}
+        assert set(r) == {"context", "loss", "bits_per_byte", "n", "by_position"}
         assert math.isfinite(r["loss"]) and r["bits_per_byte"] > 0 and r["n"] == 4 * r["context"]
-    assert (tiny_run / "eval" / "loss.json").is_file() and "bits/byte" in stdout
+    assert (tiny_run / "eval" / "loss.json").is_file() and "bits/byte" in stdout and "loss by position" in stdout
 
 
 def test_cli_checkpoint_saves_into_its_run_and_json_to_stdout(tiny_run: Path, tmp_path: Path) -> None:

@@ -253,9 +253,33 @@ def test_bench_quality_tiny_prints_loss_and_recall_side_by_side(tmp_path: Path) 
     assert rows["dense"]["recall_mean"] is None and 0 < rows["nsa-half"]["recall_mean"] <= 1
     assert payload["relative_to_dense"]["dense"] == 0.0
     assert [step for step, _ in rows["nsa-half"]["loss_curve"]][-1] == 4  # the training-loss curve comes along
+    for r in rows.values():  # the held-out loss by position in the window: one range at S=64
+        (span,) = r["loss_by_position"]
+        assert (span["start"], span["end"]) == (0, 64) and math.isfinite(span["loss"]) and span["n"] > 0
+    assert "0-64" in res.output  # the by-position table (its title wraps in a narrow table)
     assert "held-out loss" in res.output and "selection per layer: nsa-half" in res.output
     assert "arms over their seeds" in res.output and "one seed" in res.output  # one seed: no spread to judge by
     assert {a["arm"]: a["reading"] for a in payload["arms_summary"]} == {"dense": "dense", "nsa-half": "one seed"}
+
+
+def test_bench_quality_length_curriculum_trains_short_windows_first(tmp_path: Path) -> None:
+    """``dense-curriculum``: the first quarter of the steps on windows 4x shorter and 4x as many per batch
+    (the same tokens per step), then the full length from those weights; every arm sees the same tokens."""
+    import yaml
+
+    out = tmp_path / "q.json"
+    res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "dense-curriculum", "--steps", "4",
+                              "--set", "train.seq_len=128", "-o", str(tmp_path / "runs"), "--json-out", str(out)])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(out.read_text())["rows"]
+    run = tmp_path / "runs" / "dense-curriculum" / "seed0"
+    warm, main = (yaml.safe_load((run / d / "config.yaml").read_text()) for d in ("warm", "main"))
+    assert (warm["train"]["seq_len"], warm["train"]["batch_size"], warm["train"]["steps"]) == (32, 16, 1)
+    assert (main["train"]["seq_len"], main["train"]["batch_size"], main["train"]["steps"]) == (128, 4, 3)
+    assert warm["model"]["attention"] == main["model"]["attention"] == "dense"
+    assert main["train"]["init_from"] == str(run / "warm")
+    assert row["tokens"] == 4 * 128 * 4 and [s for s, _ in row["loss_curve"]] == [1, 2, 4]
+    assert [(b["start"], b["end"]) for b in row["loss_by_position"]] == [(0, 64), (64, 128)]
 
 
 def test_bench_quality_refuses_an_unknown_arm_in_one_line(tmp_path: Path) -> None:

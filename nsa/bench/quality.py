@@ -5,8 +5,11 @@ Per arm and seed, :func:`run_text_arm` trains with the real trainer (``nsa.train
 config's data, held-out evaluation at the end) into ``out_dir/<arm>/seed<N>`` and reports the final
 held-out loss and, for NSA, the selection diagnostics of the trained model on a held-out batch
 (:meth:`nsa.model.lm.NSALM.selection_report`: recall, compressed entropy, gates per layer).
-``dense-warm`` arms first train the dense model for ``warm_frac`` of the steps and continue as NSA
-from its weights (``train.init_from``), so every arm sees the same number of tokens.
+Arms with a warm phase first train ``warm_frac`` of the steps with the phase's own settings and continue
+from those weights (``train.init_from``), every arm seeing the same number of tokens: ``dense-warm`` (the
+dense model first, then NSA) and the length curricula ``dense-curriculum`` / ``nsa-curriculum`` (the same
+model on windows ``warm_len_div`` times shorter, as many more per batch, then the full length). The held-out
+loss comes with its split by position in the window (``loss_by_position``, :func:`nsa.eval.tasks.eval_loss`).
 :func:`run_needle_arm` trains the same arm on single-needle retrieval (``nsa.bench.retrieval``) and
 reports the accuracy curve and the first step at 50%.
 """
@@ -30,7 +33,7 @@ from nsa.config import ResolvedConfig, load_run_config, parse_set
 from nsa.data.retrieval import RetrievalTask
 from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import ConfigError
-from nsa.eval.tasks import eval_selection
+from nsa.eval.tasks import eval_loss, eval_selection
 from nsa.model.load import load_model
 from nsa.rundir import RunDir
 from nsa.rundir.records import Metrics
@@ -40,12 +43,15 @@ from nsa.train.trainer import Trainer
 
 @dataclass(frozen=True)
 class Arm:
-    """A recipe: ``sets`` on top of the base config; ``warm_frac > 0``: a dense run of that share of the
-    steps first, then NSA from its weights."""
+    """A recipe: ``sets`` on top of the base config. ``warm_frac > 0``: a first phase of that share of the
+    steps with ``warm_sets`` on top and windows ``warm_len_div`` times shorter (that many more per batch:
+    the same tokens per step), then the arm from its weights."""
 
     name: str
     sets: tuple[str, ...] = ()
     warm_frac: float = 0.0
+    warm_sets: tuple[str, ...] = ()
+    warm_len_div: int = 1
 
     @property
     def dense(self) -> bool:
@@ -59,7 +65,9 @@ ARMS: dict[str, Arm] = {
     "nsa-window": Arm("nsa-window", ("model.attention=nsa", "nsa.gate_init=window")),
     "nsa-uniform": Arm("nsa-uniform", ("model.attention=nsa", "nsa.gate_init=uniform")),
     "nsa-scorer": Arm("nsa-scorer", ("model.attention=nsa", "scorer.weight=0.1")),
-    "dense-warm": Arm("dense-warm", ("model.attention=nsa",), warm_frac=0.25),
+    "dense-warm": Arm("dense-warm", ("model.attention=nsa",), warm_frac=0.25, warm_sets=("model.attention=dense",)),
+    "dense-curriculum": Arm("dense-curriculum", ("model.attention=dense",), warm_frac=0.25, warm_len_div=4),
+    "nsa-curriculum": Arm("nsa-curriculum", ("model.attention=nsa",), warm_frac=0.25, warm_len_div=4),
 }
 
 
@@ -95,6 +103,7 @@ class QualityRow:
     needle_steps_to_target: int | None = None
     needle_curve: list[tuple[int, float]] = field(default_factory=list)
     loss_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, training loss) at log steps
+    loss_by_position: list[dict[str, Any]] = field(default_factory=list)  # held-out loss per window range
     status: str = "completed"
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,26 +136,29 @@ def _quiet_train(resolved: ResolvedConfig, log: Callable[[str], None] | None) ->
     return result.metrics
 
 
-def selection_of(run_dir: Path, queries: int = 64, batches: int = 1) -> list[dict[str, Any]]:
-    """Per-layer selection diagnostics of a finished run's model at its training length, averaged over
-    ``batches`` held-out batches (``nsa eval --task selection``); empty for a dense model."""
+def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A finished run's model at its training length on ``batches`` held-out batches: the selection
+    diagnostics per layer (``nsa eval --task selection``; empty for a dense model) and the held-out loss by
+    position in the window (``nsa eval --task loss``)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(run_dir, device=device)
     cfg = loaded.config
-    if cfg.model.attention != "nsa":
-        return []
     tok = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    S, bs = cfg.train.seq_len, cfg.train.batch_size
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        rows = eval_selection(loaded.model, cfg, tok, [cfg.train.seq_len], batches, queries=queries,
-                              batch_size=cfg.train.batch_size, device=device)
-    return [{k: r[k] for k in ("layer", "recall", "cmp_entropy", "kl", "gates")} for r in rows]
+        (loss,) = eval_loss(loaded.model, cfg, tok, [S], batches, batch_size=bs, device=device)
+        if cfg.model.attention != "nsa":
+            return [], loss["by_position"]
+        rows = eval_selection(loaded.model, cfg, tok, [S], batches, queries=queries, batch_size=bs, device=device)
+    selection = [{k: r[k] for k in ("layer", "recall", "cmp_entropy", "kl", "gates")} for r in rows]
+    return selection, loss["by_position"]
 
 
 def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,
                  queries: int = 64, log: Callable[[str], None] | None = None) -> QualityRow:
     """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it. The run is
-    named ``<arm>-seed<seed>`` (``<arm>-warm-seed<seed>`` for a warm-start's dense part), so reports and
-    charts of several runs tell them apart."""
+    named ``<arm>-seed<seed>`` (``<arm>-warm-seed<seed>`` for its warm phase), so reports and charts of
+    several runs tell them apart."""
     run_dir = out_dir / arm.name / f"seed{seed}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -156,9 +168,17 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
     seconds = 0.0
     if arm.warm_frac > 0:
         warm_steps = max(1, round(steps * arm.warm_frac))
-        warm_dir = run_dir / "warm-dense"
-        warm = _resolve(config, [*common, "model.attention=dense", f"train.steps={warm_steps}", "eval.every=0",
-                                 f"train.out_dir={warm_dir}", f"train.run_name={arm.name}-warm-seed{seed}"])
+        warm_dir = run_dir / "warm"
+        shorter: list[str] = []
+        if arm.warm_len_div > 1:
+            train = _resolve(config, [*common, *arm.sets]).config.train
+            if train.seq_len % arm.warm_len_div:
+                raise ConfigError(f"arm {arm.name}: train.seq_len={train.seq_len} does not split into "
+                                  f"{arm.warm_len_div} windows", hint="pick a seq_len divisible by it")
+            shorter = [f"train.seq_len={train.seq_len // arm.warm_len_div}",
+                       f"train.batch_size={train.batch_size * arm.warm_len_div}"]
+        warm = _resolve(config, [*common, *arm.sets, *arm.warm_sets, *shorter, f"train.steps={warm_steps}",
+                                 "eval.every=0", f"train.out_dir={warm_dir}", f"train.run_name={arm.name}-warm-seed{seed}"])
         m = _quiet_train(warm, log)
         seconds += float(m.get("elapsed_s") or 0.0)
         row.loss_curve = loss_curve(warm_dir)
@@ -175,8 +195,8 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
     row.val_loss = m.get("last_val_loss")
     row.tokens = int(m.get("tokens_seen") or 0) + (int(m.get("tokens_per_step") or 0) * (steps - steps_main))
     row.seconds = seconds
-    if not arm.dense:
-        row.selection = selection_of(main_dir, queries, batches=resolved.config.eval.batches)
+    row.selection, row.loss_by_position = final_measures(main_dir, queries, batches=resolved.config.eval.batches)
+    if row.selection:
         recalls = [r["recall"] for r in row.selection if r.get("recall") is not None]
         ents = [r["cmp_entropy"] for r in row.selection if r.get("cmp_entropy") is not None]
         row.recall_mean = sum(recalls) / len(recalls) if recalls else None
@@ -189,7 +209,7 @@ def run_needle_arm(config: str, base_sets: list[str], arm: Arm, seed: int, *, se
                    recipe: RetrievalRecipe, device: str | None = None, backend: str | None = None,
                    log: Callable[[str], None] | None = None) -> QualityRow:
     """Single-needle retrieval from scratch (``nsa.bench.retrieval``) with ``arm``'s model, gates and scorer
-    loss; ``dense-warm`` arms are trained as plain NSA here (the needle task has no dense phase)."""
+    loss; an arm with a warm phase trains without it here (the needle task has its own length)."""
     cfg = _resolve(config, [*base_sets, *arm.sets]).config
     task = RetrievalTask(seq_len, gap, vocab_size=cfg.model.vocab_size)
 
@@ -337,11 +357,25 @@ def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict
     """The JSON result of a quality benchmark (``--json``)."""
     return {"command": "bench quality", "config": spec.config, "sets": spec.sets, "steps": spec.steps,
             "task": spec.task,
-            "arms": [{"name": a.name, "sets": list(a.sets), "warm_frac": a.warm_frac} for a in spec.arms],
+            "arms": [{"name": a.name, "sets": list(a.sets), "warm_frac": a.warm_frac, "warm_sets": list(a.warm_sets),
+                      "warm_len_div": a.warm_len_div} for a in spec.arms],
             "seeds": spec.seeds, "relative_to_dense": relative_to_dense(rows),
             "arms_summary": [asdict(a) for a in summarise_arms(rows)], "environment": environment,
             "rows": [r.to_dict() for r in rows]}
 
 
-__all__ = ["ARMS", "Arm", "ArmSummary", "QualityRow", "QualitySpec", "parse_arm", "quality_payload", "relative_to_dense",
-           "run_needle_arm", "run_quality", "run_text_arm", "selection_of", "summarise_arms"]
+__all__ = [
+    "ARMS",
+    "Arm",
+    "ArmSummary",
+    "QualityRow",
+    "QualitySpec",
+    "final_measures",
+    "parse_arm",
+    "quality_payload",
+    "relative_to_dense",
+    "run_needle_arm",
+    "run_quality",
+    "run_text_arm",
+    "summarise_arms",
+]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -268,12 +269,16 @@ def eval_loss(
     device: str | torch.device | None = None,
     max_seq_len: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Held-out loss on the run's validation split: rows ``{"context", "loss", "bits_per_byte", "n"}``.
+    """Held-out loss on the run's validation split: rows ``{"context", "loss", "bits_per_byte", "n",
+    "by_position"}``.
 
     ``loss`` is the mean cross-entropy (nats) over the ``n`` scored target tokens (labels ``-100``
     excluded); ``bits_per_byte`` = total nats / ln 2 / UTF-8 bytes the scored targets decode to
     (None when they decode to no bytes; for the byte tokenizer ``loss / ln 2`` but for separators).
-    The loader is seeded with ``train.seed``: the same first ``batches`` batches of the split every time."""
+    ``by_position``: the same loss over the targets at positions ``[start, end)`` of the window
+    (:func:`position_buckets`: does longer context help, and where does a model lose?), ``{"start", "end",
+    "loss", "n"}``. The loader is seeded with ``train.seed``: the same first ``batches`` batches of the
+    split every time."""
     limit = max_seq_len if max_seq_len is not None else _model_max_seq_len(model)
     ctxs = check_contexts(contexts, "loss", limit)
     if batches < 1:
@@ -282,21 +287,40 @@ def eval_loss(
     rows: list[dict[str, Any]] = []
     with _inference(model, dev):
         for c in ctxs:
-            nats, tokens, n_bytes = 0.0, 0, 0
+            n_bytes = 0
+            pos_nats = torch.zeros(c, dtype=torch.float64)
+            pos_tokens = torch.zeros(c, dtype=torch.int64)
             with _val_loader(run_cfg, tokenizer, c, _batch_size(batch_size, c, 8), dev) as loader:
                 for _ in range(batches):
                     x, y = next(loader)
                     logits = model(x).logits.float()
-                    nats += float(torch.nn.functional.cross_entropy(
-                        logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="sum"))
+                    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                           ignore_index=-100, reduction="none").view(y.shape)
                     keep = y != -100
-                    tokens += int(keep.sum())
+                    pos_nats += (ce.double() * keep).sum(0).cpu()
+                    pos_tokens += keep.sum(0).cpu()
                     for row, mask in zip(y.cpu().tolist(), keep.cpu().tolist(), strict=True):
                         n_bytes += _utf8_bytes(tokenizer, [t for t, k in zip(row, mask, strict=True) if k])
+            nats, tokens = float(pos_nats.sum()), int(pos_tokens.sum())
             loss = nats / tokens if tokens else float("nan")
             bpb = nats / math.log(2) / n_bytes if n_bytes else None
-            rows.append({"context": c, "loss": loss, "bits_per_byte": bpb, "n": tokens})
+            by_position = [{"start": a, "end": b, "loss": float(pos_nats[a:b].sum()) / n, "n": n}
+                           for a, b in position_buckets(c) if (n := int(pos_tokens[a:b].sum()))]
+            rows.append({"context": c, "loss": loss, "bits_per_byte": bpb, "n": tokens, "by_position": by_position})
     return rows
+
+
+def position_buckets(context: int, first: int = 64) -> list[tuple[int, int]]:
+    """``[start, end)`` position ranges of a window: ``[0, first)``, then doubling (``[64, 128)``,
+    ``[128, 256)``, ...), the last ending at ``context``; the same edges at every context, so windows of
+    2k and 8k compare bucket by bucket."""
+    edges = [0]
+    e = first
+    while e < context:
+        edges.append(e)
+        e *= 2
+    edges.append(context)
+    return list(itertools.pairwise(edges))
 
 
 SELECTION_FIELDS = ("recall", "cmp_entropy", "kl")

@@ -26,7 +26,7 @@ def _csv(text: str, flag: str) -> list[str]:
 def quality(
     config: Annotated[str | None, typer.Option("--config", help=options.config_help("Base run config of every arm"))] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value for every arm; repeatable.")] = None,
-    arms: Annotated[str, typer.Option("--arms", help="Comma-separated arms: dense, nsa, nsa-half, nsa-window, nsa-uniform, nsa-scorer, dense-warm, or label=key=value;key=value (NSA plus overrides).")] = "dense,nsa",
+    arms: Annotated[str, typer.Option("--arms", help="Comma-separated arms: dense, nsa, nsa-half, nsa-window, nsa-uniform, nsa-scorer, dense-warm, dense-curriculum, nsa-curriculum (a quarter of the steps on 4x shorter windows first), or label=key=value;key=value (NSA plus overrides).")] = "dense,nsa",
     seeds: Annotated[str, typer.Option("--seeds", help="Comma-separated seeds; every arm trains once per seed.")] = "0",
     steps: Annotated[int | None, typer.Option("--steps", min=1, help="Training steps per arm [default: the config's].")] = None,
     task: Annotated[str, typer.Option("--task", help="text (held-out loss, selection recall), needle (single-needle retrieval) or both.")] = "text",
@@ -108,6 +108,17 @@ def quality(
                     + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%"))
             over_seeds.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, a.reading)
         console.print(over_seeds)
+        by_pos = [r for r in rows if r.loss_by_position and r.seed == seed_list[0]]
+        if by_pos:
+            spans = [(b["start"], b["end"]) for b in max((r.loss_by_position for r in by_pos), key=len)]
+            positions = Table(title=f"held-out loss by position in the window (seed {seed_list[0]})")
+            positions.add_column("arm", justify="right")
+            for a, b in spans:
+                positions.add_column(f"{a}-{b}", justify="right")
+            for r in by_pos:
+                got = {(b["start"], b["end"]): b["loss"] for b in r.loss_by_position}
+                positions.add_row(r.arm, *(f(got.get(span), ".3f") for span in spans))
+            console.print(positions)
         for r in rows:
             if r.selection and r.seed == seed_list[0]:
                 layers = Table(title=f"selection per layer: {r.arm} (seed {r.seed}, held-out batches)")

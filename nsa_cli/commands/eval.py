@@ -139,10 +139,12 @@ def _table(payload: dict[str, Any]) -> tuple[str, Any]:
     t = Table()
     for col in ("context", "loss", "bits/byte", "tokens"):
         t.add_column(col, justify="right")
+    t.add_column("loss by position in the window", justify="left")
     for r in rows:
         loss, bpb = r["loss"], r["bits_per_byte"]
+        by_pos = "  ".join(f"{b['start']}-{b['end']}: {b['loss']:.3f}" for b in r.get("by_position", []))
         t.add_row(str(r["context"]), "n/a" if loss is None else f"{loss:.4f}", "n/a" if bpb is None else f"{bpb:.4f}",
-                  f"{r['n']:,}")
+                  f"{r['n']:,}", by_pos)
     return heading, t
 
 

@@ -21,7 +21,7 @@ import io
 import math
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,13 @@ class Arm:
     @property
     def dense(self) -> bool:
         return "model.attention=dense" in self.sets
+
+    def at_lr(self, lr: float) -> Arm:
+        """This recipe at learning rate ``lr``, named ``<arm>@lr=<lr>`` (both phases of a warm start)."""
+        return replace(self, name=f"{self.name}{LR_TAG}{lr:g}", sets=(*self.sets, f"optimizer.lr={lr:g}"))
+
+
+LR_TAG = "@lr="  # an arm's name at one learning rate of a sweep: <arm>@lr=<lr>
 
 
 ARMS: dict[str, Arm] = {
@@ -291,6 +298,29 @@ def summarise_arms(rows: list[QualityRow]) -> list[ArmSummary]:
     return out
 
 
+def at_best_lr(rows: list[QualityRow]) -> tuple[list[QualityRow], dict[str, dict[str, Any]]]:
+    """A learning-rate sweep read arm by arm: each arm's rows at its best rate (the lowest mean held-out
+    loss over the seeds), renamed to the arm, and per arm ``{"best_lr", "mean_by_lr"}``; rows outside a
+    sweep pass through as they are."""
+    means: dict[str, dict[float, list[float]]] = {}
+    for r in rows:
+        base, tag, lr = r.arm.partition(LR_TAG)
+        if tag and r.val_loss is not None and math.isfinite(r.val_loss):
+            means.setdefault(base, {}).setdefault(float(lr), []).append(r.val_loss)
+    sweep: dict[str, dict[str, Any]] = {}
+    for base, by_lr in means.items():
+        mean_by_lr = {lr: sum(v) / len(v) for lr, v in sorted(by_lr.items())}
+        sweep[base] = {"best_lr": min(mean_by_lr, key=lambda lr: mean_by_lr[lr]), "mean_by_lr": mean_by_lr}
+    out = []
+    for r in rows:
+        base, tag, lr = r.arm.partition(LR_TAG)
+        if not tag:
+            out.append(r)
+        elif base in sweep and float(lr) == sweep[base]["best_lr"]:
+            out.append(replace(r, arm=base))
+    return out, sweep
+
+
 @dataclass
 class QualitySpec:
     """One ``nsa bench quality``: every arm of ``arms`` trained once per seed on ``task`` (``text``: held-out
@@ -310,9 +340,11 @@ class QualitySpec:
     needle_batch: int = 16
     needle_eval_samples: int = 256
     device: str | None = None  # the needle runs' device (None: CUDA when available)
+    lrs: list[float] = field(default_factory=list)  # a learning-rate sweep: every arm at each (empty: the config's)
 
     def runs(self) -> list[tuple[int, Arm]]:
-        return [(seed, arm) for seed in self.seeds for arm in self.arms]
+        arms = [a.at_lr(lr) for a in self.arms for lr in self.lrs] if self.lrs else self.arms
+        return [(seed, arm) for seed in self.seeds for arm in arms]
 
     def steps_per_run(self) -> int:
         return (self.steps if self.task in ("text", "both") else 0) + (
@@ -359,17 +391,26 @@ def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict
             "task": spec.task,
             "arms": [{"name": a.name, "sets": list(a.sets), "warm_frac": a.warm_frac, "warm_sets": list(a.warm_sets),
                       "warm_len_div": a.warm_len_div} for a in spec.arms],
-            "seeds": spec.seeds, "relative_to_dense": relative_to_dense(rows),
-            "arms_summary": [asdict(a) for a in summarise_arms(rows)], "environment": environment,
-            "rows": [r.to_dict() for r in rows]}
+            "seeds": spec.seeds, "lrs": spec.lrs, "relative_to_dense": relative_to_dense(rows),
+            "arms_summary": [asdict(a) for a in summarise_arms(rows)], **_sweep_payload(spec, rows),
+            "environment": environment, "rows": [r.to_dict() for r in rows]}
+
+
+def _sweep_payload(spec: QualitySpec, rows: list[QualityRow]) -> dict[str, Any]:
+    if not spec.lrs:
+        return {}
+    best, sweep = at_best_lr(rows)
+    return {"lr_sweep": sweep, "arms_summary_at_best_lr": [asdict(a) for a in summarise_arms(best)]}
 
 
 __all__ = [
     "ARMS",
+    "LR_TAG",
     "Arm",
     "ArmSummary",
     "QualityRow",
     "QualitySpec",
+    "at_best_lr",
     "final_measures",
     "parse_arm",
     "quality_payload",

@@ -28,6 +28,7 @@ def quality(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value for every arm; repeatable.")] = None,
     arms: Annotated[str, typer.Option("--arms", help="Comma-separated arms: dense, nsa, nsa-half, nsa-window, nsa-uniform, nsa-scorer, dense-warm, dense-curriculum, nsa-curriculum (a quarter of the steps on 4x shorter windows first), or label=key=value;key=value (NSA plus overrides).")] = "dense,nsa",
     seeds: Annotated[str, typer.Option("--seeds", help="Comma-separated seeds; every arm trains once per seed.")] = "0",
+    lrs: Annotated[str | None, typer.Option("--lrs", help="Comma-separated learning rates: every arm trains at each, and is compared with dense at its best (e.g. 5e-4,1e-3,2e-3).")] = None,
     steps: Annotated[int | None, typer.Option("--steps", min=1, help="Training steps per arm [default: the config's].")] = None,
     task: Annotated[str, typer.Option("--task", help="text (held-out loss, selection recall), needle (single-needle retrieval) or both.")] = "text",
     needle_seq_len: Annotated[int, typer.Option("--needle-seq-len", min=8)] = 2048,
@@ -47,6 +48,7 @@ def quality(
 
         from nsa.bench.quality import (
             QualitySpec,
+            at_best_lr,
             parse_arm,
             quality_payload,
             relative_to_dense,
@@ -64,6 +66,12 @@ def quality(
             seed_list = [int(s) for s in _csv(seeds, "--seeds")]
         except ValueError:
             raise fail(f"--seeds {seeds!r} must be comma-separated integers", hint="e.g. --seeds 0,1") from None
+        try:
+            lr_list = [float(x) for x in _csv(lrs, "--lrs")] if lrs is not None else []
+        except ValueError:
+            raise fail(f"--lrs {lrs!r} must be comma-separated numbers", hint="e.g. --lrs 5e-4,1e-3,2e-3") from None
+        if any(not 0 < lr < 1 for lr in lr_list):
+            raise fail(f"--lrs {lrs!r}: each learning rate must be between 0 and 1", hint="e.g. --lrs 5e-4,1e-3,2e-3")
         sets = list(set_ or [])
         cfg_name = config or ("tiny" if tiny else "m7c-125m")
         if tiny:
@@ -81,7 +89,7 @@ def quality(
         spec = QualitySpec(cfg_name, sets, arm_list, seed_list, steps, out_dir, task=task, queries=queries,
                            needle_seq_len=needle_seq_len, needle_gap=needle_gap, needle_steps=needle_steps,
                            needle_batch=needle_batch, needle_eval_samples=64 if tiny else 256,
-                           device="cpu" if tiny else None)
+                           device="cpu" if tiny else None, lrs=lr_list)
         rows = run_quality(spec, say=lambda line: console.print(line, highlight=False, markup=False), log=log)
         rel = relative_to_dense(rows)
         table = Table(title=f"quality: config {cfg_name}, {steps} steps, seeds {','.join(map(str, seed_list))}")
@@ -99,10 +107,22 @@ def quality(
                           f(r.needle_acc, ".3f"), "-" if r.needle_steps_to_target is None else str(r.needle_steps_to_target),
                           f"{r.seconds:.0f}")
         console.print(table)
-        over_seeds = Table(title="arms over their seeds (vs dense: paired by seed, mean +- sd)")
+        summary_rows = rows
+        if lr_list:
+            summary_rows, sweep = at_best_lr(rows)
+            best = Table(title="learning-rate sweep: held-out loss, mean over the seeds")
+            best.add_column("arm", justify="right")
+            for lr in lr_list:
+                best.add_column(f"lr {lr:g}", justify="right")
+            best.add_column("best", justify="right")
+            for arm, sw in sweep.items():
+                best.add_row(arm, *(f(sw["mean_by_lr"].get(lr)) for lr in lr_list), f"{sw['best_lr']:g}")
+            console.print(best)
+        over_seeds = Table(title="arms over their seeds (vs dense: paired by seed, mean +- sd)"
+                           + (", each arm at its best learning rate" if lr_list else ""))
         for col in ("arm", "seeds", "held-out loss mean +- sd", "vs dense", "reading"):
             over_seeds.add_column(col, justify="right")
-        for a in summarise_arms(rows):
+        for a in summarise_arms(summary_rows):
             spread = "" if a.sd is None else f" +- {a.sd:.4f}"
             diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
                     + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%"))

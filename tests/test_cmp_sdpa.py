@@ -80,21 +80,25 @@ def test_dispatcher_picks_the_path_by_shape() -> None:
     serves where it can."""
     pick = triton_path.cmp_path_for
     n = 4096
-    assert pick(65536, 6, 64, 64, n, 0, 9) == "cudnn"
-    assert pick(16384, 16, 128, 128, n, 0, 9) == "cudnn"
-    assert pick(16384, 6, 64, 64, n, 0, 9) == "kernel"
-    assert pick(65536, 6, 64, 64, n, 0, 8) == "kernel"
-    assert pick(65536, 6, 64, 64, n, 128, 9) == "kernel"
-    assert pick(65536, 6, 192, 128, n, 0, 9) == "kernel"
-    assert pick(65536, 6, 256, 256, n, 0, 9) == "kernel"
-    assert pick(65536, 6, 64, 64, n, 0, 0) == "kernel"
+    assert pick(65536, 6, 64, 64, n, True, 9) == "cudnn"
+    assert pick(16384, 16, 128, 128, n, True, 9) == "cudnn"
+    assert pick(16384, 6, 64, 64, n, True, 9) == "kernel"
+    assert pick(65536, 6, 64, 64, n, True, 8) == "kernel"
+    assert pick(65536, 6, 64, 64, n, False, 9) == "kernel"  # queries at an offset, or fewer than the keys
+    assert pick(65536, 6, 192, 128, n, True, 9) == "kernel"
+    assert pick(65536, 6, 256, 256, n, True, 9) == "kernel"
+    assert pick(65536, 6, 64, 64, n, True, 0) == "kernel"
+    q = torch.zeros(1, 48, 4, 8)
+    k_c = torch.zeros(1, num_cmp(48, 8, 4), 2, 8)
     try:
         triton_path.set_cmp_path("flash")
-        assert pick(2048, 6, 64, 64, 127, 0, 8) == "flash"
-        assert pick(2048, 6, 64, 64, 127, 0, 0) == "kernel"  # a library kernel needs the GPU
+        assert pick(2048, 6, 64, 64, 127, True, 8) == "flash"
+        assert pick(2048, 6, 64, 64, 127, True, 0) == "kernel"  # a library kernel needs the GPU
         triton_path.set_cmp_path("math")
-        assert pick(2048, 6, 64, 64, 127, 0, 0) == "math"
-        assert pick(2048, 6, 64, 64, 127, 64, 0) == "kernel"
+        assert pick(2048, 6, 64, 64, 127, True, 0) == "math"
+        assert pick(2048, 6, 64, 64, 127, False, 0) == "kernel"
+        assert triton_path.cmp_path(q, k_c, k_c, 0) == triton_path.cmp_path(q, k_c, k_c, 0, 48) == "math"
+        assert triton_path.cmp_path(q, k_c, k_c, 16) == triton_path.cmp_path(q, k_c, k_c, 0, 64) == "kernel"
     finally:
         triton_path.set_cmp_path(None)
     with pytest.raises(ValueError, match="choose one of auto, kernel, cudnn, flash, math"):

@@ -360,7 +360,7 @@ def stage_cmp_path(S: int, HQ: int, H: int, D: int, params: NSAParams | None = N
 
     p = params or NSAParams()
     cc = cc_major(torch.device("cuda")) if torch.cuda.is_available() else 0
-    return cmp_path_for(S, HQ // H, D, D, max(0, (S - p.l) // p.d + 1), 0, cc)
+    return cmp_path_for(S, HQ // H, D, D, max(0, (S - p.l) // p.d + 1), True, cc)
 
 
 def _kernel_breakdown(S: int, HQ: int, H: int, D: int, p: NSAParams, batch: int, dtype: torch.dtype,

@@ -86,17 +86,20 @@ def path_counts() -> dict[str, int]:
     return dict(_paths)
 
 
-def cmp_path(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, q_start: int) -> str:
+def cmp_path(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, q_start: int, n_keys: int | None = None) -> str:
     """The compressed branch's path for this call: the set one where it can serve, else by shape (``kernel``
-    for short sequences, queries at an offset, head dims over 128 and pre-Hopper GPUs)."""
+    for short sequences, queries at an offset or fewer than the keys (``n_keys``), head dims over 128 and
+    pre-Hopper GPUs)."""
     cc = cc_major(q.device) if q.is_cuda else 0
+    whole = q_start == 0 and (n_keys is None or n_keys == q.shape[1])
     return cmp_path_for(q.shape[1], q.shape[2] // k_cmp.shape[2], q.shape[-1], v_cmp.shape[-1], k_cmp.shape[1],
-                        q_start, cc)
+                        whole, cc)
 
 
-def cmp_path_for(S: int, G: int, Dk: int, Dv: int, n_cmp: int, q_start: int, cc: int) -> str:
-    """:func:`cmp_path` from the shape (``cc``: the GPU's major compute capability, 0 off CUDA)."""
-    ok = q_start == 0 and n_cmp > 0 and Dv == Dk and Dk % 8 == 0 and Dk <= 128
+def cmp_path_for(S: int, G: int, Dk: int, Dv: int, n_cmp: int, whole: bool, cc: int) -> str:
+    """:func:`cmp_path` from the shape (``whole``: the queries are the whole sequence from position 0, as the
+    virtual rows' square causal mask needs; ``cc``: the GPU's major compute capability, 0 off CUDA)."""
+    ok = whole and n_cmp > 0 and Dv == Dk and Dk % 8 == 0 and Dk <= 128
     if _cmp_path != "auto":
         return _cmp_path if ok and (_cmp_path == "math" or cc > 0) else "kernel"
     shortest = CMP_SDPA_MIN_S_BIG_GROUPS if G >= 16 else CMP_SDPA_MIN_S
@@ -405,7 +408,7 @@ def nsa_attention(
     args = [_dense_last(t.to(q.dtype)) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)]
     gates = gates.to(q.dtype).contiguous()
     qw = None if q_win is None else _dense_last(q_win.to(q.dtype))
-    path = cmp_path(args[0], args[1], args[2], q_start)
+    path = cmp_path(args[0], args[1], args[2], q_start, S)
     if not torch.compiler.is_compiling():  # a counter in a traced graph would be a guard: recompiles
         _paths[path] += 1
     o_cmp = lse_cmp = None

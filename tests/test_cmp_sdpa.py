@@ -88,6 +88,7 @@ def test_dispatcher_picks_the_path_by_shape() -> None:
     assert pick(65536, 6, 192, 128, n, True, 9) == "kernel"
     assert pick(65536, 6, 256, 256, n, True, 9) == "kernel"
     assert pick(65536, 6, 64, 64, n, True, 0) == "kernel"
+    assert triton_path.cmp_path_of_shape(65536, 12, 2, 64, NSAParams(), torch.device("cpu")) == "kernel"
     q = torch.zeros(1, 48, 4, 8)
     k_c = torch.zeros(1, num_cmp(48, 8, 4), 2, 8)
     try:

@@ -355,12 +355,10 @@ def kernel_breakdown(
 
 def stage_cmp_path(S: int, HQ: int, H: int, D: int, params: NSAParams | None = None) -> str:
     """How the op runs the compressed branch for this shape on this process's GPU."""
-    from nsa.ops._triton import cc_major
-    from nsa.ops.triton_path import cmp_path_for
+    from nsa.ops.triton_path import cmp_path_of_shape
 
-    p = params or NSAParams()
-    cc = cc_major(torch.device("cuda")) if torch.cuda.is_available() else 0
-    return cmp_path_for(S, HQ // H, D, D, max(0, (S - p.l) // p.d + 1), True, cc)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return cmp_path_of_shape(S, HQ, H, D, params or NSAParams(), device)
 
 
 def _kernel_breakdown(S: int, HQ: int, H: int, D: int, p: NSAParams, batch: int, dtype: torch.dtype,

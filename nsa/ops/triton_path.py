@@ -96,6 +96,12 @@ def cmp_path(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, q_start:
                         whole, cc)
 
 
+def cmp_path_of_shape(S: int, HQ: int, H: int, D: int, hp: NSAParams, device: torch.device) -> str:
+    """:func:`cmp_path` of a whole sequence of this shape on ``device`` (the benchmarks' stage tables)."""
+    cc = cc_major(device) if device.type == "cuda" else 0
+    return cmp_path_for(S, HQ // H, D, D, num_cmp(S, hp.l, hp.d), True, cc)
+
+
 def cmp_path_for(S: int, G: int, Dk: int, Dv: int, n_cmp: int, whole: bool, cc: int) -> str:
     """:func:`cmp_path` from the shape (``whole``: the queries are the whole sequence from position 0, as the
     virtual rows' square causal mask needs; ``cc``: the GPU's major compute capability, 0 off CUDA)."""

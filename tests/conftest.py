@@ -10,6 +10,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -135,13 +136,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``@pytest.mark.gpu``: the test needs a CUDA device and is skipped cleanly without one
     (``pytest -m gpu`` runs only those on a GPU machine); ``multigpu`` ones need two devices
-    (``pytest -m multigpu`` on a machine with two)."""
+    (``pytest -m multigpu`` on a machine with two). Tests marked ``beside(job)`` go last (see ``Beside``)."""
     gpus = torch.cuda.device_count() if HAS_CUDA else 0
     for item in items:
         if "gpu" in item.keywords and gpus == 0:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
         elif "multigpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA devices (this machine has {gpus})"))
+    # tests marked beside(job) last, in their order: their jobs run meanwhile, in the same order
+    beside = [item for item in items if item.get_closest_marker("beside") is not None]
+    if beside:
+        items[:] = [item for item in items if item.get_closest_marker("beside") is None] + beside
 
 
 @pytest.fixture(params=backends_under_test())
@@ -396,14 +401,195 @@ def nsa(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> 
                           env=env or clean_env(), timeout=timeout)
 
 
-def in_triton_interpreter(code: str) -> None:
-    """Run ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (torch imported, one thread): Triton
-    fixes the mode at import time, so the interpreter cannot be switched on inside this test process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    prelude = "import torch; torch.set_num_threads(1)\n"
-    proc = subprocess.run([sys.executable, "-c", prelude + code], cwd=Path(__file__).resolve().parents[1], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+# ---- work beside the tests: jobs in processes of their own, started when the session begins --------------
+
+ROOT = Path(__file__).resolve().parents[1]
+PRELUDE = "import torch; torch.set_num_threads(1)\n"
+
+
+@dataclass(frozen=True)
+class Job:
+    """A test's work in a process of its own, in the repository root: ``PRELUDE + code`` in a fresh Python,
+    under the Triton interpreter (``TRITON_INTERPRET=1``: Triton fixes the mode at import time, so it cannot
+    be switched on inside the test process) or not; it must exit 0 within ``timeout`` seconds."""
+
+    code: str
+    interpret: bool = True
+    timeout: float = 300
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    started: float  # time.monotonic() at the start and at the end of the job
+    ended: float
+
+
+class Beside:
+    """Runs jobs one at a time in a thread of the test process, each in a process of its own, beside the
+    test in progress: on a small machine the tests mostly keep one core busy, the jobs take the other.
+
+    A test marked ``@pytest.mark.beside(job)`` has its job started when the session's tests are known
+    (``pytest_collection_finish``) and runs at the end of the session (``pytest_collection_modifyitems``),
+    in the order of the jobs, so it rarely waits; its body calls ``run_job(job)``, which waits for that
+    result (or runs the job then, when it was not started early). Interpreter jobs on a machine without
+    CUDA run in forks of one interpreter process (``tests/interpreter_server.py``) that paid the imports
+    once; elsewhere each job is a fresh ``python -c``."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tests-beside")
+        self._started: dict[Job, Any] = {}
+        self._procs: set[subprocess.Popen[str]] = set()
+        self._server: subprocess.Popen[str] | None = None
+        self._server_err: Any = None
+        self._tmp: Path | None = None
+        self.t0 = time.monotonic()
+        self.log: list[tuple[str, JobResult, float]] = []  # (test, its job's result, seconds the test waited)
+
+    def start(self, job: Job) -> None:
+        if job not in self._started:
+            self._started[job] = self._pool.submit(self._run, job)
+
+    def result(self, job: Job) -> JobResult:
+        future = self._started.pop(job, None) or self._pool.submit(self._run, job)
+        return future.result()
+
+    def _scratch(self) -> Path:
+        if self._tmp is None:
+            import tempfile
+
+            self._tmp = Path(tempfile.mkdtemp(prefix="nsa-tests-beside-"))
+        return self._tmp
+
+    def _run(self, job: Job) -> JobResult:
+        t0 = time.monotonic()
+        if job.interpret and not HAS_CUDA:
+            rc, out, err, timed_out = self._in_server(job)
+        else:
+            env = dict(os.environ, TRITON_INTERPRET="1") if job.interpret else dict(os.environ)
+            proc = subprocess.Popen([sys.executable, "-c", PRELUDE + job.code], cwd=ROOT, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            self._procs.add(proc)
+            try:
+                out, err = proc.communicate(timeout=job.timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                out, err = proc.communicate()
+                timed_out = True
+            finally:
+                self._procs.discard(proc)
+            rc = proc.returncode
+        return JobResult(rc, out, err, timed_out, t0, time.monotonic())
+
+    def _in_server(self, job: Job) -> tuple[int, str, str, bool]:
+        if self._server is None or self._server.poll() is not None:
+            self._server_err = open(self._scratch() / "server.err", "w+")  # noqa: SIM115 (closed in close())
+            self._server = subprocess.Popen([sys.executable, "-m", "tests.interpreter_server"], cwd=ROOT,
+                                            env=dict(os.environ, TRITON_INTERPRET="1"), text=True,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._server_err,
+                                            start_new_session=True)
+        out, err = self._scratch() / "job.out", self._scratch() / "job.err"
+        assert self._server.stdin is not None and self._server.stdout is not None
+        try:
+            self._server.stdin.write(json.dumps({"code": PRELUDE + job.code, "stdout": str(out), "stderr": str(err),
+                                                 "timeout": job.timeout}) + "\n")
+            self._server.stdin.flush()
+            reply = self._server.stdout.readline()
+        except (BrokenPipeError, OSError):
+            reply = ""
+        if not reply:
+            self._server.wait()
+            self._server_err.seek(0)
+            return 1, "", f"the interpreter server stopped (rc {self._server.returncode}):\n{self._server_err.read()}", False
+        answer = json.loads(reply)
+        read = (out.read_text(errors="replace") if out.exists() else "", err.read_text(errors="replace") if err.exists() else "")
+        return int(answer["rc"]), read[0], read[1], bool(answer["timed_out"])
+
+    def close(self) -> None:
+        import shutil
+
+        for future in self._started.values():
+            future.cancel()
+        self._started.clear()
+        for proc in list(self._procs):
+            _kill_group(proc)
+        if self._server is not None:
+            with contextlib.suppress(OSError):
+                assert self._server.stdin is not None
+                self._server.stdin.close()
+            try:
+                self._server.wait(timeout=2)
+            except subprocess.TimeoutExpired:  # a job still running in a fork of it
+                _kill_group(self._server)
+                self._server.wait()
+        self._pool.shutdown(wait=True)
+        if self._server_err is not None:
+            self._server_err.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """Kill ``proc`` and the processes it started (its own session: ``start_new_session=True``)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+BESIDE = Beside()
+
+
+def run_job(job: Job) -> JobResult:
+    """The result of ``job`` (started early when the test is marked ``beside(job)``); it must have exited 0
+    in time, else the test fails with the tail of its output (the cases print their names as they go)."""
+    t0 = time.monotonic()
+    res = BESIDE.result(job)
+    BESIDE.log.append((os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0], res, time.monotonic() - t0))
+    tail = res.stdout[-2000:] + res.stderr[-4000:]
+    assert not res.timed_out, f"timed out after {job.timeout:.0f} s\n{tail}"
+    assert res.returncode == 0, tail
+    return res
+
+
+def _skipped(item: pytest.Item) -> bool:
+    if any(True for _ in item.iter_markers("skip")):
+        return True
+    for mark in item.iter_markers("skipif"):
+        cond = mark.args[0] if mark.args else mark.kwargs.get("condition")
+        if isinstance(cond, bool) and cond:
+            return True
+    return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "beside(job): the test's tests.conftest.Job starts in a process beside the "
+                                       "tests when the session begins; the test runs at the end and checks it")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        mark = item.get_closest_marker("beside")
+        if mark is not None and not _skipped(item):
+            BESIDE.start(mark.args[0])
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    BESIDE.close()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if BESIDE.log:
+        terminalreporter.section("jobs beside the tests")
+        for test, res, waited in BESIDE.log:
+            a, b = res.started - BESIDE.t0, res.ended - BESIDE.t0
+            terminalreporter.write_line(f"{b - a:7.2f}s ran (+{a:.0f} s to +{b:.0f} s), {waited:.2f}s waited  {test}")
 
 
 # ---- parsing nsa command lines (runbooks, docs, --help examples) ----------------------------------------

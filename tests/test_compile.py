@@ -12,7 +12,7 @@ import torch
 
 from nsa.config import RunConfig, find_config, read_yaml
 from nsa.model import build_model
-from tests.conftest import in_triton_interpreter
+from tests.conftest import Job, run_job
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -60,11 +60,7 @@ def test_compiled_model_equals_eager_on_cpu() -> None:
     _compare("torch", "cpu", 128, amp=False, loss_tol=1e-5, grad_tol=1e-4)
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU (the GPU opcheck runs there)")
-def test_custom_ops_pass_opcheck_in_the_interpreter() -> None:
-    """Schema, fake (meta) implementations, autograd registration and the fwd/bwd ops against their
-    fake tensors: ``torch.library.opcheck`` on tiny random inputs (seed 0)."""
-    in_triton_interpreter("""
+OPCHECK_JOB = Job("""
 from tests.conftest import make_inputs
 import nsa.ops.triton_path as tp
 torch.manual_seed(0)
@@ -93,6 +89,14 @@ torch.library.opcheck(torch.ops.nsa.attention_bwd.default, bwd_args, test_utils=
 d_ocmp = torch.ops.nsa.attention_bwd.default(*bwd_args)[-1]
 assert d_ocmp.shape == o_v.shape
 """)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU (the GPU opcheck runs there)")
+@pytest.mark.beside(OPCHECK_JOB)
+def test_custom_ops_pass_opcheck_in_the_interpreter() -> None:
+    """Schema, fake (meta) implementations, autograd registration and the fwd/bwd ops against their
+    fake tensors: ``torch.library.opcheck`` on tiny random inputs (seed 0)."""
+    run_job(OPCHECK_JOB)
 
 
 @pytest.mark.gpu

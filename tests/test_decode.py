@@ -11,6 +11,7 @@ from nsa.model import NSALM, NSAAttention
 from nsa.model.cache import ModelCache
 from nsa.model.generate import sample_next
 from nsa.ops import NSAParams, select_blocks
+from tests.conftest import Job, run_job
 
 # Tiny hyper-parameters so that a 40-token sequence crosses many compression/selection boundaries and
 # leaves free (non-forced) block choices: (l, d, l_sel, n_sel, w)
@@ -386,42 +387,33 @@ def _triton_vs_torch_decode_q_win(device: str, dtype: torch.dtype, tol: float) -
         assert torch.equal(same.o, plain.o) and torch.equal(same.block_idx, plain.block_idx)
 
 
-def _run_interpreted(code: str) -> None:
-    """Run ``code`` in a fresh Python under ``TRITON_INTERPRET=1`` (Triton reads it at import); must exit 0."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+# default tiles, then several block chunks per group (chunk-local candidates); the window's own queries;
+# then a fallback case
+DECODE_KERNEL_JOB = Job(
+    "from tests.test_decode import _triton_vs_torch_decode, _triton_vs_torch_decode_q_win\n"
+    "from nsa.ops import tile_overrides\n"
+    "for tune in ({}, {'dec_score_cols': 16}):\n"
+    "    with tile_overrides(tune):\n"
+    "        _triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
+    "_triton_vs_torch_decode_q_win('cpu', torch.float32, 1e-5)\n"
+    "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
+    "from nsa.ops import NSAParams\n"
+    "from nsa.ops.decode import nsa_decode\n"
+    "q, g = torch.randn(1, 2, 8), torch.rand(1, 2, 3)\n"
+    "kv = [torch.randn(1, 1, n, 8) for n in (9, 9, 24, 24, 5, 5)]\n"
+    "hp = NSAParams(l=4, d=2, l_sel=6, n_sel=2, w=5)\n"
+    "out = nsa_decode(q, torch.tensor([20]), *kv, g, hp, backend='triton')\n"
+    "ref = nsa_decode(q, torch.tensor([20]), *kv, g, hp, backend='torch')\n"
+    "torch.testing.assert_close(out.o, ref.o)\n"
+    "assert list(fallback_counts()) == ['nsa_decode:triton->torch:l_sel/d=3 is not a power of two <= 64']\n")
 
-    pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", "import torch; torch.set_num_threads(1)\n" + code],
-                          cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
-
+@pytest.mark.beside(DECODE_KERNEL_JOB)
 def test_triton_decode_kernel_in_interpreter() -> None:
-    """CPU: the kernel under ``TRITON_INTERPRET=1`` (a fresh process: Triton reads it at import), also with a
-    window query ``q_win``."""
-    # default tiles, then several block chunks per group (chunk-local candidates); the window's own
-    # queries; then a fallback case
-    _run_interpreted(
-        "from tests.test_decode import _triton_vs_torch_decode, _triton_vs_torch_decode_q_win\n"
-        "from nsa.ops import tile_overrides\n"
-        "for tune in ({}, {'dec_score_cols': 16}):\n"
-        "    with tile_overrides(tune):\n"
-        "        _triton_vs_torch_decode('cpu', torch.float32, 1e-5)\n"
-        "_triton_vs_torch_decode_q_win('cpu', torch.float32, 1e-5)\n"
-        "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
-        "from nsa.ops import NSAParams\n"
-        "from nsa.ops.decode import nsa_decode\n"
-        "q, g = torch.randn(1, 2, 8), torch.rand(1, 2, 3)\n"
-        "kv = [torch.randn(1, 1, n, 8) for n in (9, 9, 24, 24, 5, 5)]\n"
-        "hp = NSAParams(l=4, d=2, l_sel=6, n_sel=2, w=5)\n"
-        "out = nsa_decode(q, torch.tensor([20]), *kv, g, hp, backend='triton')\n"
-        "ref = nsa_decode(q, torch.tensor([20]), *kv, g, hp, backend='torch')\n"
-        "torch.testing.assert_close(out.o, ref.o)\n"
-        "assert list(fallback_counts()) == ['nsa_decode:triton->torch:l_sel/d=3 is not a power of two <= 64']\n")
+    """CPU: the kernel under ``TRITON_INTERPRET=1`` (a process of its own: Triton reads it at import), also with
+    a window query ``q_win``."""
+    pytest.importorskip("triton")
+    run_job(DECODE_KERNEL_JOB)
 
 
 @pytest.mark.gpu
@@ -516,13 +508,18 @@ def _triton_vs_torch_append(device: str, dtype: torch.dtype) -> None:
             t = t + 1
 
 
+APPEND_JOB = Job("from tests.test_decode import _triton_vs_torch_append\n"
+                 "_triton_vs_torch_append('cpu', torch.float32)\n"
+                 "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
+                 "_triton_vs_torch_append('cpu', torch.float64)  # served by the torch path, counted\n"
+                 "assert set(fallback_counts()) == {'append_token:triton->torch:float64'}, fallback_counts()\n")
+
+
+@pytest.mark.beside(APPEND_JOB)
 def test_triton_cache_append_in_interpreter() -> None:
-    """CPU: the fused append under ``TRITON_INTERPRET=1`` (fresh process) equals the torch path."""
-    _run_interpreted("from tests.test_decode import _triton_vs_torch_append\n"
-                     "_triton_vs_torch_append('cpu', torch.float32)\n"
-                     "from nsa.ops import fallback_counts; assert not fallback_counts(), fallback_counts()\n"
-                     "_triton_vs_torch_append('cpu', torch.float64)  # served by the torch path, counted\n"
-                     "assert set(fallback_counts()) == {'append_token:triton->torch:float64'}, fallback_counts()\n")
+    """CPU: the fused append under ``TRITON_INTERPRET=1`` (a process of its own) equals the torch path."""
+    pytest.importorskip("triton")
+    run_job(APPEND_JOB)
 
 
 @pytest.mark.gpu

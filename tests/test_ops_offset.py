@@ -24,7 +24,7 @@ import torch
 import nsa.ops as ops
 from nsa.ops import NSAParams
 from nsa.ops.indexing import num_cmp
-from tests.conftest import Inputs, in_triton_interpreter, make_inputs
+from tests.conftest import Inputs, Job, make_inputs, run_job
 
 HAS_CUDA = torch.cuda.is_available()
 NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
@@ -289,15 +289,24 @@ def _triton_custom_ops_case() -> None:
         assert a.grad is not None and torch.equal(a.grad, g), name
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU")
-def test_triton_offset_in_the_interpreter() -> None:
-    """All interpreter cases in one subprocess (tiny shapes, float32, against the float64 reference)."""
+def _interpreter_job() -> Job:
     calls = "".join(f"print({name!r}, flush=True); _triton_offset_case(*{case!r})\n"
                     for name, case in INTERP_CASES.items())
     calls += "print('given blocks', flush=True); _triton_given_blocks_case()\n"
     calls += "print('custom ops', flush=True); _triton_custom_ops_case()\n"
-    in_triton_interpreter("from tests.test_ops_offset import _triton_offset_case, _triton_given_blocks_case, "
-                          "_triton_custom_ops_case\n" + calls)
+    return Job("from tests.test_ops_offset import _triton_offset_case, _triton_given_blocks_case, "
+               "_triton_custom_ops_case\n" + calls)
+
+
+INTERPRETER_JOB = _interpreter_job()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU")
+@pytest.mark.beside(INTERPRETER_JOB)
+def test_triton_offset_in_the_interpreter() -> None:
+    """All interpreter cases in one process (tiny shapes, float32, against the float64 reference); each case
+    prints its name first."""
+    run_job(INTERPRETER_JOB)
 
 
 GPU_CASES = [

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nsa.ops import NSAParams
-from tests.conftest import in_triton_interpreter, make_inputs
+from tests.conftest import Job, make_inputs, run_job
 
 HAS_CUDA = torch.cuda.is_available()
 triton = pytest.importorskip("triton")
@@ -167,10 +167,9 @@ def test_messy_block_lists_gpu() -> None:
     _messy_blocks_case("cuda")
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU")
-def test_interpreter_matches_reference() -> None:
-    """All CPU cases in one interpreter process (about 40-60 s on 2 busy cores): both loop orders of the
-    selected branch, TMA descriptors and score slabs included."""
+def _interpreter_job() -> Job:
+    """All CPU cases in one interpreter process: both loop orders of the selected branch, TMA descriptors and
+    score slabs included; each case prints its name first."""
     calls = "".join(f"print({name!r}, flush=True); _cpu_case(*{args!r})\n" for name, args in CPU_CASES.items())
     calls += "".join(f"print({name!r}, flush=True); _cpu_case(*{args!r}, tune={tune!r})\n"
                      for name, (args, tune) in CPU_TUNED_CASES.items())
@@ -179,8 +178,18 @@ def test_interpreter_matches_reference() -> None:
               "assert triton_path.supports(torch.zeros(1, 8, 1, 512)) == 'head dim 512'\n"
               "_dispatcher_case()\n")
     calls += "print('messy block lists', flush=True); _messy_blocks_case()\n"
-    in_triton_interpreter("from tests.test_triton_kernels import _cpu_case, _dispatcher_case, _messy_blocks_case\n"
-                          + checks + calls)
+    return Job("from tests.test_triton_kernels import _cpu_case, _dispatcher_case, _messy_blocks_case\n"
+               + checks + calls)
+
+
+INTERPRETER_JOB = _interpreter_job()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU")
+@pytest.mark.beside(INTERPRETER_JOB)
+def test_interpreter_matches_reference() -> None:
+    """All CPU cases in one interpreter process (about 60-110 s on 2 busy cores, beside the other tests)."""
+    run_job(INTERPRETER_JOB)
 
 
 def test_supports_reasons() -> None:
@@ -277,6 +286,10 @@ def test_top_blocks_ties_gpu() -> None:
     _top_blocks_case("cuda")
 
 
+TOP_BLOCKS_JOB = Job("from tests.test_triton_kernels import _top_blocks_case\n_top_blocks_case('cpu')")
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU")
+@pytest.mark.beside(TOP_BLOCKS_JOB)
 def test_top_blocks_ties_interpreter() -> None:
-    in_triton_interpreter("from tests.test_triton_kernels import _top_blocks_case\n_top_blocks_case('cpu')")
+    run_job(TOP_BLOCKS_JOB)

@@ -14,7 +14,7 @@ import torch
 
 from nsa import ops
 from nsa.ops import NSAParams, varlen
-from tests.conftest import in_triton_interpreter
+from tests.conftest import Job, run_job
 
 HAS_CUDA = torch.cuda.is_available()
 NSA = NSAParams(l=8, d=4, l_sel=16, n_sel=2, w=12)
@@ -82,14 +82,17 @@ def test_single_document_is_the_plain_call() -> None:
     assert torch.equal(idx, idx0) and torch.allclose(o, o0, atol=1e-12, rtol=0)
 
 
+INTERPRETER_JOB = Job("from nsa import ops\nfrom tests.test_varlen import _check, LENGTHS\n"
+                      "ops.reset_fallback_counts()\n"
+                      "_check('triton', LENGTHS[:5], 5, torch.float32, 'cpu', 1e-4)\n"
+                      "assert ops.fallback_counts() == {}, ops.fallback_counts()\n")
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU")
+@pytest.mark.beside(INTERPRETER_JOB)
 def test_triton_packed_in_the_interpreter() -> None:
     """Seed 5, float32 under TRITON_INTERPRET=1: the Triton kernels on packed documents, no fallback."""
-    in_triton_interpreter(
-        "from nsa import ops\nfrom tests.test_varlen import _check, LENGTHS\n"
-        "ops.reset_fallback_counts()\n"
-        "_check('triton', LENGTHS[:5], 5, torch.float32, 'cpu', 1e-4)\n"
-        "assert ops.fallback_counts() == {}, ops.fallback_counts()\n")
+    run_job(INTERPRETER_JOB)
 
 
 @pytest.mark.gpu

@@ -145,9 +145,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif "multigpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA devices (this machine has {gpus})"))
     # tests marked beside(job) last, in their order: their jobs run meanwhile, in the same order
-    beside = [item for item in items if item.get_closest_marker("beside") is not None]
-    if beside:
-        items[:] = [item for item in items if item.get_closest_marker("beside") is None] + beside
+    last = [item for item in items if _goes_last(item)]
+    if last:
+        items[:] = [item for item in items if not _goes_last(item)] + last
 
 
 @pytest.fixture(params=backends_under_test())
@@ -436,7 +436,9 @@ class Beside:
     A test marked ``@pytest.mark.beside(job)`` has its job started when the session's tests are known
     (``pytest_collection_finish``) and runs at the end of the session (``pytest_collection_modifyitems``),
     in the order of the jobs, so it rarely waits; its body calls ``run_job(job)``, which waits for that
-    result (or runs the job then, when it was not started early). Interpreter jobs on a machine without
+    result (or runs the job then, when it was not started early). With ``keep_place=True`` the test keeps
+    its place and its job goes first (a fixture's work that tests in the middle of the session read, the
+    fixture calling ``run_job``). Interpreter jobs on a machine without
     CUDA run in forks of one interpreter process (``tests/interpreter_server.py``) that paid the imports
     once; elsewhere each job is a fresh ``python -c``."""
 
@@ -568,17 +570,23 @@ def _skipped(item: pytest.Item) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "beside(job): the test's tests.conftest.Job starts in a process beside the "
-                                       "tests when the session begins; the test runs at the end and checks it")
+    config.addinivalue_line("markers", "beside(job, keep_place=False): the test's tests.conftest.Job starts in a "
+                                       "process beside the tests when the session begins; the test runs at the end "
+                                       "(or keeps its place) and checks it")
+
+
+def _goes_last(item: pytest.Item) -> bool:
+    mark = item.get_closest_marker("beside")
+    return mark is not None and not mark.kwargs.get("keep_place", False)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
-    for item in session.items:
-        mark = item.get_closest_marker("beside")
-        if mark is not None and not _skipped(item):
-            BESIDE.start(mark.args[0])
+    marks = [(mark, _goes_last(item)) for item in session.items
+             if (mark := item.get_closest_marker("beside")) is not None and not _skipped(item)]
+    for mark, _ in sorted(marks, key=lambda m: m[1]):  # the jobs of tests that keep their place first
+        BESIDE.start(mark.args[0])
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ import torch
 
 from nsa.config import load_run_config
 from nsa.rundir.checkpoints import verify
-from tests.conftest import free_port
+from tests.conftest import Job, free_port, run_job
 from tests.test_train_process import _env, cmd, run_all_ok, run_ok
 
 # S=64 (beyond the window of 32): the evaluations at steps 3 and 6 have selection diagnostics to record
@@ -35,18 +38,43 @@ def _rows_of(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+RUNS = ("ddp", "fsdp", "resumed")
+
+
+def _train_runs() -> None:
+    """The runs the slow tests read, made by a job beside the tests (it starts with the session): DDP and FSDP
+    side by side, then FSDP resumed from its step-3 checkpoint. Prints the folder that holds them."""
+    root = Path(tempfile.mkdtemp(prefix="nsa-test-parallel-"))
+    out = {name: root / name for name in RUNS}
+    try:
+        run_all_ok(cmd(*COMMON, "--out-dir", str(out["ddp"])),
+                   cmd(*COMMON, "--out-dir", str(out["fsdp"]), "--set", "runtime.parallel=fsdp"))
+        ckpt = out["fsdp"] / "checkpoints" / "step_00000003"
+        run_ok(cmd(*COMMON, "--out-dir", str(out["resumed"]), "--set", "runtime.parallel=fsdp", "--resume", str(ckpt)))
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    print(root)
+
+
+RUNS_JOB = Job("from tests.test_parallel import _train_runs\n_train_runs()\n", interpret=False, timeout=900)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("parallel")
-    out = {"ddp": root / "ddp", "fsdp": root / "fsdp", "resumed": root / "resumed"}
-    run_all_ok(cmd(*COMMON, "--out-dir", str(out["ddp"])),
-               cmd(*COMMON, "--out-dir", str(out["fsdp"]), "--set", "runtime.parallel=fsdp"))
-    ckpt = out["fsdp"] / "checkpoints" / "step_00000003"
-    run_ok(cmd(*COMMON, "--out-dir", str(out["resumed"]), "--set", "runtime.parallel=fsdp", "--resume", str(ckpt)))
-    return out
+def runs() -> Iterator[dict[str, Path]]:
+    root = Path(run_job(RUNS_JOB).stdout.strip().splitlines()[-1])
+    try:
+        yield {name: root / name for name in RUNS}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# the tests that read the runs: their job starts with the session, they keep their place
+beside_runs = pytest.mark.beside(RUNS_JOB, keep_place=True)
 
 
 @pytest.mark.slow
+@beside_runs
 def test_fsdp_trains_like_ddp(runs: dict[str, Path]) -> None:
     ddp, fsdp = _rows(runs["ddp"]), _rows(runs["fsdp"])
     assert [r["step"] for r in fsdp] == ["1", "2", "3", "4", "5", "6"]
@@ -56,6 +84,7 @@ def test_fsdp_trains_like_ddp(runs: dict[str, Path]) -> None:
 
 
 @pytest.mark.slow
+@beside_runs
 def test_sharded_checkpoint_is_complete_and_resumes_exactly(runs: dict[str, Path]) -> None:
     ckpt = runs["fsdp"] / "checkpoints" / "step_00000003"
     manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -68,6 +97,7 @@ def test_sharded_checkpoint_is_complete_and_resumes_exactly(runs: dict[str, Path
 
 
 @pytest.mark.slow
+@beside_runs
 def test_fsdp_export_is_one_whole_model(runs: dict[str, Path]) -> None:
     from nsa.model.load import load_model
 
@@ -96,6 +126,7 @@ def _same_optimizer(a: dict, b: dict) -> None:
 
 
 @pytest.mark.slow
+@beside_runs
 def test_a_checkpoint_moves_between_numbers_of_ranks_exactly(runs: dict[str, Path], tmp_path: Path) -> None:
     """Saved by 2 FSDP ranks, resumed by 1 process (whole model), resumed back by 2 FSDP ranks, with no
     step in between: the model and every optimizer moment are bitwise those of the first checkpoint at each
@@ -128,6 +159,7 @@ def test_a_checkpoint_moves_between_numbers_of_ranks_exactly(runs: dict[str, Pat
 
 
 @pytest.mark.slow
+@beside_runs
 def test_two_nodes_through_the_rendezvous_train_like_one(runs: dict[str, Path], tmp_path: Path) -> None:
     """Two launchers as two nodes on localhost (``--nnodes 2 --node-rank i --rdzv-endpoint``), one rank each,
     give the losses of two ranks on one node; each rank writes its own heartbeat."""
@@ -235,6 +267,7 @@ def test_both_nodes_report_their_ranks_code_when_the_store_host_stops_first(tmp_
 
 
 @pytest.mark.slow
+@beside_runs
 def test_fsdp_runs_record_the_selection_diagnostics(runs: dict[str, Path]) -> None:
     """The selection report runs through the sharded root's forward (its hooks gather the shards): the FSDP run
     evaluates at steps 3 and 6, its resumed run at step 6, each with the selection figures."""

@@ -175,21 +175,19 @@ class NSAAttention(nn.Module):
         q_win = None if qw is None else parts[2]
         return q, kv, parts[-1] if gate else None, q_win
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> Projected:
-        """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor, cp: ContextParallel | None = None) -> Projected:
+        """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``. Under context
+        parallelism (``cp``) the queries and gates are this rank's rows and the K/V the whole sequence: the K/V
+        projection of every rank gathered in one collective, then RoPE'd at positions ``0 .. S - 1``."""
         B, S, _ = x.shape
-        H, Dk, Dv = self.n_kv_groups, self.d_k, self.d_v
         q_lin, kv_lin, gate_pre, q_win_lin = self.in_proj(x)
-        q = self.rope(q_lin.view(B, S, self.n_heads, Dk), positions)
-        q_win = None if q_win_lin is None else self.rope(q_win_lin.view(B, S, self.n_heads, Dk), positions)
-        kv = kv_lin.view(B, S, self.n_kv_branches, H * (Dk + Dv))
-        ks, vs = [], []
-        for i in range(self.n_kv_branches):
-            k = kv[:, :, i, : H * Dk].reshape(B, S, H, Dk)
-            ks.append(self.rope(k, positions))
-            vs.append(kv[:, :, i, H * Dk :].reshape(B, S, H, Dv))
-        if self.shared_kv:
-            ks, vs = ks * 3, vs * 3
+        q = self.rope(q_lin.view(B, S, self.n_heads, self.d_k), positions)
+        q_win = None if q_win_lin is None else self.rope(q_win_lin.view(B, S, self.n_heads, self.d_k), positions)
+        kv_positions = positions
+        if cp is not None and cp.size > 1:
+            kv_lin = cp.gather(kv_lin)
+            kv_positions = torch.arange(kv_lin.shape[1], device=x.device)
+        ks, vs = self.keys_values(kv_lin, kv_positions)
         if self.gates.fixed is not None:  # ablation: constant gates, the gate MLP unused
             gates = torch.tensor(self.gates.fixed, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads, 3)
         else:
@@ -199,6 +197,20 @@ class NSAAttention(nn.Module):
             q=q, k_cmp_raw=ks[0], v_cmp_raw=vs[0], k_sel=ks[1], v_sel=vs[1], k_win=ks[2], v_win=vs[2],
             gates=gates, q_win=q_win,
         )
+
+    def keys_values(self, kv_lin: torch.Tensor, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The (cmp, sel, win) keys, RoPE'd at ``positions``, and values of the K/V projection ``[B, S, ...]``."""
+        B, S, _ = kv_lin.shape
+        H, Dk, Dv = self.n_kv_groups, self.d_k, self.d_v
+        kv = kv_lin.view(B, S, self.n_kv_branches, H * (Dk + Dv))
+        ks, vs = [], []
+        for i in range(self.n_kv_branches):
+            k = kv[:, :, i, : H * Dk].reshape(B, S, H, Dk)
+            ks.append(self.rope(k, positions))
+            vs.append(kv[:, :, i, H * Dk :].reshape(B, S, H, Dv))
+        if self.shared_kv:
+            ks, vs = ks * 3, vs * 3
+        return ks, vs
 
     def attend(self, p: Projected, collect: bool) -> torch.Tensor:
         """Compress and run the NSA op: ``[B, S, HQ, Dv]``; ``diag`` observes the forward when it collects
@@ -252,13 +264,8 @@ class NSAAttention(nn.Module):
             raise ValueError("the scorer loss and selection probes do not run under context parallelism")
         B, S_local, _ = x.shape
         S = S_local * cp.size
-        p = self.project(x, cp.positions(S, x.device))
-        raw = [p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win]
-        whole: dict[int, torch.Tensor] = {}
-        for t in raw:  # shared K/V: the same tensors for every branch, gathered once
-            if id(t) not in whole:
-                whole[id(t)] = cp.gather(t)
-        kc, vc, ks, vs, kw, vw = (whole[id(t)] for t in raw)
+        p = self.project(x, cp.positions(S, x.device), cp)
+        kc, vc, ks, vs, kw, vw = p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win
         k_cmp, v_cmp = self.compress(kc, vc)
         collect = self.diag.collects(self.training)
         outs, idxs = [], []

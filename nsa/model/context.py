@@ -89,8 +89,10 @@ class ContextParallel:
         if self.size == 1:
             return x
         rows = _GatherSequence.apply(x.transpose(0, 1), self.group)  # [size * S_local, B, ...], rank-major
-        where = torch.argsort(self._rank_major_positions(rows.shape[0])).to(rows.device)  # position -> row
-        return rows.index_select(0, where).transpose(0, 1)
+        n, c = self.size, rows.shape[0] // (2 * self.size)
+        held = rows.view(n, 2, c, *rows.shape[1:])  # [rank, head/tail, chunk rows, B, ...]
+        # position order: the heads of ranks 0 .. n-1, then the tails of ranks n-1 .. 0 (one copy, no index)
+        return torch.cat([held[r, 0] for r in range(n)] + [held[r, 1] for r in reversed(range(n))]).transpose(0, 1)
 
     def _rank_major_positions(self, seq_len: int) -> torch.Tensor:
         """Position of each gathered row: rank 0's rows, then rank 1's, ..."""

@@ -299,14 +299,23 @@ def test_quality_sweep_compares_each_arm_at_its_best_learning_rate() -> None:
 
 
 def test_bench_quality_lr_sweep_end_to_end(tmp_path: Path) -> None:
+    """Four runs, two at a time (``--parallel 2``: spawned processes, on CPU each a share of the cores): the
+    rows in the order of the runs, each equal to the same run made alone in this process."""
+    from nsa.bench.quality import ARMS, run_text_arm
+    from nsa_cli.commands.bench_quality import TINY_SETS
+
     out = tmp_path / "q.json"
     res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "dense,nsa-half", "--lrs", "1e-3,3e-3",
                               "--steps", "2", "--set", "train.seq_len=64", "-o", str(tmp_path / "runs"),
-                              "--json-out", str(out)])
+                              "--json-out", str(out), "--parallel", "2"])
     assert res.exit_code == 0, res.output
     payload = json.loads(out.read_text())
-    assert sorted(r["arm"] for r in payload["rows"]) == ["dense@lr=0.001", "dense@lr=0.003", "nsa-half@lr=0.001",
-                                                         "nsa-half@lr=0.003"]
+    assert [r["arm"] for r in payload["rows"]] == ["dense@lr=0.001", "dense@lr=0.003", "nsa-half@lr=0.001",
+                                                   "nsa-half@lr=0.003"]
+    assert "4 runs, 2 at a time" in res.output and "[4/4 runs" in res.output
+    alone = run_text_arm("tiny", [*TINY_SETS, "train.seq_len=64"], ARMS["nsa-half"].at_lr(3e-3), 0,
+                         tmp_path / "alone", steps=2)
+    assert payload["rows"][3]["val_loss"] == pytest.approx(alone.val_loss, rel=1e-4)
     assert payload["lrs"] == [1e-3, 3e-3] and set(payload["lr_sweep"]) == {"dense", "nsa-half"}
     assert all(s["best_lr"] in (1e-3, 3e-3) for s in payload["lr_sweep"].values())
     assert {a["arm"] for a in payload["arms_summary_at_best_lr"]} == {"dense", "nsa-half"}
@@ -315,6 +324,8 @@ def test_bench_quality_lr_sweep_end_to_end(tmp_path: Path) -> None:
     assert "learning-rate sweep" in res.output
     bad = runner.invoke(app, ["bench", "quality", "--tiny", "--lrs", "1e-3,fast", "-o", str(tmp_path)])
     assert bad.exit_code == 2 and "--lrs" in bad.output and "Traceback" not in bad.output
+    many = runner.invoke(app, ["bench", "quality", "--tiny", "--parallel", "4096", "-o", str(tmp_path)])
+    assert many.exit_code == 2 and "--parallel 4096 needs 4096" in many.output and "Traceback" not in many.output
 
 
 def test_bench_quality_refuses_an_unknown_arm_in_one_line(tmp_path: Path) -> None:

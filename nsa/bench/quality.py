@@ -19,8 +19,11 @@ from __future__ import annotations
 import csv
 import io
 import math
+import multiprocessing as mp
+import os
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -341,6 +344,7 @@ class QualitySpec:
     needle_eval_samples: int = 256
     device: str | None = None  # the needle runs' device (None: CUDA when available)
     lrs: list[float] = field(default_factory=list)  # a learning-rate sweep: every arm at each (empty: the config's)
+    parallel: int = 1  # runs at once, dealt over the GPUs (CPU: a share of the cores each)
 
     def runs(self) -> list[tuple[int, Arm]]:
         arms = [a.at_lr(lr) for a in self.arms for lr in self.lrs] if self.lrs else self.arms
@@ -351,38 +355,113 @@ class QualitySpec:
             self.needle_steps if self.task in ("needle", "both") else 0)
 
 
+def _one_run(spec: QualitySpec, seed: int, arm: Arm, log: Callable[[str], None] | None) -> QualityRow:
+    """One arm and seed of ``spec``: its text run, needle run, or both in one row."""
+    row: QualityRow | None = None
+    if spec.task in ("text", "both"):
+        row = run_text_arm(spec.config, spec.sets, arm, seed, spec.out_dir, steps=spec.steps, queries=spec.queries,
+                           log=log)
+    if spec.task in ("needle", "both"):
+        device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        recipe = RetrievalRecipe(steps=spec.needle_steps, batch_size=spec.needle_batch,
+                                 eval_every=max(1, spec.needle_steps // 20), eval_samples=spec.needle_eval_samples)
+        needle = run_needle_arm(spec.config, spec.sets, arm, seed, seq_len=spec.needle_seq_len, gap=spec.needle_gap,
+                                recipe=recipe, device=device, backend="torch" if device == "cpu" else None, log=log)
+        if row is None:
+            return needle
+        row.needle_acc, row.needle_steps_to_target = needle.needle_acc, needle.needle_steps_to_target
+        row.needle_curve = needle.needle_curve
+    assert row is not None
+    return row
+
+
+def _describe(spec: QualitySpec, seed: int, arm: Arm) -> str:
+    what = []
+    if spec.task in ("text", "both"):
+        what.append(f"text, {spec.steps} steps")
+    if spec.task in ("needle", "both"):
+        what.append(f"needle S={spec.needle_seq_len} gap {spec.needle_gap}, {spec.needle_steps} steps")
+    return f"{arm.name} seed {seed}: {'; '.join(what)}"
+
+
 def run_quality(spec: QualitySpec, say: Callable[[str], None] | None = None,
                 log: Callable[[str], None] | None = None) -> list[QualityRow]:
-    """Train every arm and seed of ``spec`` and measure them (one row per arm and seed). ``say`` hears a line
-    before each run with the benchmark's progress and ETA; ``log`` the trainers' evaluation lines."""
+    """Train every arm and seed of ``spec`` and measure them (one row per arm and seed, in ``spec.runs()``
+    order). ``say`` hears a line per run with the benchmark's progress and ETA; ``log`` the trainers' lines.
+    ``spec.parallel > 1``: that many runs at once (:func:`run_parallel`)."""
     tell = say or (lambda _line: None)
     runs = spec.runs()
+    if spec.parallel > 1 and len(runs) > 1:
+        return run_parallel(spec, tell, log)
     eta = Eta(len(runs) * spec.steps_per_run())
-    done = 0
     rows: list[QualityRow] = []
     for i, (seed, arm) in enumerate(runs):
-        where = f"[run {i + 1}/{len(runs)}, {eta.line(done)}]"
-        if spec.task in ("text", "both"):
-            tell(f"{arm.name} seed {seed}: text, {spec.steps} steps {where}")
-            rows.append(run_text_arm(spec.config, spec.sets, arm, seed, spec.out_dir, steps=spec.steps,
-                                     queries=spec.queries, log=log))
-            done += spec.steps
-            where = f"[run {i + 1}/{len(runs)}, {eta.line(done)}]"
-        if spec.task in ("needle", "both"):
-            device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            recipe = RetrievalRecipe(steps=spec.needle_steps, batch_size=spec.needle_batch,
-                                     eval_every=max(1, spec.needle_steps // 20), eval_samples=spec.needle_eval_samples)
-            tell(f"{arm.name} seed {seed}: needle S={spec.needle_seq_len} gap {spec.needle_gap}, "
-                 f"{spec.needle_steps} steps {where}")
-            needle = run_needle_arm(spec.config, spec.sets, arm, seed, seq_len=spec.needle_seq_len, gap=spec.needle_gap,
-                                    recipe=recipe, device=device, backend="torch" if device == "cpu" else None, log=log)
-            done += spec.needle_steps
-            if spec.task == "both":
-                rows[-1].needle_acc, rows[-1].needle_steps_to_target = needle.needle_acc, needle.needle_steps_to_target
-                rows[-1].needle_curve = needle.needle_curve
-            else:
-                rows.append(needle)
+        tell(f"{_describe(spec, seed, arm)} [run {i + 1}/{len(runs)}, {eta.line(i * spec.steps_per_run())}]")
+        rows.append(_one_run(spec, seed, arm, log))
     return rows
+
+
+def parallel_slots(n: int) -> tuple[list[str], bool]:
+    """What each of ``n`` parallel runs gets: on CUDA a GPU (``CUDA_VISIBLE_DEVICES`` entries, or device
+    numbers), dealt round-robin (more runs than GPUs share them: small models), else a share of the CPU cores
+    (refused: more runs than cores)."""
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = [g for g in visible.split(",") if g.strip()] if visible else [str(i) for i in range(torch.cuda.device_count())]
+        return [gpus[i % len(gpus)] for i in range(n)], True
+    cores = os.cpu_count() or 1
+    if n > cores:
+        raise ConfigError(f"--parallel {n} needs {n} CPU cores (one run each); {cores} here",
+                          hint=f"pass --parallel {cores} or fewer")
+    return [str(max(1, cores // n))] * n, False
+
+
+def _pin(slots: Any, cuda: bool) -> None:
+    """A worker's initializer: take one slot, its GPU (before CUDA starts in this process) or its threads."""
+    slot = slots.get()
+    if cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = slot
+    else:
+        torch.set_num_threads(int(slot))
+
+
+def _work(spec: QualitySpec, seed: int, arm: Arm) -> tuple[QualityRow, list[str]]:
+    lines: list[str] = []
+    return _one_run(spec, seed, arm, lines.append), lines
+
+
+def run_parallel(spec: QualitySpec, tell: Callable[[str], None], log: Callable[[str], None] | None) -> list[QualityRow]:
+    """``spec.parallel`` runs at once, each in a process of its own (spawned) on a GPU (:func:`parallel_slots`;
+    on CPU a share of the cores); each run's lines reach ``log`` when it ends. The same runs, seeds and rows as
+    one after another."""
+    slots_for, cuda = parallel_slots(spec.parallel)
+    runs = spec.runs()
+    ctx = mp.get_context("spawn")
+    slots = ctx.Queue()
+    for slot in slots_for:
+        slots.put(slot)
+    where = f"on GPUs {','.join(slots_for)}" if cuda else f"{len(slots_for)} processes"
+    tell(f"{len(runs)} runs, {spec.parallel} at a time ({where})")
+    eta = Eta(len(runs))
+    rows: dict[int, QualityRow] = {}
+    with ProcessPoolExecutor(max_workers=spec.parallel, mp_context=ctx, initializer=_pin,
+                             initargs=(slots, cuda)) as pool:
+        futures = {pool.submit(_work, spec, seed, arm): i for i, (seed, arm) in enumerate(runs)}
+        for fut in as_completed(futures):
+            i = futures[fut]
+            try:
+                row, lines = fut.result()
+            except BaseException:  # a failed run ends the benchmark: the runs not started are dropped
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            rows[i] = row
+            if log is not None:
+                for line in lines:
+                    log(line)
+            seed, arm = runs[i]
+            tell(f"{_describe(spec, seed, arm)}: done in {row.seconds:.0f} s [{len(rows)}/{len(runs)} runs, "
+                 f"{eta.line(len(rows))}]")
+    return [rows[i] for i in range(len(runs))]
 
 
 def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict[str, Any]) -> dict[str, Any]:
@@ -412,10 +491,12 @@ __all__ = [
     "QualitySpec",
     "at_best_lr",
     "final_measures",
+    "parallel_slots",
     "parse_arm",
     "quality_payload",
     "relative_to_dense",
     "run_needle_arm",
+    "run_parallel",
     "run_quality",
     "run_text_arm",
     "summarise_arms",

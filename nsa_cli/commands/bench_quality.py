@@ -36,6 +36,7 @@ def quality(
     needle_steps: Annotated[int, typer.Option("--needle-steps", min=1)] = 5000,
     needle_batch: Annotated[int, typer.Option("--needle-batch", min=1)] = 16,
     queries: Annotated[int, typer.Option("--queries", min=1, help="Query positions per layer for selection recall.")] = 64,
+    parallel: Annotated[int, typer.Option("--parallel", min=1, help="Runs at once, each in a process of its own, dealt over the visible GPUs (more runs than GPUs share them) or, on CPU, over the cores; the same runs and rows.")] = 1,
     out_dir: Annotated[Path, typer.Option("--out-dir", "-o", help="Run directories go to OUT_DIR/<arm>/seed<N> (replaced).")] = Path("artifacts/quality"),
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (the CI test): config tiny, 40 steps, needle S=128 gap 48, 60 steps.")] = False,
     as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
@@ -79,6 +80,10 @@ def quality(
             steps = steps or TINY_STEPS
             needle_steps, needle_seq_len, needle_gap = TINY_NEEDLE_STEPS, TINY_NEEDLE_SEQ, TINY_NEEDLE_GAP
         base = load_run_config(config=cfg_name, sets=sets).config  # bad config: one line before any training
+        if parallel > 1:
+            from nsa.bench.quality import parallel_slots
+
+            parallel_slots(parallel)  # more runs at once than CPU cores: one line before any training
         steps = steps or base.train.steps
         console = Console(width=200, stderr=as_json)
 
@@ -89,7 +94,7 @@ def quality(
         spec = QualitySpec(cfg_name, sets, arm_list, seed_list, steps, out_dir, task=task, queries=queries,
                            needle_seq_len=needle_seq_len, needle_gap=needle_gap, needle_steps=needle_steps,
                            needle_batch=needle_batch, needle_eval_samples=64 if tiny else 256,
-                           device="cpu" if tiny else None, lrs=lr_list)
+                           device="cpu" if tiny else None, lrs=lr_list, parallel=parallel)
         rows = run_quality(spec, say=lambda line: console.print(line, highlight=False, markup=False), log=log)
         rel = relative_to_dense(rows)
         table = Table(title=f"quality: config {cfg_name}, {steps} steps, seeds {','.join(map(str, seed_list))}")

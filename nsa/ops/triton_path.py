@@ -374,6 +374,25 @@ def _backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Eager(torch.autograd.Function):
+    """The same forward and backward operators outside a traced graph, through a plain autograd function.
+
+    The custom operator's own autograd wrapper rebuilds its argument list from the schema on every call
+    (``torch._library.utils.fill_defaults``: quadratic in the 19 arguments, ~0.2 ms of host time per call,
+    measured on the development CPU), which an eager step pays per layer; inside this function grad mode is
+    off, so the operator takes its plain path. ``torch.compile`` traces the registered formula instead."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any) -> _FWD_OUT:
+        output = attention_fwd(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        return _backward(ctx, *grads)
+
+
 def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -420,6 +439,6 @@ def nsa_attention(
     o_cmp = lse_cmp = None
     if path != "kernel":  # the compressed branch by a library kernel, differentiable on its own
         o_cmp, lse_cmp = cmp_sdpa.attend(args[0], args[1], args[2], hp.l, hp.d, sc, path)
-    out, idx, *_ = attention_fwd(*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start, qw,
-                                 o_cmp, lse_cmp)
+    fwd_args = (*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start, qw, o_cmp, lse_cmp)
+    out, idx, *_ = attention_fwd(*fwd_args) if torch.compiler.is_compiling() else _Eager.apply(*fwd_args)
     return (out, idx) if return_block_idx else out

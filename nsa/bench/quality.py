@@ -19,17 +19,15 @@ from __future__ import annotations
 import csv
 import io
 import math
-import multiprocessing as mp
-import os
 import shutil
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nsa.bench import fanout
 from nsa.bench.progress import Eta
 from nsa.bench.retrieval import RetrievalRecipe, learn_retrieval
 from nsa.config import ResolvedConfig, load_run_config, parse_set
@@ -401,67 +399,34 @@ def run_quality(spec: QualitySpec, say: Callable[[str], None] | None = None,
     return rows
 
 
-def parallel_slots(n: int) -> tuple[list[str], bool]:
-    """What each of ``n`` parallel runs gets: on CUDA a GPU (``CUDA_VISIBLE_DEVICES`` entries, or device
-    numbers), dealt round-robin (more runs than GPUs share them: small models), else a share of the CPU cores
-    (refused: more runs than cores)."""
-    if torch.cuda.is_available():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = [g for g in visible.split(",") if g.strip()] if visible else [str(i) for i in range(torch.cuda.device_count())]
-        return [gpus[i % len(gpus)] for i in range(n)], True
-    cores = os.cpu_count() or 1
-    if n > cores:
-        raise ConfigError(f"--parallel {n} needs {n} CPU cores (one run each); {cores} here",
-                          hint=f"pass --parallel {cores} or fewer")
-    return [str(max(1, cores // n))] * n, False
-
-
-def _pin(slots: Any, cuda: bool) -> None:
-    """A worker's initializer: take one slot, its GPU (before CUDA starts in this process) or its threads."""
-    slot = slots.get()
-    if cuda:
-        os.environ["CUDA_VISIBLE_DEVICES"] = slot
-    else:
-        torch.set_num_threads(int(slot))
-
-
 def _work(spec: QualitySpec, seed: int, arm: Arm) -> tuple[QualityRow, list[str]]:
+    """One run in a worker process: its row and its trainers' lines."""
     lines: list[str] = []
     return _one_run(spec, seed, arm, lines.append), lines
 
 
 def run_parallel(spec: QualitySpec, tell: Callable[[str], None], log: Callable[[str], None] | None) -> list[QualityRow]:
-    """``spec.parallel`` runs at once, each in a process of its own (spawned) on a GPU (:func:`parallel_slots`;
-    on CPU a share of the cores); each run's lines reach ``log`` when it ends. The same runs, seeds and rows as
-    one after another."""
-    slots_for, cuda = parallel_slots(spec.parallel)
+    """``spec.parallel`` runs at once (:func:`nsa.bench.fanout.spread`: each in a process of its own, dealt
+    over the GPUs); each run's lines reach ``log`` when it ends. The same runs, seeds and rows as one after
+    another, in the same order."""
     runs = spec.runs()
-    ctx = mp.get_context("spawn")
-    slots = ctx.Queue()
-    for slot in slots_for:
-        slots.put(slot)
-    where = f"on GPUs {','.join(slots_for)}" if cuda else f"{len(slots_for)} processes"
-    tell(f"{len(runs)} runs, {spec.parallel} at a time ({where})")
     eta = Eta(len(runs))
-    rows: dict[int, QualityRow] = {}
-    with ProcessPoolExecutor(max_workers=spec.parallel, mp_context=ctx, initializer=_pin,
-                             initargs=(slots, cuda)) as pool:
-        futures = {pool.submit(_work, spec, seed, arm): i for i, (seed, arm) in enumerate(runs)}
-        for fut in as_completed(futures):
-            i = futures[fut]
-            try:
-                row, lines = fut.result()
-            except BaseException:  # a failed run ends the benchmark: the runs not started are dropped
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
-            rows[i] = row
-            if log is not None:
-                for line in lines:
-                    log(line)
-            seed, arm = runs[i]
-            tell(f"{_describe(spec, seed, arm)}: done in {row.seconds:.0f} s [{len(rows)}/{len(runs)} runs, "
-                 f"{eta.line(len(rows))}]")
-    return [rows[i] for i in range(len(runs))]
+    finished = 0
+
+    def done(i: int, result: tuple[QualityRow, list[str]]) -> None:
+        nonlocal finished
+        finished += 1
+        row, lines = result
+        if log is not None:
+            for line in lines:
+                log(line)
+        seed, arm = runs[i]
+        tell(f"{_describe(spec, seed, arm)}: done in {row.seconds:.0f} s [{finished}/{len(runs)} runs, "
+             f"{eta.line(finished)}]")
+
+    results = fanout.spread(_work, [(spec, seed, arm) for seed, arm in runs], spec.parallel, on_start=tell,
+                            on_done=done)
+    return [row for row, _ in results]
 
 
 def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict[str, Any]) -> dict[str, Any]:
@@ -491,7 +456,6 @@ __all__ = [
     "QualitySpec",
     "at_best_lr",
     "final_measures",
-    "parallel_slots",
     "parse_arm",
     "quality_payload",
     "relative_to_dense",

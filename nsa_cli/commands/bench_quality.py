@@ -81,9 +81,9 @@ def quality(
             needle_steps, needle_seq_len, needle_gap = TINY_NEEDLE_STEPS, TINY_NEEDLE_SEQ, TINY_NEEDLE_GAP
         base = load_run_config(config=cfg_name, sets=sets).config  # bad config: one line before any training
         if parallel > 1:
-            from nsa.bench.quality import parallel_slots
+            from nsa.bench import fanout
 
-            parallel_slots(parallel)  # more runs at once than CPU cores: one line before any training
+            fanout.slots(parallel)  # more runs at once than CPU cores: one line before any training
         steps = steps or base.train.steps
         console = Console(width=200, stderr=as_json)
 

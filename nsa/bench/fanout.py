@@ -1,0 +1,69 @@
+"""Several benchmark runs at once, each in a process of its own: on CUDA each process sees one GPU
+(``CUDA_VISIBLE_DEVICES``, dealt round-robin, so more runs than GPUs share them), on CPU a share of the cores."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any, TypeVar
+
+import torch
+
+from nsa.errors import ConfigError
+
+R = TypeVar("R")
+
+
+def slots(n: int) -> tuple[list[str], bool]:
+    """What each of ``n`` processes gets, and whether they are GPUs: the visible GPUs (``CUDA_VISIBLE_DEVICES``
+    entries, or device numbers) dealt round-robin, else a thread count each (more processes than CPU cores:
+    refused)."""
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = [g for g in visible.split(",") if g.strip()] if visible else [str(i) for i in range(torch.cuda.device_count())]
+        return [gpus[i % len(gpus)] for i in range(n)], True
+    cores = os.cpu_count() or 1
+    if n > cores:
+        raise ConfigError(f"--parallel {n} needs {n} CPU cores (one run each); {cores} here",
+                          hint=f"pass --parallel {cores} or fewer")
+    return [str(max(1, cores // n))] * n, False
+
+
+def _pin(queue: Any, cuda: bool) -> None:
+    """A worker's initializer: take one slot, its GPU (before CUDA starts in this process) or its threads."""
+    slot = queue.get()
+    if cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = slot
+    else:
+        torch.set_num_threads(int(slot))
+
+
+def spread(worker: Callable[..., R], jobs: Sequence[tuple[Any, ...]], n: int, *,
+           on_start: Callable[[str], None] | None = None,
+           on_done: Callable[[int, R], None] | None = None) -> list[R]:
+    """``worker(*job)`` for every job, ``n`` at a time in spawned processes (:func:`slots`); results in the
+    order of ``jobs``. ``worker`` must be a module-level function (it is pickled by name). ``on_done(i, result)``
+    hears each job as it ends; the first job to fail ends the rest (the ones not started are dropped)."""
+    given, cuda = slots(n)
+    if on_start is not None:
+        where = f"on GPUs {','.join(given)}" if cuda else f"{len(given)} processes"
+        on_start(f"{len(jobs)} runs, {n} at a time ({where})")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    for slot in given:
+        queue.put(slot)
+    results: dict[int, R] = {}
+    with ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_pin, initargs=(queue, cuda)) as pool:
+        futures = {pool.submit(worker, *job): i for i, job in enumerate(jobs)}
+        for fut in as_completed(futures):
+            try:
+                result = fut.result()
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            results[futures[fut]] = result
+            if on_done is not None:
+                on_done(futures[fut], result)
+    return [results[i] for i in range(len(jobs))]

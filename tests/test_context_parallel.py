@@ -64,14 +64,23 @@ def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randint(0, 64, (2, S), generator=g)
 
 
+# packed documents over the [2, 48] batch: documents that run across the boundaries of the chunks of 24 (one
+# rank) and of 12 (two ranks), one that starts exactly at a chunk (60 = 48 + 12), one a token long, one
+# shorter than a compression block (5 < l = 8)
+DOCS = torch.tensor([0, 5, 20, 30, 48, 60, 61, 90, 96], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("documents", [False, True])
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
-def test_one_rank_in_two_chunks_is_the_whole_model(attention: str) -> None:
-    """Seed 5 weights, seed 7 data: the chunked forward (queries at an offset) equals the whole one."""
+def test_one_rank_in_two_chunks_is_the_whole_model(attention: str, documents: bool) -> None:
+    """Seed 5 weights, seed 7 data: the chunked forward (queries at an offset) equals the whole one, with
+    packed documents too (``cu_seqlens`` of the whole batch: each chunk attends within its documents)."""
     whole, split = _models(attention)
     ids, labels = _data(7)
+    cu = DOCS if documents else None
     cp = ContextParallel(None, 0, 1)
     split.set_context_parallel(cp)
-    a, b = whole(ids, labels), split(cp.shard(ids), cp.shard(labels))
+    a, b = whole(ids, labels, cu_seqlens=cu), split(cp.shard(ids), cp.shard(labels), cu_seqlens=cu)
     assert torch.allclose(b.logits, a.logits[:, cp.positions(S)], atol=1e-12, rtol=0)
     assert b.loss is not None and a.loss is not None
     assert torch.allclose(b.loss, a.loss, atol=1e-12, rtol=0)
@@ -81,7 +90,7 @@ def test_one_rank_in_two_chunks_is_the_whole_model(attention: str) -> None:
         assert p.grad is not None and q.grad is not None
         assert torch.allclose(q.grad, p.grad, atol=1e-12, rtol=0), name
     split.set_context_parallel(None)
-    assert torch.allclose(split(ids).logits, a.logits, atol=1e-12, rtol=0)
+    assert torch.allclose(split(ids, cu_seqlens=cu).logits, a.logits, atol=1e-12, rtol=0)
 
 
 def reduced(model: torch.nn.Module, loss: torch.Tensor, size: int) -> tuple[list[torch.Tensor], float]:
@@ -103,17 +112,18 @@ def _worker(rank: int, size: int, port: int, attentions: list[str], out: Any) ->
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
         for attention in attentions:
-            _, split = _models(attention)
-            ids, labels = _data(11)
-            cp = ContextParallel(dist.group.WORLD, rank, size)
-            split.set_context_parallel(cp)
-            res = split(cp.shard(ids), cp.shard(labels))
-            assert res.loss is not None
-            res.loss.backward()
-            grads, loss = reduced(split, res.loss, size)
-            # numpy arrays travel by value (tensors would travel as handles to memory of a finished process)
-            out.put((attention, rank, cp.positions(S).numpy(), res.logits.detach().numpy(), loss,
-                     [g.numpy() for g in grads] if rank == 0 else None))
+            for cu in (None, DOCS):
+                _, split = _models(attention)
+                ids, labels = _data(11)
+                cp = ContextParallel(dist.group.WORLD, rank, size)
+                split.set_context_parallel(cp)
+                res = split(cp.shard(ids), cp.shard(labels), cu_seqlens=cu)
+                assert res.loss is not None
+                res.loss.backward()
+                grads, loss = reduced(split, res.loss, size)
+                # numpy arrays travel by value (tensors would travel as handles to memory of a finished process)
+                out.put((attention, cu is not None, rank, cp.positions(S).numpy(), res.logits.detach().numpy(), loss,
+                         [g.numpy() for g in grads] if rank == 0 else None))
     finally:
         dist.destroy_process_group()
 
@@ -121,25 +131,26 @@ def _worker(rank: int, size: int, port: int, attentions: list[str], out: Any) ->
 @pytest.mark.parametrize(("size", "attentions"), [(2, ["nsa", "dense"])])
 def test_split_over_gloo_ranks_is_the_whole_model(size: int, attentions: list[str]) -> None:
     """Seed 5 weights, seed 11 data, float64: each rank's logits are the whole model's at its positions, the
-    mean of the ranks' losses is the whole loss, and their reduced gradients are the whole gradients."""
+    mean of the ranks' losses is the whole loss, and their reduced gradients are the whole gradients; the same
+    with packed documents (:data:`DOCS`) that cross the ranks' chunks."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, size, port, attentions, q)) for r in range(size)]
     for p in procs:
         p.start()
-    results = [q.get(timeout=300) for _ in range(size * len(attentions))]
+    results = [q.get(timeout=300) for _ in range(size * len(attentions) * 2)]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    for attention in attentions:
+    for attention, documents in ((a, d) for a in attentions for d in (False, True)):
         whole, _ = _models(attention)
         ids, labels = _data(11)
-        ref = whole(ids, labels)
+        ref = whole(ids, labels, cu_seqlens=DOCS if documents else None)
         assert ref.loss is not None
         ref.loss.backward()
-        for att, rank, pos, logits, loss, grads in results:
-            if att != attention:
+        for att, docs, rank, pos, logits, loss, grads in results:
+            if (att, docs) != (attention, documents):
                 continue
             assert torch.allclose(torch.from_numpy(logits), ref.logits.detach()[:, torch.from_numpy(pos)],
                                   atol=1e-12, rtol=0), (attention, rank)
@@ -176,6 +187,19 @@ def test_nsa_train_over_two_context_ranks_trains_like_one_rank_and_resumes_on_on
     assert _losses(back) == pytest.approx(_losses(one)[2:], rel=1e-4)
 
 
+@pytest.mark.slow
+def test_packed_documents_over_two_context_ranks_train_like_one_rank(tmp_path: Path) -> None:
+    """``data.document_mask`` under ``--context-parallel 2`` (gloo, CPU): windows of 512 bytes of ~370-byte
+    documents, so documents cross the ranks' chunks of 128; the boundaries come from the whole batch (each rank
+    holds only its rows), and the losses are one rank's."""
+    common = ["--steps", "3", "--seq-len", "512", "--set", "data.document_mask=true", "--set", "eval.every=0",
+              "--set", "checkpoint.every=0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_all_ok(cmd(*common, "--out-dir", str(one)),
+               cmd(*common, "--out-dir", str(two), "--nproc-per-node", "2", "--context-parallel", "2"))
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-4)
+
+
 def test_context_parallel_settings_that_cannot_work_are_one_line(tmp_path: Path) -> None:
     from nsa.config import load_run_config
     from nsa.errors import NSAError
@@ -184,7 +208,6 @@ def test_context_parallel_settings_that_cannot_work_are_one_line(tmp_path: Path)
 
     bad = {
         ("train.seq_len=40", "runtime.context_parallel=3"): "must split into 6 equal chunks",
-        ("data.document_mask=true", "runtime.context_parallel=2"): "data.document_mask",
         ("scorer.weight=0.1", "runtime.context_parallel=2"): "scorer loss",
     }
     for sets, want in bad.items():

@@ -175,19 +175,21 @@ class NSAAttention(nn.Module):
         q_win = None if qw is None else parts[2]
         return q, kv, parts[-1] if gate else None, q_win
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, cp: ContextParallel | None = None) -> Projected:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, cp: ContextParallel | None = None,
+                kv_positions: torch.Tensor | None = None) -> Projected:
         """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``. Under context
         parallelism (``cp``) the queries and gates are this rank's rows and the K/V the whole sequence: the K/V
-        projection of every rank gathered in one collective, then RoPE'd at positions ``0 .. S - 1``."""
+        projection of every rank gathered in one collective, then RoPE'd at ``kv_positions`` (the whole
+        sequence's: ``0 .. S - 1`` by default)."""
         B, S, _ = x.shape
         q_lin, kv_lin, gate_pre, q_win_lin = self.in_proj(x)
         q = self.rope(q_lin.view(B, S, self.n_heads, self.d_k), positions)
         q_win = None if q_win_lin is None else self.rope(q_win_lin.view(B, S, self.n_heads, self.d_k), positions)
-        kv_positions = positions
-        if cp is not None and cp.size > 1:
+        if cp is not None:
             kv_lin = cp.gather(kv_lin)
-            kv_positions = torch.arange(kv_lin.shape[1], device=x.device)
-        ks, vs = self.keys_values(kv_lin, kv_positions)
+            if kv_positions is None:
+                kv_positions = torch.arange(kv_lin.shape[1], device=x.device)
+        ks, vs = self.keys_values(kv_lin, positions if kv_positions is None else kv_positions)
         if self.gates.fixed is not None:  # ablation: constant gates, the gate MLP unused
             gates = torch.tensor(self.gates.fixed, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads, 3)
         else:
@@ -249,7 +251,7 @@ class NSAAttention(nn.Module):
         """``[B, S, dim]`` -> ``[B, S, dim]``; ``cu_seqlens``: packed documents (:mod:`nsa.model.documents`).
         Under context parallelism (``self.context``) ``x`` holds this rank's rows of the sequence."""
         if self.context is not None:
-            return self._forward_context(x, self.context)
+            return self._forward_context(x, self.context, cu_seqlens)
         B, S, _ = x.shape
         pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
         p = self.project(x, pos)
@@ -257,34 +259,60 @@ class NSAAttention(nn.Module):
         o = self.attend(p, collect) if cu_seqlens is None else self.attend_documents(p, cu_seqlens, collect)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
-    def _forward_context(self, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    def _forward_context(self, x: torch.Tensor, cp: ContextParallel, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         """This rank's rows (:mod:`nsa.model.context`): the keys and values of the whole sequence gathered,
-        each of the rank's chunks attending to the prefix that ends with it."""
+        each of the rank's chunks attending to the prefix that ends with it; with packed documents
+        (``cu_seqlens`` of the whole batch) to its documents' (:func:`nsa.model.documents.chunk_attend`)."""
         if self.diag.whole_sequence_only():
             raise ValueError("the scorer loss and selection probes do not run under context parallelism")
         B, S_local, _ = x.shape
         S = S_local * cp.size
-        p = self.project(x, cp.positions(S, x.device), cp)
-        kc, vc, ks, vs, kw, vw = p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win
-        k_cmp, v_cmp = self.compress(kc, vc)
+        mine = cp.positions(S, x.device)
+        whole = None if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
+        p = self.project(x, mine if whole is None else whole[:, mine], cp, whole)
+        kv = [p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win]
+        k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw) if cu_seqlens is None else (None, None)
         collect = self.diag.collects(self.training)
-        outs, idxs = [], []
+        outs: list[torch.Tensor] = []
+        idxs: list[torch.Tensor | None] = []
         for i, (start, stop) in enumerate(cp.chunks(S)):
             rows = slice(i * (S_local // 2), (i + 1) * (S_local // 2))
-            n = num_cmp(stop, self.hp.l, self.hp.d)
-            res = nsa_attention(
-                p.q[:, rows], k_cmp[:, :n], v_cmp[:, :n], ks[:, :stop], vs[:, :stop], kw[:, :stop], vw[:, :stop],
-                p.gates[:, rows], self.hp, scale=self.scale, q_start=start, return_block_idx=collect,
-                backend=self.backend, q_win=None if p.q_win is None else p.q_win[:, rows])
-            if isinstance(res, tuple):
-                outs.append(res[0])
-                idxs.append(res[1])
+            mine_q = [p.q[:, rows], p.gates[:, rows], *([] if p.q_win is None else [p.q_win[:, rows]])]
+            o: torch.Tensor
+            idx: torch.Tensor | None
+            if cu_seqlens is not None:  # packed documents: each compressed from its own start
+                o, idx = documents.chunk_attend(self._attend_documents_piece, mine_q, kv, cu_seqlens, start, stop)
             else:
-                outs.append(res)
+                assert k_cmp is not None and v_cmp is not None
+                n = num_cmp(stop, self.hp.l, self.hp.d)
+                res = self._attend_prefix(mine_q, [k_cmp[:, :n], v_cmp[:, :n], *(t[:, :stop] for t in kv[2:])],
+                                          start, collect)
+                o, idx = res if isinstance(res, tuple) else (res, None)
+            outs.append(o)
+            idxs.append(idx)
         if collect:
-            self.diag.accumulate(p.gates, torch.cat(idxs, dim=1))
+            self.diag.accumulate(p.gates, torch.cat([t for t in idxs if t is not None], dim=1))
         o = torch.cat(outs, dim=1)
         return self.o_proj(o.reshape(B, S_local, self.n_heads * self.d_v))
+
+    def _attend_prefix(self, mine_q: list[torch.Tensor], kv: list[torch.Tensor], q_start: int,
+                       want_idx: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The NSA op for query rows ``(q, gates[, q_win])`` at positions ``q_start ..`` of the keys and values
+        ``kv`` (compressed K/V, then the raw selected and window K/V)."""
+        q, gates, *q_win = mine_q
+        k_cmp, v_cmp, ks, vs, kw, vw = kv
+        res = nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, gates, self.hp, scale=self.scale, q_start=q_start,
+                            return_block_idx=want_idx, backend=self.backend, q_win=q_win[0] if q_win else None)
+        return res if isinstance(res, torch.Tensor) else (res[0], res[1])
+
+    def _attend_documents_piece(self, mine_q: list[torch.Tensor], kv: list[torch.Tensor],
+                                q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_attend_prefix` of one piece of a chunk of packed documents (raw K/V from the document's
+        start, compressed here): ``(out, block_idx)``."""
+        k_cmp, v_cmp = self.compress(kv[0], kv[1])
+        res = self._attend_prefix(mine_q, [k_cmp, v_cmp, *kv[2:]], q_start, True)
+        assert isinstance(res, tuple)
+        return res
 
     # ------------------------------------------------------------------------------------------
     # decode with caches (nsa.model.cache)

@@ -67,7 +67,7 @@ class DenseAttention(nn.Module):
         """``[B, S, dim]`` -> ``[B, S, dim]``; ``cu_seqlens``: packed documents (:mod:`nsa.model.documents`).
         Under context parallelism (``self.context``) ``x`` holds this rank's rows of the sequence."""
         if self.context is not None:
-            return self._forward_context(x, self.context)
+            return self._forward_context(x, self.context, cu_seqlens)
         B, S, _ = x.shape
         pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
         q, k, v = self.project(x, pos)
@@ -77,18 +77,24 @@ class DenseAttention(nn.Module):
             (o,) = documents.attend(_causal, [q, k, v], cu_seqlens)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
-    def _forward_context(self, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    def _forward_context(self, x: torch.Tensor, cp: ContextParallel, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         """This rank's rows (:mod:`nsa.model.context`): keys and values of the whole sequence gathered, each
-        chunk attending to the prefix that ends with it (an explicit mask: SDPA's causal mask is top-left)."""
+        chunk attending to the prefix that ends with it (an explicit mask: SDPA's causal mask is top-left);
+        with packed documents (``cu_seqlens`` of the whole batch) to that prefix of its own document."""
         B, S_local, _ = x.shape
         S = S_local * cp.size
-        q, k, v = self.project(x, cp.positions(S, x.device))
+        mine = cp.positions(S, x.device)
+        whole = None if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
+        q, k, v = self.project(x, mine if whole is None else whole[:, mine])
         k, v = cp.gather(k), cp.gather(v)
+        doc = None if whole is None else torch.cumsum(whole == 0, dim=1)  # [B, S]: each position's document
         outs = []
         for i, (start, stop) in enumerate(cp.chunks(S)):
             qc = q[:, i * (S_local // 2):(i + 1) * (S_local // 2)]
             keys = torch.arange(stop, device=x.device)
             mask = keys[None, :] <= torch.arange(start, stop, device=x.device)[:, None]
+            if doc is not None:  # [B, 1, chunk, keys]: the same document only
+                mask = (mask & (doc[:, start:stop, None] == doc[:, None, :stop]))[:, None]
             outs.append(sdpa_gqa(qc.transpose(1, 2), k[:, :stop].transpose(1, 2), v[:, :stop].transpose(1, 2),
                                  attn_mask=mask).transpose(1, 2))
         o = torch.cat(outs, dim=1)

@@ -59,3 +59,64 @@ def from_separators(ids: torch.Tensor, sep: int) -> torch.Tensor:
     cu = torch.unique(starts).to(torch.int32)
     torch._dynamo.maybe_mark_dynamic(cu, 0)  # its length changes per batch: one compiled graph for all
     return cu
+
+
+def chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tuple[torch.Tensor, ...]],
+                 q_rows: list[torch.Tensor], kv_rows: list[torch.Tensor], cu_seqlens: torch.Tensor, start: int,
+                 stop: int) -> list[torch.Tensor]:
+    """Packed documents under context parallelism: the query rows ``q_rows [B, stop - start, ...]`` at positions
+    ``start .. stop - 1`` of a ``[B, S]`` batch whose documents ``cu_seqlens`` bounds (over the whole batch),
+    against the key/value rows ``kv_rows [B, S, ...]`` of the whole sequence; outputs ``[B, stop - start, ...]``.
+
+    ``fn(q_parts, kv_parts, q_start)`` attends an ordinary batch whose query rows sit at ``q_start`` of its keys.
+    Per row of the batch, the document that runs into the chunk from before it goes alone (its queries at an
+    offset into its own keys), and the documents that start inside the chunk go together as packed documents
+    (:func:`nsa.ops.varlen.run_packed`). Outside ``torch.compile``'s graph, as :func:`attend`."""
+    if not _EAGER_CHUNK:
+        _EAGER_CHUNK.append(torch.compiler.disable(_chunk_attend))
+    return _EAGER_CHUNK[0](fn, q_rows, kv_rows, cu_seqlens, start, stop)
+
+
+_EAGER_CHUNK: list[Callable[..., list[torch.Tensor]]] = []
+
+
+def _chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tuple[torch.Tensor, ...]],
+                  q_rows: list[torch.Tensor], kv_rows: list[torch.Tensor], cu_seqlens: torch.Tensor, start: int,
+                  stop: int) -> list[torch.Tensor]:
+    B, S = kv_rows[0].shape[:2]
+    cu = offsets(cu_seqlens, B, S)
+    c, nq = stop - start, len(q_rows)
+    heads: dict[int, list[torch.Tensor]] = {}  # row b -> outputs of the document running into the chunk
+    tails: list[list[torch.Tensor]] = [[] for _ in range(nq + len(kv_rows))]
+    cu_tail, lead = [0], []
+    for b in range(B):
+        bounds = [x - b * S for x in cu if b * S <= x <= (b + 1) * S]
+        first = max(x for x in bounds if x <= start)  # where the document holding position `start` begins
+        r0 = 0 if first == start else min(min(x for x in bounds if x > start), stop) - start
+        lead.append(r0)
+        if r0:
+            heads[b] = list(fn([t[b:b + 1, :r0] for t in q_rows], [t[b:b + 1, first:start + r0] for t in kv_rows],
+                               start - first))
+        if r0 < c:
+            for j, t in enumerate(q_rows):
+                tails[j].append(t[b:b + 1, r0:])
+            for j, t in enumerate(kv_rows):
+                tails[nq + j].append(t[b:b + 1, start + r0:stop])
+            base = cu_tail[-1]
+            cu_tail += [base + x - start - r0 for x in bounds if start + r0 < x < stop] + [base + c - r0]
+    packed: list[torch.Tensor] = []
+    if len(cu_tail) > 1:
+        flat = [torch.cat(parts, dim=1) for parts in tails]
+        packed = varlen.run_packed(lambda *t: fn(list(t[:nq]), list(t[nq:]), 0), flat, cu_tail)
+    n_out = len(packed) if packed else len(next(iter(heads.values())))
+    outs = []
+    for k in range(n_out):
+        rows, at = [], 0
+        for b in range(B):
+            pieces = [heads[b][k]] if b in heads else []
+            if lead[b] < c:
+                pieces.append(packed[k][:, at:at + c - lead[b]])
+                at += c - lead[b]
+            rows.append(torch.cat(pieces, dim=1))
+        outs.append(torch.cat(rows, dim=0))
+    return outs

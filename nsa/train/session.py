@@ -120,20 +120,21 @@ class Session:
         tr = self.cfg.train
         return tr.batch_size * tr.seq_len * tr.accum * self.layout.data_size
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first batch (read during set-up), then the loader's; this rank's positions of it under
-        context parallelism."""
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The first batch (read during set-up), then the loader's, as :meth:`rows`."""
         if self.first_batch is not None:
             batch, self.first_batch = self.first_batch, None
         else:
             batch = next(self.loader)
         return self.rows(batch)
 
-    def rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, labels)`` at this rank's positions (all of them without context parallelism)."""
+    def rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(inputs, labels, cu_seqlens)``: the inputs and labels at this rank's positions (all of them without
+        context parallelism), and the packed documents' boundaries of the whole batch (:meth:`documents`)."""
+        cu = self.documents(batch[0])
         if self.context is None:
-            return batch
-        return self.context.shard(batch[0]), self.context.shard(batch[1])
+            return batch[0], batch[1], cu
+        return self.context.shard(batch[0]), self.context.shard(batch[1]), cu
 
     def documents(self, x: torch.Tensor) -> torch.Tensor | None:
         """``cu_seqlens`` of a batch with ``data.document_mask`` (a document ends at each separator)."""

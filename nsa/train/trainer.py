@@ -255,12 +255,12 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         fetch_s = 0.0
         for micro in range(tr.accum):
             tf = time.perf_counter()
-            x, y = s.next_batch()
+            x, y, cu = s.next_batch()
             fetch_s += time.perf_counter() - tf
             last = micro == tr.accum - 1
             with parallel.gradient_sync(s.train_model, s.model, enabled=last or not s.dist.enabled):
                 with s.plan.rt.autocast():
-                    out = s.train_model(x, labels=y, cu_seqlens=s.documents(x))
+                    out = s.train_model(x, labels=y, cu_seqlens=cu)
                 loss = out.loss.float() / tr.accum
                 loss.backward()
             loss_sum += loss.detach()
@@ -299,10 +299,10 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         first: torch.Tensor | None = None
         with torch.no_grad():
             for _ in range(batches):
-                x, y = s.rows(next(s.val_loader))
+                x, y, cu = s.rows(next(s.val_loader))
                 first = x if first is None else first
                 with s.plan.rt.autocast():
-                    total += s.model(x, labels=y, cu_seqlens=s.documents(x)).loss.float()
+                    total += s.model(x, labels=y, cu_seqlens=cu).loss.float()
         D.all_reduce_sum(total, s.dist)
         val_loss = total.item() / (batches * s.dist.world_size)
         assert first is not None

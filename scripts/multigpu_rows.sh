@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 32's rows on one two-GPU machine, each pair measured in the same call (docs/benchmarks/multigpu-h200.md):
+#   fsdp   125M at S=2048, one GPU against FSDP2 over two, compiled, 40 timed steps (~4 min)
+#   sizes  ~1B and ~3B NSA models at 2048 x 8 and 16384 x 1, one GPU against FSDP2 over two, eager (~4 min)
+#   ckpt   checkpoint save/load seconds of the trainer's code, 125M and ~1B, one process and FSDP2 (~2 min)
+#   cp     125M compiled, one GPU at 65536 and 131072 against context parallelism over two at 65536, 131072
+#          and 262144 (~6 min)
+# Usage: scripts/multigpu_rows.sh OUT_DIR fsdp|sizes|ckpt|cp ...   (JSON and logs into OUT_DIR)
+set -u
+out=${1:?out dir}; shift
+mkdir -p "$out"
+B="python3 -m nsa_cli bench train --attention nsa"
+G1=(--set model.dim=2048 --set model.n_layers=20 --set model.n_heads=16 --set model.d_k=128 --set model.d_v=128
+    --set model.mlp_hidden=5504)
+G3=(--set model.dim=3072 --set model.n_layers=28 --set model.n_heads=24 --set model.d_k=128 --set model.d_v=128
+    --set model.mlp_hidden=8192)
+FSDP=(--nproc-per-node 2 --set runtime.parallel=fsdp)
+run() { local tag=$1; shift; echo "== $tag"; "$@" > "$out/$tag.log" 2>&1; grep -E "tokens/s|out of memory|Error" "$out/$tag.log" | tail -4; }
+for part in "$@"; do
+  case $part in
+    fsdp)
+      for arm in one fsdp; do
+        extra=(); [ $arm = fsdp ] && extra=("${FSDP[@]}")
+        run "fsdp-125m-$arm" $B --modes compiled --seq-lens 2048 --batch-sizes 16 --steps 40 --warmup 5 "${extra[@]}" \
+          --json-out "$out/fsdp-125m-$arm.json"
+      done ;;
+    sizes)
+      for size in 1b 3b; do
+        if [ $size = 1b ]; then g=("${G1[@]}"); else g=("${G3[@]}"); fi
+        for arm in one fsdp; do
+          extra=(); [ $arm = fsdp ] && extra=("${FSDP[@]}")
+          run "size-$size-$arm" $B --modes eager --seq-lens 2048,16384 --batch-sizes 8,1 --steps 3 --warmup 1 "${g[@]}" \
+            "${extra[@]}" --json-out "$out/size-$size-$arm.json"
+        done
+      done ;;
+    ckpt)
+      for g in "" "${G1[*]}"; do
+        python3 scripts/ckpt_time.py --dir /tmp/ck1 $g 2>&1 | tail -1 | tee -a "$out/ckpt.jsonl"
+        torchrun --nproc-per-node 2 scripts/ckpt_time.py --dir /tmp/ck2 --set runtime.parallel=fsdp $g 2>&1 | tail -1 \
+          | tee -a "$out/ckpt.jsonl"
+      done ;;
+    cp)
+      run cp-one $B --modes compiled --seq-lens 65536,131072 --batch-sizes 1,1 --steps 5 --warmup 2 \
+        --json-out "$out/cp-one.json"
+      run cp-two $B --modes compiled --seq-lens 65536,131072 --batch-sizes 1,1 --steps 5 --warmup 2 \
+        --nproc-per-node 2 --context-parallel 2 --json-out "$out/cp-two.json"
+      run cp-two-256k $B --modes compiled --seq-lens 262144 --batch-sizes 1 --steps 3 --warmup 2 \
+        --nproc-per-node 2 --context-parallel 2 --json-out "$out/cp-two-256k.json" ;;
+    *) echo "unknown part $part (fsdp, sizes, ckpt, cp)"; exit 2 ;;
+  esac
+done

@@ -188,16 +188,19 @@ def test_nsa_train_over_two_context_ranks_trains_like_one_rank_and_resumes_on_on
 
 
 @pytest.mark.slow
-def test_packed_documents_over_two_context_ranks_train_like_one_rank(tmp_path: Path) -> None:
-    """``data.document_mask`` under ``--context-parallel 2`` (gloo, CPU): windows of 512 bytes of ~370-byte
-    documents, so documents cross the ranks' chunks of 128; the boundaries come from the whole batch (each rank
-    holds only its rows), and the losses are one rank's."""
-    common = ["--steps", "3", "--seq-len", "512", "--set", "data.document_mask=true", "--set", "eval.every=0",
+def test_context_parallelism_composes_with_data_parallel_fsdp(tmp_path: Path) -> None:
+    """Four gloo ranks as 2 data x 2 context with FSDP2 over all four train like two data ranks holding whole
+    sequences (the same data: the loaders are per data rank; the gradients are the sequences' either way), with
+    packed documents (``data.document_mask``: windows of 256 bytes of ~370-byte documents, so documents cross
+    the chunks of 64; the boundaries come from the whole batch, each rank holding only its rows)."""
+    common = ["--steps", "3", "--seq-len", "256", "--set", "data.document_mask=true", "--set", "eval.every=0",
               "--set", "checkpoint.every=0"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_all_ok(cmd(*common, "--out-dir", str(one)),
-               cmd(*common, "--out-dir", str(two), "--nproc-per-node", "2", "--context-parallel", "2"))
-    assert _losses(two) == pytest.approx(_losses(one), rel=1e-4)
+    dp, grid = tmp_path / "dp", tmp_path / "grid"
+    _, res = run_all_ok(cmd(*common, "--out-dir", str(dp), "--nproc-per-node", "2"),
+                        cmd(*common, "--out-dir", str(grid), "--nproc-per-node", "4", "--context-parallel", "2",
+                            "--set", "runtime.parallel=fsdp"))
+    assert "4 rank(s) (2 data x 2 context)" in res.stdout + res.stderr
+    assert _losses(grid) == pytest.approx(_losses(dp), rel=1e-4)
 
 
 def test_context_parallel_settings_that_cannot_work_are_one_line(tmp_path: Path) -> None:

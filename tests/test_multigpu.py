@@ -32,6 +32,9 @@ MODEL = ModelConfig(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_groups=
                     mlp_hidden=512, max_seq_len=4096)
 NSA = NSAConfig()
 S = 4096
+# packed documents over the [2, 4096] batch: documents across the chunks of 1024, one starting exactly at one,
+# one shorter than a compression block
+DOCS = torch.tensor([0, 700, 1500, 2500, 2520, 4096, 5120, 5130, 7000, 8192], dtype=torch.int32)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -54,13 +57,14 @@ def _worker(rank: int, port: int, out: Any) -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
     try:
-        for attention in ("nsa", "dense"):
+        for attention, docs in (("nsa", None), ("dense", None), ("nsa", DOCS), ("dense", DOCS)):
             model = _model(attention, device)
             ids, labels = _batch(device)
+            cu = None if docs is None else docs.to(device)
             cp = ContextParallel(dist.group.WORLD, rank, 2)
             model.set_context_parallel(cp)
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                res = model(cp.shard(ids), cp.shard(labels))
+                res = model(cp.shard(ids), cp.shard(labels), cu_seqlens=cu)
             assert res.loss is not None
             res.loss.backward()
             grads, loss = reduced(model, res.loss, 2)
@@ -68,28 +72,29 @@ def _worker(rank: int, port: int, out: Any) -> None:
             if rank == 0:  # the whole sequence on this GPU alone, the same weights and data
                 whole = _model(attention, device)
                 with torch.autocast("cuda", dtype=torch.bfloat16):
-                    ref = whole(ids, labels)
+                    ref = whole(ids, labels, cu_seqlens=cu)
                 assert ref.loss is not None
                 ref.loss.backward()
                 report["loss"] = abs(loss - float(ref.loss))
                 report["logits"] = _rel(res.logits, ref.logits[:, cp.positions(S, device)])
                 report["grads"] = max(_rel(g, p.grad) for g, p in zip(grads, whole.parameters(), strict=True)
                                       if p.grad is not None)
-            out.put((attention, rank, report))
+            out.put((attention if docs is None else f"{attention} + documents", rank, report))
     finally:
         dist.destroy_process_group()
 
 
 def test_context_parallel_over_two_gpus_is_the_whole_model_in_bf16() -> None:
     """Seed 5 weights, seed 11 data, bf16 autocast: rank 0's logits, the mean loss and every reduced gradient
-    against one GPU running the whole 4096 positions, NSA (Triton kernels) and dense."""
+    against one GPU running the whole 4096 positions, NSA (Triton kernels) and dense, with and without packed
+    documents that cross the chunks (:data:`DOCS`)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
-    results = [q.get(timeout=600) for _ in range(4)]
+    results = [q.get(timeout=600) for _ in range(8)]
     for p in procs:
         p.join(timeout=120)
         assert p.exitcode == 0

@@ -89,13 +89,12 @@ class ContextParallel:
         if self.size == 1:
             return x
         rows = _GatherSequence.apply(x.transpose(0, 1), self.group)  # [size * S_local, B, ...], rank-major
-        n, c = self.size, rows.shape[0] // (2 * self.size)
-        held = rows.view(n, 2, c, *rows.shape[1:])  # [rank, head/tail, chunk rows, B, ...]
-        # position order: the heads of ranks 0 .. n-1, then the tails of ranks n-1 .. 0 (one copy, no index)
-        return torch.cat([held[r, 0] for r in range(n)] + [held[r, 1] for r in reversed(range(n))]).transpose(0, 1)
+        return in_position_order(rows, self.size).transpose(0, 1)
 
-    def _rank_major_positions(self, seq_len: int) -> torch.Tensor:
-        """Position of each gathered row: rank 0's rows, then rank 1's, ..."""
-        n, c = 2 * self.size, seq_len // (2 * self.size)
-        return torch.cat([torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((n - 1 - r) * c, (n - r) * c)])
-                          for r in range(self.size)])
+
+def in_position_order(rows: torch.Tensor, size: int) -> torch.Tensor:
+    """Gathered rows ``[S, ...]`` in rank-major order (rank 0's head and tail chunks, then rank 1's, ...) put in
+    position order along dim 0: the heads of ranks 0 .. size-1, then the tails of ranks size-1 .. 0 (one copy)."""
+    c = rows.shape[0] // (2 * size)
+    held = rows.view(size, 2, c, *rows.shape[1:])  # [rank, head/tail, chunk rows, ...]
+    return torch.cat([held[r, 0] for r in range(size)] + [held[r, 1] for r in reversed(range(size))])

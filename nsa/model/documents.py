@@ -33,12 +33,17 @@ def attend(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], rows: lis
            cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     """``fn`` (attention of an ordinary ``[n, L, ...]`` batch) over each document of ``rows [B, S, ...]``;
     outputs back as ``[B, S, ...]``. Outside ``torch.compile``'s graph (host offsets; one graph break)."""
-    if not _EAGER:  # wrapped on first use: torch.compiler.disable imports Dynamo (7-8 s of every start)
-        _EAGER.append(torch.compiler.disable(_attend))
-    return _EAGER[0](fn, rows, cu_seqlens)
+    return _outside_graph(_attend)(fn, rows, cu_seqlens)
 
 
-_EAGER: list[Callable[..., list[torch.Tensor]]] = []
+_DISABLED: dict[Callable[..., list[torch.Tensor]], Callable[..., list[torch.Tensor]]] = {}
+
+
+def _outside_graph(f: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torch.Tensor]]:
+    """``f`` under ``torch.compiler.disable``, wrapped on first use (that imports Dynamo: 7-8 s of every start)."""
+    if f not in _DISABLED:
+        _DISABLED[f] = torch.compiler.disable(f)
+    return _DISABLED[f]
 
 
 def _attend(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], rows: list[torch.Tensor],
@@ -72,12 +77,7 @@ def chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tup
     Per row of the batch, the document that runs into the chunk from before it goes alone (its queries at an
     offset into its own keys), and the documents that start inside the chunk go together as packed documents
     (:func:`nsa.ops.varlen.run_packed`). Outside ``torch.compile``'s graph, as :func:`attend`."""
-    if not _EAGER_CHUNK:
-        _EAGER_CHUNK.append(torch.compiler.disable(_chunk_attend))
-    return _EAGER_CHUNK[0](fn, q_rows, kv_rows, cu_seqlens, start, stop)
-
-
-_EAGER_CHUNK: list[Callable[..., list[torch.Tensor]]] = []
+    return _outside_graph(_chunk_attend)(fn, q_rows, kv_rows, cu_seqlens, start, stop)
 
 
 def _chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tuple[torch.Tensor, ...]],
@@ -86,7 +86,7 @@ def _chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tu
     B, S = kv_rows[0].shape[:2]
     cu = offsets(cu_seqlens, B, S)
     c, nq = stop - start, len(q_rows)
-    heads: dict[int, list[torch.Tensor]] = {}  # row b -> outputs of the document running into the chunk
+    into: dict[int, list[torch.Tensor]] = {}  # row b -> outputs of the document running into the chunk
     tails: list[list[torch.Tensor]] = [[] for _ in range(nq + len(kv_rows))]
     cu_tail, lead = [0], []
     for b in range(B):
@@ -95,7 +95,7 @@ def _chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tu
         r0 = 0 if first == start else min(min(x for x in bounds if x > start), stop) - start
         lead.append(r0)
         if r0:
-            heads[b] = list(fn([t[b:b + 1, :r0] for t in q_rows], [t[b:b + 1, first:start + r0] for t in kv_rows],
+            into[b] = list(fn([t[b:b + 1, :r0] for t in q_rows], [t[b:b + 1, first:start + r0] for t in kv_rows],
                                start - first))
         if r0 < c:
             for j, t in enumerate(q_rows):
@@ -108,12 +108,12 @@ def _chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tu
     if len(cu_tail) > 1:
         flat = [torch.cat(parts, dim=1) for parts in tails]
         packed = varlen.run_packed(lambda *t: fn(list(t[:nq]), list(t[nq:]), 0), flat, cu_tail)
-    n_out = len(packed) if packed else len(next(iter(heads.values())))
+    n_out = len(packed) if packed else len(next(iter(into.values())))
     outs = []
     for k in range(n_out):
         rows, at = [], 0
         for b in range(B):
-            pieces = [heads[b][k]] if b in heads else []
+            pieces = [into[b][k]] if b in into else []
             if lead[b] < c:
                 pieces.append(packed[k][:, at:at + c - lead[b]])
                 at += c - lead[b]

@@ -1,6 +1,6 @@
 """Tile/loop-order sweep of the Triton NSA stages on a CUDA machine (`nsa.bench.attention.kernel_breakdown`).
 
-Usage (repo root, GPU): python3 scripts/kernel_sweep.py [group ...]   groups: base sel range score
+Usage (repo root, GPU): python3 scripts/kernel_sweep.py [group ...]   groups: base sel seldq range score
 Each line: shape, S, variant, then the median ms of the stages it touches; JSON lines go to $OUT/sweep.jsonl.
 """
 
@@ -18,6 +18,7 @@ from nsa.bench.attention import kernel_breakdown
 
 SHAPES = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
 RUNS = [("paper", 65536), ("paper", 16384), ("m7c", 32768)]
+MORE_RUNS = [("paper", 8192), ("m7c", 8192), ("m7c", 16384), ("m7c", 65536)]  # only when SWEEP_RUNS names them
 
 
 def variants(group: str, shape: str) -> list[tuple[str, dict, tuple[str, ...] | None]]:
@@ -38,6 +39,14 @@ def variants(group: str, shape: str) -> list[tuple[str, dict, tuple[str, ...] | 
             out.append((f"dkdv-bm{bm}-w{w}", {"seldkdv_bm": bm, "seldkdv_warps": w}, ("sel_bwd",)))
         for ch in (256, 1024, 2048):
             out.append((f"ch{ch}", {"sel_ch": ch}, fb))
+    if group == "seldq":  # the selected backward: how dq is formed, the backward list's chunks, dk/dv tiles
+        out.append(("bwd-default", {}, ("sel_bwd",)))
+        for how in ("row", "part"):
+            out.append((f"dq-{how}", {"sel_dq": how}, ("sel_bwd",)))
+        for ch in (2048, 8192):
+            out.append((f"bwd-ch{ch}", {"selbwd_ch": ch}, ("sel_bwd",)))
+        for st in (2, 3, 4):
+            out.append((f"dkdv-s{st}", {"seldkdv_stages": st}, ("sel_bwd",)))
     if group == "range":
         for br, stage in (("cmp", "cmp_fwd"), ("win", "win_fwd")):
             for bm, bn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
@@ -59,8 +68,8 @@ def variants(group: str, shape: str) -> list[tuple[str, dict, tuple[str, ...] | 
 
 def main() -> None:
     groups = sys.argv[1:] or ["base"]
-    runs = [r for r in RUNS if os.environ.get("SWEEP_RUNS", "") in ("", f"{r[0]}-{r[1]}")
-            or f"{r[0]}-{r[1]}" in os.environ.get("SWEEP_RUNS", "").split(",")]
+    want = [w for w in os.environ.get("SWEEP_RUNS", "").split(",") if w]
+    runs = [r for r in RUNS + MORE_RUNS if f"{r[0]}-{r[1]}" in want] if want else RUNS
     out_dir = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out_dir, "sweep.jsonl"), "a") as log:
         _sweep(runs, groups, log)

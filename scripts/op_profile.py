@@ -1,6 +1,6 @@
 """Kernels by CUDA time of one NSA op forward+backward (Triton backend), `torch.profiler`.
 
-Usage (repo root, GPU): python3 scripts/op_profile.py paper:65536 m7c:32768 ...
+Usage (repo root, GPU): python3 scripts/op_profile.py [--ops] paper:65536 m7c:32768 ...
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def profile_op(shape: str, S: int, p: NSAParams = NSAParams()) -> None:
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if OPS else [ProfilerActivity.CUDA]
+    with profile(activities=acts, record_shapes=OPS) as prof:
         step()
         torch.cuda.synchronize()
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -48,10 +49,15 @@ def profile_op(shape: str, S: int, p: NSAParams = NSAParams()) -> None:
     print(f"== {shape} S={S}: {total:.2f} ms of kernels, {sum(int(v[1]) for v in per.values())} launches")
     for name, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:24]:
         print(f"{ms:9.3f} ms {int(n):4d}x  {name}")
+    if OPS:  # the PyTorch operators behind the kernels (which copy, which fill), by their own CUDA time
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=30,
+                                                                 max_name_column_width=48, max_shapes_column_width=70))
 
+
+OPS = "--ops" in sys.argv  # also the operator table (names and input shapes)
 
 if __name__ == "__main__":
-    for arg in sys.argv[1:] or ["paper:65536"]:
+    for arg in [a for a in sys.argv[1:] if a != "--ops"] or ["paper:65536"]:
         shape, S = arg.split(":")
         profile_op(shape, int(S))
         torch.cuda.empty_cache()

@@ -122,6 +122,9 @@ CPU_TUNED_CASES = {
     "h16-fsa-slabs": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {"sel_mode": "fsa", "score_slab": 7}),
     "h6-row-tma-slabs": (CPU_CASES["h6"], {"sel_mode": "row", "sel_tma": 1, "score_slab": 16}),
     "h2-row-strided": (CPU_CASES["h2-strided-views"], {"sel_mode": "row", "sel_tma": 1}),
+    # dq partials from the dk/dv programs for a large group, a per-position dq kernel for a small one
+    "h16-part-dq": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {"sel_dq": "part"}),
+    "h2-cmp-sdpa-window-query-row-dq": (CPU_CASES["h2-B2-cmp-sdpa-window-query"], {"sel_dq": "row"}),
 }
 
 
@@ -238,6 +241,18 @@ GPU_CASES = [
 def test_gpu_matches_torch_path(B, S, HQ, H, Dk, Dv, dtype) -> None:
     _check(B, S, HQ, H, Dk, Dv, l=32, d=16, l_sel=64, n_sel=16, w=512, dtype=dtype, device="cuda",
            tol=2e-2, oracle="torch", strided=HQ == 12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sel_dq", ["row", "part"])
+@pytest.mark.parametrize("HQ,window_query", [(64, False), (12, True)])
+def test_gpu_sel_dq_ways_match_torch_path(sel_dq: str, HQ: int, window_query: bool) -> None:
+    """Both ways of forming the selected branch's dq (tile key ``sel_dq``) against the torch path."""
+    from nsa.ops import tile_overrides
+
+    with tile_overrides({"sel_dq": sel_dq}):
+        _check(1, 1500, HQ, 2 if HQ == 12 else 4, 64, 64, l=32, d=16, l_sel=64, n_sel=16, w=512,
+               dtype=torch.bfloat16, device="cuda", tol=2e-2, oracle="torch", window_query=window_query)
 
 
 @pytest.mark.gpu

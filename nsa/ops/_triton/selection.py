@@ -9,11 +9,13 @@ forward; dq the same way.
 device (:func:`work_list`, no host sync). One program takes one key block and a chunk of up to ``CH``
 pairs that chose it, loads the block once and gathers the pairs' ``h`` heads as rows, so every product
 is ``BM`` rows tall whatever ``h`` is. The forward writes one partial output and log-sum-exp per
-``(row, slot)`` and a merge pass combines a row's ``n_sel`` partials; the backward computes dk/dv and
-each pair's dq partial in the same program (5 products), and a reduction adds the partials into dq.
+``(row, slot)`` and a merge pass combines a row's ``n_sel`` partials.
 
-dk/dv always run in the FSA order (also for ``row``). A block chosen by more than ``CH`` pairs (block
-0 always is) is split over programs that add into an fp32 buffer atomically; other blocks store.
+dk/dv always run block by block on the sorted pairs (for ``row`` the list is built in the backward, in
+larger chunks), in the *head order*: one program per (query head, work item), a tile being ``BM`` pairs of
+that one head, the group's heads neighbouring programs that add into the same fp32 dk/dv rows
+atomically. ``fsa`` mode computes each pair's dq partial in the same program (5 products) and a
+reduction adds them up; ``row`` mode has its own per-position dq kernel.
 
 Block lists must be canonical (:func:`canonical_blocks`): the valid blocks ascending and unique first,
 ``-1`` after; the top-n kernel writes them so, and given lists are made so once.
@@ -166,10 +168,10 @@ def _sel_fsa_fwd_kernel(
     w = tl.program_id(0)
     bh = tl.program_id(1)
     wbase = bh.to(tl.int64) * WROW
-    blk = tl.load(WORK + wbase + SN + w * 4)
+    blk = tl.load(WORK + wbase + SN + w * 3)
     if blk < NB:
-        start = tl.load(WORK + wbase + SN + w * 4 + 1)
-        end = tl.load(WORK + wbase + SN + w * 4 + 2)
+        start = tl.load(WORK + wbase + SN + w * 3 + 1)
+        end = tl.load(WORK + wbase + SN + w * 3 + 2)
         b = (bh // H).to(tl.int64)
         g = bh % H
         BT: tl.constexpr = BM // HG
@@ -242,25 +244,72 @@ def _sel_merge_kernel(
 
 
 @triton.jit
-def _sel_fsa_bwd_kernel(
-    Q, K, V, DO, LSE, GATE, DG, DK_, DV_, DQP, WORK,
+def _dkdv_tile(Q, DOG, LSE, DELTA, DQP, WORK, k, v, dk, dv, e0, end, wbase, b, hq, kpos, kmask, ck, cv,
+               sqb, sqs, sqh, sdb, sds, sdh, S, HQ, Q0, scale_log2, scale,
+               N_SEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr,
+               WRITE_DQ: tl.constexpr, MASK: tl.constexpr, I32: tl.constexpr):
+    """One tile of ``BM`` pairs of one head against the program's key block: dk/dv updates (and each pair's
+    dq partial). ``DOG``/``DELTA``: the branch's ``gate * do`` and delta. ``MASK``: the causal mask (else
+    only keys past the block or the sequence are cut: the tile's positions all lie past the block);
+    ``I32``: 32-bit offsets (every buffer under 2**31 elements)."""
+    e = e0 + tl.arange(0, BM)
+    row_ok = e < end
+    f = tl.load(WORK + wbase + e, mask=row_ok, other=0)
+    pos = f // N_SEL
+    if not I32:
+        pos = pos.to(tl.int64)
+    row = (b * S + pos) * HQ + hq
+    q = tl.load(Q + b * sqb + pos[:, None] * sqs + hq * sqh + ck[None, :],
+                mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
+    do = tl.load(DOG + b * sdb + pos[:, None] * sds + hq * sdh + cv[None, :],
+                 mask=row_ok[:, None] & (cv[None, :] < DV), other=0.0)
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    if MASK:
+        vis = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= Q0 + pos[:, None])
+    else:
+        vis = kmask[None, :]
+    p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    if WRITE_DQ:
+        slot = f - (f // N_SEL) * N_SEL
+        dqp = tl.dot(ds.to(k.dtype), k) * scale
+        tl.store(DQP + (row * N_SEL + slot)[:, None] * DK + ck[None, :], dqp.to(DQP.dtype.element_ty),
+                 mask=row_ok[:, None] & (ck[None, :] < DK))
+    return dk, dv
+
+
+@triton.jit
+def _sel_dkdv_kernel(
+    Q, K, V, DOG, LSE, DELTA, DK_, DV_, DQP, WORK,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-    S, SK, HQ, Q0, NB, WROW, SN, scale_log2, scale,
+    S, SK, HQ, Q0, NB, NW, WROW, SN, scale_log2, scale,
     HG: tl.constexpr, H: tl.constexpr, LS: tl.constexpr, BLS: tl.constexpr, N_SEL: tl.constexpr,
-    X: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-    BM: tl.constexpr, WRITE_DQ: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
+    WRITE_DQ: tl.constexpr, I32: tl.constexpr,
 ):
-    w = tl.program_id(0)
-    bh = tl.program_id(1)
-    wbase = bh.to(tl.int64) * WROW
-    blk = tl.load(WORK + wbase + SN + w * 4)
+    """dk/dv in the head order: one program per (query head, work item), the heads fastest in the flat grid
+    (a group's heads are neighbouring programs on the same block and pairs); a tile is ``BM`` pairs of
+    one head; dk/dv are added atomically into the group's fp32 rows. ``DOG``/``DELTA``: the branch's
+    ``gate * do`` and delta. A block's pairs are ascending by position, so only its first ``LS`` pairs
+    (the positions inside the block) need the causal mask: the later tiles skip it."""
+    pid = tl.program_id(0).to(tl.int64)
+    hq = (pid % HQ).to(tl.int32)
+    rest = pid // HQ
+    w = rest % NW
+    b = rest // NW
+    g = hq // HG
+    wbase = (b * H + g) * WROW
+    if I32:
+        b = b.to(tl.int32)
+    blk = tl.load(WORK + wbase + SN + w * 3)
     if blk < NB:
-        start = tl.load(WORK + wbase + SN + w * 4 + 1)
-        end = tl.load(WORK + wbase + SN + w * 4 + 2)
-        atomic = tl.load(WORK + wbase + SN + w * 4 + 3) != 0
-        b = (bh // H).to(tl.int64)
-        g = bh % H
-        BT: tl.constexpr = BM // HG
+        start = tl.load(WORK + wbase + SN + w * 3 + 1)
+        end = tl.load(WORK + wbase + SN + w * 3 + 2)
         kb = tl.arange(0, BLS)
         kpos = blk * LS + kb
         kpos64 = kpos.to(tl.int64)
@@ -273,46 +322,20 @@ def _sel_fsa_bwd_kernel(
                     mask=kmask[:, None] & (cv[None, :] < DV), other=0.0)
         dk = tl.zeros([BLS, BDK], tl.float32)
         dv = tl.zeros([BLS, BDV], tl.float32)
-        r = tl.arange(0, BM)
-        head = g * HG + r % HG
-        for e0 in range(start, end, BT):
-            e = e0 + r // HG
-            row_ok = (r < BT * HG) & (e < end)
-            f = tl.load(WORK + wbase + e, mask=row_ok, other=0)
-            pos = f // N_SEL
-            pos64 = pos.to(tl.int64)
-            row = (b * S + pos64) * HQ + head
-            q = tl.load(Q + b * sqb + pos64[:, None] * sqs + head[:, None] * sqh + ck[None, :],
-                        mask=row_ok[:, None] & (ck[None, :] < DK), other=0.0)
-            gate = tl.load(GATE + row * 3 + X, mask=row_ok, other=0.0).to(tl.float32)
-            do = tl.load(DO + b * sdb + pos64[:, None] * sds + head[:, None] * sdh + cv[None, :],
-                         mask=row_ok[:, None] & (cv[None, :] < DV), other=0.0)
-            do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
-            delta = gate * tl.load(DG + row * 3 + X, mask=row_ok, other=0.0)
-            lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-            vis = row_ok[:, None] & kmask[None, :] & (kpos[None, :] <= Q0 + pos[:, None])
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            if WRITE_DQ:
-                slot = f - pos * N_SEL
-                dqp = tl.dot(ds.to(k.dtype), k) * scale
-                tl.store(DQP + (row * N_SEL + slot)[:, None] * DK + ck[None, :], dqp.to(DQP.dtype.element_ty),
-                         mask=row_ok[:, None] & (ck[None, :] < DK))
+        mid = tl.minimum(start + tl.cdiv(LS, BM) * BM, end)
+        for e0 in range(start, mid, BM):
+            dk, dv = _dkdv_tile(Q, DOG, LSE, DELTA, DQP, WORK, k, v, dk, dv, e0, end, wbase, b, hq, kpos, kmask,
+                                ck, cv, sqb, sqs, sqh, sdb, sds, sdh, S, HQ, Q0, scale_log2, scale, N_SEL, DK, DV,
+                                BM, WRITE_DQ, True, I32)
+        for e0 in range(mid, end, BM):
+            dk, dv = _dkdv_tile(Q, DOG, LSE, DELTA, DQP, WORK, k, v, dk, dv, e0, end, wbase, b, hq, kpos, kmask,
+                                ck, cv, sqb, sqs, sqh, sdb, sds, sdh, S, HQ, Q0, scale_log2, scale, N_SEL, DK, DV,
+                                BM, WRITE_DQ, False, I32)
         dk = dk * scale
-        dk_ptr = DK_ + (b * SK + kpos64[:, None]) * H * DK + g * DK + ck[None, :]
-        dv_ptr = DV_ + (b * SK + kpos64[:, None]) * H * DV + g * DV + cv[None, :]
-        mk = kmask[:, None] & (ck[None, :] < DK)
-        mv = kmask[:, None] & (cv[None, :] < DV)
-        if atomic:
-            tl.atomic_add(dk_ptr, dk, mask=mk)
-            tl.atomic_add(dv_ptr, dv, mask=mv)
-        else:
-            tl.store(dk_ptr, dk, mask=mk)
-            tl.store(dv_ptr, dv, mask=mv)
+        tl.atomic_add(DK_ + (b * SK + kpos64[:, None]) * H * DK + g * DK + ck[None, :], dk,
+                      mask=kmask[:, None] & (ck[None, :] < DK), sem="relaxed")
+        tl.atomic_add(DV_ + (b * SK + kpos64[:, None]) * H * DV + g * DV + cv[None, :], dv,
+                      mask=kmask[:, None] & (cv[None, :] < DV), sem="relaxed")
 
 
 @triton.jit
@@ -367,8 +390,22 @@ def sel_mode(h: int, device: torch.device) -> str:
     return mode
 
 
-def _pairs_per_program(device: torch.device) -> int:
-    return int(tuned("sel_ch", 512)) if device.type == "cuda" else 32
+def sel_dq(h: int, device: torch.device) -> str:
+    """How the selected backward forms dq: ``row`` (a per-position kernel walking the position's blocks,
+    the ``row`` mode's) or ``part`` (each pair's partial from the dk/dv programs, then a reduction: the
+    ``fsa`` mode's; override: tile key ``sel_dq``)."""
+    how = str(tuned("sel_dq", "row" if sel_mode(h, device) == "row" else "part"))
+    if how not in ("row", "part"):
+        raise ValueError(f"sel_dq must be row or part, got {how!r}")
+    return how
+
+
+def _pairs_per_program(device: torch.device, backward: bool = False) -> int:
+    """Pairs of one work item: the forward's list (``fsa`` mode) 512, a list built for the backward alone
+    (``row`` mode) 4096 (fewer key-block loads and dk/dv atomics; H100 sweep, docs/kernels.md)."""
+    if device.type != "cuda":
+        return 32
+    return int(tuned("selbwd_ch", 4096)) if backward else int(tuned("sel_ch", 512))
 
 
 def num_blocks(S: int, l_sel: int, q_start: int = 0) -> int:
@@ -377,26 +414,27 @@ def num_blocks(S: int, l_sel: int, q_start: int = 0) -> int:
 
 
 def work_shape(B: int, S: int, H: int, n_sel: int, l_sel: int, device: torch.device,
-               q_start: int = 0) -> tuple[int, int]:
+               q_start: int = 0, backward: bool = False) -> tuple[int, int]:
     """Shape of :func:`work_list`'s tensor (shapes only: also under fake tensors)."""
     sn = S * n_sel
-    nw = num_blocks(S, l_sel, q_start) + -(-sn // _pairs_per_program(device))
-    return B * H, sn + 4 * nw
+    nw = num_blocks(S, l_sel, q_start) + -(-sn // _pairs_per_program(device, backward))
+    return B * H, sn + 3 * nw
 
 
-def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0) -> torch.Tensor:
+def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = False) -> torch.Tensor:
     """Pairs sorted by chosen block, and the programs' work items, in one int32 tensor (device ops only).
 
     Row ``b*H + g``: ``S*n`` flat pair indices ``pos * n + slot`` ordered by block, then per work item
-    ``(block, first, end, atomic)``: the pairs ``[first, end)`` of ``block``; ``atomic`` when the block
-    is split over several items (more than ``CH`` pairs). Items past the last have ``block = NB``
-    (:func:`num_blocks`; rows at positions ``q_start ..`` choose absolute block numbers)."""
+    ``(block, first, end)``: the pairs ``[first, end)`` of ``block``, at most ``CH`` of them (a block chosen by
+    more pairs is split over several items). Items past the last have ``block = NB`` (:func:`num_blocks`;
+    rows at positions ``q_start ..`` choose absolute block numbers). ``backward``: a list for the
+    backward alone (larger chunks)."""
     B, S, H, n = idx.shape
-    ch = _pairs_per_program(idx.device)
+    ch = _pairs_per_program(idx.device, backward)
     NB = num_blocks(S, l_sel, q_start)
-    rows, width = work_shape(B, S, H, n, l_sel, idx.device, q_start)
+    rows, width = work_shape(B, S, H, n, l_sel, idx.device, q_start, backward)
     sn = S * n
-    nw = (width - sn) // 4
+    nw = (width - sn) // 3
     keys = idx.permute(0, 2, 1, 3).reshape(rows, sn).to(torch.int32)
     keys = torch.where(keys < 0, NB, keys)
     perm = torch.sort(keys, dim=1, stable=True).indices.to(torch.int32)
@@ -411,8 +449,7 @@ def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0) -> torch.Tensor:
     wb = wblk.clamp(max=NB - 1)
     first = starts.gather(1, wb) + (wids - (cum - nch).gather(1, wb)) * ch
     end = torch.minimum(starts.gather(1, wb) + counts.gather(1, wb), first + ch)
-    atomic = (nch.gather(1, wb) > 1).long()
-    items = torch.stack([wblk, first, end, atomic], dim=2).reshape(rows, 4 * nw)
+    items = torch.stack([wblk, first, end], dim=2).reshape(rows, 3 * nw)
     return torch.cat([perm, items.to(torch.int32)], dim=1).contiguous()
 
 
@@ -477,7 +514,7 @@ def sel_fwd(
     c = _common(q, k, v, l_sel, "sel")
     NB = num_blocks(S, l_sel, q_start)
     sn = S * n_sel
-    nw = (work.shape[1] - sn) // 4
+    nw = (work.shape[1] - sn) // 3
     o_part = torch.empty(B * S * HQ, n_sel, v.shape[-1], device=q.device, dtype=q.dtype)
     l_part = torch.empty(B * S * HQ, n_sel, device=q.device, dtype=torch.float32)
     _sel_fsa_fwd_kernel[(nw, B * H)](
@@ -504,30 +541,37 @@ def sel_bwd(
     SK = k.shape[1]
     H, n_sel = k.shape[2], idx.shape[-1]
     nsp = max(2, next_pow2(n_sel))
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    row = sel_mode(HQ // H, q.device) == "row"
+    dq_how = sel_dq(HQ // H, q.device)
     if work is None or work.numel() == 0:
-        work = work_list(idx, l_sel, q_start)
-    if row:
+        work = work_list(idx, l_sel, q_start, backward=True)
+    if dq_how == "row":
         c = _row_config(q, k, v, l_sel, "seldq")
         kd, vd, tma = _descriptors(k, v, c)
         _sel_dq_row_kernel[(S, B * H)](
-            q, k, v, do, idx, lse, gates, dg, dq, kd, vd, *strides, S, SK, HQ, q_start, scale * LOG2E, scale,
+            q, k, v, do, idx, lse, gates, dg, dq, kd, vd, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *do.stride()[:3], S, SK, HQ, q_start, scale * LOG2E, scale,
             N_SEL=n_sel, NSP=nsp, X=branch, TMA=tma, ACCUM=accum, **c,
         )
     c = _common(q, k, v, l_sel, "seldkdv")
     NB = num_blocks(S, l_sel, q_start)
     sn = S * n_sel
-    nw = (work.shape[1] - sn) // 4
+    nw = (work.shape[1] - sn) // 3
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    dq_part = dq if row else torch.empty(B * S * HQ, n_sel, q.shape[-1], device=q.device, dtype=q.dtype)
-    _sel_fsa_bwd_kernel[(nw, B * H)](
-        q, k, v, do, lse, gates, dg, dk, dv, dq_part, work, *strides,
-        S, SK, HQ, q_start, NB, work.shape[1], sn, scale * LOG2E, scale, N_SEL=n_sel, X=branch,
-        WRITE_DQ=not row, **c,
+    dq_part = (torch.empty(B * S * HQ, n_sel, q.shape[-1], device=q.device, dtype=q.dtype) if dq_how == "part"
+               else dq)
+    # the branch's gated do and delta once beforehand: scaling a loaded do tile before its product cost the
+    # kernel 20% at the paper shape (a layout change per tile), the gate on the products' fp32 results 9%
+    # (docs/kernels.md)
+    gate = gates[..., branch]
+    dog, delta = (do * gate.unsqueeze(-1)).to(do.dtype), gate.float() * dg[..., branch]
+    i32 = max(q.numel(), dog.numel(), dq_part.numel()) < 2**31
+    _sel_dkdv_kernel[(HQ * nw * B,)](
+        q, k, v, dog, lse, delta, dk, dv, dq_part, work, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *dog.stride()[:3], S, SK, HQ, q_start, NB, nw, work.shape[1], sn, scale * LOG2E, scale, N_SEL=n_sel,
+        WRITE_DQ=dq_how == "part", I32=i32, **c,
     )
-    if not row:
+    if dq_how == "part":
         N = B * S * HQ
         br = max(1, min(64, 8192 // (nsp * c["BDK"])))
         _sel_dq_reduce_kernel[(triton.cdiv(N, br),)](

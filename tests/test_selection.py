@@ -261,6 +261,9 @@ def test_bench_quality_tiny_prints_loss_and_recall_side_by_side(tmp_path: Path) 
     assert "held-out loss" in res.output and "selection per layer: nsa-half" in res.output
     assert "arms over their seeds" in res.output and "one seed" in res.output  # one seed: no spread to judge by
     assert {a["arm"]: a["reading"] for a in payload["arms_summary"]} == {"dense": "dense", "nsa-half": "one seed"}
+    # each run's row was also kept as it finished (a sweep cut short keeps what ran)
+    kept = [json.loads(line) for line in (tmp_path / "q.json.rows.jsonl").read_text().splitlines()]
+    assert [r["arm"] for r in kept] == ["dense", "nsa-half"] and kept[1]["val_loss"] == rows["nsa-half"]["val_loss"]
 
 
 def test_bench_quality_length_curriculum_trains_short_windows_first(tmp_path: Path) -> None:

@@ -383,19 +383,23 @@ def _describe(spec: QualitySpec, seed: int, arm: Arm) -> str:
 
 
 def run_quality(spec: QualitySpec, say: Callable[[str], None] | None = None,
-                log: Callable[[str], None] | None = None) -> list[QualityRow]:
+                log: Callable[[str], None] | None = None,
+                on_row: Callable[[QualityRow], None] | None = None) -> list[QualityRow]:
     """Train every arm and seed of ``spec`` and measure them (one row per arm and seed, in ``spec.runs()``
-    order). ``say`` hears a line per run with the benchmark's progress and ETA; ``log`` the trainers' lines.
+    order). ``say`` hears a line per run with the benchmark's progress and ETA; ``log`` the trainers' lines;
+    ``on_row`` each row as its run ends (so a sweep cut short keeps what finished).
     ``spec.parallel > 1``: that many runs at once (:func:`run_parallel`)."""
     tell = say or (lambda _line: None)
     runs = spec.runs()
     if spec.parallel > 1 and len(runs) > 1:
-        return run_parallel(spec, tell, log)
+        return run_parallel(spec, tell, log, on_row)
     eta = Eta(len(runs) * spec.steps_per_run())
     rows: list[QualityRow] = []
     for i, (seed, arm) in enumerate(runs):
         tell(f"{_describe(spec, seed, arm)} [run {i + 1}/{len(runs)}, {eta.line(i * spec.steps_per_run())}]")
         rows.append(_one_run(spec, seed, arm, log))
+        if on_row is not None:
+            on_row(rows[-1])
     return rows
 
 
@@ -405,10 +409,11 @@ def _work(spec: QualitySpec, seed: int, arm: Arm) -> tuple[QualityRow, list[str]
     return _one_run(spec, seed, arm, lines.append), lines
 
 
-def run_parallel(spec: QualitySpec, tell: Callable[[str], None], log: Callable[[str], None] | None) -> list[QualityRow]:
+def run_parallel(spec: QualitySpec, tell: Callable[[str], None], log: Callable[[str], None] | None,
+                 on_row: Callable[[QualityRow], None] | None = None) -> list[QualityRow]:
     """``spec.parallel`` runs at once (:func:`nsa.bench.fanout.spread`: each in a process of its own, dealt
-    over the GPUs); each run's lines reach ``log`` when it ends. The same runs, seeds and rows as one after
-    another, in the same order."""
+    over the GPUs); each run's lines reach ``log`` and its row ``on_row`` when it ends. The same runs, seeds
+    and rows as one after another, in the same order."""
     runs = spec.runs()
     eta = Eta(len(runs))
     finished = 0
@@ -423,6 +428,8 @@ def run_parallel(spec: QualitySpec, tell: Callable[[str], None], log: Callable[[
         seed, arm = runs[i]
         tell(f"{_describe(spec, seed, arm)}: done in {row.seconds:.0f} s [{finished}/{len(runs)} runs, "
              f"{eta.line(finished)}]")
+        if on_row is not None:
+            on_row(row)
 
     results = fanout.spread(_work, [(spec, seed, arm) for seed, arm in runs], spec.parallel, on_start=tell,
                             on_done=done)

@@ -44,10 +44,13 @@ def quality(
 ) -> None:
     """Train every arm on the same data and tokens; print held-out loss, selection recall and needle accuracy."""
     with user_errors():
+        import json
+
         from rich.console import Console
         from rich.table import Table
 
         from nsa.bench.quality import (
+            QualityRow,
             QualitySpec,
             at_best_lr,
             parse_arm,
@@ -95,7 +98,17 @@ def quality(
                            needle_seq_len=needle_seq_len, needle_gap=needle_gap, needle_steps=needle_steps,
                            needle_batch=needle_batch, needle_eval_samples=64 if tiny else 256,
                            device="cpu" if tiny else None, lrs=lr_list, parallel=parallel)
-        rows = run_quality(spec, say=lambda line: console.print(line, highlight=False, markup=False), log=log)
+        partial = None if json_out is None else json_out.with_name(json_out.name + ".rows.jsonl")
+        if partial is not None:
+            partial.write_text("")
+
+        def keep(row: QualityRow) -> None:  # each finished run at once: a sweep cut short keeps its rows
+            if partial is not None:
+                with partial.open("a") as fh:
+                    fh.write(json.dumps(row.to_dict()) + "\n")
+
+        rows = run_quality(spec, say=lambda line: console.print(line, highlight=False, markup=False), log=log,
+                           on_row=keep)
         rel = relative_to_dense(rows)
         table = Table(title=f"quality: config {cfg_name}, {steps} steps, seeds {','.join(map(str, seed_list))}")
         for col in ("arm", "seed", "held-out loss", "vs dense (arm mean)", "recall mean", "recall min",

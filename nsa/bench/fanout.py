@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any, TypeVar
@@ -29,6 +30,18 @@ def slots(n: int) -> tuple[list[str], bool]:
         raise ConfigError(f"--parallel {n} needs {n} CPU cores (one run each); {cores} here",
                           hint=f"pass --parallel {cores} or fewer")
     return [str(max(1, cores // n))] * n, False
+
+
+class RunFailed(RuntimeError):
+    """A run that failed in its worker process: its error and traceback as text (whatever the error held,
+    this pickles back to the parent)."""
+
+
+def _guarded(worker: Callable[..., R], *job: Any) -> R:
+    try:
+        return worker(*job)
+    except BaseException as exc:  # the original may not pickle (a module in its arguments): send its text
+        raise RunFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
 
 
 def _pin(queue: Any, cuda: bool) -> None:
@@ -56,7 +69,7 @@ def spread(worker: Callable[..., R], jobs: Sequence[tuple[Any, ...]], n: int, *,
         queue.put(slot)
     results: dict[int, R] = {}
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_pin, initargs=(queue, cuda)) as pool:
-        futures = {pool.submit(worker, *job): i for i, job in enumerate(jobs)}
+        futures = {pool.submit(_guarded, worker, *job): i for i, job in enumerate(jobs)}
         for fut in as_completed(futures):
             try:
                 result = fut.result()

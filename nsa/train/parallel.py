@@ -52,7 +52,13 @@ def wrap(model: Any, cfg: RunConfig, dist: D.DistInfo, precision: str, device_ty
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None)
-    return torch.compile(model, mode=cfg.runtime.compile_mode) if compiled else model
+    if not compiled:
+        return model
+    # a fresh compile per training session: graphs left by an earlier session of this process (a length
+    # curriculum's short phase) would make this one's new sizes symbolic ("automatic dynamic"), which broke
+    # Inductor on the NSA operator (an AssertionError at the 8k phase of `nsa bench quality` curricula)
+    torch._dynamo.reset()
+    return torch.compile(model, mode=cfg.runtime.compile_mode)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,29 @@
+"""``nsa.bench.fanout``: runs in processes of their own, and a failed run's error reaching the parent."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from nsa.bench import fanout
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def _fails_holding_a_module(x: int) -> int:
+    raise ValueError(f"run {x} went wrong", os)  # a module among the arguments: the error itself does not pickle
+
+
+def test_results_come_back_in_job_order() -> None:
+    assert fanout.spread(_square, [(3,), (1,), (2,)], 2) == [9, 1, 4]
+
+
+def test_an_error_that_does_not_pickle_reaches_the_parent_as_text() -> None:
+    """Before: the parent saw only "TypeError: cannot pickle 'module' object" (an Inductor error in a GPU
+    curriculum run was hidden so)."""
+    with pytest.raises(fanout.RunFailed, match=r"ValueError: \('run 5 went wrong'") as info:
+        fanout.spread(_fails_holding_a_module, [(5,)], 1)
+    assert "_fails_holding_a_module" in str(info.value)  # the worker's traceback comes along

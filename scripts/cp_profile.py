@@ -7,6 +7,7 @@ step at each length and reports the peak memory, stopping at the first that does
 out-of-memory ends the launch: probe one length per launch there).
 
     torchrun --nproc-per-node 2 scripts/cp_profile.py --seq-len 65536 --profile out/
+    torchrun --nproc-per-node 2 scripts/cp_profile.py --seq-len 262144 --compile --cmp-path cudnn
 """
 
 from __future__ import annotations
@@ -135,7 +136,13 @@ def main() -> None:
     ap.add_argument("--probe", default=None, help="comma-separated lengths: one step each, stop at the first OOM")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--set", action="append", default=[], help="run-config override, as nsa train --set")
+    ap.add_argument("--cmp-path", default=None, help="the compressed branch's path where it can serve (cudnn: "
+                    "also the chunks at an offset, a rectangle and a causal square merged by lse)")
     args = ap.parse_args()
+    if args.cmp_path:
+        from nsa.ops import triton_path
+
+        triton_path.set_cmp_path(args.cmp_path)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)

@@ -13,36 +13,44 @@ from nsa.ops import NSAParams, cmp_sdpa, reference, triton_path
 from nsa.ops.indexing import num_cmp
 
 
-@pytest.mark.parametrize("S,l,d", [(48, 8, 4), (43, 8, 4), (7, 8, 4), (40, 16, 8)])
-def test_layout_round_trip(S: int, l: int, d: int) -> None:  # noqa: E741
-    """Rows -> virtual -> rows gives back every position a virtual row holds (the first l-1 get the fill);
-    the virtual rows past S-1 are zeros; ``mul`` scales on the way."""
+@pytest.mark.parametrize("S,l,d,q_start", [(48, 8, 4, 0), (43, 8, 4, 0), (7, 8, 4, 0), (40, 16, 8, 0),
+                                           (20, 8, 4, 13), (21, 8, 4, 12), (3, 8, 4, 30), (17, 8, 4, 7),
+                                           (5, 8, 4, 2)])
+def test_layout_round_trip(S: int, l: int, d: int, q_start: int) -> None:  # noqa: E741
+    """Rows at positions ``q_start ..`` -> virtual -> rows gives back every position a virtual row holds
+    (positions before l-1 get the fill); the virtual slots no row fills (past S-1, or before ``q_start`` in
+    a first row shared with earlier queries) are zeros; ``mul`` scales on the way."""
     gen = torch.Generator().manual_seed(3)
     B, HQ, H, D = 2, 6, 2, 5
     x = torch.randn(B, S, HQ, D, generator=gen, dtype=torch.float64)
     m = torch.rand(B, S, HQ, 1, generator=gen, dtype=torch.float64)
-    N = num_cmp(S, l, d)
-    xv = cmp_sdpa.to_virtual(x, H, l, d, mul=m)
+    n0, origin, N = cmp_sdpa.geometry(S, l, d, q_start)
+    assert n0 + N == num_cmp(q_start + S, l, d)  # the keys up to the last query
+    xv = cmp_sdpa.to_virtual(x, H, l, d, mul=m, q_start=q_start)
     assert xv.shape == (B, HQ * d, N, D)
     back = torch.full_like(x, 7.0)
-    cmp_sdpa.to_rows(xv, back, H, l, d, fill=-1.0)
-    held = min(S, l - 1)
+    cmp_sdpa.to_rows(xv, back, H, l, d, fill=-1.0, q_start=q_start)
+    held = max(0, min(S, origin))
     assert (back[:, :held] == -1.0).all()
     assert torch.equal(back[:, held:], (x * m)[:, held:])
-    # virtual row i, head (kv, g, r) holds position i*d + l-1 + r of head kv*G + g
+    # virtual row i, head (kv, g, r) holds position (n0 + i)*d + l-1 + r of head kv*G + g
     G = HQ // H
     for i in range(N):
         for r in range(d):
-            t = i * d + l - 1 + r
-            rows = xv.view(B, H, G, d, N, D)[:, :, :, r, i]
-            want = (x * m)[:, t].view(B, H, G, D) if t < S else torch.zeros(B, H, G, D, dtype=x.dtype)
-            assert torch.equal(rows, want), (i, r)
+            row = (n0 + i) * d + l - 1 + r - q_start
+            got = xv.view(B, H, G, d, N, D)[:, :, :, r, i]
+            want = (x * m)[:, row].view(B, H, G, D) if 0 <= row < S else torch.zeros(B, H, G, D, dtype=x.dtype)
+            assert torch.equal(got, want), (i, r)
 
 
-@pytest.mark.parametrize("S,HQ,H", [(48, 6, 1), (43, 4, 2)])
-def test_branch_matches_reference(S: int, HQ: int, H: int) -> None:
-    """The branch (plain-torch kernel on the virtual rows) equals the reference's compressed branch in
-    float64, output, lse and every gradient (the reference run with gates (1, 0, 0))."""
+@pytest.mark.parametrize("S,HQ,H,q_start", [(48, 6, 1, 0), (43, 4, 2, 0), (53, 6, 2, 5), (53, 6, 2, 13),
+                                             (53, 4, 2, 33)])
+def test_branch_matches_reference(S: int, HQ: int, H: int, q_start: int) -> None:
+    """The branch (plain-torch kernels on the virtual rows) equals the reference's compressed branch in
+    float64, output, lse and every gradient (the reference run with gates (1, 0, 0)); queries at an offset
+    (``q_start``: the last ``S - q_start`` positions, a context-parallel chunk) run as the library kernels
+    would, a rectangle and a causal square merged by their log-sum-exps, each part's backward from the
+    merged output."""
     gen = torch.Generator().manual_seed(11)
     B, D = 2, 8
     hp = NSAParams(l=8, d=4, l_sel=8, n_sel=2, w=8)
@@ -51,40 +59,44 @@ def test_branch_matches_reference(S: int, HQ: int, H: int) -> None:
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(True)
 
-    q, k_c, v_c = rnd(B, S, HQ, D), rnd(B, N, H, D), rnd(B, N, H, D)
+    q_all, k_c, v_c = rnd(B, S, HQ, D), rnd(B, N, H, D), rnd(B, N, H, D)
     raw = [torch.randn(B, S, H, D, generator=gen, dtype=torch.float64) for _ in range(4)]
     gates = torch.zeros(B, S, HQ, 3, dtype=torch.float64)
     gates[..., 0] = 1.0
-    ref = reference.nsa_attention(q, k_c, v_c, *raw, gates, hp)
-    o_v, lse_v = cmp_sdpa.attend(q, k_c, v_c, hp.l, hp.d, D**-0.5, "math")
+    ref = reference.nsa_attention(q_all, k_c, v_c, *raw, gates, hp)[:, q_start:]
+    q = q_all.detach()[:, q_start:].clone().requires_grad_(True)
+    assert (cmp_sdpa.geometry(q.shape[1], hp.l, hp.d, q_start)[0] > 0) == (q_start >= 12)  # the split ran
+    o_v, lse_v = cmp_sdpa.attend(q, k_c, v_c, hp.l, hp.d, D**-0.5, "math", q_start=q_start)
     out = torch.empty_like(ref)
     with torch.no_grad():  # as inside the NSA op
-        lse = cmp_sdpa.take(o_v, lse_v, out, H, hp.l, hp.d)
+        lse = cmp_sdpa.take(o_v, lse_v, out, H, hp.l, hp.d, q_start=q_start)
     assert torch.allclose(out, ref, atol=1e-12)
-    assert (lse[:, : hp.l - 1] == math.inf).all() and torch.isfinite(lse[:, hp.l - 1:]).all()
+    no_token = max(0, hp.l - 1 - q_start)
+    assert (lse[:, :no_token] == math.inf).all() and torch.isfinite(lse[:, no_token:]).all()
     # lse (log2 domain) of one row, by hand
     t, h = S - 1, HQ - 1
-    s = (q[0, t, h] @ k_c[0, : (t + 1 - hp.l) // hp.d + 1, h // (HQ // H)].T) * D**-0.5
-    assert lse.dtype == torch.float32 and abs(float(lse[0, t, h]) - float(torch.logsumexp(s, 0)) / math.log(2)) < 1e-5
+    s = (q_all[0, t, h] @ k_c[0, : (t + 1 - hp.l) // hp.d + 1, h // (HQ // H)].T).detach() * D**-0.5
+    assert lse.dtype == torch.float32 and abs(float(lse[0, -1, h]) - float(torch.logsumexp(s, 0)) / math.log(2)) < 1e-5
     g = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    want = torch.autograd.grad(ref, (q, k_c, v_c), g)
-    d_ov = cmp_sdpa.grad_out(g, torch.ones(B, S, HQ, dtype=torch.float64), H, hp.l, hp.d)
+    want = torch.autograd.grad(ref, (q_all, k_c, v_c), g)
+    d_ov = cmp_sdpa.grad_out(g, torch.ones(B, S - q_start, HQ, dtype=torch.float64), H, hp.l, hp.d, q_start=q_start)
     got = torch.autograd.grad(o_v, (q, k_c, v_c), d_ov)
-    for name, a, b in zip(("q", "k_cmp", "v_cmp"), got, want, strict=True):
+    for name, a, b in zip(("q", "k_cmp", "v_cmp"), got, (want[0][:, q_start:], *want[1:]), strict=True):
         assert torch.allclose(a, b, atol=1e-12), name
 
 
 def test_dispatcher_picks_the_path_by_shape() -> None:
-    """cuDNN on Hopper from 16k with 16+ heads per group and from 32k otherwise; our kernel for short
-    sequences, queries at an offset, head dims over 128 or unequal, and GPUs before Hopper; a set path
-    serves where it can."""
+    """cuDNN on Hopper from 16k with 16+ heads per group and from 32k otherwise (whole sequences, and chunks
+    at an offset whose keys end with them); our kernel for short sequences, queries that end before the
+    keys, head dims over 128 or unequal, and GPUs before Hopper; a set path serves where it can."""
     pick = triton_path.cmp_path_for
     n = 4096
     assert pick(65536, 6, 64, 64, n, True, 9) == "cudnn"
     assert pick(16384, 16, 128, 128, n, True, 9) == "cudnn"
     assert pick(16384, 6, 64, 64, n, True, 9) == "kernel"
     assert pick(65536, 6, 64, 64, n, True, 8) == "kernel"
-    assert pick(65536, 6, 64, 64, n, False, 9) == "kernel"  # queries at an offset, or fewer than the keys
+    assert pick(65536, 6, 64, 64, n, False, 9) == "kernel"  # queries that end before the keys
+    assert pick(65536, 6, 64, 64, n, True, 9, offset=True) == "kernel"  # auto: not before a GPU measurement
     assert pick(65536, 6, 192, 128, n, True, 9) == "kernel"
     assert pick(65536, 6, 256, 256, n, True, 9) == "kernel"
     assert pick(65536, 6, 64, 64, n, True, 0) == "kernel"
@@ -100,7 +112,43 @@ def test_dispatcher_picks_the_path_by_shape() -> None:
         assert pick(2048, 6, 64, 64, 127, False, 0) == "kernel"
         assert triton_path.cmp_path(q, k_c, k_c, 0) == triton_path.cmp_path(q, k_c, k_c, 0, 48) == "math"
         assert triton_path.cmp_path(q, k_c, k_c, 16) == triton_path.cmp_path(q, k_c, k_c, 0, 64) == "kernel"
+        # a chunk at an offset whose keys end with it (context parallelism) can take a library kernel
+        k_64 = torch.zeros(1, num_cmp(64, 8, 4), 2, 8)
+        assert triton_path.cmp_path(q, k_64, k_64, 16, 64) == "math"
     finally:
         triton_path.set_cmp_path(None)
     with pytest.raises(ValueError, match="choose one of auto, kernel, cudnn, flash, math"):
         triton_path.set_cmp_path("fast")
+
+
+def _regroup_case(device: str = "cpu") -> None:
+    """The one-pass Triton layout copies (tile key ``cmp_copy=triton``) equal PyTorch's strided copies, bit for
+    bit, both ways, with ``mul``, strided rows, whole sequences and chunks at an offset (the interpreter on
+    CPU, ``tests/test_triton_kernels.py``'s job; the GPU in ``test_regroup_gpu``)."""
+    from nsa.ops import tile_overrides
+
+    gen = torch.Generator().manual_seed(4)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    B, HQ, H, D = 2, 6, 2, 24
+    for S, l, d, q_start in [(48, 8, 4, 0), (43, 8, 4, 0), (7, 8, 4, 0), (21, 8, 4, 12), (3, 8, 4, 30),  # noqa: E741
+                             (17, 8, 4, 7)]:
+        x3 = torch.randn(B, S, HQ, 3, D, generator=gen).to(device, dtype)
+        x = x3[:, :, :, 1]  # strided rows, as the op's o3 slots
+        m = torch.rand(B, S, HQ, 3, generator=gen).to(device, dtype)[..., 2:]
+        want = [cmp_sdpa.to_virtual(x, H, l, d, q_start=q_start), cmp_sdpa.to_virtual(x, H, l, d, m, q_start)]
+        back_want = torch.full_like(x3, 5.0)
+        cmp_sdpa.to_rows(want[1], back_want[:, :, :, 0], H, l, d, fill=-1.0, q_start=q_start)
+        with tile_overrides({"cmp_copy": "triton"}):
+            got = [cmp_sdpa.to_virtual(x, H, l, d, q_start=q_start), cmp_sdpa.to_virtual(x, H, l, d, m, q_start)]
+            back = torch.full_like(x3, 5.0)
+            cmp_sdpa.to_rows(got[1], back[:, :, :, 0], H, l, d, fill=-1.0, q_start=q_start)
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and torch.equal(a, b), (S, l, d, q_start)
+        assert torch.equal(back, back_want), (S, l, d, q_start)
+
+
+@pytest.mark.gpu
+def test_regroup_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _regroup_case("cuda")

@@ -189,13 +189,22 @@ INTERP_CASES = {
     "h2-row-tma": ((1, 34, 4, 2, 16, 16, 8, 4, 8, 3, 10), [(11, 21), (33, 1)], {"sel_mode": "row", "sel_tma": 1}, 11),
     "h6-split-dkdv-slabs": ((1, 36, 6, 1, 16, 16, 8, 4, 16, 3, 16), [(5, 29)], {"cmp_qch": 8, "score_slab": 7}, 12),
     "h1-S-lt-l": ((1, 12, 2, 2, 16, 16, 16, 8, 16, 2, 4), [(3, 9), (0, 5)], {}, 13),
+    # context-parallel chunks (keys end with them) with the compressed branch on the virtual rows, split into
+    # a rectangle and a causal square where the chunk starts past the first virtual row (plain torch on CPU)
+    "h2-cmp-sdpa-chunks": ((1, 40, 4, 2, 16, 16, 8, 4, 8, 3, 10), [(21, 19), (12, 28), (5, 35), (39, 1)], {}, 16,
+                           "cpu", "math"),
+    "h2-cmp-sdpa-chunks-triton-copies": ((1, 40, 4, 2, 16, 16, 8, 4, 8, 3, 10), [(21, 19), (5, 35)],
+                                         {"cmp_copy": "triton"}, 17, "cpu", "math"),
 }
 
 
 def _triton_offset_case(dims: tuple[int, ...], offsets: list[tuple[int, int]], tune: dict, seed: int,
-                        device: str = "cpu") -> None:
+                        device: str = "cpu", cmp_path: str | None = None) -> None:
     """Triton with ``q_start`` against the float64 reference: block indices (computed, and ``select_blocks``),
-    output and all eight gradients; keys past the last query (``S_k > q_start + S_q``) included."""
+    output and all eight gradients; keys past the last query (``S_k > q_start + S_q``) included. ``cmp_path``:
+    the compressed branch's path where it can serve (chunks whose keys end with them)."""
+    import contextlib
+
     from nsa.ops import reference, tile_overrides, triton_path
 
     B, Sk, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w = dims  # noqa: E741
@@ -203,7 +212,13 @@ def _triton_offset_case(dims: tuple[int, ...], offsets: list[tuple[int, int]], t
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     x = make_inputs(B, Sk, HQ, H, Dk, Dv, l=l, d=d, dtype=dtype, device=device, seed=seed)
     gen = torch.Generator().manual_seed(seed)
-    with tile_overrides(tune):
+    ran = triton_path.path_counts().get(cmp_path or "", 0)
+    with tile_overrides(tune), contextlib.ExitStack() as stack:
+        if cmp_path is not None:
+            triton_path.set_cmp_path(cmp_path)
+            stack.callback(triton_path.set_cmp_path, None)
+            # every chunk here ends with the keys: each one's compressed branch took that path
+            stack.callback(lambda: _assert(triton_path.path_counts().get(cmp_path, 0) == ran + len(offsets)))
         for q0, sq in offsets:
             args = _call_args(x, q0, sq, Sk)
             ref_args = [a.detach().double().cpu().requires_grad_(True) for a in args]
@@ -222,6 +237,10 @@ def _triton_offset_case(dims: tuple[int, ...], offsets: list[tuple[int, int]], t
                     continue
                 assert a.grad is not None and a.grad.shape == a.shape, name
                 assert _rel(a.grad, r.grad) < 2e-5, (q0, sq, name, _rel(a.grad, r.grad))
+
+
+def _assert(ok: bool) -> None:
+    assert ok
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -316,6 +335,36 @@ GPU_CASES = [
     pytest.param(2, 8192, 8, 2, 128, 128, 2003, 3001, id="h4-ragged-keys-after"),
     pytest.param(1, 8192, 12, 2, 64, 64, 8191, 1, id="h6-last-row"),
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cudnn", "flash"])
+@pytest.mark.parametrize("HQ,H,D", [(12, 2, 64), (32, 2, 128)])
+def test_gpu_offset_cmp_library_matches_torch_path(impl: str, HQ: int, H: int, D: int) -> None:
+    """A context-parallel tail chunk (queries 4093 .. 8191 of 8192 keys) with its compressed branch by a library
+    kernel (a rectangle and a causal square merged by their log-sum-exps): output and every gradient."""
+    from nsa.ops import triton_path
+
+    hp = NSAParams(l=32, d=16, l_sel=64, n_sel=16, w=512)
+    Sk, q0 = 8192, 4093
+    x = make_inputs(1, Sk, HQ, H, D, D, l=32, d=16, dtype=torch.bfloat16, device="cuda", seed=22)
+    args = _call_args(x, q0, Sk - q0, Sk)
+    ref_args = [a.detach().double().requires_grad_(True) for a in args]
+    idx = ops.select_blocks(ref_args[0].detach(), ref_args[1].detach(), hp, backend="torch", q_start=q0)
+    before = triton_path.path_counts().get(impl, 0)
+    try:
+        triton_path.set_cmp_path(impl)
+        out = ops.nsa_attention(*args, hp, block_idx=idx, q_start=q0)
+    finally:
+        triton_path.set_cmp_path(None)
+    assert triton_path.path_counts().get(impl, 0) == before + 1
+    ref = ops.nsa_attention(*ref_args, hp, backend="torch", block_idx=idx, q_start=q0)
+    assert _rel(out, ref) < 2e-2
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(23), dtype=torch.float64).cuda()
+    out.backward(grad.to(out.dtype))
+    ref.backward(grad)
+    for name, a, r in zip(NAMES, args, ref_args, strict=True):
+        assert a.grad is not None and _rel(a.grad, r.grad) < 2e-2, name
 
 
 @pytest.mark.gpu

@@ -125,6 +125,7 @@ CPU_TUNED_CASES = {
     # dq partials from the dk/dv programs for a large group, a per-position dq kernel for a small one
     "h16-part-dq": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {"sel_dq": "part"}),
     "h2-cmp-sdpa-window-query-row-dq": (CPU_CASES["h2-B2-cmp-sdpa-window-query"], {"sel_dq": "row"}),
+    "h6-cmp-sdpa-triton-copies": (CPU_CASES["h6-cmp-sdpa"], {"cmp_copy": "triton"}),
 }
 
 
@@ -181,6 +182,7 @@ def _interpreter_job() -> Job:
               "assert triton_path.supports(torch.zeros(1, 8, 1, 512)) == 'head dim 512'\n"
               "_dispatcher_case()\n")
     calls += "print('messy block lists', flush=True); _messy_blocks_case()\n"
+    calls += "print('regroup copies', flush=True); from tests.test_cmp_sdpa import _regroup_case; _regroup_case()\n"
     return Job("from tests.test_triton_kernels import _cpu_case, _dispatcher_case, _messy_blocks_case\n"
                + checks + calls)
 

@@ -9,6 +9,11 @@ log-sum-exp feeds the block scores. Positions ``t < l - 1`` see no token (zeros,
 Layouts: *rows* ``[B, S, HQ, ...]`` (the op's) and *virtual* ``[B, H*G*d, N, ...]`` (heads ordered
 ``(kv head, group head, r)``, so SDPA's GQA maps query head ``i`` to KV head ``i // (G*d)``). One strided
 copy moves a tensor between them; the virtual rows past position ``S - 1`` are zeros.
+
+Queries at an offset (a context-parallel chunk at positions ``q_start ..``, its keys from position 0 up to
+its last query): virtual rows ``n0 ..`` (:func:`geometry`), the first one possibly shared with earlier
+queries (their slots zeros); they see the tokens before ``n0`` whole and their own causally, which the
+library runs as two calls merged by their log-sum-exps (:class:`_Library`).
 """
 
 from __future__ import annotations
@@ -18,62 +23,108 @@ from typing import Any
 
 import torch
 
-from nsa.ops.indexing import num_cmp
+from nsa.ops._triton import interpreting, regroup, tuned
 
 IMPLS = ("cudnn", "flash", "math")
 LOG2E = 1.4426950408889634
 
 
-def _rows_parts(x: torch.Tensor, H: int, l: int, d: int, n_full: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
-    """Views of rows ``x [B, S, HQ, *t]``: the ``n_full`` whole virtual rows ``[B, n_full, d, H, G, *t]`` and the
-    partial last one ``[B, rem, H, G, *t]``."""
-    G = x.shape[2] // H
-    full = x[:, l - 1: l - 1 + n_full * d].unflatten(1, (n_full, d)).unflatten(3, (H, G))
-    part = x[:, l - 1 + n_full * d:].unflatten(2, (H, G))
-    return full, part
+def geometry(S: int, l: int, d: int, q_start: int = 0) -> tuple[int, int, int]:  # noqa: E741
+    """The virtual rows of query rows ``0 .. S-1`` at positions ``q_start ..``: ``(n0, origin, N)``: the first
+    virtual row's number ``n0`` (its keys are compressed tokens ``0 .. n0 + i`` for virtual row ``i``), the row
+    index ``origin`` where that row's ``r = 0`` sits (negative: its first ``-origin`` positions belong to
+    earlier queries; positive: rows before it see no token), and the number of virtual rows ``N``."""
+    n0 = max(0, (q_start - (l - 1)) // d)
+    origin = n0 * d + (l - 1) - q_start
+    return n0, origin, max(0, -(-(S - origin) // d))
 
 
-def _virtual_parts(xv: torch.Tensor, H: int, d: int, n_full: int, rem: int) -> tuple[torch.Tensor, ...]:
-    """Views of virtual ``xv [B, H*G*d, N, *t]`` matching :func:`_rows_parts`, and the padding past ``S - 1``."""
+def _segments(S: int, origin: int, d: int, N: int) -> list[tuple[int, int, int, int, int]]:
+    """How rows ``0 .. S-1`` fill ``N`` virtual rows from row index ``origin``: ``(k0, k1, ra, rb, s0)`` = virtual
+    rows ``k0 .. k1-1``, offsets ``ra .. rb-1`` in each, from row ``s0`` on (whole virtual rows in one segment;
+    a partial first or last row alone)."""
+    out = []
+    k = 0
+    if origin < 0 and N > 0:  # the first virtual row starts before row 0
+        rb = min(d, S - origin)
+        out.append((0, 1, -origin, rb, 0))
+        k = 1
+    k_full = k
+    while k_full < N and origin + (k_full + 1) * d <= S:
+        k_full += 1
+    if k_full > k:
+        out.append((k, k_full, 0, d, origin + k * d))
+    if k_full < N and origin + k_full * d < S:  # a partial last row
+        out.append((k_full, k_full + 1, 0, S - (origin + k_full * d), origin + k_full * d))
+    return out
+
+
+def _views(x: torch.Tensor, xv: torch.Tensor, H: int, d: int, seg: tuple[int, int, int, int, int]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows view and the virtual view of one segment (``[B, rows, d', H, G, *t]`` both)."""
+    k0, k1, ra, rb, s0 = seg
     tail = list(range(5, xv.dim() + 2))
     v = xv.unflatten(1, (H, -1, d)).permute(0, 4, 3, 1, 2, *tail)  # [B, N, d, H, G, *t]
-    if n_full == v.shape[1]:
-        return v, v[:, :0, 0], v[:, :0]
-    return v[:, :n_full], v[:, n_full, :rem], v[:, n_full, rem:]
+    rows = x[:, s0: s0 + (k1 - k0 - 1) * d + (rb - ra)].unflatten(2, (H, -1))
+    if k1 - k0 > 1:
+        return rows.unflatten(1, (k1 - k0, d)), v[:, k0:k1]
+    return rows.unsqueeze(1), v[:, k0:k1, ra:rb]
 
 
-def _split(S: int, l: int, d: int, N: int) -> tuple[int, int]:  # noqa: E741
-    span = max(0, S - (l - 1))
-    n_full = min(span // d, N)
-    return n_full, span - n_full * d
-
-
-def to_virtual(x: torch.Tensor, H: int, l: int, d: int, mul: torch.Tensor | None = None) -> torch.Tensor:  # noqa: E741
-    """Rows ``x [B, S, HQ, *t]`` (times ``mul``, broadcast to ``x``) as a new virtual tensor
-    ``[B, H*G*d, S_cmp, *t]``, zeros past ``S - 1``: one pass over ``x``."""
+def to_virtual(x: torch.Tensor, H: int, l: int, d: int, mul: torch.Tensor | None = None,  # noqa: E741
+               q_start: int = 0) -> torch.Tensor:
+    """Rows ``x [B, S, HQ, *t]`` at positions ``q_start ..`` (times ``mul``, broadcast to ``x``) as a new virtual
+    tensor ``[B, H*G*d, N, *t]`` (:func:`geometry`), zeros where no row is: one pass over ``x``."""
     B, S, HQ = x.shape[:3]
-    N = num_cmp(S, l, d)
-    n_full, rem = _split(S, l, d, N)
+    _, origin, N = geometry(S, l, d, q_start)
+    if _triton_copy(x):
+        return regroup.to_virtual(x, mul, d, origin, N)
     xv = x.new_empty(B, HQ * d, N, *x.shape[3:])
-    v_full, v_part, v_pad = _virtual_parts(xv, H, d, n_full, rem)
-    v_pad.zero_()
-    for src, dst, m in zip(_rows_parts(x, H, l, d, n_full), (v_full, v_part),
-                           _rows_parts(mul, H, l, d, n_full) if mul is not None else (None, None), strict=True):
-        if m is None:
+    segs = _segments(S, origin, d, N)
+    if not segs:
+        xv.zero_()
+    elif segs[0][2] > 0 or segs[-1][3] < d or segs[-1][1] < N:
+        _zero_pads(xv, H, d, segs)
+    for seg in segs:
+        src, dst = _views(x, xv, H, d, seg)
+        if mul is None:
             dst.copy_(src)
         else:
-            torch.mul(src, m, out=dst)
+            torch.mul(src, _views(mul, xv, H, d, seg)[0], out=dst)
     return xv
 
 
+def _triton_copy(x: torch.Tensor) -> bool:
+    """Whether a layout copy of ``x`` runs as one Triton pass (:mod:`nsa.ops._triton.regroup`; tile key
+    ``cmp_copy=triton``, off until measured on a GPU) instead of PyTorch's strided copy."""
+    return (x.dim() == 4 and x.stride(-1) == 1 and (x.is_cuda or interpreting())
+            and tuned("cmp_copy", "torch") == "triton")
+
+
+def _zero_pads(xv: torch.Tensor, H: int, d: int, segs: list[tuple[int, int, int, int, int]]) -> None:
+    """Zero the virtual slots no row fills: before the first segment's offset, after the last one's."""
+    tail = list(range(5, xv.dim() + 2))
+    v = xv.unflatten(1, (H, -1, d)).permute(0, 4, 3, 1, 2, *tail)
+    k0, _, ra, _, _ = segs[0]
+    v[:, k0, :ra].zero_()
+    _, k1, _, rb, _ = segs[-1]
+    v[:, k1 - 1, rb:].zero_()
+    v[:, k1:].zero_()
+
+
 def to_rows(xv: torch.Tensor, dst: torch.Tensor, H: int, l: int, d: int, *, fill: float = 0.0,  # noqa: E741
-            mul: float = 1.0) -> None:
-    """Write virtual ``xv`` (times ``mul``) into rows ``dst [B, S, HQ, *t]`` (any strides); the first ``l - 1``
-    positions get ``fill``."""
+            mul: float = 1.0, q_start: int = 0) -> None:
+    """Write virtual ``xv`` (times ``mul``) into rows ``dst [B, S, HQ, *t]`` at positions ``q_start ..`` (any
+    strides); rows no virtual row holds (positions before ``l - 1``) get ``fill``."""
     S = dst.shape[1]
-    n_full, rem = _split(S, l, d, xv.shape[2])
-    dst[:, : min(l - 1, S)].fill_(fill)
-    for src, out in zip(_virtual_parts(xv, H, d, n_full, rem)[:2], _rows_parts(dst, H, l, d, n_full), strict=True):
+    _, origin, N = geometry(S, l, d, q_start)
+    if origin > 0:
+        dst[:, : min(origin, S)].fill_(fill)
+    if mul == 1.0 and _triton_copy(dst):
+        regroup.to_rows(xv, dst, d, origin)
+        return
+    for seg in _segments(S, origin, d, N):
+        out, src = _views(dst, xv, H, d, seg)
         if mul == 1.0:
             out.copy_(src)
         else:
@@ -84,99 +135,175 @@ class _Virtual(torch.autograd.Function):
     """:func:`to_virtual` with its gradient (the inverse copy; zeros at the positions no virtual row holds)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, H: int, l: int, d: int) -> torch.Tensor:  # noqa: E741
-        return to_virtual(x, H, l, d)
+    def forward(x: torch.Tensor, H: int, l: int, d: int, q_start: int) -> torch.Tensor:  # noqa: E741
+        return to_virtual(x, H, l, d, q_start=q_start)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x, ctx.H, ctx.l, ctx.d = inputs
+        x, ctx.H, ctx.l, ctx.d, ctx.q_start = inputs
         ctx.rows_shape = x.shape
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         dx = g.new_empty(ctx.rows_shape)
-        to_rows(g, dx, ctx.H, ctx.l, ctx.d)
-        return dx, None, None, None
+        to_rows(g, dx, ctx.H, ctx.l, ctx.d, q_start=ctx.q_start)
+        return dx, None, None, None, None
 
 
-def _attend_math(qv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal GQA attention in plain torch ops (float32 or wider inside), for CPU and the tests."""
+def _scores(qv: torch.Tensor, k: torch.Tensor, scale: float, n0: int) -> torch.Tensor:
+    """Scores ``[B, H, G*d, N, n0 + N]`` in float32 or wider, virtual row ``i`` seeing keys ``0 .. n0 + i``."""
     B, HR, N, D = qv.shape
-    H = k.shape[1]
+    H, NK = k.shape[1], k.shape[2]
     f = torch.promote_types(qv.dtype, torch.float32)
     s = torch.einsum("bhrnd,bhmd->bhrnm", qv.view(B, H, HR // H, N, D).to(f), k.to(f)) * scale
-    causal = torch.ones(N, N, dtype=torch.bool, device=qv.device).tril()
-    s = s.masked_fill(~causal, float("-inf"))
+    seen = torch.arange(NK, device=qv.device)[None, :] <= n0 + torch.arange(N, device=qv.device)[:, None]
+    return s.masked_fill(~seen, float("-inf"))
+
+
+def _attend_math(qv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 n0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal GQA attention in plain torch ops (float32 or wider inside), for CPU and the tests; virtual row
+    ``i`` sees keys ``0 .. n0 + i``."""
+    B, HR, N, _ = qv.shape
+    s = _scores(qv, k, scale, n0)
     lse = torch.logsumexp(s, -1)
-    o = torch.einsum("bhrnm,bhmd->bhrnd", torch.exp(s - lse[..., None]), v.to(f))
+    o = torch.einsum("bhrnm,bhmd->bhrnd", torch.exp(s - lse[..., None]), v.to(s.dtype))
     return o.reshape(B, HR, N, v.shape[-1]).to(qv.dtype), lse.reshape(B, HR, N)
+
+
+# The library kernels behind one call each: forward ``(o, lse, seed, offset)`` (lse in the library's own
+# shape, natural log) and backward ``(dq, dk, dv)`` from any ``o``/``lse`` (the merged ones of a split
+# branch). ``math`` is the same contract in plain torch ops: it runs the split path on CPU in the tests.
+
+def _lib_fwd(impl: str, qv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: float) -> tuple[torch.Tensor, ...]:
+    if impl == "cudnn":
+        o, lse, _cq, _ck, _mq, _mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qv, k, v, None, True, 0.0, causal, False, scale=scale)
+        return o, lse, seed, offset
+    if impl == "flash":
+        o, lse, _cq, _ck, _mq, _mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            qv, k, v, 0.0, causal, False, scale=scale)
+        return o, lse, seed, offset
+    o, lse = _attend_math(qv, k, v, scale, n0=0 if causal else k.shape[2])
+    return o, lse, lse.new_empty(0), lse.new_empty(0)
+
+
+def _lib_bwd(impl: str, do: torch.Tensor, qv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+             lse: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, causal: bool,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, NK = qv.shape[2], k.shape[2]
+    if impl == "cudnn":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do, qv, k, v, o, lse, seed, offset, None, None, None, N, NK, 0.0, causal, scale=scale)
+        return dq, dk, dv
+    if impl == "flash":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, qv, k, v, o, lse, None, None, N, NK, 0.0, causal, seed, offset, scale=scale)
+        return dq, dk, dv
+    # FlashAttention's backward in plain ops: P from the given lse, delta from the given o
+    B, HR, _, D = qv.shape
+    H = k.shape[1]
+    s = _scores(qv, k, scale, 0 if causal else NK)
+    p = torch.exp(s - lse.view(B, H, HR // H, N, 1))
+    dov = do.view(B, H, HR // H, N, -1).to(s.dtype)
+    dv = torch.einsum("bhrnm,bhrnd->bhmd", p, dov)
+    dp = torch.einsum("bhrnd,bhmd->bhrnm", dov, v.to(s.dtype))
+    delta = (dov * o.view(B, H, HR // H, N, -1).to(s.dtype)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    dq = torch.einsum("bhrnm,bhmd->bhrnd", ds, k.to(s.dtype)).reshape(B, HR, N, D)
+    dk = torch.einsum("bhrnm,bhrnd->bhmd", ds, qv.view(B, H, HR // H, N, D).to(s.dtype))
+    return dq.to(qv.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention outputs over disjoint key sets as one: ``o`` weighted by each part's share, ``lse`` their
+    log-sum-exp (the library's lse shape kept)."""
+    (o1, l1), (o2, l2) = parts
+    lse = torch.logaddexp(l1, l2)
+    f = torch.promote_types(o1.dtype, torch.float32)
+    w1 = torch.exp(l1 - lse).reshape(o1.shape[:3]).unsqueeze(-1).to(f)
+    o = (o1.to(f) * w1 + o2.to(f) * (1.0 - w1)).to(o1.dtype)
+    return o, lse
 
 
 class _Library(torch.autograd.Function):
     """The branch by a library kernel on the virtual rows, saving ``q`` (which the NSA op keeps anyway) and
-    regrouping it again in the backward instead of keeping the virtual copy (one ``q``-sized buffer less)."""
+    regrouping it again in the backward instead of keeping the virtual copy (one ``q``-sized buffer less).
+
+    Queries at an offset (virtual rows ``n0 ..``, :func:`geometry`) see the keys ``0 .. n0-1`` whole and the
+    rest causally: two calls, a rectangle without a mask and the causal square, merged by their
+    log-sum-exps; each part's backward runs from the merged ``o`` and ``lse`` (FlashAttention's backward
+    needs no more), its dq added and its dk/dv the gradient of its own keys."""
 
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l: int, d: int, scale: float,  # noqa: E741
-                impl: str) -> tuple[torch.Tensor, ...]:
-        qv = to_virtual(q, k.shape[1], l, d)
-        if impl == "cudnn":
-            o, lse, _cq, _ck, _mq, _mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                qv, k, v, None, True, 0.0, True, False, scale=scale)
-        else:
-            o, lse, _cq, _ck, _mq, _mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-                qv, k, v, 0.0, True, False, scale=scale)
-        return o, lse, seed, offset
+                impl: str, q_start: int) -> tuple[torch.Tensor, ...]:
+        n0 = geometry(q.shape[1], l, d, q_start)[0]
+        qv = to_virtual(q, k.shape[1], l, d, q_start=q_start)
+        o, lse, seed, offset = _lib_fwd(impl, qv, k[:, :, n0:], v[:, :, n0:], True, scale)
+        if n0 == 0:
+            return o, lse, seed, offset, seed, offset
+        o_r, lse_r, seed_r, offset_r = _lib_fwd(impl, qv, k[:, :, :n0], v[:, :, :n0], False, scale)
+        o, lse = _merge([(o_r, lse_r), (o, lse)])
+        return o, lse, seed, offset, seed_r, offset_r
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        q, k, v, ctx.l, ctx.d, ctx.scale, ctx.impl = inputs
-        o, lse, seed, offset = output
-        ctx.save_for_backward(q, k, v, o, lse, seed, offset)
-        ctx.mark_non_differentiable(lse, seed, offset)
+        q, k, v, ctx.l, ctx.d, ctx.scale, ctx.impl, ctx.q_start = inputs
+        o, lse, *seeds = output
+        ctx.save_for_backward(q, k, v, o, lse, *seeds)
+        ctx.mark_non_differentiable(lse, *seeds)
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
-        q, k, v, o, lse, seed, offset = ctx.saved_tensors
-        H, N = k.shape[1], k.shape[2]
-        qv = to_virtual(q, H, ctx.l, ctx.d)
-        if ctx.impl == "cudnn":
-            dqv, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                do, qv, k, v, o, lse, seed, offset, None, None, None, N, N, 0.0, True, scale=ctx.scale)
-        else:
-            dqv, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                do, qv, k, v, o, lse, None, None, N, N, 0.0, True, seed, offset, scale=ctx.scale)
+        q, k, v, o, lse, seed, offset, seed_r, offset_r = ctx.saved_tensors
+        H = k.shape[1]
+        n0 = geometry(q.shape[1], ctx.l, ctx.d, ctx.q_start)[0]
+        qv = to_virtual(q, H, ctx.l, ctx.d, q_start=ctx.q_start)
+        dqv, dk, dv = _lib_bwd(ctx.impl, do, qv, k[:, :, n0:], v[:, :, n0:], o, lse, seed, offset, True, ctx.scale)
+        if n0 > 0:
+            dq_r, dk_r, dv_r = _lib_bwd(ctx.impl, do, qv, k[:, :, :n0], v[:, :, :n0], o, lse, seed_r, offset_r,
+                                        False, ctx.scale)
+            dqv = dqv + dq_r
+            dk, dv = torch.cat([dk_r, dk], 2), torch.cat([dv_r, dv], 2)
         del qv
         dq = q.new_empty(q.shape)
-        to_rows(dqv, dq, H, ctx.l, ctx.d)
-        return dq, dk, dv, None, None, None, None
+        to_rows(dqv, dq, H, ctx.l, ctx.d, q_start=ctx.q_start)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def attend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, l: int, d: int, scale: float,  # noqa: E741
-           impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compressed branch of queries ``q [B, S, HQ, D]`` over ``k_cmp/v_cmp [B, S_cmp, H, D]`` (positions
-    from 0, ``S_cmp = num_cmp(S)``): virtual ``(o [B, HQ*d, S_cmp, Dv], lse [B, HQ*d, S_cmp])``, lse in
-    natural log (float32). Differentiable in ``q``, ``k_cmp``, ``v_cmp`` (``impl``: one of :data:`IMPLS`)."""
+           impl: str, q_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed branch of queries ``q [B, S, HQ, D]`` at positions ``q_start ..`` over ``k_cmp/v_cmp
+    [B, S_cmp, H, D]`` (tokens from position 0, up to the last query's): virtual ``(o [B, HQ*d, N, Dv], lse
+    [B, HQ*d, N])`` (:func:`geometry`), lse in natural log (float32). Differentiable in ``q``, ``k_cmp``,
+    ``v_cmp`` (``impl``: one of :data:`IMPLS`)."""
     H = k_cmp.shape[2]
     k, v = k_cmp.transpose(1, 2), v_cmp.transpose(1, 2)
-    if impl in ("cudnn", "flash"):
-        o, lse, *_ = _Library.apply(q, k, v, l, d, scale, impl)
+    n0, _, N = geometry(q.shape[1], l, d, q_start)
+    if k.shape[2] != n0 + N:
+        raise ValueError(f"k_cmp must hold the {n0 + N} compressed tokens up to the last query; got {k.shape[2]}")
+    if impl in ("cudnn", "flash") or (impl == "math" and n0 > 0):
+        o, lse, *_ = _Library.apply(q, k, v, l, d, scale, impl, q_start)
         return o, lse.reshape(o.shape[:3])
     if impl == "math":
-        return _attend_math(_Virtual.apply(q, H, l, d), k, v, scale)
+        return _attend_math(_Virtual.apply(q, H, l, d, q_start), k, v, scale)
     raise ValueError(f"unknown compressed-branch kernel '{impl}': choose one of {', '.join(IMPLS)}")
 
 
-def take(o_v: torch.Tensor, lse_v: torch.Tensor, o_dst: torch.Tensor, H: int, l: int, d: int) -> torch.Tensor:  # noqa: E741
+def take(o_v: torch.Tensor, lse_v: torch.Tensor, o_dst: torch.Tensor, H: int, l: int, d: int,  # noqa: E741
+         q_start: int = 0) -> torch.Tensor:
     """Write :func:`attend`'s output into the op's row slot ``o_dst [B, S, HQ, Dv]``; return the rows' lse
     ``[B, S, HQ]`` in the kernels' convention (log2 domain, ``+inf`` where no token is visible)."""
-    to_rows(o_v, o_dst, H, l, d)
+    to_rows(o_v, o_dst, H, l, d, q_start=q_start)
     lse = torch.empty(o_dst.shape[:3], device=o_dst.device, dtype=torch.float32)
-    to_rows(lse_v, lse, H, l, d, fill=math.inf, mul=LOG2E)
+    to_rows(lse_v, lse, H, l, d, fill=math.inf, mul=LOG2E, q_start=q_start)
     return lse
 
 
-def grad_out(do: torch.Tensor, gate: torch.Tensor, H: int, l: int, d: int) -> torch.Tensor:  # noqa: E741
+def grad_out(do: torch.Tensor, gate: torch.Tensor, H: int, l: int, d: int,  # noqa: E741
+             q_start: int = 0) -> torch.Tensor:
     """The gradient of :func:`attend`'s output from the op's ``do [B, S, HQ, Dv]`` and the branch's gate
     ``[B, S, HQ]``: ``gate * do`` in the virtual layout, one pass."""
-    return to_virtual(do, H, l, d, mul=gate.unsqueeze(-1))
+    return to_virtual(do, H, l, d, mul=gate.unsqueeze(-1), q_start=q_start)

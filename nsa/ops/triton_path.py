@@ -88,12 +88,12 @@ def path_counts() -> dict[str, int]:
 
 def cmp_path(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, q_start: int, n_keys: int | None = None) -> str:
     """The compressed branch's path for this call: the set one where it can serve, else by shape (``kernel``
-    for short sequences, queries at an offset or fewer than the keys (``n_keys``), head dims over 128 and
-    pre-Hopper GPUs)."""
+    for short sequences, queries that do not end with the keys (``n_keys``; unknown: only a whole sequence
+    from position 0 does), head dims over 128 and pre-Hopper GPUs)."""
     cc = cc_major(q.device) if q.is_cuda else 0
-    whole = q_start == 0 and (n_keys is None or n_keys == q.shape[1])
+    ends = q_start == 0 if n_keys is None else q_start + q.shape[1] == n_keys
     return cmp_path_for(q.shape[1], q.shape[2] // k_cmp.shape[2], q.shape[-1], v_cmp.shape[-1], k_cmp.shape[1],
-                        whole, cc)
+                        ends, cc, offset=q_start > 0)
 
 
 def cmp_path_of_shape(S: int, HQ: int, H: int, D: int, hp: NSAParams, device: torch.device) -> str:
@@ -102,14 +102,16 @@ def cmp_path_of_shape(S: int, HQ: int, H: int, D: int, hp: NSAParams, device: to
     return cmp_path_for(S, HQ // H, D, D, num_cmp(S, hp.l, hp.d), True, cc)
 
 
-def cmp_path_for(S: int, G: int, Dk: int, Dv: int, n_cmp: int, whole: bool, cc: int) -> str:
-    """:func:`cmp_path` from the shape (``whole``: the queries are the whole sequence from position 0, as the
-    virtual rows' square causal mask needs; ``cc``: the GPU's major compute capability, 0 off CUDA)."""
-    ok = whole and n_cmp > 0 and Dv == Dk and Dk % 8 == 0 and Dk <= 128
+def cmp_path_for(S: int, G: int, Dk: int, Dv: int, n_cmp: int, ends: bool, cc: int, offset: bool = False) -> str:
+    """:func:`cmp_path` from the shape (``S`` query rows; ``ends``: the queries end with the keys, a whole
+    sequence or a context-parallel chunk, as the virtual rows' causal mask needs; ``cc``: the GPU's major
+    compute capability, 0 off CUDA; ``offset``: a chunk past position 0, which a set path serves and ``auto``
+    leaves to our kernel until the split library path is measured on a GPU)."""
+    ok = ends and n_cmp > 0 and Dv == Dk and Dk % 8 == 0 and Dk <= 128
     if _cmp_path != "auto":
         return _cmp_path if ok and (_cmp_path == "math" or cc > 0) else "kernel"
     shortest = CMP_SDPA_MIN_S_BIG_GROUPS if G >= 16 else CMP_SDPA_MIN_S
-    if not ok or cc < 9 or interpreting() or shortest > S:
+    if not ok or offset or cc < 9 or interpreting() or shortest > S:
         return "kernel"
     return "cudnn"
 
@@ -170,7 +172,7 @@ class Stages:
         """The compressed branch's output as :func:`nsa.ops.cmp_sdpa.attend` computed it (virtual layout)."""
         self.cmp_given = True
         hp = self.hp
-        self.lse_c = cmp_sdpa.take(o_v, lse_v, self.o3[:, :, :, 0], self.k_cmp.shape[2], hp.l, hp.d)
+        self.lse_c = cmp_sdpa.take(o_v, lse_v, self.o3[:, :, :, 0], self.k_cmp.shape[2], hp.l, hp.d, self.q_start)
 
     def select(self) -> None:
         hp = self.hp
@@ -219,7 +221,7 @@ class Stages:
     def cmp_grad(self) -> None:
         """With the compressed branch given: its output's gradient ``gate * do`` in the virtual layout."""
         hp = self.hp
-        self.d_ocmp = cmp_sdpa.grad_out(self.do, self.gates[..., 0], self.k_cmp.shape[2], hp.l, hp.d)
+        self.d_ocmp = cmp_sdpa.grad_out(self.do, self.gates[..., 0], self.k_cmp.shape[2], hp.l, hp.d, self.q_start)
 
     def sel_bwd(self) -> None:
         # with the compressed branch given, the window's backward ran first and wrote q's dq unless it has its own
@@ -339,8 +341,8 @@ def _attention_bwd_fake(
     dq_win = q.new_empty(0) if q_win is None else q_win.new_empty(q_win.shape)
     dk_c, dv_c = (q.new_empty(0), q.new_empty(0)) if cmp_given else (k_cmp.new_empty(k_cmp.shape),
                                                                       v_cmp.new_empty(v_cmp.shape))
-    d_ocmp = (q.new_empty(q.shape[0], q.shape[2] * d, k_cmp.shape[1], v_sel.shape[-1]) if cmp_given
-              else q.new_empty(0))
+    d_ocmp = (q.new_empty(q.shape[0], q.shape[2] * d, cmp_sdpa.geometry(q.shape[1], l, d, q_start)[2],
+                          v_sel.shape[-1]) if cmp_given else q.new_empty(0))
     return (q.new_empty(q.shape), dk_c, dv_c, *(t.new_empty(t.shape) for t in (k_sel, v_sel, k_win, v_win, gates)),
             dq_win, d_ocmp)  # type: ignore[return-value]
 
@@ -441,7 +443,7 @@ def nsa_attention(
         _paths[path] += 1
     o_cmp = lse_cmp = None
     if path != "kernel":  # the compressed branch by a library kernel, differentiable on its own
-        o_cmp, lse_cmp = cmp_sdpa.attend(args[0], args[1], args[2], hp.l, hp.d, sc, path)
+        o_cmp, lse_cmp = cmp_sdpa.attend(args[0], args[1], args[2], hp.l, hp.d, sc, path, q_start)
     fwd_args = (*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start, qw, o_cmp, lse_cmp)
     out, idx, *_ = attention_fwd(*fwd_args) if torch.compiler.is_compiling() else _Eager.apply(*fwd_args)
     return (out, idx) if return_block_idx else out

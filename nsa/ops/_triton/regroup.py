@@ -16,17 +16,22 @@ from nsa.ops._triton import next_pow2
 
 
 @triton.jit
+def _program_rows(S, N, origin, HQ: tl.constexpr, DD: tl.constexpr, BR: tl.constexpr):
+    """This program's virtual head ``row`` = (b, hq, r) (hq = h*G + g: the virtual head order), its batch and
+    query head, its ``BR`` virtual rows ``n``, their source rows ``t`` and which of them exist."""
+    row = tl.program_id(1).to(tl.int64)
+    b = row // (HQ * DD)
+    hr = row % (HQ * DD)
+    n = tl.program_id(0) * BR + tl.arange(0, BR)
+    t = n.to(tl.int64) * DD + origin + hr % DD
+    return row, b, hr // DD, n, t, (n < N) & (t >= 0) & (t < S)
+
+
+@triton.jit
 def _to_virtual_kernel(X, M, Y, sxb, sxs, sxh, smb, sms, smh, S, N, origin,
                        HQ: tl.constexpr, DD: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
                        MUL: tl.constexpr):
-    row = tl.program_id(1).to(tl.int64)  # (b, hq, r) with hq = h*G + g: the virtual head order
-    b = row // (HQ * DD)
-    hr = row % (HQ * DD)
-    hq = hr // DD
-    r = hr % DD
-    n = tl.program_id(0) * BR + tl.arange(0, BR)
-    t = n.to(tl.int64) * DD + origin + r
-    ok = (n < N) & (t >= 0) & (t < S)
+    row, b, hq, n, t, ok = _program_rows(S, N, origin, HQ, DD, BR)
     c = tl.arange(0, BD)
     x = tl.load(X + b * sxb + t[:, None] * sxs + hq * sxh + c[None, :], mask=ok[:, None] & (c[None, :] < D),
                 other=0.0)
@@ -40,14 +45,7 @@ def _to_virtual_kernel(X, M, Y, sxb, sxs, sxh, smb, sms, smh, S, N, origin,
 @triton.jit
 def _to_rows_kernel(Y, X, sxb, sxs, sxh, S, N, origin,
                     HQ: tl.constexpr, DD: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    row = tl.program_id(1).to(tl.int64)
-    b = row // (HQ * DD)
-    hr = row % (HQ * DD)
-    hq = hr // DD
-    r = hr % DD
-    n = tl.program_id(0) * BR + tl.arange(0, BR)
-    t = n.to(tl.int64) * DD + origin + r
-    ok = (n < N) & (t >= 0) & (t < S)
+    row, b, hq, n, t, ok = _program_rows(S, N, origin, HQ, DD, BR)
     c = tl.arange(0, BD)
     y = tl.load(Y + (row * N + n[:, None]) * D + c[None, :], mask=ok[:, None] & (c[None, :] < D), other=0.0)
     tl.store(X + b * sxb + t[:, None] * sxs + hq * sxh + c[None, :], y.to(X.dtype.element_ty),

@@ -122,10 +122,8 @@ CPU_TUNED_CASES = {
     "h16-fsa-slabs": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {"sel_mode": "fsa", "score_slab": 7}),
     "h6-row-tma-slabs": (CPU_CASES["h6"], {"sel_mode": "row", "sel_tma": 1, "score_slab": 16}),
     "h2-row-strided": (CPU_CASES["h2-strided-views"], {"sel_mode": "row", "sel_tma": 1}),
-    # dq partials from the dk/dv programs for a large group, a per-position dq kernel for a small one
+    # dq partials from the dk/dv programs for a large group (the other way than its default)
     "h16-part-dq": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {"sel_dq": "part"}),
-    "h2-cmp-sdpa-window-query-row-dq": (CPU_CASES["h2-B2-cmp-sdpa-window-query"], {"sel_dq": "row"}),
-    "h6-cmp-sdpa-triton-copies": (CPU_CASES["h6-cmp-sdpa"], {"cmp_copy": "triton"}),
 }
 
 

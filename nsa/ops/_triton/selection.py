@@ -453,6 +453,11 @@ def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = 
     return torch.cat([perm, items.to(torch.int32)], dim=1).contiguous()
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last addressed one (a strided view reaches past its numel)."""
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
+
+
 def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l_sel: int, kind: str) -> dict[str, int]:
     HQ, DK = q.shape[2], q.shape[3]
     H = k.shape[2]
@@ -565,7 +570,7 @@ def sel_bwd(
     # (docs/kernels.md)
     gate = gates[..., branch]
     dog, delta = (do * gate.unsqueeze(-1)).to(do.dtype), gate.float() * dg[..., branch]
-    i32 = max(q.numel(), dog.numel(), dq_part.numel()) < 2**31
+    i32 = max(_extent(q), _extent(dog), dq_part.numel(), lse.numel()) < 2**31
     _sel_dkdv_kernel[(HQ * nw * B,)](
         q, k, v, dog, lse, delta, dk, dv, dq_part, work, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *dog.stride()[:3], S, SK, HQ, q_start, NB, nw, work.shape[1], sn, scale * LOG2E, scale, N_SEL=n_sel,

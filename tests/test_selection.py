@@ -294,6 +294,11 @@ def test_quality_sweep_compares_each_arm_at_its_best_learning_rate() -> None:
     rows = [QualityRow(f"{arm}@lr={lr:g}", seed, val_loss=v[seed]) for (arm, lr), v in losses.items() for seed in (0, 1)]
     best, sweep = at_best_lr([*rows, QualityRow("extra", 0, val_loss=2.0)])
     assert {a: s["best_lr"] for a, s in sweep.items()} == {"dense": 2e-3, "nsa": 1e-3}
+    assert {a: s["edge"] for a, s in sweep.items()} == {"dense": None, "nsa": None}  # two rates: no edge to judge
+    rows3 = [*rows, QualityRow("dense@lr=4e-3", 0, val_loss=1.40), QualityRow("nsa@lr=4e-3", 0, val_loss=1.22),
+             QualityRow("nsa@lr=5e-4", 0, val_loss=1.19)]
+    edges = {a: (s["best_lr"], s["edge"]) for a, s in at_best_lr(rows3)[1].items()}
+    assert edges == {"dense": (2e-3, None), "nsa": (5e-4, "lowest")}  # the optimum may lie below 5e-4
     assert sweep["nsa"]["mean_by_lr"] == {1e-3: pytest.approx(1.23), 2e-3: pytest.approx(1.26)}
     assert sorted((r.arm, r.seed, r.val_loss) for r in best) == [
         ("dense", 0, 1.25), ("dense", 1, 1.27), ("extra", 0, 2.0), ("nsa", 0, 1.20), ("nsa", 1, 1.26)]

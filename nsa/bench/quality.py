@@ -301,8 +301,9 @@ def summarise_arms(rows: list[QualityRow]) -> list[ArmSummary]:
 
 def at_best_lr(rows: list[QualityRow]) -> tuple[list[QualityRow], dict[str, dict[str, Any]]]:
     """A learning-rate sweep read arm by arm: each arm's rows at its best rate (the lowest mean held-out
-    loss over the seeds), renamed to the arm, and per arm ``{"best_lr", "mean_by_lr"}``; rows outside a
-    sweep pass through as they are."""
+    loss over the seeds), renamed to the arm, and per arm ``{"best_lr", "mean_by_lr", "edge"}`` (``edge``:
+    ``"lowest"``/``"highest"`` when the best rate is the sweep's smallest/largest of three or more, so the
+    optimum may lie beyond it; else ``None``); rows outside a sweep pass through as they are."""
     means: dict[str, dict[float, list[float]]] = {}
     for r in rows:
         base, tag, lr = r.arm.partition(LR_TAG)
@@ -311,7 +312,10 @@ def at_best_lr(rows: list[QualityRow]) -> tuple[list[QualityRow], dict[str, dict
     sweep: dict[str, dict[str, Any]] = {}
     for base, by_lr in means.items():
         mean_by_lr = {lr: sum(v) / len(v) for lr, v in sorted(by_lr.items())}
-        sweep[base] = {"best_lr": min(mean_by_lr, key=lambda lr: mean_by_lr[lr]), "mean_by_lr": mean_by_lr}
+        best = min(mean_by_lr, key=lambda lr: mean_by_lr[lr])
+        lrs = list(mean_by_lr)
+        edge = None if len(lrs) < 3 else "lowest" if best == lrs[0] else "highest" if best == lrs[-1] else None
+        sweep[base] = {"best_lr": best, "mean_by_lr": mean_by_lr, "edge": edge}
     out = []
     for r in rows:
         base, tag, lr = r.arm.partition(LR_TAG)

@@ -136,6 +136,11 @@ def quality(
             for arm, sw in sweep.items():
                 best.add_row(arm, *(f(sw["mean_by_lr"].get(lr)) for lr in lr_list), f"{sw['best_lr']:g}")
             console.print(best)
+            for arm, sw in sweep.items():
+                if sw["edge"]:  # the optimum may lie past the rates tried
+                    console.print(f"note: {arm}'s best rate {sw['best_lr']:g} is the {sw['edge']} tried; "
+                                  f"extend the sweep {'down' if sw['edge'] == 'lowest' else 'up'} to be sure",
+                                  highlight=False, markup=False)
         over_seeds = Table(title="arms over their seeds (vs dense: paired by seed, mean +- sd)"
                            + (", each arm at its best learning rate" if lr_list else ""))
         for col in ("arm", "seeds", "held-out loss mean +- sd", "vs dense", "reading"):

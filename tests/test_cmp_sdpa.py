@@ -149,6 +149,4 @@ def _regroup_case(device: str = "cpu") -> None:
 
 @pytest.mark.gpu
 def test_regroup_gpu() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     _regroup_case("cuda")

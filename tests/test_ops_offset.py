@@ -337,6 +337,19 @@ GPU_CASES = [
 ]
 
 
+def _gpu_matches(out: torch.Tensor, ref: torch.Tensor, args: list[torch.Tensor], ref_args: list[torch.Tensor], *,
+                 seed: int) -> None:
+    """A bf16 GPU output against its float64 torch-path reference, then every input's gradient (a seeded
+    output gradient) within bf16 tolerance."""
+    assert _rel(out, ref) < 2e-2
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.device)
+    out.backward(grad.to(out.dtype))
+    ref.backward(grad)
+    for name, a, r in zip(NAMES, args, ref_args, strict=True):
+        assert a.grad is not None and r.grad is not None, name
+        assert _rel(a.grad, r.grad) < 2e-2, (name, _rel(a.grad, r.grad))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["cudnn", "flash"])
 @pytest.mark.parametrize("HQ,H,D", [(12, 2, 64), (32, 2, 128)])
@@ -359,12 +372,7 @@ def test_gpu_offset_cmp_library_matches_torch_path(impl: str, HQ: int, H: int, D
         triton_path.set_cmp_path(None)
     assert triton_path.path_counts().get(impl, 0) == before + 1
     ref = ops.nsa_attention(*ref_args, hp, backend="torch", block_idx=idx, q_start=q0)
-    assert _rel(out, ref) < 2e-2
-    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(23), dtype=torch.float64).cuda()
-    out.backward(grad.to(out.dtype))
-    ref.backward(grad)
-    for name, a, r in zip(NAMES, args, ref_args, strict=True):
-        assert a.grad is not None and _rel(a.grad, r.grad) < 2e-2, name
+    _gpu_matches(out, ref, args, ref_args, seed=23)
 
 
 @pytest.mark.gpu
@@ -385,13 +393,8 @@ def test_gpu_offset_matches_torch_path(B: int, Sk: int, HQ: int, H: int, Dk: int
     out = ops.nsa_attention(*args, hp, block_idx=ref_idx, q_start=q0)  # auto: Triton for CUDA tensors
     assert ops.fallback_counts() == {}, "auto did not serve the offset call with Triton"
     ref = ops.nsa_attention(*ref_args, hp, backend="torch", block_idx=ref_idx, q_start=q0)
-    assert _rel(out, ref) < 2e-2
-    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(21), dtype=torch.float64).cuda()
-    out.backward(grad.to(torch.bfloat16))
-    ref.backward(grad)
-    for name, a, r in zip(NAMES, args, ref_args, strict=True):
-        assert a.grad is not None and r.grad is not None, name
-        assert _rel(a.grad, r.grad) < 2e-2, (name, _rel(a.grad, r.grad))
+    _gpu_matches(out, ref, args, ref_args, seed=21)
+    for name, a in zip(NAMES, args, strict=True):
         if name in ("k_sel", "v_sel", "k_win", "v_win") and q0 + sq < Sk:
             assert a.grad[:, q0 + sq:].abs().sum() == 0, name
 

@@ -49,9 +49,7 @@ def _segments(S: int, origin: int, d: int, N: int) -> list[tuple[int, int, int, 
         rb = min(d, S - origin)
         out.append((0, 1, -origin, rb, 0))
         k = 1
-    k_full = k
-    while k_full < N and origin + (k_full + 1) * d <= S:
-        k_full += 1
+    k_full = max(k, min(N, (S - origin) // d))  # the virtual rows wholly inside rows 0 .. S-1 end here
     if k_full > k:
         out.append((k, k_full, 0, d, origin + k * d))
     if k_full < N and origin + k_full * d < S:  # a partial last row
@@ -216,10 +214,9 @@ def _lib_bwd(impl: str, do: torch.Tensor, qv: torch.Tensor, k: torch.Tensor, v: 
     return dq.to(qv.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention outputs over disjoint key sets as one: ``o`` weighted by each part's share, ``lse`` their
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attention outputs over disjoint key sets as one: ``o`` weighted by each part's share, ``lse`` their
     log-sum-exp (the library's lse shape kept)."""
-    (o1, l1), (o2, l2) = parts
     lse = torch.logaddexp(l1, l2)
     f = torch.promote_types(o1.dtype, torch.float32)
     w1 = torch.exp(l1 - lse).reshape(o1.shape[:3]).unsqueeze(-1).to(f)
@@ -245,7 +242,7 @@ class _Library(torch.autograd.Function):
         if n0 == 0:
             return o, lse, seed, offset, seed, offset
         o_r, lse_r, seed_r, offset_r = _lib_fwd(impl, qv, k[:, :, :n0], v[:, :, :n0], False, scale)
-        o, lse = _merge([(o_r, lse_r), (o, lse)])
+        o, lse = _merge(o_r, lse_r, o, lse)
         return o, lse, seed, offset, seed_r, offset_r
 
     @staticmethod

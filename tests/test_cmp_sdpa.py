@@ -96,7 +96,6 @@ def test_dispatcher_picks_the_path_by_shape() -> None:
     assert pick(16384, 6, 64, 64, n, True, 9) == "kernel"
     assert pick(65536, 6, 64, 64, n, True, 8) == "kernel"
     assert pick(65536, 6, 64, 64, n, False, 9) == "kernel"  # queries that end before the keys
-    assert pick(65536, 6, 64, 64, n, True, 9, offset=True) == "kernel"  # auto: not before a GPU measurement
     assert pick(65536, 6, 192, 128, n, True, 9) == "kernel"
     assert pick(65536, 6, 256, 256, n, True, 9) == "kernel"
     assert pick(65536, 6, 64, 64, n, True, 0) == "kernel"

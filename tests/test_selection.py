@@ -359,3 +359,27 @@ def test_quality_summary_says_within_noise_when_the_seeds_disagree() -> None:
     assert got["slow"].reading == "worse" and got["slow"].vs_dense == pytest.approx(0.0699, abs=1e-3)
     assert got["once"].reading == "one seed" and got["other"].reading == "no dense arm"
     assert got["dense"].reading == "dense" and got["dense"].vs_dense is None
+
+
+def test_a_curriculum_arm_is_paired_with_dense_under_the_same_curriculum() -> None:
+    """This stop's 8k rows (2x H100, seeds 0-2 at lr 5e-4): ``nsa-curriculum`` is read against
+    ``dense-curriculum`` (same curriculum, same rate), not against plain ``dense``; an arm of its own recipe
+    with no dense twin falls back to ``dense``."""
+    from nsa.bench.quality import QualityRow, baseline_of, relative_to_dense, summarise_arms
+
+    dc, nc = (1.2853, 1.1655, 1.1814), (1.1224, 1.1738, 1.1809)
+    rows = [QualityRow("dense-curriculum", s, val_loss=v) for s, v in enumerate(dc)]
+    rows += [QualityRow("nsa-curriculum", s, val_loss=v) for s, v in enumerate(nc)]
+    rows += [QualityRow("dense", s, val_loss=2.0) for s in range(3)]
+    rows += [QualityRow("nsa-scorer", s, val_loss=1.0) for s in range(3)]
+    got = {a.arm: a for a in summarise_arms(rows)}
+    c = got["nsa-curriculum"]
+    assert c.baseline == "dense-curriculum" and c.paired_seeds == 3 and c.reading == "within noise"
+    assert c.vs_dense == pytest.approx(sum(n / d - 1 for n, d in zip(nc, dc, strict=True)) / 3)
+    assert got["dense-curriculum"].reading == "dense" and got["dense"].reading == "dense"
+    assert got["nsa-scorer"].baseline == "dense" and got["nsa-scorer"].vs_dense == pytest.approx(-0.5)
+    rel = relative_to_dense(rows)
+    assert rel["nsa-curriculum"] == pytest.approx(sum(nc) / sum(dc) - 1) and rel["dense"] == 0.0
+    names = {"dense-curriculum@lr=0.001", "nsa-curriculum@lr=0.001", "dense@lr=0.001"}
+    assert baseline_of("nsa-curriculum@lr=0.001", names) == "dense-curriculum@lr=0.001"
+    assert baseline_of("dense@lr=0.001", names) is None

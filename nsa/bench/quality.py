@@ -237,14 +237,36 @@ def run_needle_arm(config: str, base_sets: list[str], arm: Arm, seed: int, *, se
 
 
 def relative_to_dense(rows: list[QualityRow]) -> dict[str, float | None]:
-    """Mean held-out loss of each arm over its seeds, relative to the dense arm's mean (+0.036 = 3.6% worse)."""
+    """Mean held-out loss of each arm over its seeds, relative to its dense arm's mean (:func:`baseline_of`;
+    +0.036 = 3.6% worse; 0.0 for the dense arms themselves)."""
     by: dict[str, list[float]] = {}
     for r in rows:
         if r.val_loss is not None and math.isfinite(r.val_loss):
             by.setdefault(r.arm, []).append(r.val_loss)
     means = {a: sum(v) / len(v) for a, v in by.items()}
-    dense = means.get("dense")
-    return {a: (m / dense - 1.0) if dense else None for a, m in means.items()}
+    out: dict[str, float | None] = {}
+    for a, m in means.items():
+        base = baseline_of(a, set(means))
+        if _is_baseline(a, set(means)):
+            out[a] = 0.0
+        else:
+            out[a] = m / means[base] - 1.0 if base is not None and means[base] else None
+    return out
+
+
+def baseline_of(arm: str, names: set[str]) -> str | None:
+    """The dense arm ``arm`` is compared with among ``names``: ``dense-<recipe>`` for ``nsa-<recipe>`` where
+    both ran (a length curriculum against dense under the same curriculum), else ``dense``; at one learning
+    rate of a sweep, the baseline at the same rate. ``None`` when that arm did not run or ``arm`` is it."""
+    base, tag, lr = arm.partition(LR_TAG)
+    suffix = tag + lr
+    same = f"dense-{base[4:]}{suffix}" if base.startswith("nsa-") else None
+    choice = same if same in names else f"dense{suffix}"
+    return choice if choice in names and choice != arm else None
+
+
+def _is_baseline(arm: str, names: set[str]) -> bool:
+    return arm.partition(LR_TAG)[0] == "dense" or any(baseline_of(a, names) == arm for a in names)
 
 
 @dataclass
@@ -258,6 +280,7 @@ class ArmSummary:
     vs_dense: float | None = None  # mean over the shared seeds of (arm / dense - 1)
     vs_dense_sd: float | None = None  # its spread over those seeds
     paired_seeds: int = 0
+    baseline: str | None = None  # the dense arm it was paired with (:func:`baseline_of`)
     reading: str = ""  # "better", "worse", "within noise", "one seed", "dense" or "no dense arm"
 
 
@@ -269,24 +292,28 @@ def _sd(values: list[float]) -> float | None:
 
 
 def summarise_arms(rows: list[QualityRow]) -> list[ArmSummary]:
-    """Mean and spread of each arm's held-out loss, and its difference from dense paired by seed. The reading
+    """Mean and spread of each arm's held-out loss, and its difference from dense paired by seed (the dense arm
+    of :func:`baseline_of`: ``dense-curriculum`` for ``nsa-curriculum``). The reading
     is "within noise" when the mean difference is no larger than the differences' spread over the seeds
     (one standard deviation): two seeds that disagree in sign cannot tell +1% from -1%."""
     by: dict[str, dict[int, float]] = {}
     for r in rows:
         if r.val_loss is not None and math.isfinite(r.val_loss):
             by.setdefault(r.arm, {})[r.seed] = r.val_loss
-    dense = by.get("dense", {})
+    names = set(by)
     out = []
     for arm, losses in by.items():
         vals = list(losses.values())
         s = ArmSummary(arm, len(vals), sum(vals) / len(vals), _sd(vals))
+        base = baseline_of(arm, names)
+        dense = by[base] if base is not None else {}
         shared = sorted(set(losses) & set(dense))
-        if arm == "dense":
+        if _is_baseline(arm, names):
             s.reading = "dense"
         elif not shared:
             s.reading = "no dense arm"
         else:
+            s.baseline = base
             diffs = [losses[k] / dense[k] - 1.0 for k in shared]
             s.vs_dense, s.vs_dense_sd, s.paired_seeds = sum(diffs) / len(diffs), _sd(diffs), len(shared)
             if s.vs_dense_sd is None:

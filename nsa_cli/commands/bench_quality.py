@@ -148,7 +148,8 @@ def quality(
         for a in summarise_arms(summary_rows):
             spread = "" if a.sd is None else f" +- {a.sd:.4f}"
             diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
-                    + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%"))
+                    + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%")
+                    + ("" if a.baseline in (None, "dense") else f" (vs {a.baseline})"))
             over_seeds.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, a.reading)
         console.print(over_seeds)
         by_pos = [r for r in rows if r.loss_by_position and r.seed == seed_list[0]]

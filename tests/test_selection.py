@@ -383,3 +383,19 @@ def test_a_curriculum_arm_is_paired_with_dense_under_the_same_curriculum() -> No
     names = {"dense-curriculum@lr=0.001", "nsa-curriculum@lr=0.001", "dense@lr=0.001"}
     assert baseline_of("nsa-curriculum@lr=0.001", names) == "dense-curriculum@lr=0.001"
     assert baseline_of("dense@lr=0.001", names) is None
+    assert baseline_of("nsa-curriculum-kl@lr=0.001", names) == "dense-curriculum@lr=0.001"
+
+
+def test_an_arm_can_extend_a_named_recipe() -> None:
+    """``label=<arm>;key=value`` keeps that arm's length curriculum and adds the overrides; a plain
+    ``label=key=value`` is NSA with them; a bad override is one line naming it."""
+    from nsa.bench.quality import parse_arm
+    from nsa.errors import ConfigError
+
+    a = parse_arm("nsa-curriculum-kl=nsa-curriculum;scorer.weight=0.1;scorer.until=300")
+    assert a.name == "nsa-curriculum-kl" and a.warm_frac == 0.25 and a.warm_len_div == 4
+    assert a.sets == ("model.attention=nsa", "scorer.weight=0.1", "scorer.until=300")
+    b = parse_arm("kl=scorer.weight=0.1")
+    assert b.sets == ("model.attention=nsa", "scorer.weight=0.1") and b.warm_frac == 0
+    with pytest.raises(ConfigError):
+        parse_arm("x=nsa-curriculum;nonsense")

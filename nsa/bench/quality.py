@@ -80,16 +80,21 @@ ARMS: dict[str, Arm] = {
 
 
 def parse_arm(text: str) -> Arm:
-    """A name of :data:`ARMS`, or ``label=key=value;key=value`` (NSA plus those overrides)."""
+    """A name of :data:`ARMS`, or ``label=key=value;key=value`` (NSA plus those overrides), or
+    ``label=<arm>;key=value;...`` (that arm of :data:`ARMS`, its curriculum or warm start kept, plus them)."""
     if text in ARMS:
         return ARMS[text]
     label, sep, rest = text.partition("=")
     if not sep or not label or not rest:
         raise ConfigError(f"arm {text!r} is neither one of {', '.join(ARMS)} nor label=key=value;key=value",
-                          hint="e.g. --arms dense,nsa,'lr3=optimizer.lr=3e-3'")
+                          hint="e.g. --arms dense,nsa,'lr3=optimizer.lr=3e-3','nsa-curriculum-kl=nsa-curriculum;"
+                          "scorer.weight=0.1'")
     sets = tuple(s for s in rest.split(";") if s)
-    for s in sets:
+    base = ARMS.get(sets[0]) if sets else None
+    for s in sets[1:] if base is not None else sets:
         parse_set(s)
+    if base is not None:
+        return replace(base, name=label, sets=(*base.sets, *sets[1:]))
     return Arm(label, ("model.attention=nsa", *sets))
 
 
@@ -255,13 +260,17 @@ def relative_to_dense(rows: list[QualityRow]) -> dict[str, float | None]:
 
 
 def baseline_of(arm: str, names: set[str]) -> str | None:
-    """The dense arm ``arm`` is compared with among ``names``: ``dense-<recipe>`` for ``nsa-<recipe>`` where
-    both ran (a length curriculum against dense under the same curriculum), else ``dense``; at one learning
+    """The dense arm ``arm`` is compared with among ``names``: ``dense-<recipe>`` for ``nsa-<recipe>[-more]``
+    where both ran (a length curriculum against dense under the same curriculum), else ``dense``; at one learning
     rate of a sweep, the baseline at the same rate. ``None`` when that arm did not run or ``arm`` is it."""
     base, tag, lr = arm.partition(LR_TAG)
     suffix = tag + lr
-    same = f"dense-{base[4:]}{suffix}" if base.startswith("nsa-") else None
-    choice = same if same in names else f"dense{suffix}"
+    parts = base[4:].split("-") if base.startswith("nsa-") else []
+    for n in range(len(parts), 0, -1):  # nsa-curriculum-kl: dense-curriculum-kl, then dense-curriculum
+        twin = "-".join(["dense", *parts[:n]]) + suffix
+        if twin in names:
+            return twin
+    choice = f"dense{suffix}"
     return choice if choice in names and choice != arm else None
 
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 33's needle rows with the default recipe: runbooks/needle-retrieval.md's length curriculum
+# 256 -> 1k -> 4k -> 16k, continued to 32k, each arm on a GPU of its own (arm i on GPU i mod the count), all
+# arms at once; then `nsa eval --task needle` by depth at 4k, 16k and 32k.
+# Usage: scripts/needle_long_gpu.sh OUT_DIR [ARM ...]   arms: nsa (the default recipe), dense, window
+# EXTRA="--set k=v ..." adds overrides to every stage; SAMPLES (32) needles per cell.
+set -u
+out=${1:?out dir}; shift
+mkdir -p "$out"
+arms=("$@"); [ ${#arms[@]} -eq 0 ] && arms=(nsa dense)
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$ngpu" -gt 0 ] || { echo "no GPU"; exit 2; }
+# seq_len batch steps lr, per stage
+STAGES=("256 64 800 1e-3" "1024 16 800 1e-3" "4096 4 800 3e-4" "16384 2 600 1e-4" "32768 1 400 1e-4")
+run_arm() {
+  local arm=$1 gpu=$2 prev="" extra=()
+  case $arm in
+    nsa) ;;
+    dense) extra=(--set model.attention=dense) ;;
+    window) extra=(--set 'nsa.fixed_gates=[0,0,1]') ;;
+    *) echo "unknown arm $arm (nsa, dense, window)"; return 2 ;;
+  esac
+  for st in "${STAGES[@]}"; do
+    read -r S B N LR <<< "$st"
+    local dir=/tmp/needle-long/$arm-s$S init=()
+    [ -n "$prev" ] && init=(--set "train.init_from=$prev" --set schedule.warmup_steps=20)
+    CUDA_VISIBLE_DEVICES=$gpu python3 -m nsa_cli train --config needle --steps "$N" --seq-len "$S" --batch-size "$B" \
+      --set "optimizer.lr=$LR" --set model.max_seq_len=32768 --set checkpoint.every=0 "${init[@]}" "${extra[@]}" \
+      ${EXTRA:-} --out-dir "$dir" > "$out/$arm-s$S.log" 2>&1 || { echo "$arm: stage $S failed"; tail -3 "$out/$arm-s$S.log"; return 1; }
+    prev=$dir
+  done
+  CUDA_VISIBLE_DEVICES=$gpu python3 -m nsa_cli eval "$prev" --task needle --contexts 4096,16384,32768 \
+    --depths 0,0.25,0.5,0.75,1 --samples "${SAMPLES:-32}" --json-out "$out/eval-$arm.json" > "$out/eval-$arm.log" 2>&1
+  echo "== $arm"; tail -12 "$out/eval-$arm.log"
+}
+i=0
+for arm in "${arms[@]}"; do run_arm "$arm" $((i % ngpu)) & i=$((i + 1)); done
+wait

@@ -139,7 +139,8 @@ class Stages:
     skipped when ``block_idx`` is given) -> :meth:`sel_fwd` -> :meth:`win_fwd` (also the gated sum of the
     three branches). Backward, after :meth:`start_backward`: :meth:`cmp_bwd` (also the gate gradient of
     all three branches) -> :meth:`sel_bwd` -> :meth:`win_bwd` (also the final dq in q's dtype); dq
-    accumulates in fp32 between them. Every kernel takes ``q_start`` as a runtime integer: query row ``i``
+    accumulates in fp32 between them (in q's dtype when the compressed branch was given: two parts, and no
+    fp32 buffer of q's size). Every kernel takes ``q_start`` as a runtime integer: query row ``i``
     (of ``q``, ``gates`` and the row buffers) sits at position ``q_start + i`` of the keys. ``q_win``: the
     window branch's own queries (``None``: ``q``); then :meth:`win_bwd` writes their gradient ``dq_win``
     and :meth:`sel_bwd` finishes ``q``'s."""
@@ -209,8 +210,10 @@ class Stages:
         self.do = do.contiguous()
         q = self.q
         self.dg = torch.empty(*q.shape[:3], 3, device=q.device, dtype=torch.float32)
-        self.dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         self.dq_out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        # with the compressed branch given, q's gradient here has at most two parts (window, selected): they
+        # add in q's dtype (each sum formed in fp32 in the kernel), no fp32 buffer (2 GiB at paper 64k)
+        self.dq = self.dq_out if self.cmp_given else torch.empty(q.shape, device=q.device, dtype=torch.float32)
         self.dq_win = torch.empty(0, device=q.device, dtype=q.dtype)
 
     def cmp_bwd(self) -> None:
@@ -237,9 +240,9 @@ class Stages:
             q, dq, accum = self.q, self.dq, not self.cmp_given
             dq_out = None if self.cmp_given else self.dq_out
         else:
-            q, accum = self.q_win, False
-            dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-            dq_out = self.dq_win = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+            # its own queries' gradient has this one part: the kernel writes it in their dtype
+            q, accum, dq_out = self.q_win, False, None
+            dq = self.dq_win = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         self.dk_w, self.dv_w = range_bwd(q, self.k_win, self.v_win, self.do, self.lse_w, self.gates, self.dg,
                                          dq, branch=2, accum=accum, scale=self.scale, stride=1, off=0,
                                          win=self.hp.w, dq_out=dq_out, q_start=self.q_start,

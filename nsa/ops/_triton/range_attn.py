@@ -178,12 +178,12 @@ def _range_bwd_dq_kernel(
     ptrs = DQ + (b * S + pos64[:, None]) * HQ * DK + head[:, None] * DK + ck[None, :]
     msk = row_ok[:, None] & (ck[None, :] < DK)
     if ACCUM:
-        dq += tl.load(ptrs, mask=msk, other=0.0)
+        dq += tl.load(ptrs, mask=msk, other=0.0).to(tl.float32)
     if CAST_OUT:
         tl.store(DQO + (b * S + pos64[:, None]) * HQ * DK + head[:, None] * DK + ck[None, :],
                  dq.to(DQO.dtype.element_ty), mask=msk)
     else:
-        tl.store(ptrs, dq, mask=msk)
+        tl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=msk)
 
 
 @triton.jit
@@ -320,7 +320,8 @@ def range_bwd(
     stride: int, off: int, win: int, scale: float, o3: torch.Tensor | None = None,
     dq_out: torch.Tensor | None = None, q_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add this branch's dq into fp32 ``dq`` (or store when not ``accum``); return ``dk, dv`` (every key
+    """Add this branch's dq into ``dq`` (fp32, or q's dtype where one rounding more is fine; store when not
+    ``accum``); return ``dk, dv`` (every key
     row; keys no query row sees get zeros). Query row ``i`` sits at position ``q_start + i``.
 
     ``o3``: compute the gate gradient ``dg`` of all three branches from it first (``dg`` is written);

@@ -150,8 +150,8 @@ def _sel_dq_row_kernel(
     ptrs = DQ + row[:, None] * DK + ck[None, :]
     msk = row_ok[:, None] & (ck[None, :] < DK)
     if ACCUM:
-        dq += tl.load(ptrs, mask=msk, other=0.0)
-    tl.store(ptrs, dq, mask=msk)
+        dq += tl.load(ptrs, mask=msk, other=0.0).to(tl.float32)
+    tl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=msk)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -359,8 +359,8 @@ def _sel_dq_reduce_kernel(
     ptrs = DQ + R[:, None] * DK + ck[None, :]
     msk = ok[:, None] & (ck[None, :] < DK)
     if ACCUM:
-        dq += tl.load(ptrs, mask=msk, other=0.0)
-    tl.store(ptrs, dq, mask=msk)
+        dq += tl.load(ptrs, mask=msk, other=0.0).to(tl.float32)
+    tl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=msk)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -540,7 +540,7 @@ def sel_bwd(
     lse: torch.Tensor, gates: torch.Tensor, dg: torch.Tensor, dq: torch.Tensor, *, branch: int,
     accum: bool, l_sel: int, scale: float, work: torch.Tensor | None = None, q_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add the selected branch's dq into fp32 ``dq``; return fp32 ``dk, dv`` of every key row (zeros
+    """Add the selected branch's dq into ``dq`` (fp32 or q's dtype, the sum formed in fp32); return fp32 ``dk, dv`` of every key row (zeros
     where no query row reads it; ``work``: the forward's). Query row ``i`` sits at position ``q_start + i``."""
     B, S, HQ, _ = q.shape
     SK = k.shape[1]

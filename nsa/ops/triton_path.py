@@ -232,8 +232,8 @@ class Stages:
         self.dk_s, self.dv_s = sel_bwd(self.q, self.k_sel, self.v_sel, self.idx, self.do, self.lse_s, self.gates,
                                        self.dg, self.dq, branch=1, accum=accum, l_sel=self.hp.l_sel,
                                        scale=self.scale, work=self.work, q_start=self.q_start)
-        if self.q_win is not None or self.cmp_given:  # no later stage adds into q's gradient
-            self.dq_out = self.dq.to(self.q.dtype)
+        if (self.q_win is not None or self.cmp_given) and self.dq is not self.dq_out:
+            self.dq_out.copy_(self.dq)  # no later stage adds into q's gradient: into the buffer already there
 
     def win_bwd(self) -> None:
         if self.q_win is None:

@@ -1,6 +1,6 @@
 """Tile/loop-order sweep of the Triton NSA stages on a CUDA machine (`nsa.bench.attention.kernel_breakdown`).
 
-Usage (repo root, GPU): python3 scripts/kernel_sweep.py [group ...]   groups: base sel seldq cmpcopy range score
+Usage (repo root, GPU): python3 scripts/kernel_sweep.py [group ...]   groups: base sel seldq cmpcopy o3 range score
 Each line: shape, S, variant, then the median ms of the stages it touches; JSON lines go to $OUT/sweep.jsonl.
 """
 
@@ -50,6 +50,9 @@ def variants(group: str, shape: str) -> list[tuple[str, dict, tuple[str, ...] | 
     if group == "cmpcopy":  # the compressed branch's layout copies: PyTorch's strided copy or one Triton pass
         for how in ("torch", "triton"):
             out.append((f"copy-{how}", {"cmp_copy": how}, ("cmp_fwd", "cmp_bwd")))
+    if group == "o3":  # the compressed output in o3's rows (3 slots) or only in the library's virtual layout
+        for slots in (3, 2):
+            out.append((f"o3-slots{slots}", {"o3_slots": slots}, ("cmp_fwd", "cmp_bwd", "win_fwd", "win_bwd")))
     if group == "range":
         for br, stage in (("cmp", "cmp_fwd"), ("win", "win_fwd")):
             for bm, bn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),

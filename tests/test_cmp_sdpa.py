@@ -144,6 +144,19 @@ def _regroup_case(device: str = "cpu") -> None:
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape and torch.equal(a, b), (S, l, d, q_start)
         assert torch.equal(back, back_want), (S, l, d, q_start)
+        # the gate gradient in the same pass: dg[..., 0] = sum(x * o) per row, o the rows of a virtual tensor
+        # (zeros where none holds the row); its other columns untouched
+        o_v = torch.randn(want[0].shape, generator=gen).to(device, dtype)
+        o_rows = torch.zeros_like(x)
+        cmp_sdpa.to_rows(o_v, o_rows, H, l, d, q_start=q_start)
+        ref = (x.double() * o_rows.double()).sum(-1)
+        for tune in ({"cmp_copy": "torch"}, {"cmp_copy": "triton"}):
+            dg = torch.full((B, S, HQ, 3), 7.0, device=device)
+            with tile_overrides(tune):
+                y = cmp_sdpa.to_virtual(x, H, l, d, m, q_start, dot=(o_v, dg))
+            assert torch.equal(y, want[1]), (S, q_start, tune)
+            assert torch.allclose(dg[..., 0].double(), ref, rtol=1e-5, atol=1e-5), (S, q_start, tune)
+            assert (dg[..., 1:] == 7.0).all(), (S, q_start, tune)
 
 
 @pytest.mark.gpu

@@ -268,6 +268,18 @@ def test_gpu_cmp_sdpa_matches_torch_path(impl: str, B: int, S: int, HQ: int, H: 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window_query", [False, True])
+def test_gpu_cmp_output_kept_virtual_matches_torch_path(window_query: bool) -> None:
+    """Tile key ``o3_slots=2``: the compressed branch's output kept only in cuDNN's virtual layout (the
+    combine reading rows of its own, the gate gradient formed in the copy of ``do``)."""
+    from nsa.ops import tile_overrides
+
+    with tile_overrides({"o3_slots": 2}):
+        _check(1, 1500, 12, 2, 64, 64, l=32, d=16, l_sel=64, n_sel=16, w=512, dtype=torch.bfloat16,
+               device="cuda", tol=2e-2, oracle="torch", window_query=window_query, cmp_path="cudnn")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("HQ", [2, 12])
 def test_gpu_window_query_matches_torch_path(HQ: int) -> None:
     """The window branch's own queries (``q_win``): forward and every gradient, ``q_win``'s included."""

@@ -70,11 +70,22 @@ def _views(x: torch.Tensor, xv: torch.Tensor, H: int, d: int, seg: tuple[int, in
 
 
 def to_virtual(x: torch.Tensor, H: int, l: int, d: int, mul: torch.Tensor | None = None,  # noqa: E741
-               q_start: int = 0) -> torch.Tensor:
+               q_start: int = 0, dot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rows ``x [B, S, HQ, *t]`` at positions ``q_start ..`` (times ``mul``, broadcast to ``x``) as a new virtual
-    tensor ``[B, H*G*d, N, *t]`` (:func:`geometry`), zeros where no row is: one pass over ``x``."""
+    tensor ``[B, H*G*d, N, *t]`` (:func:`geometry`), zeros where no row is: one pass over ``x``.
+    ``dot=(o_v, dg)``: also ``dg[..., 0] = sum(x * o)`` per row, ``o`` the rows of virtual ``o_v`` (zeros
+    where no virtual row holds a row), ``dg [B, S, HQ, 3]``."""
     B, S, HQ = x.shape[:3]
     _, origin, N = geometry(S, l, d, q_start)
+    if dot is not None:
+        o_v, dg = dot
+        if origin > 0:
+            dg[:, : min(origin, S), :, 0] = 0.0
+        if _triton_copy(x) and o_v.stride(-1) == 1 and dg.is_contiguous():
+            return regroup.to_virtual(x, mul, d, origin, N, dot=(o_v, dg))
+        o = torch.empty_like(x)
+        to_rows(o_v, o, H, l, d, q_start=q_start)
+        dg[..., 0] = (x.float() * o.float()).sum(-1)
     if _triton_copy(x):
         return regroup.to_virtual(x, mul, d, origin, N)
     xv = x.new_empty(B, HQ * d, N, *x.shape[3:])
@@ -301,7 +312,9 @@ def take(o_v: torch.Tensor, lse_v: torch.Tensor, o_dst: torch.Tensor, H: int, l:
 
 
 def grad_out(do: torch.Tensor, gate: torch.Tensor, H: int, l: int, d: int,  # noqa: E741
-             q_start: int = 0) -> torch.Tensor:
+             q_start: int = 0, o_v: torch.Tensor | None = None, dg: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient of :func:`attend`'s output from the op's ``do [B, S, HQ, Dv]`` and the branch's gate
-    ``[B, S, HQ]``: ``gate * do`` in the virtual layout, one pass."""
-    return to_virtual(do, H, l, d, mul=gate.unsqueeze(-1), q_start=q_start)
+    ``[B, S, HQ]``: ``gate * do`` in the virtual layout, one pass; with ``o_v`` (that output) and ``dg``
+    (``[B, S, HQ, 3]``), the gate's gradient ``sum(do * o)`` into ``dg[..., 0]`` in the same pass."""
+    dot = (o_v, dg) if o_v is not None and dg is not None else None
+    return to_virtual(do, H, l, d, mul=gate.unsqueeze(-1), q_start=q_start, dot=dot)

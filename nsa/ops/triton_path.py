@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nsa.ops import cmp_sdpa
-from nsa.ops._triton import cc_major, interpreting
+from nsa.ops._triton import cc_major, interpreting, tuned
 from nsa.ops._triton.range_attn import range_bwd, range_fwd
 from nsa.ops._triton.scores import select_top
 from nsa.ops._triton.selection import canonical_blocks, sel_bwd, sel_fwd, sel_mode, work_shape
@@ -102,6 +102,13 @@ def cmp_path_of_shape(S: int, HQ: int, H: int, D: int, hp: NSAParams, device: to
     return cmp_path_for(S, HQ // H, D, D, num_cmp(S, hp.l, hp.d), True, cc)
 
 
+def o3_slots(cmp_given: bool, device: torch.device) -> int:
+    """How many branch outputs the op keeps in rows for its backward: 3, or 2 when the compressed branch ran
+    on a library kernel and tile key ``o3_slots=2`` asks to keep its output only in the virtual layout that
+    kernel saved anyway (one q-sized buffer less; off until measured on a GPU)."""
+    return 2 if cmp_given and int(tuned("o3_slots", 3)) == 2 else 3
+
+
 def cmp_path_for(S: int, G: int, Dk: int, Dv: int, n_cmp: int, ends: bool, cc: int) -> str:
     """:func:`cmp_path` from the shape (``S`` query rows; ``ends``: the queries end with the keys, a whole
     sequence or a context-parallel chunk, as the virtual rows' causal mask needs; ``cc``: the GPU's major
@@ -154,26 +161,38 @@ class Stages:
         self.gates = gates.contiguous()
         self.hp, self.scale, self.q_start = hp, scale, q_start
         self.cmp_given = False  # the compressed branch ran outside (cmp_sdpa): its output is handed in
-        # the forward's buffers (the backward is handed the saved ones instead)
+        # the forward's buffers (the backward is handed the saved ones instead); ``o3`` holds the branch
+        # outputs in rows, the compressed one in slot 0 unless it is given and kept only in its virtual
+        # layout ``o_v`` (two slots, :func:`o3_slots`); ``o_c``: the compressed output in rows, for the combine
         self.o3 = self.out = self.lse_c = self.lse_s = self.lse_w = self.idx = self.work = torch.empty(0)
+        self.o_c = self.o_v = torch.empty(0)
 
-    def start_forward(self) -> None:
+    @property
+    def slots(self) -> int:
+        return self.o3.shape[3] if self.o3.dim() == 5 else 3
+
+    def start_forward(self, slots: int = 3) -> None:
         q = self.q
         B, S, HQ, _ = q.shape
         Dv = self.v_sel.shape[-1]
-        self.o3 = torch.empty(B, S, HQ, 3, Dv, device=q.device, dtype=q.dtype)
+        self.o3 = torch.empty(B, S, HQ, slots, Dv, device=q.device, dtype=q.dtype)
         self.out = torch.empty(B, S, HQ, Dv, device=q.device, dtype=q.dtype)
 
     # forward
     def cmp_fwd(self) -> None:
-        self.lse_c = range_fwd(self.q, self.k_cmp, self.v_cmp, self.o3[:, :, :, 0], scale=self.scale,
+        self.o_c = self.o3[:, :, :, 0]
+        self.lse_c = range_fwd(self.q, self.k_cmp, self.v_cmp, self.o_c, scale=self.scale,
                                q_start=self.q_start, **_cmp_geometry(self.hp))
 
     def take_cmp(self, o_v: torch.Tensor, lse_v: torch.Tensor) -> None:
         """The compressed branch's output as :func:`nsa.ops.cmp_sdpa.attend` computed it (virtual layout)."""
         self.cmp_given = True
         hp = self.hp
-        self.lse_c = cmp_sdpa.take(o_v, lse_v, self.o3[:, :, :, 0], self.k_cmp.shape[2], hp.l, hp.d, self.q_start)
+        if self.slots == 2:  # rows for the combine only; the backward reads the virtual output
+            self.o_c, self.o_v = torch.empty_like(self.out), o_v
+        else:
+            self.o_c = self.o3[:, :, :, 0]
+        self.lse_c = cmp_sdpa.take(o_v, lse_v, self.o_c, self.k_cmp.shape[2], hp.l, hp.d, self.q_start)
 
     def select(self) -> None:
         hp = self.hp
@@ -184,16 +203,18 @@ class Stages:
         self.idx = canonical_blocks(block_idx, self.hp.l_sel, self.q_start)  # same key set, a new tensor
 
     def sel_fwd(self) -> None:
-        self.lse_s, self.work = sel_fwd(self.q, self.k_sel, self.v_sel, self.idx, self.o3[:, :, :, 1],
+        self.lse_s, self.work = sel_fwd(self.q, self.k_sel, self.v_sel, self.idx, self.o3[:, :, :, self.slots - 2],
                                         l_sel=self.hp.l_sel, scale=self.scale, q_start=self.q_start)
 
     def win_fwd(self) -> None:
-        self.lse_w = range_fwd(self.q if self.q_win is None else self.q_win, self.k_win, self.v_win, self.o3[:, :, :, 2], scale=self.scale, stride=1,
-                               off=0, win=self.hp.w, combine=(self.gates, self.out), q_start=self.q_start)
+        self.lse_w = range_fwd(self.q if self.q_win is None else self.q_win, self.k_win, self.v_win,
+                               self.o3[:, :, :, self.slots - 1], scale=self.scale, stride=1, off=0, win=self.hp.w,
+                               combine=(self.gates, self.out, self.o_c), q_start=self.q_start)
+        self.o_c = torch.empty(0)  # a buffer of its own (two slots) is free now
 
     def forward(self, block_idx: torch.Tensor | None,
                 cmp_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        self.start_forward()
+        self.start_forward(o3_slots(cmp_out is not None, self.q.device))
         if cmp_out is None:
             self.cmp_fwd()
         else:
@@ -222,9 +243,12 @@ class Stages:
                                          q_start=self.q_start, **_cmp_geometry(self.hp))
 
     def cmp_grad(self) -> None:
-        """With the compressed branch given: its output's gradient ``gate * do`` in the virtual layout."""
+        """With the compressed branch given: its output's gradient ``gate * do`` in the virtual layout (and its
+        gate's gradient, when ``o3`` does not hold its output: from the virtual output in the same pass)."""
         hp = self.hp
-        self.d_ocmp = cmp_sdpa.grad_out(self.do, self.gates[..., 0], self.k_cmp.shape[2], hp.l, hp.d, self.q_start)
+        dg = self.dg if self.slots == 2 else None
+        self.d_ocmp = cmp_sdpa.grad_out(self.do, self.gates[..., 0], self.k_cmp.shape[2], hp.l, hp.d, self.q_start,
+                                        o_v=self.o_v if dg is not None else None, dg=dg)
 
     def sel_bwd(self) -> None:
         # with the compressed branch given, the window's backward ran first and wrote q's dq unless it has its own
@@ -301,7 +325,8 @@ def _attention_fwd_fake(
     f32, i32 = torch.float32, torch.int32
     work = (q.new_empty(0, dtype=i32) if sel_mode(HQ // H, q.device) == "row"
             else q.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, q_start), dtype=i32))
-    return (q.new_empty(B, S, HQ, Dv), q.new_empty(B, S, H, n_sel, dtype=i32), q.new_empty(B, S, HQ, 3, Dv),
+    slots = o3_slots(o_cmp is not None and lse_cmp is not None, q.device)
+    return (q.new_empty(B, S, HQ, Dv), q.new_empty(B, S, H, n_sel, dtype=i32), q.new_empty(B, S, HQ, slots, Dv),
             q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32),
             work)
 
@@ -316,16 +341,19 @@ def attention_bwd(
     v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
     o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, work: torch.Tensor,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
-    q_win: torch.Tensor | None = None, cmp_given: bool = False,
+    q_win: torch.Tensor | None = None, cmp_given: bool = False, o_cmp: torch.Tensor | None = None,
 ) -> _BWD_OUT:
     """Backward kernels: ``(dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates, dq_win, d_ocmp)``
     (``dq_win`` empty without ``q_win``); every key/value gradient has all the keys' rows (zeros where no
     query row of this call reads a key). ``cmp_given``: the forward was handed the compressed branch; then
-    ``d_ocmp`` is its output's gradient (virtual layout) and ``dk_cmp, dv_cmp`` are empty."""
+    ``d_ocmp`` is its output's gradient (virtual layout) and ``dk_cmp, dv_cmp`` are empty; ``o_cmp``: that
+    output (virtual), needed when ``o3`` has two slots."""
     st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale,
                 q_start, q_win)
     st.o3, st.idx, st.lse_c, st.lse_s, st.lse_w, st.work = o3, idx, lse_c, lse_s, lse_w, work
     st.cmp_given = cmp_given
+    if o_cmp is not None:
+        st.o_v = o_cmp
     st.backward(do)
     if cmp_given:  # outputs may not alias each other: a fresh empty tensor for each
         st.dk_c, st.dv_c = q.new_empty(0), q.new_empty(0)
@@ -339,7 +367,7 @@ def _attention_bwd_fake(
     v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, idx: torch.Tensor,
     o3: torch.Tensor, lse_c: torch.Tensor, lse_s: torch.Tensor, lse_w: torch.Tensor, work: torch.Tensor,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
-    q_win: torch.Tensor | None = None, cmp_given: bool = False,
+    q_win: torch.Tensor | None = None, cmp_given: bool = False, o_cmp: torch.Tensor | None = None,
 ) -> _BWD_OUT:
     dq_win = q.new_empty(0) if q_win is None else q_win.new_empty(q_win.shape)
     dk_c, dv_c = (q.new_empty(0), q.new_empty(0)) if cmp_given else (k_cmp.new_empty(k_cmp.shape),
@@ -359,8 +387,10 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: _FWD_OUT) -> None:
     _, idx, o3, lse_c, lse_s, lse_w, work = output
     ctx.has_q_win = q_win is not None
     ctx.cmp_given = o_cmp is not None
+    ctx.keeps_o_cmp = o3.shape[3] == 2  # the compressed output only in its virtual layout (no extra memory:
+    # the library kernel's own backward holds the same tensor)
     ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, work,
-                          *([q_win] if q_win is not None else []))
+                          *([q_win] if q_win is not None else []), *([o_cmp] if ctx.keeps_o_cmp else []))
     ctx.hp = dict(zip(_HP, hp, strict=False))  # q_start may be left at its default
     ctx.mark_non_differentiable(idx, o3, lse_c, lse_s, lse_w, work)
 
@@ -368,8 +398,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: _FWD_OUT) -> None:
 def _backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
     saved = ctx.saved_tensors
     q_win = saved[14] if ctx.has_q_win else None
+    o_cmp = saved[-1] if ctx.keeps_o_cmp else None
     dq, dk_c, dv_c, *grads, dq_win, d_ocmp = attention_bwd(do, *saved[:14], **ctx.hp, q_win=q_win,
-                                                           cmp_given=ctx.cmp_given)
+                                                           cmp_given=ctx.cmp_given, o_cmp=o_cmp)
     if ctx.cmp_given:  # k_cmp/v_cmp fed only the block scores here: their gradient comes through o_cmp
         dk_c = dv_c = None
     return (dq, dk_c, dv_c, *grads, None, None, None, None, None, None, None, None,

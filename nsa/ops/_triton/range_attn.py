@@ -26,8 +26,8 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _range_fwd_kernel(
-    Q, K, V, OUT, LSE, GATE, FINAL,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
+    Q, K, V, OUT, LSE, GATE, FINAL, OC,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, scb, scs, sch,
     S, NK, HQ, Q0, scale_log2,
     HG: tl.constexpr, H: tl.constexpr, STRIDE: tl.constexpr, OFF: tl.constexpr, WIN: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
@@ -89,12 +89,15 @@ def _range_fwd_kernel(
         omask = row_ok[:, None] & (cv[None, :] < DV)
         tl.store(optr, o.to(OUT.dtype.element_ty), mask=omask)
         if COMBINE:
-            # OUT is slot 2 of o3 [B, S, HQ, 3, Dv]: slots 0 and 1 hold the other branches' outputs
+            # OUT is the last slot of o3 [B, S, HQ, slots, Dv], the selected branch's output the one before;
+            # the compressed branch's output comes through OC (o3's first slot, or rows of its own)
             row = (b * S + pos64) * HQ + head
             fin = o * tl.load(GATE + row * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            for x in tl.static_range(2):
-                ox = tl.load(optr - (2 - x) * DV, mask=omask, other=0.0).to(tl.float32)
-                fin += ox * tl.load(GATE + row * 3 + x, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            o1 = tl.load(optr - DV, mask=omask, other=0.0).to(tl.float32)
+            fin += o1 * tl.load(GATE + row * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            o0 = tl.load(OC + b * scb + pos64[:, None] * scs + head[:, None] * sch + cv[None, :], mask=omask,
+                         other=0.0).to(tl.float32)
+            fin += o0 * tl.load(GATE + row * 3, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(FINAL + row[:, None] * DV + cv[None, :], fin.to(FINAL.dtype.element_ty), mask=omask)
 
 
@@ -106,7 +109,7 @@ def _range_bwd_dq_kernel(
     HG: tl.constexpr, H: tl.constexpr, STRIDE: tl.constexpr, OFF: tl.constexpr, WIN: tl.constexpr,
     X: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, ACCUM: tl.constexpr, DG_FROM_O3: tl.constexpr,
-    CAST_OUT: tl.constexpr,
+    CAST_OUT: tl.constexpr, NSLOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -131,11 +134,14 @@ def _range_bwd_dq_kernel(
         # the gate gradient of all three branches, dg[row, x] = sum(do * o_x), written for the kernels after
         omask = row_ok[:, None] & (cv[None, :] < DV)
         dof = do.to(tl.float32)
-        o3p = O3 + row[:, None] * 3 * DV + cv[None, :]
-        dg0 = tl.sum(dof * tl.load(o3p, mask=omask, other=0.0).to(tl.float32), 1)
-        dg1 = tl.sum(dof * tl.load(o3p + DV, mask=omask, other=0.0).to(tl.float32), 1)
-        dg2 = tl.sum(dof * tl.load(o3p + 2 * DV, mask=omask, other=0.0).to(tl.float32), 1)
-        tl.store(DG + row * 3, dg0, mask=row_ok)
+        # (o3 holds the selected and window outputs in its last two slots; with NSLOT == 2 the compressed
+        # branch's gate gradient is written later, from its own output)
+        o3p = O3 + row[:, None] * NSLOT * DV + cv[None, :]
+        if NSLOT == 3:
+            dg0 = tl.sum(dof * tl.load(o3p, mask=omask, other=0.0).to(tl.float32), 1)
+            tl.store(DG + row * 3, dg0, mask=row_ok)
+        dg1 = tl.sum(dof * tl.load(o3p + (NSLOT - 2) * DV, mask=omask, other=0.0).to(tl.float32), 1)
+        dg2 = tl.sum(dof * tl.load(o3p + (NSLOT - 1) * DV, mask=omask, other=0.0).to(tl.float32), 1)
         tl.store(DG + row * 3 + 1, dg1, mask=row_ok)
         tl.store(DG + row * 3 + 2, dg2, mask=row_ok)
         if X == 0:
@@ -288,23 +294,24 @@ def _geom(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, 
 def range_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor | None, *,
     stride: int, off: int, win: int, scale: float,
-    combine: tuple[torch.Tensor, torch.Tensor] | None = None, q_start: int = 0,
+    combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, q_start: int = 0,
 ) -> torch.Tensor:
     """Write the branch output into ``o`` (a ``[B,S,HQ,Dv]`` view; None: only lse); return lse.
     Query row ``i`` sits at position ``q_start + i``; ``k``/``v`` hold the keys from position 0.
 
-    ``combine=(gates, out)``: ``o`` is slot 2 of a contiguous ``o3 [B,S,HQ,3,Dv]`` whose slots 0 and 1
-    are written; also write the gated sum of the three into contiguous ``out`` (gates ``[B,S,HQ,3]``)."""
+    ``combine=(gates, out, o_cmp)``: ``o`` is the last slot of a contiguous ``o3 [B,S,HQ,slots,Dv]`` whose
+    slot before it holds the selected branch's output, ``o_cmp`` (``[B,S,HQ,Dv]``, any strides) the
+    compressed one's; also write the gated sum of the three into contiguous ``out`` (gates ``[B,S,HQ,3]``)."""
     B, S, HQ, H, h, DK, DV = _geom(q, k, v)
     NK = k.shape[1]
     cfg = tile_config(q.device, h, DK, DV, _kind(win))
     lse = torch.empty(B, S, HQ, device=q.device, dtype=torch.float32)
     out = o if o is not None else q  # dummy pointer when not writing
-    gates, final = combine if combine is not None else (lse, lse)
+    gates, final, o_c = combine if combine is not None else (lse, lse, out)
     grid = (triton.cdiv(S, cfg.bm // h), B * H)
     _range_fwd_kernel[grid](
-        q, k, v, out, lse, gates, final,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q, k, v, out, lse, gates, final, o_c,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *o_c.stride()[:3],
         S, NK, HQ, q_start, scale * LOG2E,
         HG=h, H=H, STRIDE=stride, OFF=off, WIN=win, DK=DK, DV=DV,
         BDK=max(16, next_pow2(DK)), BDV=max(16, next_pow2(DV)), BM=cfg.bm, BN=cfg.bn,
@@ -324,7 +331,8 @@ def range_bwd(
     ``accum``); return ``dk, dv`` (every key
     row; keys no query row sees get zeros). Query row ``i`` sits at position ``q_start + i``.
 
-    ``o3``: compute the gate gradient ``dg`` of all three branches from it first (``dg`` is written);
+    ``o3 [B,S,HQ,slots,Dv]``: compute the gate gradient ``dg`` of the branches it holds from it first (``dg``
+    is written; two slots: the selected and window branches only);
     ``dq_out``: write the final dq there (its dtype) instead of back into ``dq``."""
     B, S, HQ, H, h, DK, DV = _geom(q, k, v)
     NK = k.shape[1]
@@ -335,8 +343,8 @@ def range_bwd(
     _range_bwd_dq_kernel[(triton.cdiv(S, cfg.bm // h), B * H)](
         q, k, v, do, lse, gates, dg, dq, o3 if o3 is not None else dq, dq_out if dq_out is not None else dq,
         *strides, S, NK, HQ, q_start, scale * LOG2E, scale, ACCUM=accum, DG_FROM_O3=o3 is not None,
-        CAST_OUT=dq_out is not None, BM=cfg.bm, BN=cfg.bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **common,
+        CAST_OUT=dq_out is not None, NSLOT=o3.shape[3] if o3 is not None else 3, BM=cfg.bm, BN=cfg.bn,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
     )
     cfg = tile_config(q.device, h, DK, DV, _kind(win) + "dkdv")
     # long query ranges (compressed branch) are split over programs that add dk/dv atomically

@@ -28,13 +28,18 @@ def _program_rows(S, N, origin, HQ: tl.constexpr, DD: tl.constexpr, BR: tl.const
 
 
 @triton.jit
-def _to_virtual_kernel(X, M, Y, sxb, sxs, sxh, smb, sms, smh, S, N, origin,
+def _to_virtual_kernel(X, M, Y, OV, DG, sxb, sxs, sxh, smb, sms, smh, sob, soh, son, S, N, origin,
                        HQ: tl.constexpr, DD: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                       MUL: tl.constexpr):
+                       MUL: tl.constexpr, DOT: tl.constexpr):
     row, b, hq, n, t, ok = _program_rows(S, N, origin, HQ, DD, BR)
     c = tl.arange(0, BD)
     x = tl.load(X + b * sxb + t[:, None] * sxs + hq * sxh + c[None, :], mask=ok[:, None] & (c[None, :] < D),
                 other=0.0)
+    if DOT:  # each row's dot product with the virtual tensor OV at its place: DG[b, t, hq, 0] ([B, S, HQ, 3])
+        o = tl.load(OV + b * sob + (row % (HQ * DD)) * soh + n[:, None] * son + c[None, :],
+                    mask=ok[:, None] & (c[None, :] < D), other=0.0)
+        dot = tl.sum(x.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(DG + ((b * S + t) * HQ + hq) * 3, dot, mask=ok)
     if MUL:
         m = tl.load(M + b * smb + t * sms + hq * smh, mask=ok, other=0.0)
         x = (x.to(tl.float32) * m.to(tl.float32)[:, None]).to(Y.dtype.element_ty)
@@ -56,9 +61,11 @@ def _rows_per_program(D: int) -> int:
     return max(1, min(64, 8192 // next_pow2(D)))
 
 
-def to_virtual(x: torch.Tensor, mul: torch.Tensor | None, d: int, origin: int, N: int) -> torch.Tensor:
+def to_virtual(x: torch.Tensor, mul: torch.Tensor | None, d: int, origin: int, N: int,
+               dot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rows ``x [B, S, HQ, D]`` (``D`` contiguous; times ``mul [B, S, HQ, 1]`` when given) as a new
-    ``[B, HQ*d, N, D]``."""
+    ``[B, HQ*d, N, D]``. ``dot=(o_v, dg)``: also write each row's ``sum(x * o_v)`` (``o_v`` virtual, ``D``
+    contiguous) into ``dg[..., 0]`` (``dg [B, S, HQ, 3]`` contiguous; rows no virtual row holds untouched)."""
     B, S, HQ, D = x.shape
     y = x.new_empty(B, HQ * d, N, D)
     if y.numel() == 0:
@@ -66,9 +73,11 @@ def to_virtual(x: torch.Tensor, mul: torch.Tensor | None, d: int, origin: int, N
     br = _rows_per_program(D)
     m = mul if mul is not None else x
     ms = (m.stride(0), m.stride(1), m.stride(2)) if mul is not None else (0, 0, 0)
+    o, dg = dot if dot is not None else (x, y)
+    os_ = (o.stride(0), o.stride(1), o.stride(2)) if dot is not None else (0, 0, 0)
     _to_virtual_kernel[(triton.cdiv(N, br), B * HQ * d)](
-        x, m, y, x.stride(0), x.stride(1), x.stride(2), *ms, S, N, origin, HQ=HQ, DD=d, D=D,
-        BD=max(16, next_pow2(D)), BR=br, MUL=mul is not None, num_warps=4)
+        x, m, y, o, dg, x.stride(0), x.stride(1), x.stride(2), *ms, *os_, S, N, origin, HQ=HQ, DD=d, D=D,
+        BD=max(16, next_pow2(D)), BR=br, MUL=mul is not None, DOT=dot is not None, num_warps=4)
     return y
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from nsa_cli.app import app
@@ -33,6 +34,24 @@ def test_bench_attention_tiny(tmp_path: Path) -> None:
     assert row["seq_len"] == 64 and row["shape"] == "tiny"
     assert row["nsa_fwd_ms"] > 0 and row["nsa_fwdbwd_ms"] > 0 and row["dense_fwd_ms"] > 0
     assert row["speedup_fwd"] > 0 and row["nsa_fwd_gflop"] > 0
+    assert row["nsa_saved_mib"] > 0 and row["dense_saved_mib"] > 0  # what each forward keeps for its backward
+
+
+def test_saved_mib_counts_what_the_forward_keeps_beyond_its_inputs() -> None:
+    """Seed 0: ``x * y`` saves only its inputs (nothing counted); ``exp`` saves its new output, counted once;
+    the outputs of later operations on its slices count as their own storages."""
+    from nsa.bench.attention import saved_mib
+
+    torch.manual_seed(0)
+    x, y = (torch.randn(256, 1024, requires_grad=True) for _ in range(2))
+    assert saved_mib(lambda: (x * y).sum(), [x, y]) == 0.0
+    assert saved_mib(lambda: torch.exp(x), [x, y]) == pytest.approx(1.0)  # 256 x 1024 float32 = 1 MiB
+
+    def twice() -> torch.Tensor:
+        e = torch.exp(x)
+        return e[:128].sigmoid().sum() + e[128:].tanh().sum()  # sigmoid/tanh save their outputs: 2 x 0.5 MiB
+
+    assert saved_mib(twice, [x]) == pytest.approx(2.0)
 
 
 def test_bench_attention_cuda_graph_flag_is_recorded(tmp_path: Path) -> None:

@@ -310,13 +310,38 @@ def _triton_custom_ops_case() -> None:
         assert a.grad is not None and torch.equal(a.grad, g), name
 
 
+def _o3_slots_saved_case() -> None:
+    """Tile key ``o3_slots=2`` keeps one branch output fewer between forward and backward: where the compressed
+    branch runs through the library's autograd node (cuDNN/FlashAttention, and here the math kernels of a chunk
+    at an offset), which saves its output itself, exactly one ``[B, S_q, HQ, Dv]`` buffer less of what the op
+    saves (``nsa.bench.attention.saved_mib``), and the same output."""
+    from nsa.bench.attention import saved_mib
+    from nsa.ops import tile_overrides, triton_path
+
+    hp = NSAParams(l=8, d=4, l_sel=8, n_sel=3, w=10)
+    x = make_inputs(2, 40, 4, 2, 16, 16, l=8, d=4, dtype=torch.float32, seed=18)
+    args = _call_args(x, 21, 19, 40)
+    triton_path.set_cmp_path("math")
+    try:
+        got = {}
+        for slots in (3, 2):
+            with tile_overrides({"o3_slots": slots}):
+                got[slots] = (saved_mib(lambda: triton_path.nsa_attention(*args, hp, q_start=21), args),
+                              triton_path.nsa_attention(*args, hp, q_start=21).detach())
+    finally:
+        triton_path.set_cmp_path(None)
+    assert got[3][0] - got[2][0] == pytest.approx(2 * 19 * 4 * 16 * 4 / 2**20), got
+    assert torch.equal(got[3][1], got[2][1])
+
+
 def _interpreter_job() -> Job:
     calls = "".join(f"print({name!r}, flush=True); _triton_offset_case(*{case!r})\n"
                     for name, case in INTERP_CASES.items())
     calls += "print('given blocks', flush=True); _triton_given_blocks_case()\n"
     calls += "print('custom ops', flush=True); _triton_custom_ops_case()\n"
+    calls += "print('o3 slots saved', flush=True); _o3_slots_saved_case()\n"
     return Job("from tests.test_ops_offset import _triton_offset_case, _triton_given_blocks_case, "
-               "_triton_custom_ops_case\n" + calls)
+               "_triton_custom_ops_case, _o3_slots_saved_case\n" + calls)
 
 
 INTERPRETER_JOB = _interpreter_job()

@@ -50,6 +50,9 @@ class AttentionRow:
     peer_fwdbwd_ms: float | None = None
     nsa_peak_mib: float | None = None
     dense_peak_mib: float | None = None
+    # what the forward keeps for the backward, beyond its inputs (tensors saved by autograd, each storage once)
+    nsa_saved_mib: float | None = None
+    dense_saved_mib: float | None = None
     nsa_fwd_gflop: float = 0.0
     dense_fwd_gflop: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -113,6 +116,25 @@ def _peak_mib(device: torch.device, fn: Callable[[], Any]) -> float | None:
     fn()
     torch.cuda.synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def saved_mib(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> float:
+    """MiB that one forward of ``fn`` keeps for its backward beyond ``inputs``: the storages autograd saves
+    (``torch.autograd.graph.saved_tensors_hooks``; each storage counted once, views of an input not at all).
+    Any device: the op's memory between forward and backward, measured on CPU as on a GPU."""
+    known = {t.untyped_storage().data_ptr() for t in inputs}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in known and st.nbytes() > 0:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values()) / 2**20
 
 
 def _fwdbwd(fn: Callable[[], torch.Tensor], grad: torch.Tensor, leaves: list[torch.Tensor]) -> Callable[[], None]:
@@ -206,6 +228,7 @@ def bench_one(
         row.nsa_fwd_ms = timer(nsa, grad=False, what="NSA forward")
     row.nsa_fwdbwd_ms = timer(_fwdbwd(nsa, grad, leaves), what="NSA forward+backward")
     row.nsa_peak_mib = _peak_mib(dev, _fwdbwd(nsa, grad, leaves))
+    row.nsa_saved_mib = saved_mib(nsa, leaves)
 
     if dense:
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k_sel, v_sel))
@@ -220,6 +243,7 @@ def bench_one(
             row.dense_fwd_ms = timer(sdpa, grad=False, what="dense forward")
         row.dense_fwdbwd_ms = timer(_fwdbwd(sdpa, gt, [qt, kt, vt]), what="dense forward+backward")
         row.dense_peak_mib = _peak_mib(dev, _fwdbwd(sdpa, gt, [qt, kt, vt]))
+        row.dense_saved_mib = saved_mib(sdpa, [qt, kt, vt])
 
     parallel_nsa = _peer() if peer and dev.type == "cuda" else None
     if parallel_nsa is not None:

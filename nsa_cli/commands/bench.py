@@ -115,14 +115,16 @@ def attention(
         graphed = ", CUDA graphs" if rows[0].cuda_graph else ""
         table = Table(title=f"NSA vs dense attention ({rows[0].device}, {rows[0].dtype}, batch {batch}{graphed})")
         for col in ("shape", "S", "nsa fwd ms", "dense fwd ms", "fwd x", "nsa f+b ms", "dense f+b ms", "f+b x",
-                    "peer f+b ms", "vs peer", "nsa TFLOP/s", "nsa MiB", "dense MiB"):
+                    "peer f+b ms", "vs peer", "nsa TFLOP/s", "nsa MiB", "dense MiB", "nsa saved MiB",
+                    "dense saved MiB"):
             table.add_column(col, justify="right")
         for r in rows:
             d = r.to_dict()
             table.add_row(r.shape, str(r.seq_len), _fmt(r.nsa_fwd_ms), _fmt(r.dense_fwd_ms), _fmt(r.speedup_fwd, ".2f"),
                           _fmt(r.nsa_fwdbwd_ms), _fmt(r.dense_fwdbwd_ms), _fmt(r.speedup_fwdbwd, ".2f"),
                           _fmt(r.peer_fwdbwd_ms), _fmt(r.vs_peer_fwdbwd, ".2f"), _fmt(d["nsa_fwd_tflops"]),
-                          _fmt(r.nsa_peak_mib, ".0f"), _fmt(r.dense_peak_mib, ".0f"))
+                          _fmt(r.nsa_peak_mib, ".0f"), _fmt(r.dense_peak_mib, ".0f"),
+                          _fmt(r.nsa_saved_mib, ".1f"), _fmt(r.dense_saved_mib, ".1f"))
         Console(width=200, stderr=as_json).print(table)
         for r in rows:
             for note in r.notes:

@@ -334,14 +334,35 @@ def _o3_slots_saved_case() -> None:
     assert torch.equal(got[3][1], got[2][1])
 
 
+def _stages_repeat_case() -> None:
+    """The stage methods called again and again, as ``nsa bench attention --stages`` and
+    ``scripts/kernel_sweep.py`` time them: the same output each time, with the compressed branch given and its
+    output in ``o3`` or only in the virtual layout (``o3_slots``)."""
+    from nsa.ops import cmp_sdpa, tile_overrides
+    from nsa.ops.triton_path import Stages
+
+    hp = NSAParams(l=8, d=4, l_sel=8, n_sel=3, w=10)
+    x = make_inputs(1, 40, 4, 2, 16, 16, l=8, d=4, dtype=torch.float32, seed=19)
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates = (a.detach() for a in x.args())
+    for slots in (3, 2):
+        with tile_overrides({"o3_slots": slots}):
+            st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, 16**-0.5)
+            st.forward(None, cmp_sdpa.attend(q, k_cmp, v_cmp, hp.l, hp.d, 16**-0.5, "math"))
+            first = st.out.clone()
+            st.win_fwd()
+            st.win_fwd()
+            assert st.o3.shape[3] == slots and torch.equal(st.out, first), slots
+
+
 def _interpreter_job() -> Job:
     calls = "".join(f"print({name!r}, flush=True); _triton_offset_case(*{case!r})\n"
                     for name, case in INTERP_CASES.items())
     calls += "print('given blocks', flush=True); _triton_given_blocks_case()\n"
     calls += "print('custom ops', flush=True); _triton_custom_ops_case()\n"
     calls += "print('o3 slots saved', flush=True); _o3_slots_saved_case()\n"
+    calls += "print('stages again', flush=True); _stages_repeat_case()\n"
     return Job("from tests.test_ops_offset import _triton_offset_case, _triton_given_blocks_case, "
-               "_triton_custom_ops_case, _o3_slots_saved_case\n" + calls)
+               "_triton_custom_ops_case, _o3_slots_saved_case, _stages_repeat_case\n" + calls)
 
 
 INTERPRETER_JOB = _interpreter_job()

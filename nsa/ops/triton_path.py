@@ -102,7 +102,7 @@ def cmp_path_of_shape(S: int, HQ: int, H: int, D: int, hp: NSAParams, device: to
     return cmp_path_for(S, HQ // H, D, D, num_cmp(S, hp.l, hp.d), True, cc)
 
 
-def o3_slots(cmp_given: bool, device: torch.device) -> int:
+def o3_slots(cmp_given: bool) -> int:
     """How many branch outputs the op keeps in rows for its backward: 3, or 2 when the compressed branch ran
     on a library kernel and tile key ``o3_slots=2`` asks to keep its output only in the virtual layout that
     kernel saved anyway (one q-sized buffer less; off until measured on a GPU)."""
@@ -210,11 +210,10 @@ class Stages:
         self.lse_w = range_fwd(self.q if self.q_win is None else self.q_win, self.k_win, self.v_win,
                                self.o3[:, :, :, self.slots - 1], scale=self.scale, stride=1, off=0, win=self.hp.w,
                                combine=(self.gates, self.out, self.o_c), q_start=self.q_start)
-        self.o_c = torch.empty(0)  # a buffer of its own (two slots) is free now
 
     def forward(self, block_idx: torch.Tensor | None,
                 cmp_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        self.start_forward(o3_slots(cmp_out is not None, self.q.device))
+        self.start_forward(o3_slots(cmp_out is not None))
         if cmp_out is None:
             self.cmp_fwd()
         else:
@@ -325,7 +324,7 @@ def _attention_fwd_fake(
     f32, i32 = torch.float32, torch.int32
     work = (q.new_empty(0, dtype=i32) if sel_mode(HQ // H, q.device) == "row"
             else q.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, q_start), dtype=i32))
-    slots = o3_slots(o_cmp is not None and lse_cmp is not None, q.device)
+    slots = o3_slots(o_cmp is not None and lse_cmp is not None)
     return (q.new_empty(B, S, HQ, Dv), q.new_empty(B, S, H, n_sel, dtype=i32), q.new_empty(B, S, HQ, slots, Dv),
             q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32),
             work)

@@ -249,13 +249,14 @@ def relative_to_dense(rows: list[QualityRow]) -> dict[str, float | None]:
         if r.val_loss is not None and math.isfinite(r.val_loss):
             by.setdefault(r.arm, []).append(r.val_loss)
     means = {a: sum(v) / len(v) for a, v in by.items()}
+    names = set(means)
     out: dict[str, float | None] = {}
     for a, m in means.items():
-        base = baseline_of(a, set(means))
-        if _is_baseline(a, set(means)):
+        if _is_baseline(a, names):
             out[a] = 0.0
-        else:
-            out[a] = m / means[base] - 1.0 if base is not None and means[base] else None
+            continue
+        base = baseline_of(a, names)
+        out[a] = m / means[base] - 1.0 if base is not None and means[base] else None
     return out
 
 

@@ -7,7 +7,7 @@ branch: ``STRIDE = 1``, ``OFF = 0``, ``WIN = w``. Query row ``i`` sits at positi
 Rows with no visible key give zeros and ``lse = +inf`` (so a recomputed probability is exactly 0).
 ``lse`` is kept in the log2 domain.
 
-Forward: ``range_fwd`` (o, lse). Backward: ``range_bwd_dq`` (adds into an fp32 dq) and
+Forward: ``range_fwd`` (o, lse). Backward: ``range_bwd_dq`` (adds into dq, summed in fp32) and
 ``range_bwd_dkdv`` (one program per key tile and group, looping over the query rows that see it).
 The branch output gradient is ``gate * do``, formed inside the kernels; ``delta = gate * dg`` where
 ``dg = rowsum(do * o_branch)`` comes from the combine backward.

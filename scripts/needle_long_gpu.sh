@@ -2,22 +2,27 @@
 # Issue 33's needle rows with the default recipe: runbooks/needle-retrieval.md's length curriculum
 # 256 -> 1k -> 4k -> 16k, continued to 32k, each arm on a GPU of its own (arm i on GPU i mod the count), all
 # arms at once; then `nsa eval --task needle` by depth at 4k, 16k and 32k.
-# Usage: scripts/needle_long_gpu.sh OUT_DIR [ARM ...]   arms: nsa (the default recipe), dense, window
-# EXTRA="--set k=v ..." adds overrides to every stage; SAMPLES (32) needles per cell.
+# Usage: scripts/needle_long_gpu.sh OUT_DIR [ARM ...]   arms: nsa (the default recipe), nsa-kl (with the scorer
+# loss), dense, window
+# EXTRA="--set k=v ..." adds overrides to every stage; SAMPLES (32) needles per cell; LONG_X (1) multiplies the
+# steps of the 16k and 32k stages; GPUS ("0 1": all) the GPUs the arms take in turn.
 set -u
 out=${1:?out dir}; shift
 mkdir -p "$out"
 arms=("$@"); [ ${#arms[@]} -eq 0 ] && arms=(nsa dense)
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$ngpu" -gt 0 ] || { echo "no GPU"; exit 2; }
+read -r -a gpus <<< "${GPUS:-$(seq -s ' ' 0 $((ngpu - 1)))}"  # GPUS="1": only these
 # seq_len batch steps lr, per stage
-STAGES=("256 64 800 1e-3" "1024 16 800 1e-3" "4096 4 800 3e-4" "16384 2 600 1e-4" "32768 1 400 1e-4")
+X=${LONG_X:-1}
+STAGES=("256 64 800 1e-3" "1024 16 800 1e-3" "4096 4 800 3e-4" "16384 2 $((600 * X)) 1e-4" "32768 1 $((400 * X)) 1e-4")
 run_arm() {
   local arm=$1 gpu=$2 prev="" extra=()
   case $arm in
     nsa) ;;
+    nsa-kl) extra=(--set scorer.weight=0.1) ;;
     dense) extra=(--set model.attention=dense) ;;
     window) extra=(--set 'nsa.fixed_gates=[0,0,1]') ;;
-    *) echo "unknown arm $arm (nsa, dense, window)"; return 2 ;;
+    *) echo "unknown arm $arm (nsa, nsa-kl, dense, window)"; return 2 ;;
   esac
   for st in "${STAGES[@]}"; do
     read -r S B N LR <<< "$st"
@@ -33,5 +38,5 @@ run_arm() {
   echo "== $arm"; tail -12 "$out/eval-$arm.log"
 }
 i=0
-for arm in "${arms[@]}"; do run_arm "$arm" $((i % ngpu)) & i=$((i + 1)); done
+for arm in "${arms[@]}"; do run_arm "$arm" "${gpus[$((i % ${#gpus[@]}))]}" & i=$((i + 1)); done
 wait

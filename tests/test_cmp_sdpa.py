@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from nsa.ops import NSAParams, cmp_sdpa, reference, triton_path
+from nsa.ops import NSAParams, cmp_sdpa, reference, tile_overrides, triton_path
 from nsa.ops.indexing import num_cmp
 
 
@@ -83,6 +83,49 @@ def test_branch_matches_reference(S: int, HQ: int, H: int, q_start: int) -> None
     got = torch.autograd.grad(o_v, (q, k_c, v_c), d_ov)
     for name, a, b in zip(("q", "k_cmp", "v_cmp"), got, (want[0][:, q_start:], *want[1:]), strict=True):
         assert torch.allclose(a, b, atol=1e-12), name
+    if q_start >= 12 and H > 1:  # the library path's backward one KV head per call (tile key cmp_bwd_mib=0)
+        with tile_overrides({"cmp_bwd_mib": 0}):
+            o_v, _ = cmp_sdpa.attend(q, k_c, v_c, hp.l, hp.d, D**-0.5, "math", q_start=q_start)
+            got = torch.autograd.grad(o_v, (q, k_c, v_c), d_ov)
+        for name, a, b in zip(("q", "k_cmp", "v_cmp"), got, (want[0][:, q_start:], *want[1:]), strict=True):
+            assert torch.allclose(a, b, atol=1e-12), (name, "one KV head per call")
+
+
+def test_backward_chunks_by_kv_heads() -> None:
+    """The library's backward runs as many KV heads per call as keep the virtual ``q`` within ``cmp_bwd_mib``."""
+    paper_64k = (1, 16 * 16, 65536 // 16, 128, 2, 4)  # B, virtual heads per KV head, N, D, bytes, H
+    assert cmp_sdpa.bwd_heads(*paper_64k) == 1  # 256 MiB a KV head: four calls
+    assert cmp_sdpa.bwd_heads(1, 256, 1024, 128, 2, 4) == 4  # 16k: one call
+    assert cmp_sdpa.bwd_heads(1, 256, 2048, 128, 2, 4) == 2
+    with tile_overrides({"cmp_bwd_mib": 0}):
+        assert cmp_sdpa.bwd_heads(1, 1, 1, 1, 2, 4) == 1
+    with tile_overrides({"cmp_bwd_mib": 4096}):
+        assert cmp_sdpa.bwd_heads(*paper_64k) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cudnn", "flash"])
+def test_backward_by_kv_heads_gpu(impl: str) -> None:
+    """On the GPU, the library's backward one KV head per call gives the gradients of one call (batch 2, whole
+    sequence and a chunk at an offset: the strided slices the library kernels are handed)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    B, S, HQ, H, D = 2, 1024, 8, 2, 64
+    hp = NSAParams()
+    for q_start in (0, 1024):
+        N = num_cmp(q_start + S, hp.l, hp.d)
+        q, k_c, v_c = (torch.randn(*s, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+                       for s in ((B, S, HQ, D), (B, N, H, D), (B, N, H, D)))
+        grads = []
+        for tune in ({}, {"cmp_bwd_mib": 0}):
+            with tile_overrides(tune):
+                o_v, _ = cmp_sdpa.attend(q, k_c, v_c, hp.l, hp.d, D**-0.5, impl, q_start=q_start)
+                g = torch.randn(o_v.shape, generator=gen.manual_seed(5), device="cuda", dtype=o_v.dtype)
+                grads.append(torch.autograd.grad(o_v, (q, k_c, v_c), g))
+        for name, a, b in zip(("q", "k_cmp", "v_cmp"), *grads, strict=True):
+            err = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+            assert err < 1e-2, (impl, q_start, name, err)
 
 
 def test_dispatcher_picks_the_path_by_shape() -> None:

@@ -267,19 +267,41 @@ class _Library(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
         q, k, v, o, lse, seed, offset, seed_r, offset_r = ctx.saved_tensors
+        B, S, HQ, D = q.shape
         H = k.shape[1]
-        n0 = geometry(q.shape[1], ctx.l, ctx.d, ctx.q_start)[0]
-        qv = to_virtual(q, H, ctx.l, ctx.d, q_start=ctx.q_start)
-        dqv, dk, dv = _lib_bwd(ctx.impl, do, qv, k[:, :, n0:], v[:, :, n0:], o, lse, seed, offset, True, ctx.scale)
-        if n0 > 0:
-            dq_r, dk_r, dv_r = _lib_bwd(ctx.impl, do, qv, k[:, :, :n0], v[:, :, :n0], o, lse, seed_r, offset_r,
-                                        False, ctx.scale)
-            dqv = dqv + dq_r
-            dk, dv = torch.cat([dk_r, dk], 2), torch.cat([dv_r, dv], 2)
-        del qv
-        dq = q.new_empty(q.shape)
-        to_rows(dqv, dq, H, ctx.l, ctx.d, q_start=ctx.q_start)
+        n0, _, N = geometry(S, ctx.l, ctx.d, ctx.q_start)
+        G = HQ // H
+        R = G * ctx.d  # virtual heads per KV head
+        dq, dk, dv = q.new_empty(q.shape), torch.empty_like(k), torch.empty_like(v)
+        # the library's backward a few KV heads at a time: its buffers (q's virtual copy, its dq and the
+        # library's fp32 accumulator and copies: ~5 GiB at paper 64k in one call) scale with the chunk
+        step = bwd_heads(B, R, N, D, q.element_size(), H)
+        for h0 in range(0, H, step):
+            h1, r = min(H, h0 + step), slice(h0 * R, min(H, h0 + step) * R)
+            qs, dq_s = q[:, :, h0 * G: h1 * G], dq[:, :, h0 * G: h1 * G]
+            qv = to_virtual(qs, h1 - h0, ctx.l, ctx.d, q_start=ctx.q_start)
+            do_s, o_s, lse_s = do[:, r], o[:, r], lse[:, r]
+            dqv, dk[:, h0:h1, n0:], dv[:, h0:h1, n0:] = _lib_bwd(
+                ctx.impl, do_s, qv, k[:, h0:h1, n0:], v[:, h0:h1, n0:], o_s, lse_s, seed, offset, True, ctx.scale)
+            if n0 > 0:
+                dq_r, dk[:, h0:h1, :n0], dv[:, h0:h1, :n0] = _lib_bwd(
+                    ctx.impl, do_s, qv, k[:, h0:h1, :n0], v[:, h0:h1, :n0], o_s, lse_s, seed_r, offset_r, False,
+                    ctx.scale)
+                dqv += dq_r
+                del dq_r
+            del qv
+            to_rows(dqv, dq_s, h1 - h0, ctx.l, ctx.d, q_start=ctx.q_start)
+            del dqv
         return dq, dk, dv, None, None, None, None, None
+
+
+def bwd_heads(B: int, R: int, N: int, D: int, itemsize: int, H: int) -> int:
+    """KV heads per call of the library's backward: as many as keep one call's virtual ``q`` within the tile
+    key ``cmp_bwd_mib`` (default 256 MiB; at least one head): paper 64k (1 GiB of virtual ``q``) in four calls,
+    16k and shorter in one."""
+    per_head = B * R * N * D * itemsize
+    limit = int(tuned("cmp_bwd_mib", 256)) * 2**20
+    return max(1, min(H, limit // max(1, per_head)))
 
 
 def attend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, l: int, d: int, scale: float,  # noqa: E741

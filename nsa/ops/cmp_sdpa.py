@@ -277,7 +277,8 @@ class _Library(torch.autograd.Function):
         # library's fp32 accumulator and copies: ~5 GiB at paper 64k in one call) scale with the chunk
         step = bwd_heads(B, R, N, D, q.element_size(), H)
         for h0 in range(0, H, step):
-            h1, r = min(H, h0 + step), slice(h0 * R, min(H, h0 + step) * R)
+            h1 = min(H, h0 + step)
+            r = slice(h0 * R, h1 * R)  # those KV heads' virtual heads
             qs, dq_s = q[:, :, h0 * G: h1 * G], dq[:, :, h0 * G: h1 * G]
             qv = to_virtual(qs, h1 - h0, ctx.l, ctx.d, q_start=ctx.q_start)
             do_s, o_s, lse_s = do[:, r], o[:, r], lse[:, r]

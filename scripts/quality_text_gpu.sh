@@ -23,7 +23,7 @@ SETS=(--set data.source=local --set data.path=$corpus --set data.tokenizer=byte 
       --set eval.batches=8 --set logging.every=100 --set data.prefetch_depth=2 ${EXTRA:-})
 if [ $# -eq 0 ]; then
   python3 -m nsa_cli bench quality --config m7c-125m "${SETS[@]}" ${SWEEP:?SWEEP or ARM:SEED arguments} \
-    --parallel "${PARALLEL:-1}" --steps ${STEPS:-1200} -o /tmp/quality --json-out "$out/sweep.json" > "$out/sweep.log" 2>&1
+    --parallel "${PARALLEL:-1}" --steps ${STEPS:-1200} -o /tmp/quality-$$ --json-out "$out/sweep.json" > "$out/sweep.log" 2>&1
   exit $?
 fi
 for spec in "$@"; do

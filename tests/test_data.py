@@ -21,6 +21,7 @@ from nsa.data.corpus import load_corpus
 from nsa.data.corpus.harvest import harvest_documents, write_corpus
 from nsa.data.packing import pack_sequences
 from nsa.data.records import clean_text
+from nsa.data.retrieval import TaskLayout
 from nsa.data.sources import EmbeddedSource, SyntheticSource, first_record_within
 from nsa.data.split import belongs, is_val
 from nsa.errors import DataError
@@ -185,6 +186,29 @@ def test_synthetic_assoc_recall_is_long_range_and_seeded() -> None:
             assert pairs.index(int(x[row, t])) <= t - (64 - 4 * n)  # the pair is beyond the gap
     rand = SyntheticSource("random", 5, 64, 256, 0).episode(0)
     assert len(rand) == 64 and 0 not in rand.tolist()
+
+
+def test_synthetic_needle_covers_the_edges() -> None:
+    """Seed 3: a quarter of the needles sit first or right before the question, the rest spread over the
+    sequence; with needle_edges=0 the depth is uniform and an edge almost never comes up."""
+    layout = TaskLayout.for_vocab(256, 0)
+
+    def depths(edges: float) -> list[int]:
+        src = SyntheticSource("needle", seed=3, seq_len=256, vocab_size=256, eot_id=0, needle_edges=edges)
+        out = []
+        for i in range(400):
+            ep = src.episode(i)
+            keys = [t for t in range(256 - 2) if ep[t] in layout.keys and ep[t + 1] in layout.values]
+            assert ep[-2] == ep[keys[0]] and ep[-1] == ep[keys[0] + 1]  # the needle is asked at the end
+            out.append(keys[0])
+        return out
+
+    edged, uniform = depths(0.25), depths(0.0)
+    at_edge = sum(p in (0, 256 - 4) for p in edged)
+    assert 70 <= at_edge <= 130 and sum(p == 0 for p in edged) >= 30  # ~100 of 400, both ends
+    assert sum(p in (0, 256 - 4) for p in uniform) <= 6
+    assert len({p for p in edged if 0 < p < 252}) > 100  # the rest still spread
+    assert DataConfig().needle_edges == 0.25
 
 
 @pytest.fixture

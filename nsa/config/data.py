@@ -23,6 +23,11 @@ class DataConfig(ConfigSection):
     tokenizer_path: str | None = Field(None, description="folder of a local HF tokenizer (gpt2)")
     synthetic_task: Literal["random", "assoc_recall", "needle", "mqar"] = "assoc_recall"
     synthetic_pairs: int = Field(8, ge=1, le=32, description="key/value pairs (and queries) of synthetic_task=mqar")
+    needle_edges: float = Field(
+        0.25, ge=0.0, le=1.0,
+        description="share of synthetic_task=needle episodes with the needle at depth 0 or 1 (half each; a uniform "
+                    "depth almost never puts it first or right before the question); the rest uniform",
+    )
     loss_on: Literal["all", "answers"] = Field(
         "all", description="answers: train only on the answer tokens of a synthetic task (labels -100 elsewhere)"
     )

@@ -563,8 +563,8 @@ class SyntheticSource:
 
     Each answer is ``seq_len - 4n`` or more tokens after its pair, so only attention that reaches back
     past the gap (beyond a sliding window shorter than that) can predict it.
-    ``needle``: ``nsa.data.retrieval.needle_episode`` with the needle at a uniform random depth (one
-    answer, the last target). ``mqar``: ``mqar_episode`` with ``pairs`` pairs scattered over the
+    ``needle``: ``nsa.data.retrieval.needle_episode`` with the needle at a random depth (one answer, the
+    last target): uniform, but ``needle_edges`` of the episodes at depth 0 or 1 exactly. ``mqar``: ``mqar_episode`` with ``pairs`` pairs scattered over the
     sequence and all of them asked at the end. Both use the top of the vocabulary for keys and values
     (``TaskLayout``), the same layout ``nsa eval`` asks with.
     """
@@ -575,10 +575,11 @@ class SyntheticSource:
     KEY_IDS = 16  # keys and values each come from 16 token ids
     MAX_PAIRS = 8  # a 2-layer d=64 transformer learns recall across a 96-token gap in ~2k steps of batch 32
 
-    def __init__(self, task: str, seed: int, seq_len: int, vocab_size: int, eot_id: int, pairs: int = 8) -> None:
+    def __init__(self, task: str, seed: int, seq_len: int, vocab_size: int, eot_id: int, pairs: int = 8,
+                 needle_edges: float = 0.0) -> None:
         if seq_len < 8:
             raise DataError(f"synthetic data needs train.seq_len >= 8, got {seq_len}")
-        self.task, self.seed, self.seq_len = task, seed, seq_len
+        self.task, self.seed, self.seq_len, self.needle_edges = task, seed, seq_len, needle_edges
         alphabet = np.array([t for t in range(min(vocab_size, 256)) if t != eot_id], dtype=np.int64)
         if len(alphabet) < 2 * self.KEY_IDS + 1:
             raise DataError(f"synthetic data needs a vocabulary of at least 34 tokens, got {vocab_size}")
@@ -607,7 +608,7 @@ class SyntheticSource:
 
             gen = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))
             if self.task == "needle":
-                tokens, _ = needle_episode(self.layout, gen, self.seq_len, float(rng.random()))
+                tokens, _ = needle_episode(self.layout, gen, self.seq_len, self.needle_depth(float(rng.random())))
             else:
                 tokens, _ = mqar_episode(self.layout, gen, self.seq_len, self.n_pairs)
             return tokens.numpy().astype(np.int64)
@@ -619,6 +620,14 @@ class SyntheticSource:
         out[0 : 2 * n : 2], out[1 : 2 * n : 2] = keys, vals
         out[self.query_start :: 2], out[self.query_start + 1 :: 2] = keys[order], vals[order]
         return out
+
+    def needle_depth(self, u: float) -> float:
+        """The depth of a needle episode from one uniform draw ``u``: ``needle_edges / 2`` of them at 0,
+        as many at 1, the rest uniform over [0, 1]."""
+        e = self.needle_edges
+        if u < e:
+            return 0.0 if u < e / 2 else 1.0
+        return (u - e) / (1.0 - e)
 
     def target_mask(self) -> list[bool] | None:
         """Per target position ``t`` of a packed sequence: True where ``y[:, t]`` is an answer (``None``
@@ -662,7 +671,8 @@ def open_source(
             raise DataError("data.path is required when data.source=local")
         return LocalSource(cfg.path, cfg.text_field), []
     if cfg.source == "synthetic":
-        return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs), []
+        return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs,
+                                   cfg.needle_edges), []
     if cfg.source == "fineweb_edu":
         try:
             return _hf_source(cfg), []
@@ -673,7 +683,8 @@ def open_source(
                 f"data source fineweb_edu failed ({exc.message}); TRAINING ON SYNTHETIC "
                 f"{cfg.synthetic_task} DATA INSTEAD (data.synthetic_on_fail=true)"
             )
-            return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs), [warning]
+            return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs,
+                                   cfg.needle_edges), [warning]
     raise DataError(f"unknown data.source={cfg.source!r}")
 
 

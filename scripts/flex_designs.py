@@ -10,7 +10,8 @@ Ours: ``kernel_breakdown`` stages ``win_fwd``/``win_bwd`` (with the gate combine
 library passes lack) and ``sel_fwd``/``sel_bwd``. Each FlexAttention output is first checked against SDPA
 with the same boolean mask at a small length.
 
-Usage (repo root, GPU): python3 scripts/flex_designs.py [paper:65536,m7c:8192,...]   (--check: CPU, masks only)
+Usage (repo root, GPU): python3 scripts/flex_designs.py [paper:65536:window,m7c:8192,...]   (a third field: that
+design only; --check: CPU, masks only)
 JSON lines to $OUT/flex.jsonl.
 """
 
@@ -81,7 +82,7 @@ def check(dev: str = "cpu", S: int = 1024) -> None:
         assert err < 1e-4, name
 
 
-def bench(shape: str, S: int, log: Any) -> None:
+def bench(shape: str, S: int, log: Any, designs: tuple[str, ...] = ("window", "selected")) -> None:
     import triton.testing
 
     HQ, H, D = SHAPES[shape]
@@ -89,14 +90,14 @@ def bench(shape: str, S: int, log: Any) -> None:
     x = _inputs(S, HQ, H, D, "cuda", torch.bfloat16, p)
     flex = torch.compile(flex_attention, dynamic=False)
     row: dict[str, Any] = {"shape": shape, "S": S, "device": torch.cuda.get_device_name()}
-    ours = kernel_breakdown(S, HQ, H, D, only=("win_fwd", "win_bwd", "sel_fwd", "sel_bwd"))
+    ours = kernel_breakdown(S, HQ, H, D, only=tuple(f"{d[:3]}_{part}" for d in designs for part in ("fwd", "bwd")))
     row.update({f"ours_{k}": v for k, v in ours.items()})
     q, k, v = (x[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
     do = torch.randn_like(q)
     for name, mod in _mask_mods(x, HQ, H, p).items():
-        if name == "selected" and S > 16384:  # a per-head mask of S x S evaluations: short sequences only
+        if name not in designs or (name == "selected" and S > 16384):  # a per-head mask of S x S evaluations: short sequences only
             continue
-        bm = create_block_mask(mod, 1, HQ if name == "selected" else None, S, S, device="cuda", _compile=True)
+        bm = torch.compile(create_block_mask)(mod, 1, HQ if name == "selected" else None, S, S, device="cuda")
         row[f"flex_{name}_density"] = round(1.0 - float(bm.sparsity()) / 100, 4)  # share of tiles run
 
         def fwd(bm: Any = bm) -> torch.Tensor:
@@ -122,8 +123,8 @@ def main() -> None:
     check("cuda")
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "flex.jsonl"), "a") as log:
         for run in runs:
-            shape, S = run.split(":")
-            bench(shape, int(S), log)
+            shape, S, *only = run.split(":")
+            bench(shape, int(S), log, tuple(only) or ("window", "selected"))
 
 
 if __name__ == "__main__":

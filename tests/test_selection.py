@@ -284,6 +284,28 @@ def test_bench_quality_length_curriculum_trains_short_windows_first(tmp_path: Pa
     assert [(b["start"], b["end"]) for b in row["loss_by_position"]] == [(0, 64), (64, 128)]
 
 
+def test_bench_quality_ladder_climbs_two_steps_from_each_phases_weights(tmp_path: Path) -> None:
+    """``nsa-ladder`` at 128 tokens, 8 steps: 2 steps on windows of 8 (16x as many per batch), 2 on windows
+    of 32 from those weights, then 4 at 128 from those; the same tokens per step throughout, and the arm
+    is paired with ``dense-ladder``."""
+    from nsa.bench.quality import baseline_of, parse_arm
+
+    out = tmp_path / "q.json"
+    res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "nsa-ladder", "--steps", "8",
+                              "--set", "train.seq_len=128", "-o", str(tmp_path / "runs"), "--json-out", str(out)])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(out.read_text())["rows"]
+    run = tmp_path / "runs" / "nsa-ladder" / "seed0"
+    cfgs = [yaml.safe_load((run / d / "config.yaml").read_text()) for d in ("warm", "warm2", "main")]
+    assert [(c["train"]["seq_len"], c["train"]["batch_size"], c["train"]["steps"]) for c in cfgs] == \
+        [(8, 64, 2), (32, 16, 2), (128, 4, 4)]
+    assert cfgs[0]["train"].get("init_from") is None
+    assert cfgs[1]["train"]["init_from"] == str(run / "warm") and cfgs[2]["train"]["init_from"] == str(run / "warm2")
+    assert row["tokens"] == 8 * 128 * 4 and [s for s, _ in row["loss_curve"]][-1] == 8
+    assert baseline_of("nsa-ladder", {"dense-ladder", "dense", "nsa-ladder"}) == "dense-ladder"
+    assert parse_arm("nsa-ladder-kl=nsa-ladder;scorer.weight=0.1").warm == ((0.25, 16), (0.25, 4))
+
+
 def test_quality_sweep_compares_each_arm_at_its_best_learning_rate() -> None:
     """Rows of a sweep are named <arm>@lr=<lr>; each arm is read at the rate with its lowest mean loss over
     the seeds (dense at 2e-3 here, NSA at 1e-3), renamed to the arm, so the summary pairs best with best."""

@@ -5,10 +5,11 @@ Per arm and seed, :func:`run_text_arm` trains with the real trainer (``nsa.train
 config's data, held-out evaluation at the end) into ``out_dir/<arm>/seed<N>`` and reports the final
 held-out loss and, for NSA, the selection diagnostics of the trained model on a held-out batch
 (:meth:`nsa.model.lm.NSALM.selection_report`: recall, compressed entropy, gates per layer).
-Arms with a warm phase first train ``warm_frac`` of the steps with the phase's own settings and continue
-from those weights (``train.init_from``), every arm seeing the same number of tokens: ``dense-warm`` (the
-dense model first, then NSA) and the length curricula ``dense-curriculum`` / ``nsa-curriculum`` (the same
-model on windows ``warm_len_div`` times shorter, as many more per batch, then the full length). The held-out
+Arms with warm phases first train a share of the steps in each with the phase's own settings and continue
+from its weights (``train.init_from``), every arm seeing the same number of tokens: ``dense-warm`` (the
+dense model first, then NSA), the length curricula ``dense-curriculum`` / ``nsa-curriculum`` (the same
+model on windows 4x shorter, as many more per batch, then the full length) and ``dense-ladder`` /
+``nsa-ladder`` (two steps: windows 16x, then 4x shorter, a quarter of the steps each). The held-out
 loss comes with its split by position in the window (``loss_by_position``, :func:`nsa.eval.tasks.eval_loss`).
 :func:`run_needle_arm` trains the same arm on single-needle retrieval (``nsa.bench.retrieval``) and
 reports the accuracy curve and the first step at 50%.
@@ -44,15 +45,25 @@ from nsa.train.trainer import Trainer
 
 @dataclass(frozen=True)
 class Arm:
-    """A recipe: ``sets`` on top of the base config. ``warm_frac > 0``: a first phase of that share of the
-    steps with ``warm_sets`` on top and windows ``warm_len_div`` times shorter (that many more per batch:
-    the same tokens per step), then the arm from its weights."""
+    """A recipe: ``sets`` on top of the base config. ``warm``: phases before it, in order, each ``(share of
+    the steps, window divisor)``: that share with ``warm_sets`` on top and windows that many times shorter
+    (as many more per batch: the same tokens per step), each phase from the last one's weights, then the
+    arm from theirs."""
 
     name: str
     sets: tuple[str, ...] = ()
-    warm_frac: float = 0.0
+    warm: tuple[tuple[float, int], ...] = ()
     warm_sets: tuple[str, ...] = ()
-    warm_len_div: int = 1
+
+    @property
+    def warm_frac(self) -> float:
+        """The share of the steps before the arm's own phase."""
+        return sum(frac for frac, _ in self.warm)
+
+    @property
+    def warm_len_div(self) -> int:
+        """The first phase's window divisor (1: full length)."""
+        return self.warm[0][1] if self.warm else 1
 
     @property
     def dense(self) -> bool:
@@ -73,9 +84,12 @@ ARMS: dict[str, Arm] = {
     "nsa-window": Arm("nsa-window", ("model.attention=nsa", "nsa.gate_init=window")),
     "nsa-uniform": Arm("nsa-uniform", ("model.attention=nsa", "nsa.gate_init=uniform")),
     "nsa-scorer": Arm("nsa-scorer", ("model.attention=nsa", "scorer.weight=0.1")),
-    "dense-warm": Arm("dense-warm", ("model.attention=nsa",), warm_frac=0.25, warm_sets=("model.attention=dense",)),
-    "dense-curriculum": Arm("dense-curriculum", ("model.attention=dense",), warm_frac=0.25, warm_len_div=4),
-    "nsa-curriculum": Arm("nsa-curriculum", ("model.attention=nsa",), warm_frac=0.25, warm_len_div=4),
+    "dense-warm": Arm("dense-warm", ("model.attention=nsa",), warm=((0.25, 1),), warm_sets=("model.attention=dense",)),
+    "dense-curriculum": Arm("dense-curriculum", ("model.attention=dense",), warm=((0.25, 4),)),
+    "nsa-curriculum": Arm("nsa-curriculum", ("model.attention=nsa",), warm=((0.25, 4),)),
+    # two steps up to long windows (32k: a quarter of the steps at 2k, a quarter at 8k, then 32k)
+    "dense-ladder": Arm("dense-ladder", ("model.attention=dense",), warm=((0.25, 16), (0.25, 4))),
+    "nsa-ladder": Arm("nsa-ladder", ("model.attention=nsa",), warm=((0.25, 16), (0.25, 4))),
 }
 
 
@@ -170,8 +184,8 @@ def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> tuple[
 def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,
                  queries: int = 64, log: Callable[[str], None] | None = None) -> QualityRow:
     """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it. The run is
-    named ``<arm>-seed<seed>`` (``<arm>-warm-seed<seed>`` for its warm phase), so reports and charts of
-    several runs tell them apart."""
+    named ``<arm>-seed<seed>`` (``<arm>-warm-seed<seed>``, ``<arm>-warm2-seed<seed>``, ... for its warm
+    phases), so reports and charts of several runs tell them apart."""
     run_dir = out_dir / arm.name / f"seed{seed}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -179,27 +193,30 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
     row = QualityRow(arm.name, seed, steps=steps)
     init: list[str] = []
     seconds = 0.0
-    if arm.warm_frac > 0:
-        warm_steps = max(1, round(steps * arm.warm_frac))
-        warm_dir = run_dir / "warm"
+    done = 0
+    for i, (frac, div) in enumerate(arm.warm):
+        phase_steps = max(1, round(steps * frac))
+        tag = "warm" if i == 0 else f"warm{i + 1}"
+        warm_dir = run_dir / tag
         shorter: list[str] = []
-        if arm.warm_len_div > 1:
+        if div > 1:
             train = _resolve(config, [*common, *arm.sets]).config.train
-            if train.seq_len % arm.warm_len_div:
-                raise ConfigError(f"arm {arm.name}: train.seq_len={train.seq_len} does not split into "
-                                  f"{arm.warm_len_div} windows", hint="pick a seq_len divisible by it")
-            shorter = [f"train.seq_len={train.seq_len // arm.warm_len_div}",
-                       f"train.batch_size={train.batch_size * arm.warm_len_div}"]
-        warm = _resolve(config, [*common, *arm.sets, *arm.warm_sets, *shorter, f"train.steps={warm_steps}",
-                                 "eval.every=0", f"train.out_dir={warm_dir}", f"train.run_name={arm.name}-warm-seed{seed}"])
+            if train.seq_len % div:
+                raise ConfigError(f"arm {arm.name}: train.seq_len={train.seq_len} does not split into {div} windows",
+                                  hint="pick a seq_len divisible by it")
+            shorter = [f"train.seq_len={train.seq_len // div}", f"train.batch_size={train.batch_size * div}"]
+        warm = _resolve(config, [*common, *arm.sets, *arm.warm_sets, *shorter, f"train.steps={phase_steps}",
+                                 "eval.every=0", f"train.out_dir={warm_dir}", f"train.run_name={arm.name}-{tag}-seed{seed}",
+                                 *init])
         m = _quiet_train(warm, log)
         seconds += float(m.get("elapsed_s") or 0.0)
-        row.loss_curve = loss_curve(warm_dir)
-        init = [f"train.init_from={warm_dir}", f"train.steps={steps - warm_steps}"]
-        steps_main = steps - warm_steps
-    else:
-        steps_main = steps
-    main_dir = run_dir / "main" if arm.warm_frac > 0 else run_dir
+        row.loss_curve += loss_curve(warm_dir, offset=done)
+        done += phase_steps
+        init = [f"train.init_from={warm_dir}"]
+    steps_main = steps - done
+    if steps_main < 1:
+        raise ConfigError(f"arm {arm.name}: its warm phases take all {steps} steps", hint="raise --steps")
+    main_dir = run_dir / "main" if arm.warm else run_dir
     resolved = _resolve(config, [*common, *arm.sets, f"train.steps={steps_main}", f"eval.every={steps_main}",
                                  f"train.out_dir={main_dir}", f"train.run_name={arm.name}-seed{seed}", *init])
     m = _quiet_train(resolved, log)
@@ -481,8 +498,8 @@ def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict
     """The JSON result of a quality benchmark (``--json``)."""
     return {"command": "bench quality", "config": spec.config, "sets": spec.sets, "steps": spec.steps,
             "task": spec.task,
-            "arms": [{"name": a.name, "sets": list(a.sets), "warm_frac": a.warm_frac, "warm_sets": list(a.warm_sets),
-                      "warm_len_div": a.warm_len_div} for a in spec.arms],
+            "arms": [{"name": a.name, "sets": list(a.sets), "warm": [list(w) for w in a.warm],
+                      "warm_sets": list(a.warm_sets)} for a in spec.arms],
             "seeds": spec.seeds, "lrs": spec.lrs, "relative_to_dense": relative_to_dense(rows),
             "arms_summary": [asdict(a) for a in summarise_arms(rows)], **_sweep_payload(spec, rows),
             "environment": environment, "rows": [r.to_dict() for r in rows]}

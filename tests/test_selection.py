@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -292,8 +293,10 @@ def test_bench_quality_ladder_climbs_two_steps_from_each_phases_weights(tmp_path
 
     out = tmp_path / "q.json"
     res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "nsa-ladder", "--steps", "8",
-                              "--set", "train.seq_len=128", "-o", str(tmp_path / "runs"), "--json-out", str(out)])
+                              "--set", "train.seq_len=128", "-o", str(tmp_path / "runs"), "--json-out", str(out),
+                              "--chart", str(tmp_path / "q.png")])
     assert res.exit_code == 0, res.output
+    assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (row,) = json.loads(out.read_text())["rows"]
     run = tmp_path / "runs" / "nsa-ladder" / "seed0"
     cfgs = [yaml.safe_load((run / d / "config.yaml").read_text()) for d in ("warm", "warm2", "main")]
@@ -304,6 +307,28 @@ def test_bench_quality_ladder_climbs_two_steps_from_each_phases_weights(tmp_path
     assert row["tokens"] == 8 * 128 * 4 and [s for s, _ in row["loss_curve"]][-1] == 8
     assert baseline_of("nsa-ladder", {"dense-ladder", "dense", "nsa-ladder"}) == "dense-ladder"
     assert parse_arm("nsa-ladder-kl=nsa-ladder;scorer.weight=0.1").warm == ((0.25, 16), (0.25, 4))
+
+
+def test_quality_chart_draws_each_arm_at_its_best_rate_mean_over_seeds(tmp_path: Path) -> None:
+    """Seeded rows of a two-rate sweep: the chart draws one curve per arm, at its best rate only, and
+    nothing (no file) for a result without curves."""
+    from nsa.bench.quality_chart import _best_rows, _mean_curve, quality_chart
+
+    gen = random.Random(7)
+    rows = [{"arm": f"{arm}@lr={lr:g}", "seed": seed,
+             "loss_curve": [[step, 3.0 - step / 100 + gen.random() / 10] for step in range(10, 110, 10)],
+             "loss_by_position": [{"start": a, "end": 2 * a or 64, "loss": 2.0 - a / 1000} for a in (0, 64, 128)]}
+            for arm in ("dense", "nsa") for lr in (5e-4, 1e-3) for seed in (0, 1)]
+    payload = {"config": "tiny", "steps": 100, "sets": ["train.seq_len=256"], "rows": rows,
+               "lr_sweep": {"dense": {"best_lr": 1e-3}, "nsa": {"best_lr": 5e-4}}}
+    assert sorted({r["arm"] for r in _best_rows(payload)}) == ["dense (lr 0.001)", "nsa (lr 0.0005)"]
+    steps, loss = _mean_curve([r["loss_curve"] for r in rows[:2]])
+    assert steps == [float(s) for s in range(10, 110, 10)]
+    assert loss[0] == pytest.approx((rows[0]["loss_curve"][0][1] + rows[1]["loss_curve"][0][1]) / 2)
+    assert quality_chart(payload, tmp_path / "c.png") == ["dense (lr 0.001)", "nsa (lr 0.0005)"]
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    assert quality_chart({"rows": [{"arm": "dense", "seed": 0}]}, tmp_path / "none.png") == []
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_quality_sweep_compares_each_arm_at_its_best_learning_rate() -> None:

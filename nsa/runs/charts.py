@@ -55,7 +55,8 @@ class Chart:
         return out
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,8 +95,9 @@ def median_window(n: int) -> int:
     return w if w % 2 else w + 1
 
 
-def _save(fig: Any, path: Path) -> None:
-    plt = _plt()
+def save_figure(fig: Any, path: Path) -> None:
+    """Write ``fig`` to ``path`` as PNG, atomically, and close it."""
+    plt = pyplot()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fig.tight_layout()
@@ -140,7 +142,7 @@ def _log_if_wide(ax: Any, values: Sequence[float], ratio: float = 50.0) -> None:
 
 def loss_chart(run: RunSeries, path: Path) -> Chart:
     """Training loss, validation points, and vertical markers for checkpoints, halts and resumes."""
-    plt = _plt()
+    plt = pyplot()
     chart = Chart("loss", f"loss - {run.name}", path)
     fig, ax = plt.subplots(figsize=(WIDTH, 3.4), dpi=100)
     xs, ys = xy(run.points, "loss")
@@ -163,7 +165,7 @@ def loss_chart(run: RunSeries, path: Path) -> Chart:
     ax.set_title(chart.title)
     ax.set_xlabel("step")
     _finish_axis(ax, "loss (nats/token)")
-    _save(fig, path)
+    save_figure(fig, path)
     return chart
 
 
@@ -188,7 +190,7 @@ def _tps_panel(ax: Any, run: RunSeries, color: str | None, label_prefix: str, ch
 
 def tokens_chart(run: RunSeries, path: Path) -> Chart:
     """Tokens/s: the raw points faintly, their rolling median, and the throughput floor when set."""
-    plt = _plt()
+    plt = pyplot()
     chart = Chart("tokens_per_s", f"tokens/s - {run.name}", path)
     fig, ax = plt.subplots(figsize=(WIDTH, 3.2), dpi=100)
     if _tps_panel(ax, run, "tab:blue", "", chart, floor=True) is None:
@@ -196,13 +198,13 @@ def tokens_chart(run: RunSeries, path: Path) -> Chart:
     ax.set_title(chart.title + " (raw faint, rolling median bold)")
     ax.set_xlabel("step")
     _finish_axis(ax, "tokens/s")
-    _save(fig, path)
+    save_figure(fig, path)
     return chart
 
 
 def memory_chart(run: RunSeries, path: Path) -> Chart | None:
     """GPU allocator counters (allocated, reserved, peak) and host RSS in GiB, with the ceiling."""
-    plt = _plt()
+    plt = pyplot()
     chart = Chart("memory", f"memory - {run.name}", path)
     fig, ax = plt.subplots(figsize=(WIDTH, 3.2), dpi=100)
     top = 0.0
@@ -225,7 +227,7 @@ def memory_chart(run: RunSeries, path: Path) -> Chart | None:
     ax.set_title(chart.title + ("" if gpu else " (no GPU counters: host RSS only)"))
     ax.set_xlabel("step")
     _finish_axis(ax, "GiB")
-    _save(fig, path)
+    save_figure(fig, path)
     return chart
 
 
@@ -236,7 +238,7 @@ def gpu_chart(run: RunSeries, path: Path) -> Chart | None:
     mem_x, mem_y = xy(run.progress, "gpu_mem_used_mib", 1 / 1024)
     if not util_x and not mem_x:
         return None
-    plt = _plt()
+    plt = pyplot()
     chart = Chart("gpu", f"GPU utilisation and memory - {run.name}", path)
     fig, ax = plt.subplots(figsize=(WIDTH, 3.2), dpi=100)
     if util_x:
@@ -257,7 +259,7 @@ def gpu_chart(run: RunSeries, path: Path) -> Chart | None:
         ax.legend(loc="best", fontsize=8)
     ax.grid(alpha=0.3)
     ax.set_title(chart.title)
-    _save(fig, path)
+    save_figure(fig, path)
     return chart
 
 
@@ -277,7 +279,7 @@ def gates_chart(run: RunSeries, path: Path) -> Chart | None:
                 shares[i][1].append(float(x or 0.0))
     if not ent[0] and not col[0] and not shares[0][0]:
         return None
-    plt = _plt()
+    plt = pyplot()
     chart = Chart("gates", f"gates - {run.name}", path, panels=3)
     fig, axes = plt.subplots(3, 1, figsize=(WIDTH, 3 * PANEL_H), dpi=100, sharex=True)
     if ent[0]:
@@ -301,13 +303,13 @@ def gates_chart(run: RunSeries, path: Path) -> Chart | None:
     axes[2].set_ylim(0, 1.02)  # shares sum to 1
     axes[2].set_xlabel("step")
     _finish_axis(axes[2], "branch share")
-    _save(fig, path)
+    save_figure(fig, path)
     return chart
 
 
 def fetch_chart(run: RunSeries, path: Path) -> Chart | None:
     """Data fetch latency p50/p95 (heartbeat windows; training.csv's per-step fetch otherwise), with the ceiling."""
-    plt = _plt()
+    plt = pyplot()
     chart = Chart("fetch", f"data fetch latency - {run.name}", path)
     fig, ax = plt.subplots(figsize=(WIDTH, 3.2), dpi=100)
     values: list[float] = []
@@ -332,7 +334,7 @@ def fetch_chart(run: RunSeries, path: Path) -> Chart | None:
     ax.set_title(chart.title)
     ax.set_xlabel("step")
     _finish_axis(ax, "ms")
-    _save(fig, path)
+    save_figure(fig, path)
     return chart
 
 
@@ -341,7 +343,7 @@ def lr_grad_chart(run: RunSeries, path: Path) -> Chart | None:
     lr, gn = xy(run.points, "lr"), xy(run.points, "grad_norm")
     if not lr[0] and not gn[0]:
         return None
-    plt = _plt()
+    plt = pyplot()
     chart = Chart("lr_grad", f"learning rate and gradient norm - {run.name}", path, panels=2)
     fig, axes = plt.subplots(2, 1, figsize=(WIDTH, 2 * PANEL_H + 0.4), dpi=100, sharex=True)
     if lr[0]:
@@ -356,7 +358,7 @@ def lr_grad_chart(run: RunSeries, path: Path) -> Chart | None:
         _log_if_wide(axes[1], gn[1], 20.0)
     axes[1].set_xlabel("step")
     _finish_axis(axes[1], "grad norm", legend=False)
-    _save(fig, path)
+    save_figure(fig, path)
     return chart
 
 
@@ -387,7 +389,7 @@ def run_charts(run: RunSeries, folder: Path) -> list[Chart]:
 
 def combined_loss_chart(runs: Sequence[RunSeries], path: Path) -> Chart:
     """Training loss of every run (one colour each) with its validation points."""
-    plt = _plt()
+    plt = pyplot()
     chart = Chart("loss", "loss - all runs", path)
     fig, ax = plt.subplots(figsize=(WIDTH, 3.6), dpi=100)
     for i, run in enumerate(runs):
@@ -406,7 +408,7 @@ def combined_loss_chart(runs: Sequence[RunSeries], path: Path) -> Chart:
     ax.set_title(chart.title + " (lines: training, dots: validation)")
     ax.set_xlabel("step")
     _finish_axis(ax, "loss (nats/token)")
-    _save(fig, path)
+    save_figure(fig, path)
     return chart
 
 
@@ -426,7 +428,7 @@ def split_panels(runs: Sequence[RunSeries]) -> bool:
 
 def combined_tokens_chart(runs: Sequence[RunSeries], path: Path) -> Chart:
     """Tokens/s rolling medians of every run: overlaid, or one panel per run when their scales differ > 3x."""
-    plt = _plt()
+    plt = pyplot()
     chart = Chart("tokens_per_s", "tokens/s - all runs", path)
     if split_panels(runs):
         chart.panels = len(runs)
@@ -452,7 +454,7 @@ def combined_tokens_chart(runs: Sequence[RunSeries], path: Path) -> Chart:
         ax.set_title(chart.title + " (raw faint, rolling median bold)")
         ax.set_xlabel("step")
         _finish_axis(ax, "tokens/s")
-    _save(fig, path)
+    save_figure(fig, path)
     return chart
 
 

@@ -26,7 +26,7 @@ def _csv(text: str, flag: str) -> list[str]:
 def quality(
     config: Annotated[str | None, typer.Option("--config", help=options.config_help("Base run config of every arm"))] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value for every arm; repeatable.")] = None,
-    arms: Annotated[str, typer.Option("--arms", help="Comma-separated arms: dense, nsa, nsa-half, nsa-window, nsa-uniform, nsa-scorer, dense-warm, dense-curriculum, nsa-curriculum (a quarter of the steps on 4x shorter windows first), or label=key=value;key=value (NSA plus overrides).")] = "dense,nsa",
+    arms: Annotated[str, typer.Option("--arms", help="Comma-separated arms: dense, nsa, nsa-half, nsa-window, nsa-uniform, nsa-scorer, dense-warm, dense-curriculum, nsa-curriculum (a quarter of the steps on 4x shorter windows first), dense-ladder, nsa-ladder (a quarter at 16x shorter, a quarter at 4x shorter), or label=key=value;key=value (NSA plus overrides), label=<arm>;key=value (that arm plus overrides).")] = "dense,nsa",
     seeds: Annotated[str, typer.Option("--seeds", help="Comma-separated seeds; every arm trains once per seed.")] = "0",
     lrs: Annotated[str | None, typer.Option("--lrs", help="Comma-separated learning rates: every arm trains at each, and is compared with dense at its best (e.g. 5e-4,1e-3,2e-3).")] = None,
     steps: Annotated[int | None, typer.Option("--steps", min=1, help="Training steps per arm [default: the config's].")] = None,
@@ -41,6 +41,7 @@ def quality(
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (the CI test): config tiny, 40 steps, needle S=128 gap 48, 60 steps.")] = False,
     as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
     json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
+    chart: Annotated[Path | None, typer.Option("--chart", help="Also draw each arm's training loss and held-out loss by position (mean over seeds; a sweep's arms at their best rate) to this PNG.")] = None,
 ) -> None:
     """Train every arm on the same data and tokens; print held-out loss, selection recall and needle accuracy."""
     with user_errors():
@@ -172,7 +173,13 @@ def quality(
                     layers.add_row(str(L["layer"]), f(L.get("recall"), ".3f"), f(L.get("cmp_entropy"), ".3f"),
                                    f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
                 console.print(layers)
-        render.json_outputs(quality_payload(spec, rows, environment()), as_json=as_json, json_out=json_out, indent=1)
+        payload = quality_payload(spec, rows, environment())
+        if chart is not None:
+            from nsa.bench.quality_chart import quality_chart
+
+            if quality_chart(payload, chart):
+                console.print(f"saved {chart}", highlight=False, markup=False)
+        render.json_outputs(payload, as_json=as_json, json_out=json_out, indent=1)
 
 
 def register(app: typer.Typer) -> None:

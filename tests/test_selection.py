@@ -311,23 +311,22 @@ def test_bench_quality_ladder_climbs_two_steps_from_each_phases_weights(tmp_path
 
 def test_quality_chart_draws_each_arm_at_its_best_rate_mean_over_seeds(tmp_path: Path) -> None:
     """Seeded rows of a two-rate sweep: the chart draws one curve per arm, at its best rate only, and
-    nothing (no file) for a result without curves."""
-    from nsa.bench.quality_chart import _best_rows, _mean_curve, quality_chart
+    nothing (no file) for rows without curves."""
+    from nsa.bench.quality import QualityRow
+    from nsa.bench.quality_chart import _mean_curve, quality_chart
 
     gen = random.Random(7)
-    rows = [{"arm": f"{arm}@lr={lr:g}", "seed": seed,
-             "loss_curve": [[step, 3.0 - step / 100 + gen.random() / 10] for step in range(10, 110, 10)],
-             "loss_by_position": [{"start": a, "end": 2 * a or 64, "loss": 2.0 - a / 1000} for a in (0, 64, 128)]}
+    best = {"dense": 1e-3, "nsa": 5e-4}
+    rows = [QualityRow(f"{arm}@lr={lr:g}", seed, val_loss=1.0 if lr == best[arm] else 1.2,
+                       loss_curve=[(step, 3.0 - step / 100 + gen.random() / 10) for step in range(10, 110, 10)],
+                       loss_by_position=[{"start": a, "end": 2 * a or 64, "loss": 2.0 - a / 1000} for a in (0, 64, 128)])
             for arm in ("dense", "nsa") for lr in (5e-4, 1e-3) for seed in (0, 1)]
-    payload = {"config": "tiny", "steps": 100, "sets": ["train.seq_len=256"], "rows": rows,
-               "lr_sweep": {"dense": {"best_lr": 1e-3}, "nsa": {"best_lr": 5e-4}}}
-    assert sorted({r["arm"] for r in _best_rows(payload)}) == ["dense (lr 0.001)", "nsa (lr 0.0005)"]
-    steps, loss = _mean_curve([r["loss_curve"] for r in rows[:2]])
+    steps, loss = _mean_curve([r.loss_curve for r in rows[:2]])
     assert steps == [float(s) for s in range(10, 110, 10)]
-    assert loss[0] == pytest.approx((rows[0]["loss_curve"][0][1] + rows[1]["loss_curve"][0][1]) / 2)
-    assert quality_chart(payload, tmp_path / "c.png") == ["dense (lr 0.001)", "nsa (lr 0.0005)"]
+    assert loss[0] == pytest.approx((rows[0].loss_curve[0][1] + rows[1].loss_curve[0][1]) / 2)
+    assert quality_chart(rows, tmp_path / "c.png", "t") == ["dense (lr 0.001)", "nsa (lr 0.0005)"]
     assert (tmp_path / "c.png").stat().st_size > 1000
-    assert quality_chart({"rows": [{"arm": "dense", "seed": 0}]}, tmp_path / "none.png") == []
+    assert quality_chart([QualityRow("dense", 0)], tmp_path / "none.png", "t") == []
     assert not (tmp_path / "none.png").exists()
 
 

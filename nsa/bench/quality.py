@@ -194,13 +194,13 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
     init: list[str] = []
     seconds = 0.0
     done = 0
+    train = _resolve(config, [*common, *arm.sets]).config.train if arm.warm else None
     for i, (frac, div) in enumerate(arm.warm):
         phase_steps = max(1, round(steps * frac))
         tag = "warm" if i == 0 else f"warm{i + 1}"
         warm_dir = run_dir / tag
         shorter: list[str] = []
-        if div > 1:
-            train = _resolve(config, [*common, *arm.sets]).config.train
+        if div > 1 and train is not None:
             if train.seq_len % div:
                 raise ConfigError(f"arm {arm.name}: train.seq_len={train.seq_len} does not split into {div} windows",
                                   hint="pick a seq_len divisible by it")

@@ -564,9 +564,10 @@ class SyntheticSource:
     Each answer is ``seq_len - 4n`` or more tokens after its pair, so only attention that reaches back
     past the gap (beyond a sliding window shorter than that) can predict it.
     ``needle``: ``nsa.data.retrieval.needle_episode`` with the needle at a random depth (one answer, the
-    last target): uniform, but ``needle_edges`` of the episodes at depth 0 or 1 exactly. ``mqar``: ``mqar_episode`` with ``pairs`` pairs scattered over the
-    sequence and all of them asked at the end. Both use the top of the vocabulary for keys and values
-    (``TaskLayout``), the same layout ``nsa eval`` asks with.
+    last target): uniform, but ``needle_edges`` of the episodes at depth 0 or 1 exactly. ``mqar``:
+    ``mqar_episode`` with ``pairs`` pairs scattered over the sequence and all of them asked at the end.
+    Both use the top of the vocabulary for keys and values (``TaskLayout``), the same layout ``nsa eval``
+    asks with.
     """
 
     name = "synthetic"
@@ -576,7 +577,7 @@ class SyntheticSource:
     MAX_PAIRS = 8  # a 2-layer d=64 transformer learns recall across a 96-token gap in ~2k steps of batch 32
 
     def __init__(self, task: str, seed: int, seq_len: int, vocab_size: int, eot_id: int, pairs: int = 8,
-                 needle_edges: float = 0.0) -> None:
+                 needle_edges: float = DataConfig.model_fields["needle_edges"].default) -> None:
         if seq_len < 8:
             raise DataError(f"synthetic data needs train.seq_len >= 8, got {seq_len}")
         self.task, self.seed, self.seq_len, self.needle_edges = task, seed, seq_len, needle_edges
@@ -656,6 +657,10 @@ class SyntheticSource:
         return f"synthetic: {self.task}, seed {self.seed}, {self.seq_len} tokens per episode{detail}"
 
 
+def _synthetic(cfg: DataConfig, seed: int, seq_len: int, vocab_size: int, eot_id: int) -> SyntheticSource:
+    return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs, cfg.needle_edges)
+
+
 def _hf_source(cfg: DataConfig) -> HFStreamSource:
     return HFStreamSource(cfg.hf_dataset, cfg.hf_config, cfg.hf_split, cfg.text_field, cfg.timeout_s)
 
@@ -671,8 +676,7 @@ def open_source(
             raise DataError("data.path is required when data.source=local")
         return LocalSource(cfg.path, cfg.text_field), []
     if cfg.source == "synthetic":
-        return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs,
-                                   cfg.needle_edges), []
+        return _synthetic(cfg, seed, seq_len, vocab_size, eot_id), []
     if cfg.source == "fineweb_edu":
         try:
             return _hf_source(cfg), []
@@ -683,8 +687,7 @@ def open_source(
                 f"data source fineweb_edu failed ({exc.message}); TRAINING ON SYNTHETIC "
                 f"{cfg.synthetic_task} DATA INSTEAD (data.synthetic_on_fail=true)"
             )
-            return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs,
-                                   cfg.needle_edges), [warning]
+            return _synthetic(cfg, seed, seq_len, vocab_size, eot_id), [warning]
     raise DataError(f"unknown data.source={cfg.source!r}")
 
 

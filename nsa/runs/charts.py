@@ -106,7 +106,8 @@ def save_figure(fig: Any, path: Path) -> None:
         plt.close(fig)
 
 
-def _finish_axis(ax: Any, ylabel: str, *, legend: bool = True) -> None:
+def finish_axis(ax: Any, ylabel: str, *, legend: bool = True) -> None:
+    """The y label, a light grid and a small legend (when anything is labelled)."""
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     handles, _ = ax.get_legend_handles_labels()
@@ -164,7 +165,7 @@ def loss_chart(run: RunSeries, path: Path) -> Chart:
         _no_data(ax)
     ax.set_title(chart.title)
     ax.set_xlabel("step")
-    _finish_axis(ax, "loss (nats/token)")
+    finish_axis(ax, "loss (nats/token)")
     save_figure(fig, path)
     return chart
 
@@ -197,7 +198,7 @@ def tokens_chart(run: RunSeries, path: Path) -> Chart:
         _no_data(ax)
     ax.set_title(chart.title + " (raw faint, rolling median bold)")
     ax.set_xlabel("step")
-    _finish_axis(ax, "tokens/s")
+    finish_axis(ax, "tokens/s")
     save_figure(fig, path)
     return chart
 
@@ -226,7 +227,7 @@ def memory_chart(run: RunSeries, path: Path) -> Chart | None:
     ax.set_ylim(0, 1.15 * max(top, ceiling or 0.0) or 1.0)
     ax.set_title(chart.title + ("" if gpu else " (no GPU counters: host RSS only)"))
     ax.set_xlabel("step")
-    _finish_axis(ax, "GiB")
+    finish_axis(ax, "GiB")
     save_figure(fig, path)
     return chart
 
@@ -288,21 +289,21 @@ def gates_chart(run: RunSeries, path: Path) -> Chart | None:
     ent_min = run.limits.get("gate_entropy_min")
     _limit_line(axes[0], ent_min, "minimum")
     axes[0].set_ylim(0, 1.15 * max([*ent[1], ent_min or 0.0, 0.1]))
-    _finish_axis(axes[0], "entropy (nats)")
+    finish_axis(axes[0], "entropy (nats)")
     axes[0].set_title(chart.title)
     if col[0]:
         axes[1].plot(*col, color="tab:brown", linewidth=1.3, label="collapsed-gate fraction")
         chart.series["collapse fraction"] = len(col[0])
     _limit_line(axes[1], run.limits.get("gate_collapse_max"), "maximum")
     axes[1].set_ylim(-0.02, 1.02)
-    _finish_axis(axes[1], "fraction")
+    finish_axis(axes[1], "fraction")
     for name, (xs, ys) in zip(BRANCHES, shares, strict=True):
         if xs:
             axes[2].plot(xs, ys, linewidth=1.3, label=f"{name} share")
             chart.series[f"{name} share"] = len(xs)
     axes[2].set_ylim(0, 1.02)  # shares sum to 1
     axes[2].set_xlabel("step")
-    _finish_axis(axes[2], "branch share")
+    finish_axis(axes[2], "branch share")
     save_figure(fig, path)
     return chart
 
@@ -333,7 +334,7 @@ def fetch_chart(run: RunSeries, path: Path) -> Chart | None:
     _log_if_wide(ax, values + ([ceiling] if ceiling else []))
     ax.set_title(chart.title)
     ax.set_xlabel("step")
-    _finish_axis(ax, "ms")
+    finish_axis(ax, "ms")
     save_figure(fig, path)
     return chart
 
@@ -351,13 +352,13 @@ def lr_grad_chart(run: RunSeries, path: Path) -> Chart | None:
         chart.series["learning rate"] = len(lr[0])
         axes[0].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     axes[0].set_title(chart.title)
-    _finish_axis(axes[0], "lr", legend=False)
+    finish_axis(axes[0], "lr", legend=False)
     if gn[0]:
         axes[1].plot(*gn, color="tab:red", linewidth=1.0, label="gradient norm")
         chart.series["gradient norm"] = len(gn[0])
         _log_if_wide(axes[1], gn[1], 20.0)
     axes[1].set_xlabel("step")
-    _finish_axis(axes[1], "grad norm", legend=False)
+    finish_axis(axes[1], "grad norm", legend=False)
     save_figure(fig, path)
     return chart
 
@@ -407,7 +408,7 @@ def combined_loss_chart(runs: Sequence[RunSeries], path: Path) -> Chart:
         _no_data(ax)
     ax.set_title(chart.title + " (lines: training, dots: validation)")
     ax.set_xlabel("step")
-    _finish_axis(ax, "loss (nats/token)")
+    finish_axis(ax, "loss (nats/token)")
     save_figure(fig, path)
     return chart
 
@@ -437,7 +438,7 @@ def combined_tokens_chart(runs: Sequence[RunSeries], path: Path) -> Chart:
             if _tps_panel(ax, run, f"C{i % 10}", f"{run.name} ", chart, floor=True) is None:
                 _no_data(ax)
             ax.set_title(f"{run.name}", fontsize=9, loc="left")
-            _finish_axis(ax, "tokens/s")
+            finish_axis(ax, "tokens/s")
         fig.suptitle(chart.title + " (one panel per run: scales differ > 3x; raw faint, rolling median bold)",
                      fontsize=10)
         axes[-1].set_xlabel("step")
@@ -453,7 +454,7 @@ def combined_tokens_chart(runs: Sequence[RunSeries], path: Path) -> Chart:
             _no_data(ax)
         ax.set_title(chart.title + " (raw faint, rolling median bold)")
         ax.set_xlabel("step")
-        _finish_axis(ax, "tokens/s")
+        finish_axis(ax, "tokens/s")
     save_figure(fig, path)
     return chart
 

@@ -173,13 +173,13 @@ def quality(
                     layers.add_row(str(L["layer"]), f(L.get("recall"), ".3f"), f(L.get("cmp_entropy"), ".3f"),
                                    f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
                 console.print(layers)
-        if chart is not None:
+        render.json_outputs(quality_payload(spec, rows, environment()), as_json=as_json, json_out=json_out, indent=1)
+        if chart is not None:  # after the results are out: a chart that cannot be written loses nothing
             from nsa.bench.quality_chart import quality_chart
 
             title = f"bench quality: config {cfg_name}, {steps} steps, S={base.train.seq_len}"
             if quality_chart(rows, chart, title):
                 console.print(f"saved {chart}", highlight=False, markup=False)
-        render.json_outputs(quality_payload(spec, rows, environment()), as_json=as_json, json_out=json_out, indent=1)
 
 
 def register(app: typer.Typer) -> None:

@@ -258,6 +258,39 @@ def test_local_parquet_and_txt_invalid_utf8(tmp_path, offline) -> None:
         assert loader.stats()["skipped"] == {"invalid_utf8": 1}
 
 
+def test_local_text_unit_file_keeps_whole_files_as_documents(tmp_path, offline) -> None:
+    rng = random.Random(23)
+    folder = tmp_path / "books"
+    folder.mkdir()
+    files = []
+    for i in range(3):
+        paras = ["".join(rng.choice("abcdefgh xyz") for _ in range(rng.randint(5, 40))).strip() or "p" for _ in range(4)]
+        (folder / f"{i}.txt").write_text("\n\n".join(paras) + "\n")
+        files.append(paras)
+    tok = get_tokenizer("byte")
+
+    def documents(unit: str) -> list[str]:
+        cfg = DataConfig(source="local", path=str(folder), text_unit=unit, val_fraction=0.0, prefetch_depth=0)
+        with build_loader(cfg, tok, seq_len=4096, batch_size=1, seed=0) as loader:
+            x, y = next(loader)
+        ids = [*x[0].tolist(), y[0, -1].item()]
+        cut = [i for i, t in enumerate(ids) if t == tok.eot_id]
+        return [tok.decode(ids[a + 1:b]) for a, b in zip([-1, *cut], cut, strict=False)]
+
+    by_paragraph, by_file = documents("paragraph"), documents("file")
+    assert [d.strip() for d in by_paragraph[:12]] == [p for paras in files for p in paras]
+    assert [d.strip() for d in by_file[:3]] == ["\n\n".join(paras) for paras in files]
+    with pytest.raises(DataError, match=r"text_unit=file applies to \.txt"):
+        build_loader(DataConfig(source="local", path=str(_jsonl(tmp_path)), text_unit="file"), tok,
+                     seq_len=8, batch_size=1, seed=0)
+
+
+def _jsonl(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "one"}\n{"text": "two"}\n')
+    return path
+
+
 def test_local_state_round_trip_exact(bad_jsonl, offline) -> None:
     cfg = DataConfig(
         source="local", path=str(bad_jsonl), val_fraction=0.2, max_doc_chars=100, prefetch_depth=2

@@ -18,6 +18,9 @@ class DataConfig(ConfigSection):
     path: str | None = Field(None, description="file or folder for source=local",
                              json_schema_extra=exposed(env="NSA_DATA_PATH", flag="--data-path"))
     text_field: str = "text"
+    text_unit: Literal["paragraph", "file"] = Field(
+        "paragraph", description="what one document of a local .txt file is: a paragraph, or the whole file (long "
+                                 "context: the held-out split then holds whole files, not paragraphs torn from them)")
     tokenizer: Literal["byte", "gpt2"] = Field("byte", description="byte or gpt2",
                                                json_schema_extra=exposed(env="NSA_TOKENIZER", flag="--tokenizer"))
     tokenizer_path: str | None = Field(None, description="folder of a local HF tokenizer (gpt2)")

@@ -378,7 +378,8 @@ def _records(ds: Any, start: int, field: str) -> Iterator[Any]:
 
 
 class LocalSource:
-    """Local JSONL/JSON, Parquet or text files (``.txt``: one document per paragraph).
+    """Local JSONL/JSON, Parquet or text files (``.txt``: one document per paragraph, or per file with
+    ``text_unit="file"``).
 
     JSON is read line by line with the ``json`` module: a malformed line is yielded as :class:`Malformed`
     (skipped and counted by the loader) and reported by :meth:`warnings`. Parquet and text go through
@@ -389,9 +390,12 @@ class LocalSource:
     finite = True
     tokenized = False
 
-    def __init__(self, path: str, text_field: str) -> None:
-        self.path = path
+    def __init__(self, path: str, text_field: str, text_unit: str = "paragraph") -> None:
+        self.path, self.text_unit = path, text_unit
         self.format, self.files = _check_local_path(path)
+        if text_unit != "paragraph" and self.format != "text":
+            raise DataError(f"data.text_unit={text_unit} applies to .txt files; data.path={path} holds {self.format} "
+                            "records, each one document already", hint="drop data.text_unit")
         self.ignored = ignored_local_files(path)
         self.field = "text" if self.format == "text" else text_field
         self._malformed: int | None = None  # malformed records in one full pass, once known
@@ -410,7 +414,8 @@ class LocalSource:
         kwargs: dict[str, Any] = {}
         if self.format == "text":
             # undecodable bytes become U+FFFD, which clean_text counts as invalid_utf8
-            kwargs = {"sample_by": "paragraph", "encoding_errors": "replace"}
+            by = "document" if self.text_unit == "file" else "paragraph"
+            kwargs = {"sample_by": by, "encoding_errors": "replace"}
         try:
             return load_dataset(self.format, data_files=self.files, split="train", streaming=True, **kwargs)
         except Exception as exc:
@@ -489,7 +494,8 @@ class LocalSource:
         ]
 
     def describe(self) -> str:
-        return f"local: {self.format} at {self.path}, field {self.field!r}: {describe_files(self.files, self.ignored)}"
+        unit = ", one document per file" if self.text_unit == "file" else ""
+        return f"local: {self.format} at {self.path}, field {self.field!r}{unit}: {describe_files(self.files, self.ignored)}"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -674,7 +680,7 @@ def open_source(
     if cfg.source == "local":
         if not cfg.path:
             raise DataError("data.path is required when data.source=local")
-        return LocalSource(cfg.path, cfg.text_field), []
+        return LocalSource(cfg.path, cfg.text_field, cfg.text_unit), []
     if cfg.source == "synthetic":
         return _synthetic(cfg, seed, seq_len, vocab_size, eot_id), []
     if cfg.source == "fineweb_edu":

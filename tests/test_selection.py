@@ -352,6 +352,48 @@ def test_quality_sweep_compares_each_arm_at_its_best_learning_rate() -> None:
     assert nsa.vs_dense == pytest.approx((1.20 / 1.25 + 1.26 / 1.27) / 2 - 1)
 
 
+def test_bench_quality_from_saved_sweeps_merges_calls_into_one_sweep(tmp_path: Path) -> None:
+    """A sweep run in two calls (rates 1e-3 and 2e-3 for seeds 0-1, then 5e-4) read back with ``--from``: one
+    rate table over the three rates, each arm at its best, as one call would print and save; runs of another
+    sweep, a run given twice and a file that is no sweep are one line each, exit 2."""
+    from nsa.bench.quality import ARMS, QualityRow, QualitySpec, at_best_lr, quality_payload, summarise_arms
+
+    rng = random.Random(31)
+    base = ["train.seq_len=64", "optimizer.lr=1e-3"]
+
+    def saved(name: str, lrs: list[float], sets: list[str] = base, seeds: tuple[int, ...] = (0, 1)) -> tuple[Path, list[QualityRow]]:
+        spec = QualitySpec("tiny", sets, [ARMS["dense"], ARMS["nsa"]], list(seeds), 40, tmp_path, lrs=lrs)
+        rows = [QualityRow(f"{a}@lr={lr:g}", seed, val_loss=rng.uniform(1.0, 2.0), loss_curve=[(1, 5.0), (40, 2.0)])
+                for seed in seeds for a in ("dense", "nsa") for lr in lrs]
+        path = tmp_path / name
+        path.write_text(json.dumps(quality_payload(spec, rows, {"torch": "x"})))
+        return path, rows
+
+    a, rows_a = saved("a.json", [1e-3, 2e-3])
+    b, rows_b = saved("b.json", [5e-4])
+    res = runner.invoke(app, ["bench", "quality", "--from", str(a), "--from", str(b), "--json-out",
+                              str(tmp_path / "all.json"), "--chart", str(tmp_path / "all.png")])
+    assert res.exit_code == 0, res.output
+    assert "lr 0.0005" in res.output and "lr 0.002" in res.output and (tmp_path / "all.png").stat().st_size > 0
+    merged = json.loads((tmp_path / "all.json").read_text())
+    assert merged["lrs"] == [5e-4, 1e-3, 2e-3] and len(merged["rows"]) == 12
+    assert merged["merged_from"] == [{"path": str(a), "runs": 8}, {"path": str(b), "runs": 4}]
+    best, sweep = at_best_lr([*rows_a, *rows_b])
+    assert merged["lr_sweep"]["nsa"]["best_lr"] == sweep["nsa"]["best_lr"]
+    want = {s.arm: s.mean for s in summarise_arms(best)}
+    assert {s["arm"]: s["mean"] for s in merged["arms_summary_at_best_lr"]} == pytest.approx(want)
+    again = runner.invoke(app, ["bench", "quality", "--from", str(tmp_path / "all.json"), "--json"])
+    assert again.exit_code == 0 and json.loads(again.stdout)["lr_sweep"] == merged["lr_sweep"]
+
+    other, _ = saved("other.json", [5e-4], sets=["train.seq_len=128", "optimizer.lr=1e-3"])
+    not_sweep = tmp_path / "not.json"
+    not_sweep.write_text('{"command": "bench attention"}')
+    for paths, said in (([a, other], "its sets differ"), ([a, a], "is also in"), ([not_sweep], "not the JSON of"),
+                        ([tmp_path / "gone.json"], "no such file")):
+        bad = runner.invoke(app, ["bench", "quality", *[x for p in paths for x in ("--from", str(p))]])
+        assert bad.exit_code == 2 and said in bad.output and "Traceback" not in bad.output, bad.output
+
+
 def test_bench_quality_lr_sweep_end_to_end(tmp_path: Path) -> None:
     """Four runs, two at a time (``--parallel 2``: spawned processes, on CPU each a share of the cores): the
     rows in the order of the runs, each equal to the same run made alone in this process."""

@@ -41,6 +41,7 @@ def quality(
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (the CI test): config tiny, 40 steps, needle S=128 gap 48, 60 steps.")] = False,
     as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
     json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
+    saved: Annotated[list[Path] | None, typer.Option("--from", help="Train nothing: read these saved --json-out files of one sweep (repeatable: runs of several calls merged) and print, save and chart them as one; the training options are not used.")] = None,
     chart: Annotated[Path | None, typer.Option("--chart", help="Also draw each arm's training loss and held-out loss by position (mean over seeds; a sweep's arms at their best rate) to this PNG.")] = None,
 ) -> None:
     """Train every arm on the same data and tokens; print held-out loss, selection recall and needle accuracy."""
@@ -48,22 +49,19 @@ def quality(
         import json
 
         from rich.console import Console
-        from rich.table import Table
 
         from nsa.bench.quality import (
             QualityRow,
             QualitySpec,
-            at_best_lr,
             parse_arm,
-            quality_payload,
-            relative_to_dense,
             run_quality,
-            summarise_arms,
         )
         from nsa.config import load_run_config
         from nsa.envinfo import environment
-        from nsa_cli import render
 
+        if saved:
+            _from_saved(saved, as_json, json_out, chart)
+            return
         if task not in ("text", "needle", "both"):
             raise fail(f"--task {task!r} must be text, needle or both")
         arm_list = [parse_arm(a) for a in _csv(arms, "--arms")]
@@ -110,76 +108,121 @@ def quality(
 
         rows = run_quality(spec, say=lambda line: console.print(line, highlight=False, markup=False), log=log,
                            on_row=keep)
-        rel = relative_to_dense(rows)
-        table = Table(title=f"quality: config {cfg_name}, {steps} steps, seeds {','.join(map(str, seed_list))}")
-        for col in ("arm", "seed", "held-out loss", "vs dense (arm mean)", "recall mean", "recall min",
-                    "cmp entropy", "needle acc", "steps to 0.5", "s"):
-            table.add_column(col, justify="right")
+        _show(console, spec, rows)
+        _save(spec, rows, {"environment": environment()}, as_json, json_out, chart, f"S={base.train.seq_len}")
 
-        def f(x: Any, spec: str = ".4f") -> str:
-            return "-" if x is None else format(x, spec)
 
-        for r in rows:
-            d = rel.get(r.arm)
-            table.add_row(r.arm, str(r.seed), f(r.val_loss), "-" if d is None else f"{100 * d:+.1f}%",
-                          f(r.recall_mean, ".3f"), f(r.recall_min, ".3f"), f(r.cmp_entropy_mean, ".3f"),
-                          f(r.needle_acc, ".3f"), "-" if r.needle_steps_to_target is None else str(r.needle_steps_to_target),
-                          f"{r.seconds:.0f}")
-        console.print(table)
-        summary_rows = rows
-        if lr_list:
-            summary_rows, sweep = at_best_lr(rows)
-            best = Table(title="learning-rate sweep: held-out loss, mean over the seeds")
-            best.add_column("arm", justify="right")
-            for lr in lr_list:
-                best.add_column(f"lr {lr:g}", justify="right")
-            best.add_column("best", justify="right")
-            for arm, sw in sweep.items():
-                best.add_row(arm, *(f(sw["mean_by_lr"].get(lr)) for lr in lr_list), f"{sw['best_lr']:g}")
-            console.print(best)
-            for arm, sw in sweep.items():
-                if sw["edge"]:  # the optimum may lie past the rates tried
-                    console.print(f"note: {arm}'s best rate {sw['best_lr']:g} is the {sw['edge']} tried; "
-                                  f"extend the sweep {'down' if sw['edge'] == 'lowest' else 'up'} to be sure",
-                                  highlight=False, markup=False)
-        over_seeds = Table(title="arms over their seeds (vs dense: paired by seed, mean +- sd)"
-                           + (", each arm at its best learning rate" if lr_list else ""))
-        for col in ("arm", "seeds", "held-out loss mean +- sd", "vs dense", "reading"):
-            over_seeds.add_column(col, justify="right")
-        for a in summarise_arms(summary_rows):
-            spread = "" if a.sd is None else f" +- {a.sd:.4f}"
-            diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
-                    + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%")
-                    + ("" if a.baseline in (None, "dense") else f" (vs {a.baseline})"))
-            over_seeds.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, a.reading)
-        console.print(over_seeds)
-        by_pos = [r for r in rows if r.loss_by_position and r.seed == seed_list[0]]
-        if by_pos:
-            spans = [(b["start"], b["end"]) for b in max((r.loss_by_position for r in by_pos), key=len)]
-            positions = Table(title=f"held-out loss by position in the window (seed {seed_list[0]})")
-            positions.add_column("arm", justify="right")
-            for a, b in spans:
-                positions.add_column(f"{a}-{b}", justify="right")
-            for r in by_pos:
-                got = {(b["start"], b["end"]): b["loss"] for b in r.loss_by_position}
-                positions.add_row(r.arm, *(f(got.get(span), ".3f") for span in spans))
-            console.print(positions)
-        for r in rows:
-            if r.selection and r.seed == seed_list[0]:
-                layers = Table(title=f"selection per layer: {r.arm} (seed {r.seed}, held-out batches)")
-                for col in ("layer", "recall", "cmp entropy", "scorer KL", "gates cmp / sel / win"):
-                    layers.add_column(col, justify="right")
-                for L in r.selection:
-                    layers.add_row(str(L["layer"]), f(L.get("recall"), ".3f"), f(L.get("cmp_entropy"), ".3f"),
-                                   f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
-                console.print(layers)
-        render.json_outputs(quality_payload(spec, rows, environment()), as_json=as_json, json_out=json_out, indent=1)
-        if chart is not None:  # after the results are out: a chart that cannot be written loses nothing
-            from nsa.bench.quality_chart import quality_chart
+def _from_saved(paths: list[Path], as_json: bool, json_out: Path | None, chart: Path | None) -> None:
+    """``--from``: the saved runs of one sweep, merged, shown and saved as one (nothing trained)."""
+    from rich.console import Console
 
-            title = f"bench quality: config {cfg_name}, {steps} steps, S={base.train.seq_len}"
-            if quality_chart(rows, chart, title):
-                console.print(f"saved {chart}", highlight=False, markup=False)
+    from nsa.bench.quality_saved import merge_sweeps
+
+    spec, rows, sources = merge_sweeps(paths)
+    console = Console(width=200, stderr=as_json)
+    console.print(f"{len(rows)} runs from {len(paths)} saved sweep(s): "
+                  + ", ".join(f"{s['path']} ({s['runs']})" for s in sources), highlight=False, markup=False)
+    envs = [e for e in (_environment_of(p) for p in paths) if e]
+    seq = next((x.split("=", 1)[1] for x in spec.sets if x.startswith("train.seq_len=")), None)
+    _show(console, spec, rows)
+    _save(spec, rows, {"environment": envs[0] if envs else {}, "merged_from": sources}, as_json, json_out, chart,
+          f"S={seq}" if seq else "merged")
+
+
+def _environment_of(path: Path) -> dict[str, Any]:
+    import json
+
+    env = json.loads(path.read_text()).get("environment")
+    return env if isinstance(env, dict) else {}
+
+
+def _show(console: Any, spec: Any, rows: list[Any]) -> None:
+    """The tables of a quality benchmark: runs, the rate sweep, arms over seeds, loss by position, selection."""
+    from rich.table import Table
+
+    from nsa.bench.quality import at_best_lr, relative_to_dense, summarise_arms
+
+    cfg_name, steps, seed_list, lr_list = spec.config, spec.steps, spec.seeds, spec.lrs
+    rel = relative_to_dense(rows)
+    table = Table(title=f"quality: config {cfg_name}, {steps} steps, seeds {','.join(map(str, seed_list))}")
+    for col in ("arm", "seed", "held-out loss", "vs dense (arm mean)", "recall mean", "recall min",
+                "cmp entropy", "needle acc", "steps to 0.5", "s"):
+        table.add_column(col, justify="right")
+
+    def f(x: Any, spec: str = ".4f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    for r in rows:
+        d = rel.get(r.arm)
+        table.add_row(r.arm, str(r.seed), f(r.val_loss), "-" if d is None else f"{100 * d:+.1f}%",
+                      f(r.recall_mean, ".3f"), f(r.recall_min, ".3f"), f(r.cmp_entropy_mean, ".3f"),
+                      f(r.needle_acc, ".3f"), "-" if r.needle_steps_to_target is None else str(r.needle_steps_to_target),
+                      f"{r.seconds:.0f}")
+    console.print(table)
+    summary_rows = rows
+    if lr_list:
+        summary_rows, sweep = at_best_lr(rows)
+        best = Table(title="learning-rate sweep: held-out loss, mean over the seeds")
+        best.add_column("arm", justify="right")
+        for lr in lr_list:
+            best.add_column(f"lr {lr:g}", justify="right")
+        best.add_column("best", justify="right")
+        for arm, sw in sweep.items():
+            best.add_row(arm, *(f(sw["mean_by_lr"].get(lr)) for lr in lr_list), f"{sw['best_lr']:g}")
+        console.print(best)
+        for arm, sw in sweep.items():
+            if sw["edge"]:  # the optimum may lie past the rates tried
+                console.print(f"note: {arm}'s best rate {sw['best_lr']:g} is the {sw['edge']} tried; "
+                              f"extend the sweep {'down' if sw['edge'] == 'lowest' else 'up'} to be sure",
+                              highlight=False, markup=False)
+    over_seeds = Table(title="arms over their seeds (vs dense: paired by seed, mean +- sd)"
+                       + (", each arm at its best learning rate" if lr_list else ""))
+    for col in ("arm", "seeds", "held-out loss mean +- sd", "vs dense", "reading"):
+        over_seeds.add_column(col, justify="right")
+    for a in summarise_arms(summary_rows):
+        spread = "" if a.sd is None else f" +- {a.sd:.4f}"
+        diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
+                + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%")
+                + ("" if a.baseline in (None, "dense") else f" (vs {a.baseline})"))
+        over_seeds.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, a.reading)
+    console.print(over_seeds)
+    by_pos = [r for r in rows if r.loss_by_position and r.seed == seed_list[0]]
+    if by_pos:
+        spans = [(b["start"], b["end"]) for b in max((r.loss_by_position for r in by_pos), key=len)]
+        positions = Table(title=f"held-out loss by position in the window (seed {seed_list[0]})")
+        positions.add_column("arm", justify="right")
+        for a, b in spans:
+            positions.add_column(f"{a}-{b}", justify="right")
+        for r in by_pos:
+            got = {(b["start"], b["end"]): b["loss"] for b in r.loss_by_position}
+            positions.add_row(r.arm, *(f(got.get(span), ".3f") for span in spans))
+        console.print(positions)
+    for r in rows:
+        if r.selection and r.seed == seed_list[0]:
+            layers = Table(title=f"selection per layer: {r.arm} (seed {r.seed}, held-out batches)")
+            for col in ("layer", "recall", "cmp entropy", "scorer KL", "gates cmp / sel / win"):
+                layers.add_column(col, justify="right")
+            for L in r.selection:
+                layers.add_row(str(L["layer"]), f(L.get("recall"), ".3f"), f(L.get("cmp_entropy"), ".3f"),
+                               f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
+            console.print(layers)
+
+def _save(spec: Any, rows: list[Any], extra: dict[str, Any], as_json: bool, json_out: Path | None,
+          chart: Path | None, length: str) -> None:
+    """The JSON outputs, then the chart (after the results are out: a chart that cannot be written loses nothing)."""
+    from nsa.bench.quality import quality_payload
+    from nsa_cli import render
+
+    payload = quality_payload(spec, rows, extra.pop("environment"))
+    render.json_outputs({**payload, **extra}, as_json=as_json, json_out=json_out, indent=1)
+    if chart is not None:
+        from rich.console import Console
+
+        from nsa.bench.quality_chart import quality_chart
+
+        title = f"bench quality: config {spec.config}, {spec.steps} steps, {length}"
+        if quality_chart(rows, chart, title):
+            Console(stderr=as_json).print(f"saved {chart}", highlight=False, markup=False)
 
 
 def register(app: typer.Typer) -> None:

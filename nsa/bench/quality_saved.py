@@ -1,0 +1,91 @@
+"""Saved quality sweeps: a ``nsa bench quality`` JSON read back, and several merged into one.
+
+A sweep spread over several calls or machines (one learning rate here, two more seeds there) is one sweep
+again when the runs share the base config, the overrides other than the learning rate, the steps and the
+task: :func:`merge_sweeps` checks that, joins arms, seeds, rates and rows, and refuses a run found twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nsa.bench.quality import Arm, QualityRow, QualitySpec
+from nsa.errors import ConfigError
+
+_LR_SET = "optimizer.lr="  # the one override a merged sweep may differ in (each run's rate is in its arm name)
+
+
+def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow]]:
+    """The spec and rows of one saved ``nsa bench quality --json-out`` file."""
+    try:
+        payload = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file", hint="give the --json-out file of a bench quality run") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not readable as JSON ({type(exc).__name__})",
+                          hint="give the --json-out file of a bench quality run") from None
+    if not isinstance(payload, dict) or payload.get("command") != "bench quality" or "rows" not in payload:
+        raise ConfigError(f"{path} is not the JSON of nsa bench quality", hint="give its --json-out file")
+    try:
+        arms = [Arm(a["name"], tuple(a["sets"]), tuple((float(f), int(d)) for f, d in a.get("warm", [])),
+                    tuple(a.get("warm_sets", []))) for a in payload["arms"]]
+        spec = QualitySpec(payload["config"], list(payload["sets"]), arms, [int(s) for s in payload["seeds"]],
+                           int(payload["steps"]), Path(path).parent, task=payload.get("task", "text"),
+                           lrs=[float(x) for x in payload.get("lrs") or []])
+        rows = [QualityRow(**r) for r in payload["rows"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: a bench quality JSON with a missing or malformed field ({exc})",
+                          hint="give the --json-out file of a bench quality run, as written") from None
+    return spec, rows
+
+
+def _same_base(sets: list[str]) -> list[str]:
+    return [s for s in sets if not s.startswith(_LR_SET)]
+
+
+def merge_sweeps(paths: Sequence[Path]) -> tuple[QualitySpec, list[QualityRow], list[dict[str, Any]]]:
+    """One sweep from several saved ones: the first file's spec with every file's arms, seeds, rates and
+    rows, and where they came from (``[{"path", "runs"}]``). ``ConfigError`` naming the file and the
+    difference when they are not runs of one sweep."""
+    if not paths:
+        raise ConfigError("no saved sweep given", hint="e.g. --from a.json --from b.json")
+    saved = [(Path(p), *read_sweep(Path(p))) for p in paths]
+    first, spec, _ = saved[0]
+    if len({bool(s.lrs) for _, s, _ in saved}) > 1:
+        raise ConfigError("a sweep over learning rates cannot be merged with runs at the config's rate",
+                          hint="merge only --lrs sweeps, or only runs without --lrs")
+    arms: dict[str, Arm] = {}
+    seen: dict[tuple[str, int], Path] = {}
+    seeds: list[int] = []
+    lrs: list[float] = []
+    rows: list[QualityRow] = []
+    for path, other, more in saved:
+        mine_sets, their_sets = _same_base(spec.sets), _same_base(other.sets)
+        for what, mine, theirs in (("config", spec.config, other.config), ("steps", spec.steps, other.steps),
+                                   ("task", spec.task, other.task), ("sets", mine_sets, their_sets)):
+            if mine != theirs:
+                diff = (", ".join(sorted(set(mine_sets) ^ set(their_sets))) if what == "sets"
+                        else f"{mine} vs {theirs}")
+                raise ConfigError(f"{path} is not a run of the sweep in {first}: its {what} differ ({diff})",
+                                  hint="merge only runs of the same base config, steps and task")
+        for arm in other.arms:
+            if arms.setdefault(arm.name, arm) != arm:
+                raise ConfigError(f"{path}: arm {arm.name} differs from the one of the same name before it",
+                                  hint="give the arms different names")
+        for r in more:
+            if (r.arm, r.seed) in seen:
+                raise ConfigError(f"{path}: {r.arm} seed {r.seed} is also in {seen[(r.arm, r.seed)]}",
+                                  hint="merge each run once")
+            seen[(r.arm, r.seed)] = path
+            rows.append(r)
+        seeds += [s for s in other.seeds if s not in seeds]
+        lrs += [x for x in other.lrs if x not in lrs]
+    merged = QualitySpec(spec.config, _same_base(spec.sets) if lrs else spec.sets, list(arms.values()), seeds,
+                         spec.steps, spec.out_dir, task=spec.task, lrs=sorted(lrs))
+    return merged, rows, [{"path": str(p), "runs": len(r)} for p, _, r in saved]
+
+
+__all__ = ["merge_sweeps", "read_sweep"]

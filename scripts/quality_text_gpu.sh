@@ -5,7 +5,8 @@
 # GATE_VARIANT=NAME:PARAM runs every arm with that learning-dynamics variant (scripts/gate_variants.py);
 # EXTRA="--set k=v ..." adds overrides to every arm.
 # Without ARM:SEED arguments, SWEEP="--arms ... --seeds ... --lrs ..." runs one `nsa bench quality` over all of
-# them, PARALLEL runs at a time dealt over the GPUs (e.g. PARALLEL=8 on four GPUs), into OUT_DIR/sweep.json.
+# them, PARALLEL runs at a time dealt over the GPUs (e.g. PARALLEL=8 on four GPUs), into OUT_DIR/sweep.json
+# and its curves into OUT_DIR/sweep.png.
 set -u
 out=${1:?out dir}; shift
 corpus=/tmp/pystd
@@ -16,14 +17,14 @@ if [ ! -d "$corpus" ]; then
     -size +2k | sort | head -517 | while read -r f; do cp "$f" "$corpus/$(echo "$f" | tr '/' '_').txt"; done
 fi
 echo "corpus: $(ls "$corpus" | wc -l) files, $(cat "$corpus"/* | wc -c) bytes"
-SETS=(--set data.source=local --set data.path=$corpus --set data.tokenizer=byte --set model.vocab_size=256
+SETS=(--set data.source=local --set data.path=$corpus --set data.text_unit=${UNIT:-file} --set data.val_fraction=${VAL:-0.1} --set data.tokenizer=byte --set model.vocab_size=256
       --set model.dim=384 --set model.n_layers=6 --set model.n_heads=6 --set model.n_kv_groups=2
       --set model.d_k=64 --set model.d_v=64 --set model.mlp_hidden=1536 --set train.seq_len=${SEQ:-2048}
       --set train.batch_size=${BATCH:-16} --set optimizer.lr=1e-3 --set schedule.warmup_steps=100
       --set eval.batches=8 --set logging.every=100 --set data.prefetch_depth=2 ${EXTRA:-})
 if [ $# -eq 0 ]; then
   python3 -m nsa_cli bench quality --config m7c-125m "${SETS[@]}" ${SWEEP:?SWEEP or ARM:SEED arguments} \
-    --parallel "${PARALLEL:-1}" --steps ${STEPS:-1200} -o /tmp/quality-$$ --json-out "$out/sweep.json" > "$out/sweep.log" 2>&1
+    --parallel "${PARALLEL:-1}" --steps ${STEPS:-1200} -o /tmp/quality-$$ --json-out "$out/sweep.json" --chart "$out/sweep.png" > "$out/sweep.log" 2>&1
   exit $?
 fi
 for spec in "$@"; do

@@ -90,6 +90,9 @@ ARMS: dict[str, Arm] = {
     # two steps up to long windows (32k: a quarter of the steps at 2k, a quarter at 8k, then 32k)
     "dense-ladder": Arm("dense-ladder", ("model.attention=dense",), warm=((0.25, 16), (0.25, 4))),
     "nsa-ladder": Arm("nsa-ladder", ("model.attention=nsa",), warm=((0.25, 16), (0.25, 4))),
+    # the same steps, longer at the short windows (32k: half the steps at 2k, a quarter at 8k, a quarter at 32k)
+    "dense-ladder-half": Arm("dense-ladder-half", ("model.attention=dense",), warm=((0.5, 16), (0.25, 4))),
+    "nsa-ladder-half": Arm("nsa-ladder-half", ("model.attention=nsa",), warm=((0.5, 16), (0.25, 4))),
 }
 
 

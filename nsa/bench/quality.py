@@ -9,7 +9,8 @@ Arms with warm phases first train a share of the steps in each with the phase's 
 from its weights (``train.init_from``), every arm seeing the same number of tokens: ``dense-warm`` (the
 dense model first, then NSA), the length curricula ``dense-curriculum`` / ``nsa-curriculum`` (the same
 model on windows 4x shorter, as many more per batch, then the full length) and ``dense-ladder`` /
-``nsa-ladder`` (two steps: windows 16x, then 4x shorter, a quarter of the steps each). The held-out
+``nsa-ladder`` (two steps: windows 16x, then 4x shorter, a quarter of the steps each; ``*-ladder-half``: half the
+steps at 16x shorter). The held-out
 loss comes with its split by position in the window (``loss_by_position``, :func:`nsa.eval.tasks.eval_loss`).
 :func:`run_needle_arm` trains the same arm on single-needle retrieval (``nsa.bench.retrieval``) and
 reports the accuracy curve and the first step at 50%.

@@ -26,7 +26,7 @@ def _csv(text: str, flag: str) -> list[str]:
 def quality(
     config: Annotated[str | None, typer.Option("--config", help=options.config_help("Base run config of every arm"))] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value for every arm; repeatable.")] = None,
-    arms: Annotated[str, typer.Option("--arms", help="Comma-separated arms: dense, nsa, nsa-half, nsa-window, nsa-uniform, nsa-scorer, dense-warm, dense-curriculum, nsa-curriculum (a quarter of the steps on 4x shorter windows first), dense-ladder, nsa-ladder (a quarter at 16x shorter, a quarter at 4x shorter), or label=key=value;key=value (NSA plus overrides), label=<arm>;key=value (that arm plus overrides).")] = "dense,nsa",
+    arms: Annotated[str, typer.Option("--arms", help="Comma-separated arms: dense, nsa, nsa-half, nsa-window, nsa-uniform, nsa-scorer, dense-warm, dense-curriculum, nsa-curriculum (a quarter of the steps on 4x shorter windows first), dense-ladder, nsa-ladder (a quarter at 16x shorter, a quarter at 4x shorter), dense-ladder-half, nsa-ladder-half (half at 16x shorter, a quarter at 4x shorter), or label=key=value;key=value (NSA plus overrides), label=<arm>;key=value (that arm plus overrides).")] = "dense,nsa",
     seeds: Annotated[str, typer.Option("--seeds", help="Comma-separated seeds; every arm trains once per seed.")] = "0",
     lrs: Annotated[str | None, typer.Option("--lrs", help="Comma-separated learning rates: every arm trains at each, and is compared with dense at its best (e.g. 5e-4,1e-3,2e-3).")] = None,
     steps: Annotated[int | None, typer.Option("--steps", min=1, help="Training steps per arm [default: the config's].")] = None,

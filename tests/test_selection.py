@@ -258,6 +258,7 @@ def test_bench_quality_tiny_prints_loss_and_recall_side_by_side(tmp_path: Path) 
     for r in rows.values():  # the held-out loss by position in the window: one range at S=64
         (span,) = r["loss_by_position"]
         assert (span["start"], span["end"]) == (0, 64) and math.isfinite(span["loss"]) and span["n"] > 0
+        assert [c["context"] for c in r["loss_by_context"]] == [64]  # no window of 64 is 16x or 4x longer than 64
     assert "0-64" in res.output  # the by-position table (its title wraps in a narrow table)
     assert "held-out loss" in res.output and "selection per layer: nsa-half" in res.output
     assert "arms over their seeds" in res.output and "one seed" in res.output  # one seed: no spread to judge by
@@ -265,6 +266,24 @@ def test_bench_quality_tiny_prints_loss_and_recall_side_by_side(tmp_path: Path) 
     # each run's row was also kept as it finished (a sweep cut short keeps what ran)
     kept = [json.loads(line) for line in (tmp_path / "q.json.rows.jsonl").read_text().splitlines()]
     assert [r["arm"] for r in kept] == ["dense", "nsa-half"] and kept[1]["val_loss"] == rows["nsa-half"]["val_loss"]
+
+
+def test_bench_quality_reads_the_same_held_out_tokens_in_shorter_windows(tmp_path: Path) -> None:
+    """Each run's final model also reads its held-out tokens in windows of S/16 and S/4 (16x and 4x as many per
+    batch): the same number of scored tokens at every length, the training length's loss equal to the
+    held-out loss by position it reports, and a table of them per arm."""
+    out = tmp_path / "q.json"
+    res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "dense,nsa-half", "--steps", "2",
+                              "--set", "train.seq_len=1024", "--set", "train.batch_size=1",
+                              "-o", str(tmp_path / "runs"), "--json-out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "the same tokens" in res.output  # the table by window length (its title wraps)
+    for r in json.loads(out.read_text())["rows"]:
+        ctx = r["loss_by_context"]
+        assert [c["context"] for c in ctx] == [64, 256, 1024]
+        assert len({c["n"] for c in ctx}) == 1 and all(math.isfinite(c["loss"]) for c in ctx)
+        by_pos = sum(b["loss"] * b["n"] for b in r["loss_by_position"]) / sum(b["n"] for b in r["loss_by_position"])
+        assert ctx[-1]["loss"] == pytest.approx(by_pos, rel=1e-6)
 
 
 def test_bench_quality_length_curriculum_trains_short_windows_first(tmp_path: Path) -> None:

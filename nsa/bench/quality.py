@@ -135,6 +135,7 @@ class QualityRow:
     needle_curve: list[tuple[int, float]] = field(default_factory=list)
     loss_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, training loss) at log steps
     loss_by_position: list[dict[str, Any]] = field(default_factory=list)  # held-out loss per window range
+    loss_by_context: list[dict[str, Any]] = field(default_factory=list)  # the same tokens in shorter windows
     status: str = "completed"
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,22 +168,43 @@ def _quiet_train(resolved: ResolvedConfig, log: Callable[[str], None] | None) ->
     return result.metrics
 
 
-def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A finished run's model at its training length on ``batches`` held-out batches: the selection
+SHORTER_CONTEXTS = (16, 4)  # the final model also read with windows this many times shorter, on the same tokens
+
+
+@dataclass
+class FinalMeasures:
+    """A finished run's model on held-out batches: selection per layer (empty for dense), the loss by position
+    in its training window, and the loss on the same tokens read in shorter windows (does context help?)."""
+
+    selection: list[dict[str, Any]]
+    loss_by_position: list[dict[str, Any]]
+    loss_by_context: list[dict[str, Any]]  # [{"context", "loss", "n"}], shortest first, the training length last
+
+
+def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> FinalMeasures:
+    """A finished run's model at its training length S on ``batches`` held-out batches: the selection
     diagnostics per layer (``nsa eval --task selection``; empty for a dense model) and the held-out loss by
-    position in the window (``nsa eval --task loss``)."""
+    position in the window (``nsa eval --task loss``); and the loss of the same held-out tokens read in windows
+    of S/16 and S/4 (as many more per batch; each window scores one token fewer, so the tokens agree to within
+    one per window), which tells a model that is worse from one that is hurt by its long context."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(run_dir, device=device)
     cfg = loaded.config
     tok = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     S, bs = cfg.train.seq_len, cfg.train.batch_size
+    shorter = [S // d for d in SHORTER_CONTEXTS if S % d == 0 and S // d >= 64]
+    by_context = []
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        for c in shorter:
+            (short,) = eval_loss(loaded.model, cfg, tok, [c], batches, batch_size=bs * (S // c), device=device)
+            by_context.append({"context": c, "loss": short["loss"], "n": short["n"]})
         (loss,) = eval_loss(loaded.model, cfg, tok, [S], batches, batch_size=bs, device=device)
+        by_context.append({"context": S, "loss": loss["loss"], "n": loss["n"]})
         if cfg.model.attention != "nsa":
-            return [], loss["by_position"]
+            return FinalMeasures([], loss["by_position"], by_context)
         rows = eval_selection(loaded.model, cfg, tok, [S], batches, queries=queries, batch_size=bs, device=device)
     selection = [{k: r[k] for k in ("layer", "recall", "cmp_entropy", "kl", "gates")} for r in rows]
-    return selection, loss["by_position"]
+    return FinalMeasures(selection, loss["by_position"], by_context)
 
 
 def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,
@@ -229,7 +251,9 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
     row.val_loss = m.get("last_val_loss")
     row.tokens = int(m.get("tokens_seen") or 0) + (int(m.get("tokens_per_step") or 0) * (steps - steps_main))
     row.seconds = seconds
-    row.selection, row.loss_by_position = final_measures(main_dir, queries, batches=resolved.config.eval.batches)
+    measures = final_measures(main_dir, queries, batches=resolved.config.eval.batches)
+    row.selection, row.loss_by_position = measures.selection, measures.loss_by_position
+    row.loss_by_context = measures.loss_by_context
     if row.selection:
         recalls = [r["recall"] for r in row.selection if r.get("recall") is not None]
         ents = [r["cmp_entropy"] for r in row.selection if r.get("cmp_entropy") is not None]
@@ -521,6 +545,7 @@ __all__ = [
     "LR_TAG",
     "Arm",
     "ArmSummary",
+    "FinalMeasures",
     "QualityRow",
     "QualitySpec",
     "at_best_lr",

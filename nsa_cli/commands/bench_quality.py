@@ -197,6 +197,17 @@ def _show(console: Any, spec: Any, rows: list[Any]) -> None:
             got = {(b["start"], b["end"]): b["loss"] for b in r.loss_by_position}
             positions.add_row(r.arm, *(f(got.get(span), ".3f") for span in spans))
         console.print(positions)
+    by_ctx = [r for r in rows if len(r.loss_by_context) > 1 and r.seed == seed_list[0]]
+    if by_ctx:
+        ctxs = sorted({c["context"] for r in by_ctx for c in r.loss_by_context})
+        contexts = Table(title=f"held-out loss of the same tokens read in windows of each length (seed {seed_list[0]})")
+        contexts.add_column("arm", justify="right")
+        for c in ctxs:
+            contexts.add_column(f"{c}", justify="right")
+        for r in by_ctx:
+            got = {c["context"]: c["loss"] for c in r.loss_by_context}
+            contexts.add_row(r.arm, *(f(got.get(c), ".4f") for c in ctxs))
+        console.print(contexts)
     for r in rows:
         if r.selection and r.seed == seed_list[0]:
             layers = Table(title=f"selection per layer: {r.arm} (seed {r.seed}, held-out batches)")

@@ -18,8 +18,8 @@ from nsa.errors import ConfigError
 _LR_SET = "optimizer.lr="  # the one override a merged sweep may differ in (each run's rate is in its arm name)
 
 
-def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow]]:
-    """The spec and rows of one saved ``nsa bench quality --json-out`` file."""
+def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow], dict[str, Any]]:
+    """The spec, rows and environment of one saved ``nsa bench quality --json-out`` file."""
     try:
         payload = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -39,22 +39,23 @@ def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow]]:
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: a bench quality JSON with a missing or malformed field ({exc})",
                           hint="give the --json-out file of a bench quality run, as written") from None
-    return spec, rows
+    env = payload.get("environment")
+    return spec, rows, env if isinstance(env, dict) else {}
 
 
 def _same_base(sets: list[str]) -> list[str]:
     return [s for s in sets if not s.startswith(_LR_SET)]
 
 
-def merge_sweeps(paths: Sequence[Path]) -> tuple[QualitySpec, list[QualityRow], list[dict[str, Any]]]:
+def merge_sweeps(paths: Sequence[Path]) -> tuple[QualitySpec, list[QualityRow], dict[str, Any]]:
     """One sweep from several saved ones: the first file's spec with every file's arms, seeds, rates and
-    rows, and where they came from (``[{"path", "runs"}]``). ``ConfigError`` naming the file and the
-    difference when they are not runs of one sweep."""
+    rows, and ``{"environment": the first file's, "merged_from": [{"path", "runs"}]}``. ``ConfigError``
+    naming the file and the difference when they are not runs of one sweep."""
     if not paths:
         raise ConfigError("no saved sweep given", hint="e.g. --from a.json --from b.json")
     saved = [(Path(p), *read_sweep(Path(p))) for p in paths]
-    first, spec, _ = saved[0]
-    if len({bool(s.lrs) for _, s, _ in saved}) > 1:
+    first, spec, _, environment = saved[0]
+    if len({bool(s.lrs) for _, s, _, _ in saved}) > 1:
         raise ConfigError("a sweep over learning rates cannot be merged with runs at the config's rate",
                           hint="merge only --lrs sweeps, or only runs without --lrs")
     arms: dict[str, Arm] = {}
@@ -62,7 +63,7 @@ def merge_sweeps(paths: Sequence[Path]) -> tuple[QualitySpec, list[QualityRow], 
     seeds: list[int] = []
     lrs: list[float] = []
     rows: list[QualityRow] = []
-    for path, other, more in saved:
+    for path, other, more, _ in saved:
         mine_sets, their_sets = _same_base(spec.sets), _same_base(other.sets)
         for what, mine, theirs in (("config", spec.config, other.config), ("steps", spec.steps, other.steps),
                                    ("task", spec.task, other.task), ("sets", mine_sets, their_sets)):
@@ -85,7 +86,7 @@ def merge_sweeps(paths: Sequence[Path]) -> tuple[QualitySpec, list[QualityRow], 
         lrs += [x for x in other.lrs if x not in lrs]
     merged = QualitySpec(spec.config, _same_base(spec.sets) if lrs else spec.sets, list(arms.values()), seeds,
                          spec.steps, spec.out_dir, task=spec.task, lrs=sorted(lrs))
-    return merged, rows, [{"path": str(p), "runs": len(r)} for p, _, r in saved]
+    return merged, rows, {"environment": environment, "merged_from": [{"path": str(p), "runs": len(r)} for p, _, r, _ in saved]}
 
 
 __all__ = ["merge_sweeps", "read_sweep"]

@@ -118,22 +118,13 @@ def _from_saved(paths: list[Path], as_json: bool, json_out: Path | None, chart: 
 
     from nsa.bench.quality_saved import merge_sweeps
 
-    spec, rows, sources = merge_sweeps(paths)
+    spec, rows, extra = merge_sweeps(paths)
     console = Console(width=200, stderr=as_json)
     console.print(f"{len(rows)} runs from {len(paths)} saved sweep(s): "
-                  + ", ".join(f"{s['path']} ({s['runs']})" for s in sources), highlight=False, markup=False)
-    envs = [e for e in (_environment_of(p) for p in paths) if e]
+                  + ", ".join(f"{s['path']} ({s['runs']})" for s in extra["merged_from"]), highlight=False, markup=False)
     seq = next((x.split("=", 1)[1] for x in spec.sets if x.startswith("train.seq_len=")), None)
     _show(console, spec, rows)
-    _save(spec, rows, {"environment": envs[0] if envs else {}, "merged_from": sources}, as_json, json_out, chart,
-          f"S={seq}" if seq else "merged")
-
-
-def _environment_of(path: Path) -> dict[str, Any]:
-    import json
-
-    env = json.loads(path.read_text()).get("environment")
-    return env if isinstance(env, dict) else {}
+    _save(spec, rows, extra, as_json, json_out, chart, f"S={seq}" if seq else "merged")
 
 
 def _show(console: Any, spec: Any, rows: list[Any]) -> None:

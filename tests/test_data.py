@@ -22,7 +22,7 @@ from nsa.data.corpus.harvest import harvest_documents, write_corpus
 from nsa.data.packing import pack_sequences
 from nsa.data.records import clean_text
 from nsa.data.retrieval import TaskLayout
-from nsa.data.sources import EmbeddedSource, SyntheticSource, first_record_within
+from nsa.data.sources import EmbeddedSource, SyntheticSource, check_local_inputs, first_record_within
 from nsa.data.split import belongs, is_val
 from nsa.errors import DataError
 
@@ -280,9 +280,11 @@ def test_local_text_unit_file_keeps_whole_files_as_documents(tmp_path, offline) 
     by_paragraph, by_file = documents("paragraph"), documents("file")
     assert [d.strip() for d in by_paragraph[:12]] == [p for paras in files for p in paras]
     assert [d.strip() for d in by_file[:3]] == ["\n\n".join(paras) for paras in files]
+    wrong = DataConfig(source="local", path=str(_jsonl(tmp_path)), text_unit="file")
     with pytest.raises(DataError, match=r"text_unit=file applies to \.txt"):
-        build_loader(DataConfig(source="local", path=str(_jsonl(tmp_path)), text_unit="file"), tok,
-                     seq_len=8, batch_size=1, seed=0)
+        build_loader(wrong, tok, seq_len=8, batch_size=1, seed=0)
+    with pytest.raises(DataError, match=r"text_unit=file applies to \.txt"):  # preflight's check, before any training
+        check_local_inputs(wrong)
 
 
 def _jsonl(tmp_path):

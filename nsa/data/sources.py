@@ -366,7 +366,15 @@ def check_local_inputs(data_cfg: DataConfig) -> None:
         return
     if not data_cfg.path:
         raise DataError("data.path is required when data.source=local", hint=PATH_HINT)
-    _check_local_path(data_cfg.path)
+    fmt, _ = _check_local_path(data_cfg.path)
+    _check_text_unit(data_cfg.path, fmt, data_cfg.text_unit)
+
+
+def _check_text_unit(path: str, fmt: str, text_unit: str) -> None:
+    """``data.text_unit`` other than paragraph is for .txt files: JSON and Parquet records are documents already."""
+    if text_unit != "paragraph" and fmt != "text":
+        raise DataError(f"data.text_unit={text_unit} applies to .txt files; data.path={path} holds {fmt} "
+                        "records, each one document already", hint="drop data.text_unit")
 
 
 def _records(ds: Any, start: int, field: str) -> Iterator[Any]:
@@ -393,9 +401,7 @@ class LocalSource:
     def __init__(self, path: str, text_field: str, text_unit: str = "paragraph") -> None:
         self.path, self.text_unit = path, text_unit
         self.format, self.files = _check_local_path(path)
-        if text_unit != "paragraph" and self.format != "text":
-            raise DataError(f"data.text_unit={text_unit} applies to .txt files; data.path={path} holds {self.format} "
-                            "records, each one document already", hint="drop data.text_unit")
+        _check_text_unit(path, self.format, text_unit)
         self.ignored = ignored_local_files(path)
         self.field = "text" if self.format == "text" else text_field
         self._malformed: int | None = None  # malformed records in one full pass, once known

@@ -413,6 +413,21 @@ def test_bench_quality_from_saved_sweeps_merges_calls_into_one_sweep(tmp_path: P
         assert bad.exit_code == 2 and said in bad.output and "Traceback" not in bad.output, bad.output
 
 
+def test_a_sweep_saved_before_warm_phases_reads_its_one_phase(tmp_path: Path) -> None:
+    """JSONs written before ``Arm.warm`` name one warm phase as ``warm_frac``/``warm_len_div``: read back as it."""
+    from nsa.bench.quality_saved import read_sweep
+
+    old = {"command": "bench quality", "config": "tiny", "sets": [], "steps": 40, "task": "text", "seeds": [0],
+           "lrs": [], "rows": [{"arm": "dense-curriculum", "seed": 0, "val_loss": 1.5}],
+           "arms": [{"name": "dense-curriculum", "sets": ["model.attention=dense"], "warm_frac": 0.25,
+                     "warm_sets": [], "warm_len_div": 4},
+                    {"name": "dense", "sets": ["model.attention=dense"], "warm_frac": 0.0, "warm_sets": [],
+                     "warm_len_div": 1}]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    spec, rows, env = read_sweep(tmp_path / "old.json")
+    assert [a.warm for a in spec.arms] == [((0.25, 4),), ()] and rows[0].val_loss == 1.5 and env == {}
+
+
 def test_bench_quality_lr_sweep_end_to_end(tmp_path: Path) -> None:
     """Four runs, two at a time (``--parallel 2``: spawned processes, on CPU each a share of the cores): the
     rows in the order of the runs, each equal to the same run made alone in this process."""
@@ -500,9 +515,9 @@ def test_an_arm_can_extend_a_named_recipe() -> None:
     from nsa.errors import ConfigError
 
     a = parse_arm("nsa-curriculum-kl=nsa-curriculum;scorer.weight=0.1;scorer.until=300")
-    assert a.name == "nsa-curriculum-kl" and a.warm_frac == 0.25 and a.warm_len_div == 4
+    assert a.name == "nsa-curriculum-kl" and a.warm == ((0.25, 4),)
     assert a.sets == ("model.attention=nsa", "scorer.weight=0.1", "scorer.until=300")
     b = parse_arm("kl=scorer.weight=0.1")
-    assert b.sets == ("model.attention=nsa", "scorer.weight=0.1") and b.warm_frac == 0
+    assert b.sets == ("model.attention=nsa", "scorer.weight=0.1") and b.warm == ()
     with pytest.raises(ConfigError):
         parse_arm("x=nsa-curriculum;nonsense")

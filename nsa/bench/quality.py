@@ -9,9 +9,9 @@ Arms with warm phases first train a share of the steps in each with the phase's 
 from its weights (``train.init_from``), every arm seeing the same number of tokens: ``dense-warm`` (the
 dense model first, then NSA), the length curricula ``dense-curriculum`` / ``nsa-curriculum`` (the same
 model on windows 4x shorter, as many more per batch, then the full length) and ``dense-ladder`` /
-``nsa-ladder`` (two steps: windows 16x, then 4x shorter, a quarter of the steps each; ``*-ladder-half``: half the
-steps at 16x shorter). The held-out
-loss comes with its split by position in the window (``loss_by_position``, :func:`nsa.eval.tasks.eval_loss`).
+``nsa-ladder`` (two steps: windows 16x, then 4x shorter, a quarter of the steps each; ``*-ladder-half``: half
+the steps at 16x shorter). The held-out loss comes with its split by position in the window
+(``loss_by_position``, :func:`nsa.eval.tasks.eval_loss`) and by window length (``loss_by_context``).
 :func:`run_needle_arm` trains the same arm on single-needle retrieval (``nsa.bench.retrieval``) and
 reports the accuracy curve and the first step at 50%.
 """
@@ -55,16 +55,6 @@ class Arm:
     sets: tuple[str, ...] = ()
     warm: tuple[tuple[float, int], ...] = ()
     warm_sets: tuple[str, ...] = ()
-
-    @property
-    def warm_frac(self) -> float:
-        """The share of the steps before the arm's own phase."""
-        return sum(frac for frac, _ in self.warm)
-
-    @property
-    def warm_len_div(self) -> int:
-        """The first phase's window divisor (1: full length)."""
-        return self.warm[0][1] if self.warm else 1
 
     @property
     def dense(self) -> bool:
@@ -185,8 +175,9 @@ def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> FinalM
     """A finished run's model at its training length S on ``batches`` held-out batches: the selection
     diagnostics per layer (``nsa eval --task selection``; empty for a dense model) and the held-out loss by
     position in the window (``nsa eval --task loss``); and the loss of the same held-out tokens read in windows
-    of S/16 and S/4 (as many more per batch; each window scores one token fewer, so the tokens agree to within
-    one per window), which tells a model that is worse from one that is hurt by its long context."""
+    of S/16 and S/4 (as many more per batch, the same number of scored tokens; a window reads one token more than
+    it scores, so the tokens agree to within one per window), which tells a model that is worse from one that
+    is hurt by its long context."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(run_dir, device=device)
     cfg = loaded.config

@@ -1,7 +1,7 @@
 """The curves of a quality benchmark (``nsa bench quality --chart``): each arm's training loss over the
 steps and its held-out loss by position in the window, the mean over its seeds (a sweep's arms at their
-best learning rate, :func:`nsa.bench.quality.at_best_lr`). A saved result draws the same way:
-``quality_chart([QualityRow(**r) for r in json.load(f)["rows"]], path, title)``."""
+best learning rate, :func:`nsa.bench.quality.at_best_lr`). Saved results draw the same way:
+``nsa bench quality --from F.json --chart PNG``."""
 
 from __future__ import annotations
 

@@ -30,8 +30,7 @@ def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow], dict[str, Any
     if not isinstance(payload, dict) or payload.get("command") != "bench quality" or "rows" not in payload:
         raise ConfigError(f"{path} is not the JSON of nsa bench quality", hint="give its --json-out file")
     try:
-        arms = [Arm(a["name"], tuple(a["sets"]), tuple((float(f), int(d)) for f, d in a.get("warm", [])),
-                    tuple(a.get("warm_sets", []))) for a in payload["arms"]]
+        arms = [Arm(a["name"], tuple(a["sets"]), _warm(a), tuple(a.get("warm_sets", []))) for a in payload["arms"]]
         spec = QualitySpec(payload["config"], list(payload["sets"]), arms, [int(s) for s in payload["seeds"]],
                            int(payload["steps"]), Path(path).parent, task=payload.get("task", "text"),
                            lrs=[float(x) for x in payload.get("lrs") or []])
@@ -41,6 +40,14 @@ def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow], dict[str, Any
                           hint="give the --json-out file of a bench quality run, as written") from None
     env = payload.get("environment")
     return spec, rows, env if isinstance(env, dict) else {}
+
+
+def _warm(arm: dict[str, Any]) -> tuple[tuple[float, int], ...]:
+    """An arm's warm phases as saved: ``warm`` pairs, or one phase as ``warm_frac``/``warm_len_div`` (before 2026-11-26)."""
+    if "warm" in arm:
+        return tuple((float(f), int(d)) for f, d in arm["warm"])
+    frac = float(arm.get("warm_frac") or 0.0)
+    return ((frac, int(arm.get("warm_len_div") or 1)),) if frac > 0 else ()
 
 
 def _same_base(sets: list[str]) -> list[str]:

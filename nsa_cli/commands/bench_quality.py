@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from nsa_cli import options
 from nsa_cli.compat import command_class
 from nsa_cli.errors import fail, user_errors
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from nsa.bench.quality import QualityRow, QualitySpec
 
 # --tiny: the CPU setting of the CI test (tests/test_quality_bench.py)
 TINY_STEPS, TINY_NEEDLE_STEPS, TINY_NEEDLE_SEQ, TINY_NEEDLE_GAP = 40, 60, 128, 48
@@ -51,7 +56,6 @@ def quality(
         from rich.console import Console
 
         from nsa.bench.quality import (
-            QualityRow,
             QualitySpec,
             parse_arm,
             run_quality,
@@ -109,7 +113,7 @@ def quality(
         rows = run_quality(spec, say=lambda line: console.print(line, highlight=False, markup=False), log=log,
                            on_row=keep)
         _show(console, spec, rows)
-        _save(spec, rows, {"environment": environment()}, as_json, json_out, chart, f"S={base.train.seq_len}")
+        _save(console, spec, rows, environment(), as_json, json_out, chart, f"S={base.train.seq_len}")
 
 
 def _from_saved(paths: list[Path], as_json: bool, json_out: Path | None, chart: Path | None) -> None:
@@ -124,10 +128,11 @@ def _from_saved(paths: list[Path], as_json: bool, json_out: Path | None, chart: 
                   + ", ".join(f"{s['path']} ({s['runs']})" for s in extra["merged_from"]), highlight=False, markup=False)
     seq = next((x.split("=", 1)[1] for x in spec.sets if x.startswith("train.seq_len=")), None)
     _show(console, spec, rows)
-    _save(spec, rows, extra, as_json, json_out, chart, f"S={seq}" if seq else "merged")
+    _save(console, spec, rows, extra["environment"], as_json, json_out, chart, f"S={seq}" if seq else "merged",
+          merged_from=extra["merged_from"])
 
 
-def _show(console: Any, spec: Any, rows: list[Any]) -> None:
+def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
     """The tables of a quality benchmark: runs, the rate sweep, arms over seeds, loss by position, selection."""
     from rich.table import Table
 
@@ -209,22 +214,23 @@ def _show(console: Any, spec: Any, rows: list[Any]) -> None:
                                f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
             console.print(layers)
 
-def _save(spec: Any, rows: list[Any], extra: dict[str, Any], as_json: bool, json_out: Path | None,
-          chart: Path | None, length: str) -> None:
+
+def _save(console: Console, spec: QualitySpec, rows: list[QualityRow], environment: dict[str, Any], as_json: bool,
+          json_out: Path | None, chart: Path | None, length: str, merged_from: list[dict[str, Any]] | None = None) -> None:
     """The JSON outputs, then the chart (after the results are out: a chart that cannot be written loses nothing)."""
     from nsa.bench.quality import quality_payload
     from nsa_cli import render
 
-    payload = quality_payload(spec, rows, extra.pop("environment"))
-    render.json_outputs({**payload, **extra}, as_json=as_json, json_out=json_out, indent=1)
+    payload = quality_payload(spec, rows, environment)
+    if merged_from is not None:
+        payload["merged_from"] = merged_from
+    render.json_outputs(payload, as_json=as_json, json_out=json_out, indent=1)
     if chart is not None:
-        from rich.console import Console
-
         from nsa.bench.quality_chart import quality_chart
 
         title = f"bench quality: config {spec.config}, {spec.steps} steps, {length}"
         if quality_chart(rows, chart, title):
-            Console(stderr=as_json).print(f"saved {chart}", highlight=False, markup=False)
+            console.print(f"saved {chart}", highlight=False, markup=False)
 
 
 def register(app: typer.Typer) -> None:

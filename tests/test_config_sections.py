@@ -39,7 +39,7 @@ def test_the_sections() -> None:
     assert list(RunConfig.model_fields) == ["model", "nsa", "runtime", "train", "optimizer", "schedule", "checkpoint",
                                             "logging", "eval", "scorer", "data", "monitor"]
     train = set(RunConfig.model_fields["train"].annotation.model_fields)  # type: ignore[union-attr]
-    assert train == {"steps", "seq_len", "batch_size", "accum", "seed", "out_dir", "resume", "init_from", "run_name"}
+    assert train == {"steps", "seq_len", "batch_size", "accum", "seed", "out_dir", "resume", "init_from", "stop_at", "run_name"}
     assert "window_backend" not in RunConfig.model_fields["runtime"].annotation.model_fields  # type: ignore[union-attr]
     # every moved key lands on a field of today's config, and no old key is one
     for old, new in MOVED_KEYS.items():

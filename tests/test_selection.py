@@ -286,44 +286,60 @@ def test_bench_quality_reads_the_same_held_out_tokens_in_shorter_windows(tmp_pat
         assert ctx[-1]["loss"] == pytest.approx(by_pos, rel=1e-6)
 
 
+def _windows_by_checkpoint(run: Path) -> list[tuple[int, int]]:
+    """(step, window length of the loader) of each checkpoint of ``run``."""
+    from nsa.rundir.checkpoints import list_checkpoints
+    from nsa.train.checkpoint import load_state
+
+    return [(st["train_state"]["step"], st["loader"][0]["seq_len"])
+            for st in (load_state(p) for p in list_checkpoints(run))]
+
+
 def test_bench_quality_length_curriculum_trains_short_windows_first(tmp_path: Path) -> None:
     """``dense-curriculum``: the first quarter of the steps on windows 4x shorter and 4x as many per batch
-    (the same tokens per step), then the full length from those weights; every arm sees the same tokens."""
+    (the same tokens per step), then the full length, in one run (one optimizer and schedule, the data read
+    on); every arm sees the same tokens."""
     out = tmp_path / "q.json"
     res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "dense-curriculum", "--steps", "4",
                               "--set", "train.seq_len=128", "-o", str(tmp_path / "runs"), "--json-out", str(out)])
     assert res.exit_code == 0, res.output
     (row,) = json.loads(out.read_text())["rows"]
     run = tmp_path / "runs" / "dense-curriculum" / "seed0"
-    warm, main = (yaml.safe_load((run / d / "config.yaml").read_text()) for d in ("warm", "main"))
-    assert (warm["train"]["seq_len"], warm["train"]["batch_size"], warm["train"]["steps"]) == (32, 16, 1)
-    assert (main["train"]["seq_len"], main["train"]["batch_size"], main["train"]["steps"]) == (128, 4, 3)
-    assert warm["model"]["attention"] == main["model"]["attention"] == "dense"
-    assert main["train"]["init_from"] == str(run / "warm")
-    assert row["tokens"] == 4 * 128 * 4 and [s for s, _ in row["loss_curve"]] == [1, 2, 4]
+    assert _windows_by_checkpoint(run) == [(1, 32), (4, 128)]
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert (cfg["train"]["seq_len"], cfg["train"]["batch_size"], cfg["train"]["steps"]) == (128, 4, 4)
+    assert cfg["model"]["attention"] == "dense" and cfg["train"].get("init_from") is None
+    csv_steps = [int(r.split(",")[0]) for r in (run / "training.csv").read_text().splitlines()[1:]]
+    assert csv_steps == [1, 4]  # one run's log (first step, last step) through both windows
+    assert row["tokens"] == 4 * 128 * 4 and [s for s, _ in row["loss_curve"]] == [1, 4]
     assert [(b["start"], b["end"]) for b in row["loss_by_position"]] == [(0, 64), (64, 128)]
 
 
-def test_bench_quality_ladder_climbs_two_steps_from_each_phases_weights(tmp_path: Path) -> None:
+def test_bench_quality_ladder_climbs_two_steps_in_one_run(tmp_path: Path) -> None:
     """``nsa-ladder`` at 128 tokens, 8 steps: 2 steps on windows of 8 (16x as many per batch), 2 on windows
-    of 32 from those weights, then 4 at 128 from those; the same tokens per step throughout, and the arm
-    is paired with ``dense-ladder``."""
+    of 32, then 4 at 128, one run; the same tokens per step throughout, and the arm is paired with
+    ``dense-ladder``. ``*-ladder-restart`` makes each phase a run of its own from the last one's weights."""
     from nsa.bench.quality import baseline_of, parse_arm
 
     out = tmp_path / "q.json"
-    res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "nsa-ladder", "--steps", "8",
-                              "--set", "train.seq_len=128", "-o", str(tmp_path / "runs"), "--json-out", str(out),
+    res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "nsa-ladder,dense-ladder-restart", "--steps",
+                              "8", "--set", "train.seq_len=128", "-o", str(tmp_path / "runs"), "--json-out", str(out),
                               "--chart", str(tmp_path / "q.png")])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (row,) = json.loads(out.read_text())["rows"]
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
     run = tmp_path / "runs" / "nsa-ladder" / "seed0"
-    cfgs = [yaml.safe_load((run / d / "config.yaml").read_text()) for d in ("warm", "warm2", "main")]
+    assert _windows_by_checkpoint(run) == [(2, 8), (4, 32), (8, 128)]
+    assert rows["nsa-ladder"]["tokens"] == 8 * 128 * 4 and [s for s, _ in rows["nsa-ladder"]["loss_curve"]][-1] == 8
+    restarted = tmp_path / "runs" / "dense-ladder-restart" / "seed0"
+    cfgs = [yaml.safe_load((restarted / d / "config.yaml").read_text()) for d in ("warm", "warm2", "main")]
     assert [(c["train"]["seq_len"], c["train"]["batch_size"], c["train"]["steps"]) for c in cfgs] == \
         [(8, 64, 2), (32, 16, 2), (128, 4, 4)]
     assert cfgs[0]["train"].get("init_from") is None
-    assert cfgs[1]["train"]["init_from"] == str(run / "warm") and cfgs[2]["train"]["init_from"] == str(run / "warm2")
-    assert row["tokens"] == 8 * 128 * 4 and [s for s, _ in row["loss_curve"]][-1] == 8
+    assert cfgs[1]["train"]["init_from"] == str(restarted / "warm")
+    assert cfgs[2]["train"]["init_from"] == str(restarted / "warm2")
+    assert rows["dense-ladder-restart"]["tokens"] == 8 * 128 * 4
+    assert [s for s, _ in rows["dense-ladder-restart"]["loss_curve"]][-1] == 8
     assert baseline_of("nsa-ladder", {"dense-ladder", "dense", "nsa-ladder"}) == "dense-ladder"
     assert parse_arm("nsa-ladder-kl=nsa-ladder;scorer.weight=0.1").warm == ((0.25, 16), (0.25, 4))
 

@@ -15,6 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from nsa.config import load_run_config
+from nsa.errors import ConfigError
 from nsa.rundir.checkpoints import latest_checkpoint, list_checkpoints
 from nsa.rundir.records import COMMON_FIELDS, EVENT_FIELDS, TRAIN_CSV_HEADER, VAL_CSV_HEADER
 from nsa.train.checkpoint import load_state
@@ -372,3 +373,45 @@ def test_init_from_an_export_with_tied_embeddings(tmp_path: Path) -> None:
     assert Trainer(r, reporter=quiet()).fit().status == "completed"
     a, b = load_file(src / "export" / "model.safetensors"), load_file(dst / "export" / "model.safetensors")
     assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+
+
+def test_stop_at_then_resume_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """train.stop_at ends with a checkpoint and the schedule of train.steps; resuming goes on exactly (seed 0)."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    Trainer(resolve(whole, 6, train__seed=0, checkpoint__every=0, logging__every=1), reporter=quiet()).fit()
+    first = Trainer(resolve(split, 6, train__seed=0, train__stop_at=4, checkpoint__every=0, logging__every=1),
+                    reporter=quiet()).fit()
+    assert first.status == "halted" and first.halted_by == "stop_at" and first.steps_done == 4
+    assert [e for e in events(split) if e["event"] == "halt"][-1]["source"] == "stop_at"
+    assert not (split / "export").exists()  # exported when the run completes, not at a pause
+    done = Trainer(resolve(split, 6, train__seed=0, train__resume="auto", checkpoint__every=0, logging__every=1),
+                   reporter=quiet()).fit()
+    assert done.status == "completed" and done.steps_done == 6
+    rows = {p: [(r["step"], r["loss"], r["lr"]) for r in csv_rows(p / "training.csv")] for p in (whole, split)}
+    assert rows[split] == rows[whole]  # same losses and the one learning-rate schedule
+    with pytest.raises(ConfigError, match=r"train\.stop_at=7 is beyond train\.steps=6"):
+        Trainer(resolve(tmp_path / "bad", 6, train__stop_at=7), reporter=quiet())
+    with pytest.raises(ConfigError, match="not after the step of checkpoint"):
+        Trainer(resolve(split, 8, train__stop_at=5, train__resume="auto"), reporter=quiet())
+
+
+def test_resume_at_a_longer_window_continues_at_the_same_token(tmp_path: Path) -> None:
+    """A length curriculum in one run: 4 steps of 2 x 32 tokens, then 2 x 64 from the very next token (seed 0)."""
+    run = tmp_path / "run"
+    Trainer(resolve(run, 6, train__seed=0, train__stop_at=4, checkpoint__every=0), reporter=quiet()).fit()
+    at_stop = load_state(latest_checkpoint(run))["loader"][0]
+    out = quiet()
+    done = Trainer(resolve(run, 6, train__seed=0, train__seq_len=64, train__resume="auto", checkpoint__every=0),
+                   reporter=out).fit()
+    assert done.status == "completed" and "windows of 64 tokens from here" in out.text()
+    end = load_state(latest_checkpoint(run))
+    assert end["train_state"]["tokens_seen"] == 4 * 2 * 32 + 2 * 2 * 64
+    loader = end["loader"][0]
+    assert loader["seq_len"] == 64 and loader["tokens_seen"] - at_stop["tokens_seen"] == 2 * 2 * 64
+    # a synthetic task's episodes are laid out for one length: refused in one line
+    syn = tmp_path / "syn"
+    Trainer(resolve(syn, 4, train__stop_at=2, data__source="synthetic", checkpoint__every=0, eval__every=0),
+            reporter=quiet()).fit()
+    with pytest.raises(Exception, match="synthetic episodes are laid out for one length"):
+        Trainer(resolve(syn, 4, train__seq_len=64, data__source="synthetic", train__resume="auto",
+                        eval__every=0), reporter=quiet()).fit()

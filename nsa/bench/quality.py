@@ -5,12 +5,13 @@ Per arm and seed, :func:`run_text_arm` trains with the real trainer (``nsa.train
 config's data, held-out evaluation at the end) into ``out_dir/<arm>/seed<N>`` and reports the final
 held-out loss and, for NSA, the selection diagnostics of the trained model on a held-out batch
 (:meth:`nsa.model.lm.NSALM.selection_report`: recall, compressed entropy, gates per layer).
-Arms with warm phases first train a share of the steps in each with the phase's own settings and continue
-from its weights (``train.init_from``), every arm seeing the same number of tokens: ``dense-warm`` (the
-dense model first, then NSA), the length curricula ``dense-curriculum`` / ``nsa-curriculum`` (the same
+Arms with warm phases first train a share of the steps in each with the phase's own settings, every arm
+seeing the same number of tokens: the length curricula ``dense-curriculum`` / ``nsa-curriculum`` (the same
 model on windows 4x shorter, as many more per batch, then the full length) and ``dense-ladder`` /
 ``nsa-ladder`` (two steps: windows 16x, then 4x shorter, a quarter of the steps each; ``*-ladder-half``: half
-the steps at 16x shorter). The held-out loss comes with its split by position in the window
+the steps at 16x shorter) are one run each (``train.stop_at``, then a resume at the next length);
+``dense-warm`` (the dense model first, then NSA) and the ``restart`` controls (``dense-phases``,
+``*-ladder-restart``) start each phase as a run of its own from the last one's weights (``train.init_from``). The held-out loss comes with its split by position in the window
 (``loss_by_position``, :func:`nsa.eval.tasks.eval_loss`) and by window length (``loss_by_context``).
 :func:`run_needle_arm` trains the same arm on single-needle retrieval (``nsa.bench.retrieval``) and
 reports the accuracy curve and the first step at 50%.
@@ -47,14 +48,17 @@ from nsa.train.trainer import Trainer
 @dataclass(frozen=True)
 class Arm:
     """A recipe: ``sets`` on top of the base config. ``warm``: phases before it, in order, each ``(share of
-    the steps, window divisor)``: that share with ``warm_sets`` on top and windows that many times shorter
-    (as many more per batch: the same tokens per step), each phase from the last one's weights, then the
-    arm from theirs."""
+    the steps, window divisor)``: that share with windows that many times shorter (as many more per batch:
+    the same tokens per step). The phases of one model are one run (``train.stop_at``, then a resume at the
+    next length: one optimizer, one learning-rate schedule, the data read on); ``restart`` (and a phase of
+    another model, ``warm_sets`` on top) makes each phase a run of its own from the last one's weights
+    (fresh optimizer, schedule and data)."""
 
     name: str
     sets: tuple[str, ...] = ()
     warm: tuple[tuple[float, int], ...] = ()
     warm_sets: tuple[str, ...] = ()
+    restart: bool = False
 
     @property
     def dense(self) -> bool:
@@ -84,6 +88,13 @@ ARMS: dict[str, Arm] = {
     # the same steps, longer at the short windows (32k: half the steps at 2k, a quarter at 8k, a quarter at 32k)
     "dense-ladder-half": Arm("dense-ladder-half", ("model.attention=dense",), warm=((0.5, 16), (0.25, 4))),
     "nsa-ladder-half": Arm("nsa-ladder-half", ("model.attention=nsa",), warm=((0.5, 16), (0.25, 4))),
+    # the ladder's phases as three runs (restarted schedule, optimizer and data) at one window length, and
+    # the ladder so (how the rows before 2026-11-27 were measured): controls of the restarts' cost
+    "dense-phases": Arm("dense-phases", ("model.attention=dense",), warm=((0.25, 1), (0.25, 1)), restart=True),
+    "dense-ladder-restart": Arm("dense-ladder-restart", ("model.attention=dense",), warm=((0.25, 16), (0.25, 4)),
+                                restart=True),
+    "nsa-ladder-restart": Arm("nsa-ladder-restart", ("model.attention=nsa",), warm=((0.25, 16), (0.25, 4)),
+                              restart=True),
 }
 
 
@@ -152,7 +163,8 @@ def _quiet_train(resolved: ResolvedConfig, log: Callable[[str], None] | None) ->
     if log is not None:
         for line in buf.getvalue().splitlines():
             log(line)
-    if result.status != "completed":
+    paused = result.status == "halted" and result.halted_by == "stop_at"  # a phase of a length curriculum
+    if result.status != "completed" and not paused:
         raise ConfigError(f"arm run {resolved.config.train.out_dir} ended {result.status}: "
                           f"{result.metrics.get('error')}", hint="see its run directory")
     return result.metrics
@@ -201,46 +213,57 @@ def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> FinalM
 def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,
                  queries: int = 64, log: Callable[[str], None] | None = None) -> QualityRow:
     """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it. The run is
-    named ``<arm>-seed<seed>`` (``<arm>-warm-seed<seed>``, ``<arm>-warm2-seed<seed>``, ... for its warm
-    phases), so reports and charts of several runs tell them apart."""
+    named ``<arm>-seed<seed>`` (a restarted phase ``<arm>-warm-seed<seed>``, ``<arm>-warm2-seed<seed>``, ...),
+    so reports and charts of several runs tell them apart."""
     run_dir = out_dir / arm.name / f"seed{seed}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     common = [*base_sets, f"train.seed={seed}", "checkpoint.every=0", "train.resume=null"]
     row = QualityRow(arm.name, seed, steps=steps)
-    init: list[str] = []
-    seconds = 0.0
-    done = 0
     train = _resolve(config, [*common, *arm.sets]).config.train if arm.warm else None
+    restart = arm.restart or bool(arm.warm_sets)
+    phases: list[list[str]] = []  # each phase's sets
+    done = 0
     for i, (frac, div) in enumerate(arm.warm):
         phase_steps = max(1, round(steps * frac))
-        tag = "warm" if i == 0 else f"warm{i + 1}"
-        warm_dir = run_dir / tag
         shorter: list[str] = []
         if div > 1 and train is not None:
             if train.seq_len % div:
                 raise ConfigError(f"arm {arm.name}: train.seq_len={train.seq_len} does not split into {div} windows",
                                   hint="pick a seq_len divisible by it")
             shorter = [f"train.seq_len={train.seq_len // div}", f"train.batch_size={train.batch_size * div}"]
-        warm = _resolve(config, [*common, *arm.sets, *arm.warm_sets, *shorter, f"train.steps={phase_steps}",
-                                 "eval.every=0", f"train.out_dir={warm_dir}", f"train.run_name={arm.name}-{tag}-seed{seed}",
-                                 *init])
-        m = _quiet_train(warm, log)
-        seconds += float(m.get("elapsed_s") or 0.0)
-        row.loss_curve += loss_curve(warm_dir, offset=done)
+        tag = "warm" if i == 0 else f"warm{i + 1}"
+        if restart:
+            phases.append([*arm.warm_sets, *shorter, f"train.steps={phase_steps}", f"train.out_dir={run_dir / tag}",
+                           f"train.run_name={arm.name}-{tag}-seed{seed}"])
+        else:
+            phases.append([*shorter, f"train.steps={steps}", f"train.stop_at={done + phase_steps}"])
         done += phase_steps
-        init = [f"train.init_from={warm_dir}"]
-    steps_main = steps - done
-    if steps_main < 1:
+    if steps - done < 1:
         raise ConfigError(f"arm {arm.name}: its warm phases take all {steps} steps", hint="raise --steps")
-    main_dir = run_dir / "main" if arm.warm else run_dir
-    resolved = _resolve(config, [*common, *arm.sets, f"train.steps={steps_main}", f"eval.every={steps_main}",
-                                 f"train.out_dir={main_dir}", f"train.run_name={arm.name}-seed{seed}", *init])
-    m = _quiet_train(resolved, log)
-    seconds += float(m.get("elapsed_s") or 0.0)
-    row.loss_curve += loss_curve(main_dir, offset=steps - steps_main)
+    main_dir = run_dir / "main" if restart and arm.warm else run_dir
+    main = [f"train.steps={steps - done if restart else steps}", f"eval.every={steps - done if restart else steps}"]
+    if restart:
+        main.append(f"train.out_dir={main_dir}")
+    seconds, at = 0.0, 0
+    for i, sets in enumerate([*([*p, "eval.every=0"] for p in phases), main]):
+        if restart:
+            start = [f"train.init_from={run_dir / ('warm' if i == 1 else f'warm{i}')}"] if i else []
+        else:
+            start = [f"train.out_dir={run_dir}"] + (["train.resume=auto"] if i else [])
+        resolved = _resolve(config, [*common, *arm.sets, f"train.run_name={arm.name}-seed{seed}", *sets, *start])
+        m = _quiet_train(resolved, log)
+        if restart:  # each phase its own run: its own clock and loss curve
+            seconds += float(m.get("elapsed_s") or 0.0)
+            row.loss_curve += loss_curve(Path(resolved.config.train.out_dir), offset=at)
+            at += resolved.config.train.steps
+    if not restart:  # one run: its clock and curve span every phase
+        seconds = float(m.get("elapsed_s") or 0.0)
+        row.loss_curve = loss_curve(run_dir, offset=0)
     row.val_loss = m.get("last_val_loss")
-    row.tokens = int(m.get("tokens_seen") or 0) + (int(m.get("tokens_per_step") or 0) * (steps - steps_main))
+    row.tokens = int(m.get("tokens_seen") or 0)
+    if restart and arm.warm:
+        row.tokens += int(m.get("tokens_per_step") or 0) * done
     row.seconds = seconds
     measures = final_measures(main_dir, queries, batches=resolved.config.eval.batches)
     row.selection, row.loss_by_position = measures.selection, measures.loss_by_position

@@ -33,6 +33,10 @@ class TrainConfig(ConfigSection):
         "folder written by nsa export --format hf): step 0, fresh "
         "optimizer and data; the model config must match. Ignored when the run resumes"
     )
+    stop_at: int | None = Field(
+        None, ge=1, description="end this invocation after this step with a checkpoint, the learning-rate schedule "
+        "still spanning train.steps; resume to go on, e.g. at a longer --seq-len (a length curriculum)"
+    )
     run_name: str | None = Field(None, description="name in reports; default: the out_dir folder name")
 
 

@@ -219,7 +219,6 @@ class Loader:
             raise DataError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
         for key, mine in (
             ("source", self.source.name),
-            ("seq_len", self.seq_len),
             ("tokenizer", self.tokenizer.name),
         ):
             if state.get(key) != mine:
@@ -227,6 +226,17 @@ class Loader:
                     f"loader state is for data.{key}={state.get(key)!r}, this run has {mine!r}",
                     hint="resume with the same data settings, or start a new run",
                 )
+        if state.get("seq_len") != self.seq_len:
+            # text continues at the same token whatever the window length (a length curriculum);
+            # a synthetic task lays its episodes out for one length
+            if self.source.name == "synthetic":
+                raise DataError(
+                    f"loader state is for train.seq_len={state.get('seq_len')!r}, this run has {self.seq_len!r} "
+                    "and synthetic episodes are laid out for one length",
+                    hint=f"resume with --seq-len {state.get('seq_len')}, or start a new run",
+                )
+            self.warnings.append(f"windows of {self.seq_len} tokens from here (the checkpoint's were "
+                                 f"{state.get('seq_len')}), continuing at the same token")
         pos = Position(**state["position"])
         same_shard = (state.get("split"), state.get("rank"), state.get("world_size")) == (
             self.split,

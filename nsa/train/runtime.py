@@ -85,6 +85,9 @@ def check_training_config(cfg: RunConfig) -> None:
             f"eval.every={cfg.eval.every} needs data.val_fraction > 0 (it is {cfg.data.val_fraction})",
             hint="set data.val_fraction (e.g. 0.02) or eval.every=0",
         )
+    if tr.stop_at is not None and tr.stop_at > tr.steps:
+        raise ConfigError(f"train.stop_at={tr.stop_at} is beyond train.steps={tr.steps}",
+                          hint="stop at a step up to train.steps, or leave train.stop_at unset")
     if cfg.model.max_seq_len < tr.seq_len:
         raise ConfigError(f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     if cfg.model.attention == "nsa" and tr.seq_len < 2:

@@ -59,7 +59,7 @@ class TrainResult:
     steps_done: int
     final_loss: float | None
     metrics: Metrics = field(default_factory=lambda: Metrics())
-    halted_by: str | None = None  # a halt's origin: "watchdog" (nsa watch --halt-on), "operator", "signal"
+    halted_by: str | None = None  # a halt's origin: "watchdog" (nsa watch --halt-on), "operator", "signal", "stop_at"
 
 
 @dataclass
@@ -175,6 +175,10 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 f"train.steps={self.cfg.train.steps} is below the step of checkpoint {path} ({done})",
                 hint=f"pass --steps above {done} to train on (the schedule stretches to the new total)",
             )
+        stop_at = self.cfg.train.stop_at
+        if stop_at is not None and stop_at <= done:
+            raise ConfigError(f"train.stop_at={stop_at} is not after the step of checkpoint {path} ({done})",
+                              hint=f"stop at a later step (up to train.steps={self.cfg.train.steps}) or unset it")
 
     # ================================================================================================
     def fit(self) -> TrainResult:
@@ -197,7 +201,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         rec.started()
         s.out.start(s.state.step)
         s.train_model.train()
-        while s.state.step < tr.steps:
+        end = tr.stop_at or tr.steps
+        while s.state.step < end:
             step = s.state.step + 1
             s.hooks.on_step_start(step)
             t0 = time.perf_counter()
@@ -216,13 +221,13 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 clock.compile_s = dt
                 s.out.message(f"torch.compile: first step (compilation included) took {dt:.1f} s")
 
-            if step == 1 or step % log.every == 0 or step == tr.steps:
+            if step == 1 or step % log.every == 0 or step == end:
                 rec.log_step(step, r.loss, lr, r.grad_norm, r.fields)
             elif log.heartbeat_every is not None and step % log.heartbeat_every == 0:
                 rec.log_step(step, r.loss, lr, r.grad_norm, r.fields, heartbeat_only=True)
             else:
                 s.out.step(step)
-            if s.val_loader is not None and (step % s.cfg.eval.every == 0 or step == tr.steps):
+            if s.val_loader is not None and (step % s.cfg.eval.every == 0 or step == end):
                 self._evaluate(s, rec, step)
             if self.step_hook is not None:
                 self.step_hook(step)
@@ -234,6 +239,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             elif every > 0 and step % every == 0 and step < tr.steps:
                 self._save(s, clock, "periodic")
 
+        if s.state.step < tr.steps:  # train.stop_at: a planned pause, resumed later
+            return self._stop_at(s, rec, clock)
         self._save(s, clock, "final")
         full = parallel.full_model_state(s.model, s.dist) if s.checkpointable.is_sharded else None  # a collective
         if s.dist.is_main:
@@ -362,6 +369,18 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         result = self._finish(s, rec, "halted", None)
         result.halted_by = ("signal" if source in ("SIGTERM", "SIGINT")
                             else "watchdog" if rule or reason.startswith(WATCHDOG_PREFIX) else "operator")
+        return result
+
+    def _stop_at(self, s: Session, rec: Recorder, clock: Clock) -> TrainResult:
+        """``train.stop_at`` reached: a checkpoint, and the run ends halted so a resume goes on from it."""
+        step = s.state.step
+        path = self._save(s, clock, "stop_at")
+        s.hb.emit("halt", step, reason=f"train.stop_at={step}", source="stop_at", checkpoint=str(path), rule=None)
+        s.out.stop()
+        s.out.message(f"stopped at step {step} of {s.cfg.train.steps} (train.stop_at); checkpoint {path}; "
+                      f"resume to go on")
+        result = self._finish(s, rec, "halted", None)
+        result.halted_by = "stop_at"
         return result
 
     def _anomaly(self, s: Session, rec: Recorder, step: int, kind: str, value: float, r: StepOutcome) -> TrainResult:

@@ -35,7 +35,8 @@ class TrainConfig(ConfigSection):
     )
     stop_at: int | None = Field(
         None, ge=1, description="end this invocation after this step with a checkpoint, the learning-rate schedule "
-        "still spanning train.steps; resume to go on, e.g. at a longer --seq-len (a length curriculum)"
+        "still spanning train.steps; resume to go on, e.g. at a longer --seq-len (a length curriculum)",
+        json_schema_extra=exposed(flag="--stop-at"),
     )
     run_name: str | None = Field(None, description="name in reports; default: the out_dir folder name")
 

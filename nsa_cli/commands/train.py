@@ -88,6 +88,7 @@ def train(
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="byte or gpt2.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of model init and data order.")] = None,
     resume: Annotated[str | None, typer.Option("--resume", help="'auto' (newest complete checkpoint) or a checkpoint path.")] = None,
+    stop_at: Annotated[int | None, typer.Option("--stop-at", min=1, help="End after this step with a checkpoint, the schedule still spanning --steps; resume to go on, e.g. at a longer --seq-len (train.stop_at).")] = None,
     attention: Annotated[str | None, typer.Option("--attention", help="nsa or dense.")] = None,
     compile_: Annotated[bool | None, typer.Option("--compile/--no-compile", help="torch.compile the model.")] = None,
     context_parallel: Annotated[int | None, typer.Option("--context-parallel", min=1, help="Ranks that share each sequence (runtime.context_parallel; docs/training.md, 'Training longer than one GPU holds').")] = None,
@@ -114,7 +115,7 @@ def train(
 
         given = dict(
             steps=steps, seq_len=seq_len, batch_size=batch_size, accum=accum, lr=lr, out_dir=out_dir,
-            dataset=dataset, data_path=data_path, tokenizer=tokenizer, seed=seed, resume=resume,
+            dataset=dataset, data_path=data_path, tokenizer=tokenizer, seed=seed, resume=resume, stop_at=stop_at,
             attention=attention, compile=compile_, context_parallel=context_parallel,
         )
         resolved = load_run_config(config=config, profile=profile, flags=flags_to_keys(**given), sets=set_,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -135,7 +136,11 @@ def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None) -> 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = proc.wait()
-        relay.join(timeout=10)
+        # the relay may still be reading torchrun's last lines (a loaded machine, or a rank that still holds
+        # the pipe): after a failure, wait for the rank's exit code a while longer than for the output
+        deadline = time.monotonic() + (60.0 if code else 10.0)
+        while relay.is_alive() and not (code and codes) and time.monotonic() < deadline:
+            relay.join(timeout=0.2)
         return codes[0] if code and codes and codes[0] > 0 else code
     finally:
         for sig, handler in previous.items():

@@ -277,3 +277,21 @@ def test_fsdp_runs_record_the_selection_diagnostics(runs: dict[str, Path]) -> No
         assert all(0 < float(r["sel_recall_mean"]) <= 1 and 0 < float(r["cmp_entropy_mean"]) <= 1 + 1e-5
                    for r in rows), (name, rows)
 
+
+
+LATE_REPORT = """
+import subprocess, sys
+# a grandchild that still holds standard error prints torchrun's failure line 11 s after torchrun (this
+# process) has exited 1: past the 10 s the launcher gives the relay when the run succeeded
+subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(11); "
+                  "sys.stderr.write('torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 2)\\\\n')"])
+sys.exit(1)
+"""
+
+
+def test_the_ranks_code_is_returned_when_its_line_comes_late(tmp_path: Path) -> None:
+    """torchrun exits 1 and its report of the rank's exit code (2: a user error) reaches the launcher's relay
+    only later (a loaded machine): the launcher still returns 2."""
+    from nsa.train.launch import launch
+
+    assert launch([sys.executable, "-c", LATE_REPORT], notice=lambda line: None) == 2

@@ -11,8 +11,9 @@ model on windows 4x shorter, as many more per batch, then the full length) and `
 ``nsa-ladder`` (two steps: windows 16x, then 4x shorter, a quarter of the steps each; ``*-ladder-half``: half
 the steps at 16x shorter) are one run each (``train.stop_at``, then a resume at the next length);
 ``dense-warm`` (the dense model first, then NSA) and the ``restart`` controls (``dense-phases``,
-``*-ladder-restart``) start each phase as a run of its own from the last one's weights (``train.init_from``). The held-out loss comes with its split by position in the window
-(``loss_by_position``, :func:`nsa.eval.tasks.eval_loss`) and by window length (``loss_by_context``).
+``*-ladder-restart``) start each phase as a run of its own from the last one's weights (``train.init_from``).
+The held-out loss comes with its split by position in the window (``loss_by_position``,
+:func:`nsa.eval.tasks.eval_loss`) and by window length (``loss_by_context``).
 :func:`run_needle_arm` trains the same arm on single-needle retrieval (``nsa.bench.retrieval``) and
 reports the accuracy curve and the first step at 50%.
 """

@@ -59,7 +59,8 @@ class TrainResult:
     steps_done: int
     final_loss: float | None
     metrics: Metrics = field(default_factory=lambda: Metrics())
-    halted_by: str | None = None  # a halt's origin: "watchdog" (nsa watch --halt-on), "operator", "signal", "stop_at"
+    # a halt's origin: "watchdog" (nsa watch --halt-on), "operator", "signal", "stop_at" (train.stop_at)
+    halted_by: str | None = None
 
 
 @dataclass

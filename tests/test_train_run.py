@@ -389,6 +389,11 @@ def test_stop_at_then_resume_is_the_uninterrupted_run(tmp_path: Path) -> None:
     assert done.status == "completed" and done.steps_done == 6
     rows = {p: [(r["step"], r["loss"], r["lr"]) for r in csv_rows(p / "training.csv")] for p in (whole, split)}
     assert rows[split] == rows[whole]  # same losses and the one learning-rate schedule
+    # a stop on a periodic step is saved once, as the stop
+    every = tmp_path / "every"
+    Trainer(resolve(every, 6, train__stop_at=4, checkpoint__every=2), reporter=quiet()).fit()
+    saves = [(e["step"], e["reason"]) for e in events(every) if e["event"] == "checkpoint"]
+    assert saves == [(2, "periodic"), (4, "stop_at")]
     with pytest.raises(ConfigError, match=r"train\.stop_at=7 is beyond train\.steps=6"):
         Trainer(resolve(tmp_path / "bad", 6, train__stop_at=7), reporter=quiet())
     with pytest.raises(ConfigError, match="not after the step of checkpoint"):

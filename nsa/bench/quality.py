@@ -246,26 +246,26 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
     main = [f"train.steps={steps - done if restart else steps}", f"eval.every={steps - done if restart else steps}"]
     if restart:
         main.append(f"train.out_dir={main_dir}")
-    seconds, at = 0.0, 0
-    for i, sets in enumerate([*([*p, "eval.every=0"] for p in phases), main]):
-        if restart:
-            start = [f"train.init_from={run_dir / ('warm' if i == 1 else f'warm{i}')}"] if i else []
-        else:
-            start = [f"train.out_dir={run_dir}"] + (["train.resume=auto"] if i else [])
+    seconds, at, tokens = 0.0, 0, 0
+    before: Path | None = None  # the last phase's run directory
+    for sets in [*([*p, "eval.every=0"] for p in phases), main]:
+        if restart:  # from the last phase's weights
+            start = [f"train.init_from={before}"] if before else []
+        else:  # the same run directory, resumed
+            start = [f"train.out_dir={run_dir}"] + (["train.resume=auto"] if before else [])
         resolved = _resolve(config, [*common, *arm.sets, f"train.run_name={arm.name}-seed{seed}", *sets, *start])
         m = _quiet_train(resolved, log)
-        if restart:  # each phase its own run: its own clock and loss curve
+        before = Path(resolved.config.train.out_dir)
+        if restart:  # each phase its own run: its own clock, tokens and loss curve
             seconds += float(m.get("elapsed_s") or 0.0)
-            row.loss_curve += loss_curve(Path(resolved.config.train.out_dir), offset=at)
+            tokens += int(m.get("tokens_seen") or 0)
+            row.loss_curve += loss_curve(before, offset=at)
             at += resolved.config.train.steps
-    if not restart:  # one run: its clock and curve span every phase
-        seconds = float(m.get("elapsed_s") or 0.0)
+    if not restart:  # one run: its clock, tokens and curve span every phase
+        seconds, tokens = float(m.get("elapsed_s") or 0.0), int(m.get("tokens_seen") or 0)
         row.loss_curve = loss_curve(run_dir, offset=0)
     row.val_loss = m.get("last_val_loss")
-    row.tokens = int(m.get("tokens_seen") or 0)
-    if restart and arm.warm:
-        row.tokens += int(m.get("tokens_per_step") or 0) * done
-    row.seconds = seconds
+    row.tokens, row.seconds = tokens, seconds
     measures = final_measures(main_dir, queries, batches=resolved.config.eval.batches)
     row.selection, row.loss_by_position = measures.selection, measures.loss_by_position
     row.loss_by_context = measures.loss_by_context

@@ -227,9 +227,8 @@ class Loader:
                     hint="resume with the same data settings, or start a new run",
                 )
         if state.get("seq_len") != self.seq_len:
-            # text continues at the same token whatever the window length (a length curriculum);
-            # a synthetic task lays its episodes out for one length
-            if self.source.name == "synthetic":
+            # text continues at the same token whatever the window length (a length curriculum)
+            if self.source.one_length:
                 raise DataError(
                     f"loader state is for train.seq_len={state.get('seq_len')!r}, this run has {self.seq_len!r} "
                     "and synthetic episodes are laid out for one length",

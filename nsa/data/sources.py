@@ -54,6 +54,7 @@ class Source(Protocol):
     name: str
     finite: bool  # True: ends, and the loader restarts it at index 0 for the next epoch
     tokenized: bool  # True: records are token id lists (synthetic), else text
+    one_length: bool  # True: documents are laid out for one seq_len (synthetic episodes): a resume keeps it
 
     def documents(self, start: int) -> Iterator[Any]: ...
 
@@ -66,6 +67,7 @@ class EmbeddedSource:
     name = "embedded"
     finite = True
     tokenized = False
+    one_length = False
 
     def __init__(self) -> None:
         self._docs = load_corpus()
@@ -397,6 +399,7 @@ class LocalSource:
     name = "local"
     finite = True
     tokenized = False
+    one_length = False
 
     def __init__(self, path: str, text_field: str, text_unit: str = "paragraph") -> None:
         self.path, self.text_unit = path, text_unit
@@ -536,6 +539,7 @@ class HFStreamSource:
     name = "fineweb_edu"
     finite = True
     tokenized = False
+    one_length = False
 
     def __init__(
         self, dataset: str, config: str | None, split: str, text_field: str, timeout_s: float
@@ -585,6 +589,7 @@ class SyntheticSource:
     name = "synthetic"
     finite = False
     tokenized = True
+    one_length = True
     KEY_IDS = 16  # keys and values each come from 16 token ids
     MAX_PAIRS = 8  # a 2-layer d=64 transformer learns recall across a 96-token gap in ~2k steps of batch 32
 

@@ -237,7 +237,7 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             if r.save_now:
                 s.signals.save_now = False
                 self._save(s, clock, "signal")
-            elif every > 0 and step % every == 0 and step < tr.steps:
+            elif every > 0 and step % every == 0 and step < end:  # the end saves its own
                 self._save(s, clock, "periodic")
 
         if s.state.step < tr.steps:  # train.stop_at: a planned pause, resumed later

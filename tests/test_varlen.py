@@ -118,6 +118,19 @@ def test_positions_restart_at_each_document() -> None:
     assert varlen.positions(cu, 9).tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
 
 
+def test_positions_traced_by_torch_compile_agree_with_eager() -> None:
+    """Seed 5: the compiled form (a reduction, not ``searchsorted``) on random document lengths, one graph for
+    every count of documents."""
+    g = torch.Generator().manual_seed(5)
+    traced = torch.compile(varlen.positions, backend="eager", fullgraph=True, dynamic=True)
+    for n in (1, 3, 7):
+        lengths = torch.randint(1, 40, (n,), generator=g)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+        total = int(cu[-1])
+        assert torch.equal(traced(cu, total), varlen.positions(cu, total))
+        assert varlen.positions(cu, total)[cu[:-1].long()].eq(0).all()
+
+
 def test_host_offsets_follow_in_place_writes() -> None:
     """The host copy of ``cu_seqlens`` is reused across calls but never after the tensor changed."""
     cu = torch.tensor([0, 3, 9])

@@ -178,8 +178,15 @@ def compress_packed(
 
 
 def positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Each packed row's position inside its document (``[T]``, int64), with tensor ops only (no host copy)."""
+    """Each packed row's position inside its document (``[T]``, int64), with tensor ops only (no host copy).
+
+    Under ``torch.compile`` the start of each row's document is the largest boundary at or before it, a
+    reduction Inductor fuses: torch 2.11's Inductor fails to lower ``searchsorted`` over a slice of a
+    dynamic-length ``cu_seqlens`` (``NotImplementedError: SliceView``); eager keeps the ``O(T log n)`` search."""
     cu = cu_seqlens.to(torch.long)
     t = torch.arange(total, device=cu.device)
+    if torch.compiler.is_compiling():
+        start = torch.where(cu[None, :] <= t[:, None], cu[None, :], 0).amax(dim=1)
+        return t - start
     doc = torch.searchsorted(cu[1:], t, right=True)
     return t - cu[doc]

@@ -10,11 +10,12 @@
 set -u
 out=${1:?out dir}; shift
 corpus=/tmp/pystd
-if [ ! -d "$corpus" ]; then
-  mkdir -p "$corpus"
+if [ ! -d "$corpus" ]; then  # built aside and moved in whole: two of these scripts may start together
+  part=$(mktemp -d /tmp/pystd.XXXXXX)
   std=$(python3 -c "import os, sysconfig; print(sysconfig.get_paths()['stdlib'])")
   find "$std" -name '*.py' -not -path '*/site-packages/*' -not -path '*/test/*' -not -path '*/tests/*' \
-    -size +2k | sort | head -517 | while read -r f; do cp "$f" "$corpus/$(echo "$f" | tr '/' '_').txt"; done
+    -size +2k | sort | head -517 | while read -r f; do cp "$f" "$part/$(echo "$f" | tr '/' '_').txt"; done
+  mv -T "$part" "$corpus" 2>/dev/null || rm -rf "$part"
 fi
 echo "corpus: $(ls "$corpus" | wc -l) files, $(cat "$corpus"/* | wc -c) bytes"
 SETS=(--set data.source=local --set data.path=$corpus --set data.text_unit=${UNIT:-file} --set data.val_fraction=${VAL:-0.1} --set data.tokenizer=byte --set model.vocab_size=256

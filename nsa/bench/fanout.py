@@ -58,7 +58,8 @@ def spread(worker: Callable[..., R], jobs: Sequence[tuple[Any, ...]], n: int, *,
            on_done: Callable[[int, R], None] | None = None) -> list[R]:
     """``worker(*job)`` for every job, ``n`` at a time in spawned processes (:func:`slots`); results in the
     order of ``jobs``. ``worker`` must be a module-level function (it is pickled by name). ``on_done(i, result)``
-    hears each job as it ends; the first job to fail ends the rest (the ones not started are dropped)."""
+    hears each job as it ends. The first job to fail drops the ones not started; the ones already running
+    finish and reach ``on_done`` (a sweep keeps what it paid for), then that first failure is raised."""
     given, cuda = slots(n)
     if on_start is not None:
         where = f"on GPUs {','.join(given)}" if cuda else f"{len(given)} processes"
@@ -70,13 +71,21 @@ def spread(worker: Callable[..., R], jobs: Sequence[tuple[Any, ...]], n: int, *,
     results: dict[int, R] = {}
     with ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_pin, initargs=(queue, cuda)) as pool:
         futures = {pool.submit(_guarded, worker, *job): i for i, job in enumerate(jobs)}
+        failed: BaseException | None = None
         for fut in as_completed(futures):
+            if fut.cancelled():
+                continue
             try:
                 result = fut.result()
-            except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
+            except BaseException as exc:
+                if failed is None:
+                    failed = exc
+                    for other in futures:
+                        other.cancel()  # only the ones not started yet
+                continue
             results[futures[fut]] = result
             if on_done is not None:
                 on_done(futures[fut], result)
+    if failed is not None:
+        raise failed
     return [results[i] for i in range(len(jobs))]

@@ -264,8 +264,14 @@ def test_bench_quality_tiny_prints_loss_and_recall_side_by_side(tmp_path: Path) 
     assert "arms over their seeds" in res.output and "one seed" in res.output  # one seed: no spread to judge by
     assert {a["arm"]: a["reading"] for a in payload["arms_summary"]} == {"dense": "dense", "nsa-half": "one seed"}
     # each run's row was also kept as it finished (a sweep cut short keeps what ran)
-    kept = [json.loads(line) for line in (tmp_path / "q.json.rows.jsonl").read_text().splitlines()]
+    header, *kept = [json.loads(line) for line in (tmp_path / "q.json.rows.jsonl").read_text().splitlines()]
     assert [r["arm"] for r in kept] == ["dense", "nsa-half"] and kept[1]["val_loss"] == rows["nsa-half"]["val_loss"]
+    assert header["sweep"]["rows"] == [] and header["sweep"]["arms"] == payload["arms"]  # the sweep, first
+    cut = tmp_path / "cut.rows.jsonl"  # cut short after its first run: read back as a sweep of that run
+    cut.write_text("\n".join((tmp_path / "q.json.rows.jsonl").read_text().splitlines()[:2]) + "\n")
+    back = runner.invoke(app, ["bench", "quality", "--from", str(cut), "--json"])
+    assert back.exit_code == 0, back.output
+    assert [r["arm"] for r in json.loads(back.stdout)["rows"]] == ["dense"]
 
 
 def test_bench_quality_reads_the_same_held_out_tokens_in_shorter_windows(tmp_path: Path) -> None:
@@ -423,8 +429,10 @@ def test_bench_quality_from_saved_sweeps_merges_calls_into_one_sweep(tmp_path: P
     other, _ = saved("other.json", [5e-4], sets=["train.seq_len=128", "optimizer.lr=1e-3"])
     not_sweep = tmp_path / "not.json"
     not_sweep.write_text('{"command": "bench attention"}')
+    rows_only = tmp_path / "old.rows.jsonl"  # rows kept before the sweep came first in the file: no spec to read
+    rows_only.write_text('{"arm": "dense", "seed": 0}\n{"arm": "nsa", "seed": 0}\n')
     for paths, said in (([a, other], "its sets differ"), ([a, a], "is also in"), ([not_sweep], "not the JSON of"),
-                        ([tmp_path / "gone.json"], "no such file")):
+                        ([rows_only], "not readable as JSON"), ([tmp_path / "gone.json"], "no such file")):
         bad = runner.invoke(app, ["bench", "quality", *[x for p in paths for x in ("--from", str(p))]])
         assert bad.exit_code == 2 and said in bad.output and "Traceback" not in bad.output, bad.output
 

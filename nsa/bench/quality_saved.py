@@ -12,21 +12,40 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nsa.bench.quality import Arm, QualityRow, QualitySpec
+from nsa.bench.quality import Arm, QualityRow, QualitySpec, quality_payload
 from nsa.errors import ConfigError
 
 _LR_SET = "optimizer.lr="  # the one override a merged sweep may differ in (each run's rate is in its arm name)
 
 
-def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow], dict[str, Any]]:
-    """The spec, rows and environment of one saved ``nsa bench quality --json-out`` file."""
+def partial_header(spec: QualitySpec, environment: dict[str, Any]) -> dict[str, Any]:
+    """The first line of a sweep's ``<json-out>.rows.jsonl`` (a row per finished run follows): the sweep as
+    its JSON would give it, without rows, so that a sweep cut short reads back (:func:`read_sweep`)."""
+    return {"sweep": quality_payload(spec, [], environment)}
+
+
+def _payload(path: Path) -> Any:
+    """A ``--json-out`` file's object, or that of a ``.rows.jsonl`` one: its header's sweep with the rows after it."""
+    text = Path(path).read_text()
     try:
-        payload = json.loads(Path(path).read_text())
+        return json.loads(text)
+    except json.JSONDecodeError:
+        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if not lines or not isinstance(lines[0], dict) or not isinstance(lines[0].get("sweep"), dict):
+            raise
+        return {**lines[0]["sweep"], "rows": lines[1:]}
+
+
+def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow], dict[str, Any]]:
+    """The spec, rows and environment of one saved ``nsa bench quality --json-out`` file, or of the
+    ``.rows.jsonl`` beside it (a sweep cut short: the runs that finished)."""
+    try:
+        payload = _payload(Path(path))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file", hint="give the --json-out file of a bench quality run") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: not readable as JSON ({type(exc).__name__})",
-                          hint="give the --json-out file of a bench quality run") from None
+                          hint="give the --json-out file of a bench quality run (or its .rows.jsonl)") from None
     if not isinstance(payload, dict) or payload.get("command") != "bench quality" or "rows" not in payload:
         raise ConfigError(f"{path} is not the JSON of nsa bench quality", hint="give its --json-out file")
     try:
@@ -96,4 +115,4 @@ def merge_sweeps(paths: Sequence[Path]) -> tuple[QualitySpec, list[QualityRow], 
     return merged, rows, {"environment": environment, "merged_from": [{"path": str(p), "runs": len(r)} for p, _, r, _ in saved]}
 
 
-__all__ = ["merge_sweeps", "read_sweep"]
+__all__ = ["merge_sweeps", "partial_header", "read_sweep"]

@@ -46,7 +46,7 @@ def quality(
     tiny: Annotated[bool, typer.Option("--tiny", help="CPU-sized run (the CI test): config tiny, 40 steps, needle S=128 gap 48, 60 steps.")] = False,
     as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
     json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
-    saved: Annotated[list[Path] | None, typer.Option("--from", help="Train nothing: read these saved --json-out files of one sweep (repeatable: runs of several calls merged) and print, save and chart them as one; the training options are not used.")] = None,
+    saved: Annotated[list[Path] | None, typer.Option("--from", help="Train nothing: read these saved --json-out files of one sweep (repeatable: runs of several calls merged; a sweep cut short: its <json-out>.rows.jsonl) and print, save and chart them as one; the training options are not used.")] = None,
     chart: Annotated[Path | None, typer.Option("--chart", help="Also draw each arm's training loss and held-out loss by position (mean over seeds; a sweep's arms at their best rate) to this PNG.")] = None,
 ) -> None:
     """Train every arm on the same data and tokens; print held-out loss, selection recall and needle accuracy."""
@@ -60,6 +60,7 @@ def quality(
             parse_arm,
             run_quality,
         )
+        from nsa.bench.quality_saved import partial_header
         from nsa.config import load_run_config
         from nsa.envinfo import environment
 
@@ -102,8 +103,8 @@ def quality(
                            needle_batch=needle_batch, needle_eval_samples=64 if tiny else 256,
                            device="cpu" if tiny else None, lrs=lr_list, parallel=parallel)
         partial = None if json_out is None else json_out.with_name(json_out.name + ".rows.jsonl")
-        if partial is not None:
-            partial.write_text("")
+        if partial is not None:  # the sweep first (rows none yet): a sweep cut short reads back with --from
+            partial.write_text(json.dumps(partial_header(spec, environment())) + "\n")
 
         def keep(row: QualityRow) -> None:  # each finished run at once: a sweep cut short keeps its rows
             if partial is not None:

@@ -191,6 +191,36 @@ def test_eval_loss_on_the_val_split(tiny_run: Path) -> None:
         assert abs(sum(b["loss"] * b["n"] for b in spans) / r["n"] - r["loss"]) < 1e-9
 
 
+def test_eval_loss_reads_a_document_masked_run_document_by_document(tiny_run: Path) -> None:
+    """A run trained with ``data.document_mask`` is read as it trained: each packed document on its own (the
+    loss equals the model's with the batch's ``cu_seqlens``), not across the separators (it was before: the
+    held-out loss of ``nsa eval`` and the bench's shorter windows then differed from training's own)."""
+    import torch
+
+    from nsa.data.tokenizers import get_tokenizer
+    from nsa.eval.tasks import _val_loader
+    from nsa.model.documents import from_separators
+    from nsa.model.load import load_model
+
+    loaded = load_model(tiny_run)
+    tok = get_tokenizer("byte")
+    masked_cfg = loaded.config.model_copy(
+        update={"data": loaded.config.data.model_copy(update={"document_mask": True})})
+    (masked,) = eval_loss(loaded.model, masked_cfg, tok, [256], batches=2, batch_size=2, device=CPU)
+    (whole,) = eval_loss(loaded.model, loaded.config, tok, [256], batches=2, batch_size=2, device=CPU)
+    nats, n, seps = 0.0, 0, 0
+    with torch.no_grad(), _val_loader(masked_cfg, tok, 256, 2, torch.device(CPU)) as loader:
+        for _ in range(2):
+            x, y = next(loader)
+            seps += int((x == tok.eot_id).sum())
+            logits = loaded.model(x, cu_seqlens=from_separators(x, tok.eot_id)).logits.double()
+            nats += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                            ignore_index=-100, reduction="sum"))
+            n += int((y != -100).sum())
+    assert seps > 0 and masked["n"] == whole["n"] == n  # the windows do cross documents
+    assert masked["loss"] == pytest.approx(nats / n, rel=1e-5) and masked["loss"] != whole["loss"]
+
+
 def test_position_buckets_share_their_edges_across_contexts() -> None:
     assert position_buckets(16) == [(0, 16)]
     assert position_buckets(100) == [(0, 64), (64, 100)]

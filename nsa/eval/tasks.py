@@ -25,6 +25,7 @@ from nsa.data.loader import build_loader
 from nsa.data.retrieval import TaskLayout, mqar_episode, needle_episode
 from nsa.data.tokenizers import ByteTokenizer
 from nsa.errors import ConfigError
+from nsa.model.documents import from_separators
 
 TASKS = ("needle", "mqar", "loss", "selection")
 HAYSTACKS = ("random", "text")
@@ -259,6 +260,12 @@ def _val_loader(run_cfg: Any, tokenizer: Any, context: int, batch_size: int, dev
                         seed=run_cfg.train.seed, device=device)
 
 
+def _documents(run_cfg: Any, tokenizer: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """The packed documents of a batch (``cu_seqlens``) when the run trained with ``data.document_mask``: its
+    held-out loss is read as it was trained, each document on its own."""
+    return from_separators(x, tokenizer.eot_id) if run_cfg.data.document_mask else None
+
+
 def eval_loss(
     model: nn.Module,
     run_cfg: Any,
@@ -275,6 +282,7 @@ def eval_loss(
     ``loss`` is the mean cross-entropy (nats) over the ``n`` scored target tokens (labels ``-100``
     excluded); ``bits_per_byte`` = total nats / ln 2 / UTF-8 bytes the scored targets decode to
     (None when they decode to no bytes; for the byte tokenizer ``loss / ln 2`` but for separators).
+    A run trained with ``data.document_mask`` is read so too (positions restart at each document).
     ``by_position``: the same loss over the targets at positions ``[start, end)`` of the window
     (:func:`position_buckets`: does longer context help, and where does a model lose?), ``{"start", "end",
     "loss", "n"}``. The loader is seeded with ``train.seed``: the same first ``batches`` batches of the
@@ -293,7 +301,8 @@ def eval_loss(
             with _val_loader(run_cfg, tokenizer, c, _batch_size(batch_size, c, 8), dev) as loader:
                 for _ in range(batches):
                     x, y = next(loader)
-                    logits = model(x).logits.float()
+                    cu = _documents(run_cfg, tokenizer, x)
+                    logits = (model(x) if cu is None else model(x, cu_seqlens=cu)).logits.float()
                     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
                                                            ignore_index=-100, reduction="none").view(y.shape)
                     keep = y != -100

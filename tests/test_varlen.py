@@ -197,6 +197,35 @@ def test_model_on_packed_rows_equals_each_document_alone(attention: str) -> None
     assert not torch.allclose(packed[10:31], plain[10:31], atol=1e-3)  # without the mask they differ
 
 
+def test_selection_report_over_packed_documents_is_each_documents_own() -> None:
+    """Seed 8: the selection probe of a masked batch (two rows of 128: documents of 50, 78 and 128 tokens)
+    probes each document on its own: per layer, the length-weighted mean of each document's report alone.
+    Before, the packed path recorded no probe (the trainer and ``nsa eval`` read a masked run across its
+    documents instead)."""
+    from nsa.model.documents import from_separators
+    from nsa.model.selection import merge_reports
+
+    model = _tiny_model("nsa")
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(1, 200, (2, 128), generator=gen)
+    ids[0, 49] = 0
+    cu = from_separators(ids, 0)
+    assert cu.tolist() == [0, 50, 128, 256]
+    packed = model.selection_report(ids, 16, cu_seqlens=cu)
+    alone = [model.selection_report(ids.reshape(1, -1)[:, a:b], 16) for a, b in ((0, 50), (50, 128), (128, 256))]
+    lengths = (50, 78, 128)
+    assert len(packed) == 2
+    for layer, got in enumerate(packed):
+        want = merge_reports([({k: v for k, v in rep[layer].items() if k != "layer"}, n)
+                              for rep, n in zip(alone, lengths, strict=True)])
+        assert got["layer"] == layer and 0 < got["recall"] <= 1
+        for key in ("recall", "cmp_entropy", "kl"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        assert got["gates"] == pytest.approx(want["gates"], rel=1e-5)
+    whole = model.selection_report(ids, 16)  # without the mask: another reading
+    assert whole[0]["recall"] != pytest.approx(packed[0]["recall"], rel=1e-6)
+
+
 def test_model_with_documents_compiles_and_matches_eager() -> None:
     """Seed 6: torch.compile of the NSA model with packed documents (the attention runs eagerly between
     compiled pieces): same loss and gradients as eager, and no recompilation on a new document layout."""
@@ -232,11 +261,15 @@ def test_model_rejects_boundaries_that_miss_a_row_start() -> None:
 
 
 def test_training_with_document_mask(tmp_path: Path) -> None:
-    """A short run with ``data.document_mask`` trains (finite, falling loss) and records the setting."""
+    """A short run with ``data.document_mask`` trains (finite, falling loss), records the setting, and its
+    evaluations read the selection of its documents (each probed on its own)."""
     from nsa.train.trainer import Trainer
-    from tests.conftest import quiet, resolve
+    from tests.conftest import csv_rows, quiet, resolve
 
     out = tmp_path / "run"
-    result = Trainer(resolve(out, 6, data__document_mask=True), reporter=quiet()).fit()
+    result = Trainer(resolve(out, 6, data__document_mask=True, eval__every=3, eval__selection_queries=16,
+                             train__seq_len=256), reporter=quiet()).fit()
     assert result.status == "completed" and result.steps_done == 6
     assert "document_mask: true" in (out / "config.yaml").read_text()
+    val = csv_rows(out / "val.csv")
+    assert [int(r["step"]) for r in val] == [3, 6] and all(0 < float(r["sel_recall_mean"]) <= 1 for r in val)

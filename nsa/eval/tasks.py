@@ -377,7 +377,8 @@ def eval_selection(
                 for _ in range(batches):
                     x, _ = next(loader)
                     sequences += x.shape[0]
-                    for r in report(x, queries):
+                    cu = _documents(run_cfg, tokenizer, x)  # a masked run: each document probed on its own
+                    for r in (report(x, queries) if cu is None else report(x, queries, cu_seqlens=cu)):
                         per_layer.setdefault(int(r["layer"]), []).append(r)
             if not per_layer:
                 raise ConfigError("the selection task needs an NSA model (this one has no NSA layers)")

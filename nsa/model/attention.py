@@ -239,10 +239,16 @@ class NSAAttention(nn.Module):
             res = nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, g, self.hp, scale=self.scale,
                                 return_block_idx=True, backend=self.backend, q_win=q_win[0] if q_win else None)
             assert isinstance(res, tuple)
+            if probing:  # one document, unpadded: its own probe
+                self.diag.probe_document(q, ks, k_cmp, res[1], g)
             return res
 
+        probing = self.diag.probe_queries > 0
         o, idx = documents.attend(one_batch, [p.q, p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win,
-                                              p.gates, *([] if p.q_win is None else [p.q_win])], cu_seqlens)
+                                              p.gates, *([] if p.q_win is None else [p.q_win])], cu_seqlens,
+                                  one_by_one=probing)
+        if probing:
+            self.diag.end_documents()
         if collect:
             self.diag.accumulate(p.gates, idx)
         return o

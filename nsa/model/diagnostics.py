@@ -23,6 +23,7 @@ from nsa.model.selection import (
     compressed_probs,
     dense_block_mass,
     layer_report,
+    merge_reports,
     probe_positions,
     scorer_kl,
 )
@@ -53,6 +54,7 @@ class LayerDiagnostics:
         self.scorer_weight = torch.tensor(self._weight)
         self.probe_queries = 0  # > 0 once armed: the next forward records layer_report in probe_out
         self.probe_out: dict[str, Any] | None = None
+        self._parts: list[tuple[dict[str, Any], int]] = []  # a packed forward's reports per document, and lengths
 
     def follow(self, device: torch.device, dtype: torch.dtype) -> None:
         """After the layer's ``.to()``/``.cuda()``/``.double()``: running sums zeroed on ``device`` (float64),
@@ -81,6 +83,16 @@ class LayerDiagnostics:
             self.accumulate(gates, block_idx)
             o = self._scorer_loss(q, k_sel, k_cmp, o)
         return o
+
+    def probe_document(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
+                       gates: torch.Tensor) -> None:
+        """The probe on one document of a packed forward (a batch of one, unpadded), kept for :meth:`end_documents`."""
+        self._parts.append((layer_report(q, k_sel, k_cmp, block_idx, gates, self.hp, self.scale,
+                                         self.probe_queries), q.shape[1]))
+
+    def end_documents(self) -> None:
+        """The packed forward's report: its documents' (:func:`nsa.model.selection.merge_reports`)."""
+        self.probe_out, self._parts = merge_reports(self._parts), []
 
     @torch.no_grad()
     def accumulate(self, gates: torch.Tensor, block_idx: torch.Tensor) -> None:
@@ -118,7 +130,7 @@ class LayerDiagnostics:
         self.probe_queries, self.probe_out = int(queries), None
 
     def take_probe(self) -> dict[str, Any]:
-        """The recorded report (empty if no forward ran, or it ran over packed documents), disarmed."""
+        """The recorded report (empty if no forward ran), disarmed; over packed documents, theirs merged."""
         out, self.probe_out, self.probe_queries = self.probe_out or {}, None, 0
         return out
 

@@ -30,10 +30,11 @@ def offsets(cu_seqlens: torch.Tensor, B: int, S: int) -> list[int]:
 
 
 def attend(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], rows: list[torch.Tensor],
-           cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
+           cu_seqlens: torch.Tensor, *, one_by_one: bool = False) -> list[torch.Tensor]:
     """``fn`` (attention of an ordinary ``[n, L, ...]`` batch) over each document of ``rows [B, S, ...]``;
-    outputs back as ``[B, S, ...]``. Outside ``torch.compile``'s graph (host offsets; one graph break)."""
-    return _outside_graph(_attend)(fn, rows, cu_seqlens)
+    outputs back as ``[B, S, ...]``. ``one_by_one``: each call a single document, unpadded (``n = 1``).
+    Outside ``torch.compile``'s graph (host offsets; one graph break)."""
+    return _outside_graph(_attend)(fn, rows, cu_seqlens, one_by_one)
 
 
 _DISABLED: dict[Callable[..., list[torch.Tensor]], Callable[..., list[torch.Tensor]]] = {}
@@ -47,11 +48,11 @@ def _outside_graph(f: Callable[..., list[torch.Tensor]]) -> Callable[..., list[t
 
 
 def _attend(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], rows: list[torch.Tensor],
-            cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
+            cu_seqlens: torch.Tensor, one_by_one: bool = False) -> list[torch.Tensor]:
     B, S = rows[0].shape[:2]
     cu = offsets(cu_seqlens, B, S)
     flat = [r.reshape(1, B * S, *r.shape[2:]) for r in rows]
-    return [o.reshape(B, S, *o.shape[2:]) for o in varlen.run_packed(fn, flat, cu)]
+    return [o.reshape(B, S, *o.shape[2:]) for o in varlen.run_packed(fn, flat, cu, per_document=one_by_one)]
 
 
 def from_separators(ids: torch.Tensor, sep: int) -> torch.Tensor:

@@ -132,8 +132,10 @@ class NSALM(nn.Module):
         return out
 
     @torch.no_grad()
-    def selection_report(self, input_ids: torch.Tensor, queries: int = 64) -> list[dict[str, Any]]:
-        """Per NSA layer, on one forward over ``input_ids [B, S]`` (eval mode, one sequence per row):
+    def selection_report(self, input_ids: torch.Tensor, queries: int = 64,
+                         cu_seqlens: torch.Tensor | None = None) -> list[dict[str, Any]]:
+        """Per NSA layer, on one forward over ``input_ids [B, S]`` (eval mode, one sequence per row, or the
+        packed documents of ``cu_seqlens``: each probed on its own, merged by length):
         ``layer``, selection ``recall`` (share of dense attention mass inside the selected blocks),
         ``cmp_entropy`` (compressed attention entropy / log of its visible tokens), the scorer's ``kl``
         and the mean ``gates`` [cmp, sel, win] (:mod:`nsa.model.selection`). Empty for dense models."""
@@ -145,7 +147,7 @@ class NSALM(nn.Module):
         for _, attn in layers:
             attn.diag.arm_probe(queries)
         try:
-            self(input_ids)  # through __call__: wrappers' hooks (FSDP2 gathers) run
+            self(input_ids, cu_seqlens=cu_seqlens)  # through __call__: wrappers' hooks (FSDP2 gathers) run
         finally:
             reports = [{"layer": i, **attn.diag.take_probe()} for i, attn in layers]
             self.train(was_training)

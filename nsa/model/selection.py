@@ -19,6 +19,8 @@ blocks than ``n_sel`` (before it every block is selected and recall is 1 by cons
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -120,6 +122,21 @@ def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, bloc
         kl = scorer_kl(mass, block_scores(p, ts, S, hp))
         ent = cmp_entropy(p, n_vis)
     return {"recall": float(rec.mean()), "cmp_entropy": float(ent.mean()), "kl": float(kl), "gates": g}
+
+
+def merge_reports(parts: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
+    """One report from :func:`layer_report` s of several documents, each with its length in tokens: every field
+    the token-weighted mean over the documents that have it (``None`` when none does: all too short to
+    choose); empty for no documents."""
+    if not parts:
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("recall", "cmp_entropy", "kl"):
+        have = [(float(r[key]), n) for r, n in parts if r.get(key) is not None]
+        out[key] = sum(v * n for v, n in have) / sum(n for _, n in have) if have else None
+    total = sum(n for _, n in parts)
+    out["gates"] = [sum(r["gates"][i] * n for r, n in parts) / total for i in range(3)]
+    return out
 
 
 class AttachLoss(torch.autograd.Function):

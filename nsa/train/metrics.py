@@ -271,7 +271,7 @@ def measure_selection(s: Session, x: torch.Tensor) -> list[dict[str, Any]] | Non
     if queries <= 0 or s.cfg.model.attention == "dense" or s.context is not None:
         return None
     with torch.no_grad(), s.plan.rt.autocast():
-        layers = s.model.selection_report(x, queries)
+        layers = s.model.selection_report(x, queries, cu_seqlens=s.documents(x))
     return [_layer_record(r) for r in layers] or None
 
 

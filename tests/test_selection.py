@@ -156,6 +156,42 @@ def test_scorer_loss_reaches_the_scorer_and_not_the_reported_loss() -> None:
     assert stats["scorer_kl"] > 0
 
 
+def test_scorer_loss_over_packed_documents_is_each_documents_weighted_by_length() -> None:
+    """Seed 17: with ``data.document_mask`` each packed document gets its own scorer loss (a batch of one,
+    unpadded), weighted by its share of the batch's tokens: the scorer's part of the gradient (weight 1 minus
+    weight 0, the same forward otherwise) equals the share-weighted sum of each document's alone. Before,
+    the packed path computed no scorer loss at all."""
+    from nsa.model.documents import from_separators
+
+    torch.manual_seed(17)
+    m = NSALM(TINY_MODEL, TINY_NSA)
+    m.train()
+    x = torch.randint(1, 256, (2, 96))
+    x[0, 39] = 0
+    cu = from_separators(x, 0)
+    assert cu.tolist() == [0, 40, 96, 192]
+
+    def scorer_grad(ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[torch.Tensor]:
+        out = []
+        for weight in (1.0, 0.0):
+            m.zero_grad()
+            m.configure_scorer(16, weight)
+            loss = m(ids, labels=ids, cu_seqlens=cu_seqlens).loss
+            assert loss is not None
+            loss.backward()
+            out.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()])
+        return [a - b for a, b in zip(*out, strict=True)]
+
+    packed = scorer_grad(x, cu)
+    flat = x.reshape(1, -1)
+    alone = [scorer_grad(flat[:, a:b], None) for a, b in ((0, 40), (40, 96), (96, 192))]
+    for i, g in enumerate(packed):
+        want = sum(n / 192 * d[i] for d, n in zip(alone, (40, 56, 96), strict=True))
+        torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-4)
+    assert max(float(g.norm()) for g in packed) > 1e-6
+    assert m.consume_stats()["scorer_kl"] > 0
+
+
 def test_selection_report_per_layer() -> None:
     torch.manual_seed(16)
     m = NSALM(TINY_MODEL, TINY_NSA)

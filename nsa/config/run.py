@@ -215,9 +215,6 @@ class RunConfig(_Section):
             raise ValueError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
-        if self.scorer.weight > 0 and self.data.document_mask:  # the packed path has no probe: it would be lost
-            raise ValueError("the scorer loss (scorer.weight) does not run with data.document_mask (packed "
-                             "documents): set one of them")
         cp = self.runtime.context_parallel
         if cp > 1:
             if self.train.seq_len % (2 * cp):

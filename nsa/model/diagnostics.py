@@ -81,7 +81,7 @@ class LayerDiagnostics:
             self.probe_out = layer_report(q, k_sel, k_cmp, block_idx, gates, self.hp, self.scale, self.probe_queries)
         if collect:
             self.accumulate(gates, block_idx)
-            o = self._scorer_loss(q, k_sel, k_cmp, o)
+            o = self.scorer_loss(q, k_sel, k_cmp, o)
         return o
 
     def probe_document(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
@@ -99,12 +99,18 @@ class LayerDiagnostics:
         add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.hp.l_sel)])
         if self.acc.device != add.device:  # a module used on a device it was not moved to
             self.acc = torch.zeros(N_FIELDS, dtype=torch.float64, device=add.device)
-        # in place: torch.compile keeps one graph (the last two fields are the scorer's: _scorer_loss)
+        # in place: torch.compile keeps one graph (the last two fields are the scorer's: scorer_loss)
         self.acc[: add.numel()].add_(add)
 
-    def _scorer_loss(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """``o``, carrying ``scorer_weight * scorer_kl`` into the backward (training forwards with
-        ``scorer_queries > 0`` and gradients on)."""
+    def scores(self) -> bool:
+        """Whether a training forward now computes the scorer loss."""
+        return self.scorer_queries > 0 and torch.is_grad_enabled() and not self.suppressed
+
+    def scorer_loss(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, o: torch.Tensor,
+                    share: float = 1.0) -> torch.Tensor:
+        """``o``, carrying ``share * scorer_weight * scorer_kl`` into the backward (training forwards with
+        ``scorer_queries > 0`` and gradients on). ``share``: the part of the forward's tokens ``q`` holds (one
+        document of a packed forward, a batch of one: the documents' losses add up as one forward's)."""
         S = q.shape[1]
         ts = probe_positions(S, self.hp, self.scorer_queries, q.device)
         if ts is None or not torch.is_grad_enabled():
@@ -113,8 +119,8 @@ class LayerDiagnostics:
         probs, _ = compressed_probs(q, k_cmp, ts, S, self.hp, self.scale)
         kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))
         with torch.no_grad():
-            self.acc[N_FIELDS - 2:].add_(scorer_sums(kl))
-        return AttachLoss.apply(o, kl * self.scorer_weight)
+            self.acc[N_FIELDS - 2:].add_(scorer_sums(kl, share))
+        return AttachLoss.apply(o, kl * self.scorer_weight * share)
 
     # ------------------------------------------------------------------------------------------
     # the language model drives these

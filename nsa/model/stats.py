@@ -83,6 +83,8 @@ def summarise(sums: Sequence[float]) -> dict[str, float | list[float]]:
 
 
 @torch.no_grad()
-def scorer_sums(kl: torch.Tensor) -> torch.Tensor:
-    """Running-sum contributions (fields 11, 12) of one forward's scorer loss."""
-    return torch.stack([kl.detach().to(torch.float64), torch.ones((), dtype=torch.float64, device=kl.device)])
+def scorer_sums(kl: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+    """Running-sum contributions (fields 11, 12) of one forward's scorer loss (``share``: the part of the
+    forward it covers, one packed document's tokens)."""
+    w = torch.full((), share, dtype=torch.float64, device=kl.device)
+    return torch.stack([kl.detach().to(torch.float64) * w, w])

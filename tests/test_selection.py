@@ -192,6 +192,38 @@ def test_scorer_loss_over_packed_documents_is_each_documents_weighted_by_length(
     assert m.consume_stats()["scorer_kl"] > 0
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_scorer_loss_under_gradient_checkpointing_equals_without(packed: bool) -> None:
+    """Seed 18: ``runtime.gradient_checkpointing`` with the scorer loss on: the same gradients as without it
+    and the scorer counted once in the statistics, with packed documents or without. Before, the recompute
+    skipped the scorer loss, saved fewer tensors than the forward and the backward failed (``CheckpointError``)."""
+    from nsa.model.documents import from_separators
+
+    torch.manual_seed(18)
+    m = NSALM(TINY_MODEL, TINY_NSA)
+    m.train()
+    x = torch.randint(1, 256, (2, 96))
+    x[0, 39] = 0
+    cu = from_separators(x, 0) if packed else None
+    m.configure_scorer(16, 1.0)
+
+    def run(checkpointing: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        m.zero_grad()
+        m.set_gradient_checkpointing(checkpointing)
+        loss = m(x, labels=x, cu_seqlens=cu).loss
+        assert loss is not None
+        loss.backward()
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
+        return grads, torch.stack([b.attn.diag.take_sums() for b in m.blocks])  # every field, every layer
+
+    plain, sums_plain = run(False)
+    ckpt, sums_ckpt = run(True)
+    for a, b in zip(plain, ckpt, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(sums_ckpt, sums_plain, atol=1e-9, rtol=1e-6)  # the scorer's sums included
+    assert float(sums_plain[:, -2].min()) > 0 and float(sums_plain[:, -1].max()) <= 1.0 + 1e-9
+
+
 def test_selection_report_per_layer() -> None:
     torch.manual_seed(16)
     m = NSALM(TINY_MODEL, TINY_NSA)

@@ -66,8 +66,10 @@ class LayerDiagnostics:
     # the layer's forward calls these
 
     def collects(self, training: bool) -> bool:
-        """Whether a forward in this mode adds statistics (and the scorer loss)."""
-        return training and not self.suppressed
+        """Whether a forward in this mode collects: a training forward adds statistics and the scorer loss.
+        A checkpoint's recompute (:meth:`suppress`) runs the same computation (it must save the same tensors)
+        and adds no statistics."""
+        return training
 
     def whole_sequence_only(self) -> bool:
         """The probe or the scorer is on: neither runs under context parallelism."""
@@ -96,6 +98,8 @@ class LayerDiagnostics:
 
     @torch.no_grad()
     def accumulate(self, gates: torch.Tensor, block_idx: torch.Tensor) -> None:
+        if self.suppressed:
+            return
         add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.hp.l_sel)])
         if self.acc.device != add.device:  # a module used on a device it was not moved to
             self.acc = torch.zeros(N_FIELDS, dtype=torch.float64, device=add.device)
@@ -104,7 +108,7 @@ class LayerDiagnostics:
 
     def scores(self) -> bool:
         """Whether a training forward now computes the scorer loss."""
-        return self.scorer_queries > 0 and torch.is_grad_enabled() and not self.suppressed
+        return self.scorer_queries > 0 and torch.is_grad_enabled()
 
     def scorer_loss(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, o: torch.Tensor,
                     share: float = 1.0) -> torch.Tensor:
@@ -118,8 +122,9 @@ class LayerDiagnostics:
         target = dense_block_mass(q, k_sel, ts, self.hp, self.scale)
         probs, _ = compressed_probs(q, k_cmp, ts, S, self.hp, self.scale)
         kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))
-        with torch.no_grad():
-            self.acc[N_FIELDS - 2:].add_(scorer_sums(kl, share))
+        if not self.suppressed:
+            with torch.no_grad():
+                self.acc[N_FIELDS - 2:].add_(scorer_sums(kl, share))
         return AttachLoss.apply(o, kl * self.scorer_weight * share)
 
     # ------------------------------------------------------------------------------------------
@@ -153,7 +158,8 @@ class LayerDiagnostics:
 
     @contextlib.contextmanager
     def suppress(self) -> Iterator[None]:
-        """No statistics inside (the recompute pass of gradient checkpointing)."""
+        """No statistics inside (the recompute pass of gradient checkpointing: the same computation, the
+        scorer loss included, counted once)."""
         old, self.suppressed = self.suppressed, True
         try:
             yield

@@ -221,6 +221,18 @@ def test_eval_loss_reads_a_document_masked_run_document_by_document(tiny_run: Pa
     assert masked["loss"] == pytest.approx(nats / n, rel=1e-5) and masked["loss"] != whole["loss"]
 
 
+def test_eval_cli_says_a_masked_run_is_read_document_by_document(tmp_path: Path) -> None:
+    from nsa.train.trainer import Trainer
+    from tests.conftest import quiet, resolve
+
+    run = tmp_path / "run"
+    assert Trainer(resolve(run, 2, data__document_mask=True), reporter=quiet()).fit().status == "completed"
+    code, stdout, stderr = _eval(str(run), "--task", "loss", "--contexts", "256", "--samples", "2")
+    assert code == 0, stderr
+    assert "each document on its own" in " ".join(stdout.split())
+    assert json.loads((run / "eval" / "loss.json").read_text())["settings"]["documents"] is True
+
+
 def test_position_buckets_share_their_edges_across_contexts() -> None:
     assert position_buckets(16) == [(0, 16)]
     assert position_buckets(100) == [(0, 64), (64, 100)]

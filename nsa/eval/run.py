@@ -95,7 +95,8 @@ def run_eval(path: str | Path, spec: EvalSpec, say: Callable[[str], None] | None
     if task in ("loss", "selection"):
         bs = spec.batch_size or max(1, min(n, TOKENS_PER_BATCH // max(contexts)))
         batches = math.ceil(n / bs)
-        settings.update(samples=batches * bs, batch_size=bs, batches=batches, seed=cfg.train.seed)
+        settings.update(samples=batches * bs, batch_size=bs, batches=batches, seed=cfg.train.seed,
+                        documents=cfg.data.document_mask)  # a masked run is read document by document
         if task == "loss":
             rows = eval_loss(model, cfg, tok, contexts, batches, batch_size=bs, device=dev, max_seq_len=limit)
         else:

@@ -64,6 +64,11 @@ def _floats(text: str, flag: str) -> list[float]:
     return out
 
 
+def _each_document(settings: dict[str, Any]) -> str:
+    """What a heading adds for a run trained with ``data.document_mask`` (read document by document)."""
+    return ", each document on its own: data.document_mask" if settings.get("documents") else ""
+
+
 def _style(acc: float) -> str:
     return "green" if acc >= 0.9 else "yellow" if acc >= 0.5 else "red"
 
@@ -80,7 +85,7 @@ def _selection_tables(payload: dict[str, Any]) -> list[tuple[str, Any]]:
     for c in sorted({r["context"] for r in rows}):
         here = [r for r in rows if r["context"] == c]
         heading = (f"selection of {name} at context {context_label(c)} ({here[0]['n']} val sequences, "
-                   f"{s['queries']} query positions per layer)")
+                   f"{s['queries']} query positions per layer{_each_document(s)})")
         t = Table()
         for col in ("layer", "recall", "compressed entropy", "KL", "gates cmp/sel/win"):
             t.add_column(col, justify="right")
@@ -135,7 +140,7 @@ def _table(payload: dict[str, Any]) -> tuple[str, Any]:
         for r in rows:
             t.add_row(str(r["context"]), f"[{_style(r['accuracy'])}]{r['accuracy']:.3f}[/]", str(r["n"]))
         return heading, t
-    heading = f"held-out loss of {name} on the val split ({s['samples']} sequences per context)"
+    heading = f"held-out loss of {name} on the val split ({s['samples']} sequences per context{_each_document(s)})"
     t = Table()
     for col in ("context", "loss", "bits/byte", "tokens"):
         t.add_column(col, justify="right")

@@ -167,9 +167,9 @@ def test_scorer_loss_over_packed_documents_is_each_documents_weighted_by_length(
     m = NSALM(TINY_MODEL, TINY_NSA)
     m.train()
     x = torch.randint(1, 256, (2, 96))
-    x[0, 39] = 0
+    x[0, 39] = x[1, 19] = 0  # the third document (20 tokens) is too short to choose: no scorer loss, run bucketed
     cu = from_separators(x, 0)
-    assert cu.tolist() == [0, 40, 96, 192]
+    assert cu.tolist() == [0, 40, 96, 116, 192]
 
     def scorer_grad(ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[torch.Tensor]:
         out = []
@@ -184,9 +184,10 @@ def test_scorer_loss_over_packed_documents_is_each_documents_weighted_by_length(
 
     packed = scorer_grad(x, cu)
     flat = x.reshape(1, -1)
-    alone = [scorer_grad(flat[:, a:b], None) for a, b in ((0, 40), (40, 96), (96, 192))]
+    alone = [scorer_grad(flat[:, a:b], None) for a, b in ((0, 40), (40, 96), (96, 116), (116, 192))]
+    assert max(float(g.norm()) for g in alone[2]) == 0.0
     for i, g in enumerate(packed):
-        want = sum(n / 192 * d[i] for d, n in zip(alone, (40, 56, 96), strict=True))
+        want = sum(n / 192 * d[i] for d, n in zip(alone, (40, 56, 20, 76), strict=True))
         torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-4)
     assert max(float(g.norm()) for g in packed) > 1e-6
     assert m.consume_stats()["scorer_kl"] > 0

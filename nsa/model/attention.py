@@ -241,16 +241,19 @@ class NSAAttention(nn.Module):
             assert isinstance(res, tuple)
             if probing:  # one document, unpadded: its own probe
                 self.diag.probe_document(q, ks, k_cmp, res[1], g)
-            if scoring:  # ... and its own scorer loss, weighted by its share of the tokens
+            if scoring and q.shape[1] > choosing:  # one such document: its own scorer loss, by its share of tokens
                 return self.diag.scorer_loss(q, ks, k_cmp, res[0], q.shape[1] / total), res[1]
             return res
 
         probing = self.diag.probe_queries > 0
         scoring = collect and self.diag.scores()
+        choosing = self.hp.n_sel * self.hp.l_sel  # a document no longer selects every block: the scorer has work
         total = p.q.shape[0] * p.q.shape[1]
+        # alone (unpadded): every document for the probe, the ones the scorer loss reaches for it; the rest by length
+        alone_from = 0 if probing else choosing + 1 if scoring else None
         o, idx = documents.attend(one_batch, [p.q, p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win,
                                               p.gates, *([] if p.q_win is None else [p.q_win])], cu_seqlens,
-                                  one_by_one=probing or scoring)
+                                  alone_from=alone_from)
         if probing:
             self.diag.end_documents()
         if collect:

@@ -30,11 +30,12 @@ def offsets(cu_seqlens: torch.Tensor, B: int, S: int) -> list[int]:
 
 
 def attend(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], rows: list[torch.Tensor],
-           cu_seqlens: torch.Tensor, *, one_by_one: bool = False) -> list[torch.Tensor]:
+           cu_seqlens: torch.Tensor, *, alone_from: int | None = None) -> list[torch.Tensor]:
     """``fn`` (attention of an ordinary ``[n, L, ...]`` batch) over each document of ``rows [B, S, ...]``;
-    outputs back as ``[B, S, ...]``. ``one_by_one``: each call a single document, unpadded (``n = 1``).
-    Outside ``torch.compile``'s graph (host offsets; one graph break)."""
-    return _outside_graph(_attend)(fn, rows, cu_seqlens, one_by_one)
+    outputs back as ``[B, S, ...]``. ``alone_from``: each document of at least that many rows in a call of
+    its own, unpadded (``n = 1``; 0: every document). Outside ``torch.compile``'s graph (host offsets; one
+    graph break)."""
+    return _outside_graph(_attend)(fn, rows, cu_seqlens, alone_from)
 
 
 _DISABLED: dict[Callable[..., list[torch.Tensor]], Callable[..., list[torch.Tensor]]] = {}
@@ -48,11 +49,11 @@ def _outside_graph(f: Callable[..., list[torch.Tensor]]) -> Callable[..., list[t
 
 
 def _attend(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], rows: list[torch.Tensor],
-            cu_seqlens: torch.Tensor, one_by_one: bool = False) -> list[torch.Tensor]:
+            cu_seqlens: torch.Tensor, alone_from: int | None = None) -> list[torch.Tensor]:
     B, S = rows[0].shape[:2]
     cu = offsets(cu_seqlens, B, S)
     flat = [r.reshape(1, B * S, *r.shape[2:]) for r in rows]
-    return [o.reshape(B, S, *o.shape[2:]) for o in varlen.run_packed(fn, flat, cu, per_document=one_by_one)]
+    return [o.reshape(B, S, *o.shape[2:]) for o in varlen.run_packed(fn, flat, cu, alone_from=alone_from)]
 
 
 def from_separators(ids: torch.Tensor, sep: int) -> torch.Tensor:

@@ -88,21 +88,23 @@ def _bucket(docs: list[int], starts: list[int], lengths: list[int], length: int,
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(cu: tuple[int, ...], device: torch.device, per_document: bool) -> tuple[Bucket, ...]:
+def _plan(cu: tuple[int, ...], device: torch.device, alone_from: int | None) -> tuple[Bucket, ...]:
     lengths = [b - a for a, b in pairwise(cu)]
     groups: dict[int, list[int]] = {}
-    for n, L in enumerate(lengths):
-        key = n if per_document else max(MIN_BUCKET, 1 << (L - 1).bit_length())
-        groups.setdefault(key, []).append(n)
+    for n, length in enumerate(lengths):  # a document alone: key -1 - n, apart from every length bucket
+        alone = alone_from is not None and length >= alone_from
+        groups.setdefault(-1 - n if alone else max(MIN_BUCKET, 1 << (length - 1).bit_length()), []).append(n)
     return tuple(_bucket(docs, [cu[n] for n in docs], [lengths[n] for n in docs],
                          max(lengths[n] for n in docs), device)
                  for docs in (groups[k] for k in sorted(groups)))
 
 
-def plan(cu: Sequence[int], device: torch.device, *, per_document: bool = False) -> list[Bucket]:
-    """Group the documents of ``cu`` into buckets (one per document with ``per_document``); cached per
-    offsets, so the layers of one packed batch share one plan."""
-    return list(_plan(tuple(cu), device, per_document))
+def plan(cu: Sequence[int], device: torch.device, *, per_document: bool = False,
+         alone_from: int | None = None) -> list[Bucket]:
+    """Group the documents of ``cu`` into buckets: one per document with ``per_document``, or for each document
+    of at least ``alone_from`` rows (the rest by length); cached per offsets, so the layers of one packed batch
+    share one plan."""
+    return list(_plan(tuple(cu), device, 0 if per_document else alone_from))
 
 
 def take(x: torch.Tensor, b: Bucket) -> torch.Tensor:
@@ -141,13 +143,14 @@ def run_packed(
     cmp_rows: Sequence[torch.Tensor] = (),
     hp: NSAParams | None = None,
     per_document: bool = False,
+    alone_from: int | None = None,
 ) -> list[torch.Tensor]:
-    """``fn(*padded rows, *padded compressed rows)`` per bucket; each output ``[n, L, ...]`` scattered back to
-    ``[1, T, ...]``. ``rows`` are packed per-position tensors, ``cmp_rows`` packed compressed tokens (the
-    block ``hp.l`` and stride ``hp.d`` say how many each document owns)."""
+    """``fn(*padded rows, *padded compressed rows)`` per bucket (:func:`plan`); each output ``[n, L, ...]``
+    scattered back to ``[1, T, ...]``. ``rows`` are packed per-position tensors, ``cmp_rows`` packed compressed
+    tokens (the block ``hp.l`` and stride ``hp.d`` say how many each document owns)."""
     total = cu[-1]
     device = rows[0].device
-    buckets = plan(cu, device, per_document=per_document)
+    buckets = plan(cu, device, per_document=per_document, alone_from=alone_from)
     if cmp_rows and hp is None:
         raise ValueError("run_packed: compressed rows need the NSA hyper-parameters (hp)")
     l, d = (hp.l, hp.d) if hp is not None else (1, 1)  # noqa: E741

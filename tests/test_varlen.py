@@ -146,7 +146,7 @@ def test_bucket_plan_pads_at_most_to_the_next_power_of_two() -> None:
     for b in buckets:
         assert b.src.numel() == b.dst.numel() == sum(cu[n + 1] - cu[n] for n in b.docs)
         assert b.length == max(cu[n + 1] - cu[n] for n in b.docs)
-    assert [len(b.docs) for b in varlen.plan(cu, torch.device("cpu"), per_document=True)] == [1, 1, 1, 1]
+    assert [len(b.docs) for b in varlen.plan(cu, torch.device("cpu"), alone_from=0)] == [1, 1, 1, 1]
     # the documents of 200 rows or more alone (unpadded), the others (5 and 100 rows) by length
     parted = varlen.plan(cu, torch.device("cpu"), alone_from=200)
     assert sorted((b.docs, b.length) for b in parted) == [((0,), 5), ((1,), 200), ((2,), 100), ((3,), 1000)]

@@ -15,6 +15,7 @@ from nsa.model.context import ContextParallel
 from nsa.model.diagnostics import LayerDiagnostics
 from nsa.model.gates import GateParams
 from nsa.model.rope import RotaryEmbedding
+from nsa.model.selection import first_choice
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.decode_cache import NewToken
@@ -247,7 +248,7 @@ class NSAAttention(nn.Module):
 
         probing = self.diag.probe_queries > 0
         scoring = collect and self.diag.scores()
-        choosing = self.hp.n_sel * self.hp.l_sel  # a document no longer selects every block: the scorer has work
+        choosing = first_choice(self.hp)  # a longer document no longer selects every block: the scorer has work
         total = p.q.shape[0] * p.q.shape[1]
         # alone (unpadded): every document for the probe, the ones the scorer loss reaches for it; the rest by length
         alone_from = 0 if probing else choosing + 1 if scoring else None

@@ -28,10 +28,16 @@ from nsa.ops.indexing import masked_softmax, overlap_weights, visible_cmp_counts
 from nsa.params import NSAParams
 
 
+def first_choice(hp: NSAParams) -> int:
+    """The first position whose query chooses among blocks (``n_sel * l_sel``): before it every block is
+    selected, so a sequence of at most this many tokens has nothing to probe or score."""
+    return hp.n_sel * hp.l_sel
+
+
 def probe_positions(S: int, hp: NSAParams, n: int, device: torch.device | str | None = None) -> torch.Tensor | None:
     """``n`` (at most) distinct positions, evenly spaced over ``[n_sel * l_sel, S)``; ``None`` when that
     range is empty (every query selects all its blocks) or ``n <= 0``."""
-    t0 = hp.n_sel * hp.l_sel
+    t0 = first_choice(hp)
     if n <= 0 or t0 >= S:
         return None
     C = min(n, S - t0)

@@ -32,14 +32,15 @@ from nsa.ops.indexing import with_window_query
 from nsa.params import NSAParams
 
 
-def _packed(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor, q_start: int = 0) -> tuple[list[int], bool]:
-    """The host offsets, and whether each document runs alone (the reference: the definition itself)."""
+def _packed(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor, q_start: int = 0) -> tuple[list[int], int | None]:
+    """The host offsets, and from what length a document runs alone (the reference: every one, the definition
+    itself; :func:`nsa.ops.varlen.plan`)."""
     if q_start != 0:
         raise ValueError(f"q_start={q_start} cannot be combined with cu_seqlens: packed documents start at "
                          "position 0 (pass q_start=0, or run the documents without cu_seqlens)")
     if x.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs a batch-1 packed row, got batch {x.shape[0]}")
-    return varlen.host_offsets(cu_seqlens, x.shape[1]), name == "reference"
+    return varlen.host_offsets(cu_seqlens, x.shape[1]), 0 if name == "reference" else None
 
 
 def compress_avg(
@@ -48,8 +49,8 @@ def compress_avg(
     """Mean-pool raw ``x [B, S, H, D]`` into compressed tokens ``[B, S_cmp, H, D]`` (block ``l``, stride ``d``)."""
     name, impl = pick("compress_avg", backend, (x,))
     if cu_seqlens is not None:
-        cu, one = _packed(name, x, cu_seqlens)
-        return varlen.compress_packed(lambda t: impl(t, hp), x, cu, hp, per_document=one)
+        cu, alone = _packed(name, x, cu_seqlens)
+        return varlen.compress_packed(lambda t: impl(t, hp), x, cu, hp, alone_from=alone)
     out: torch.Tensor = impl(x, hp)
     return out
 
@@ -69,9 +70,9 @@ def select_blocks(
     position ``q_start + i`` and the indices are absolute block numbers)."""
     name, impl = pick("select_blocks", backend, (q, k_cmp))
     if cu_seqlens is not None:
-        cu, one = _packed(name, q, cu_seqlens, q_start)
+        cu, alone = _packed(name, q, cu_seqlens, q_start)
         (out,) = varlen.run_packed(lambda q_, k_: impl(q_, k_, hp, scale=scale),
-                                   [q], cu, cmp_rows=[k_cmp], hp=hp, per_document=one)
+                                   [q], cu, cmp_rows=[k_cmp], hp=hp, alone_from=alone)
         return out
     res: torch.Tensor = impl(q, k_cmp, hp, scale=scale, q_start=q_start)
     return res
@@ -108,7 +109,7 @@ def nsa_attention(
     tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
     name, impl = pick("nsa_attention", backend, with_window_query(q, q_win, tensors))
     if cu_seqlens is not None:
-        cu, one = _packed(name, q, cu_seqlens, q_start)
+        cu, alone = _packed(name, q, cu_seqlens, q_start)
         extra = [t for t in (block_idx, q_win) if t is not None]
         rows = [q, k_sel, v_sel, k_win, v_win, gates, *extra]
 
@@ -123,7 +124,7 @@ def nsa_attention(
                 **({} if qw is None else {"q_win": qw}))
             return r
 
-        outs = varlen.run_packed(call, rows, cu, cmp_rows=[k_cmp, v_cmp], hp=hp, per_document=one)
+        outs = varlen.run_packed(call, rows, cu, cmp_rows=[k_cmp, v_cmp], hp=hp, alone_from=alone)
         return (outs[0], outs[1]) if return_block_idx else outs[0]
     out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = impl(
         *tensors, hp, scale=scale, block_idx=block_idx, return_block_idx=return_block_idx, q_start=q_start,

@@ -12,7 +12,7 @@ the chosen backend; the real rows are copied in and back by host-planned row lis
 accumulates on a shared pad row, no device synchronisation). Right padding is exact: every visibility rule of
 NSA is causal, so a real query never sees a padded key, a compressed token that covers padding or a
 block past its own position. Gradients flow through the gather and the scatter (autograd). The
-reference backend runs each document alone (``per_document=True``): the definition itself.
+reference backend runs each document alone (``alone_from=0``): the definition itself.
 
 The plan needs the lengths on the host: a CUDA ``cu_seqlens`` is copied once per tensor object (one
 synchronisation), a CPU one costs nothing. Padding costs at most 2x of a bucket's work; a kernel that
@@ -99,12 +99,10 @@ def _plan(cu: tuple[int, ...], device: torch.device, alone_from: int | None) -> 
                  for docs in (groups[k] for k in sorted(groups)))
 
 
-def plan(cu: Sequence[int], device: torch.device, *, per_document: bool = False,
-         alone_from: int | None = None) -> list[Bucket]:
-    """Group the documents of ``cu`` into buckets: one per document with ``per_document``, or for each document
-    of at least ``alone_from`` rows (the rest by length); cached per offsets, so the layers of one packed batch
-    share one plan."""
-    return list(_plan(tuple(cu), device, 0 if per_document else alone_from))
+def plan(cu: Sequence[int], device: torch.device, *, alone_from: int | None = None) -> list[Bucket]:
+    """Group the documents of ``cu`` into buckets by length, each document of at least ``alone_from`` rows in
+    one of its own (0: every document); cached per offsets, so the layers of one packed batch share one plan."""
+    return list(_plan(tuple(cu), device, alone_from))
 
 
 def take(x: torch.Tensor, b: Bucket) -> torch.Tensor:
@@ -142,7 +140,6 @@ def run_packed(
     *,
     cmp_rows: Sequence[torch.Tensor] = (),
     hp: NSAParams | None = None,
-    per_document: bool = False,
     alone_from: int | None = None,
 ) -> list[torch.Tensor]:
     """``fn(*padded rows, *padded compressed rows)`` per bucket (:func:`plan`); each output ``[n, L, ...]``
@@ -150,7 +147,7 @@ def run_packed(
     tokens (the block ``hp.l`` and stride ``hp.d`` say how many each document owns)."""
     total = cu[-1]
     device = rows[0].device
-    buckets = plan(cu, device, per_document=per_document, alone_from=alone_from)
+    buckets = plan(cu, device, alone_from=alone_from)
     if cmp_rows and hp is None:
         raise ValueError("run_packed: compressed rows need the NSA hyper-parameters (hp)")
     l, d = (hp.l, hp.d) if hp is not None else (1, 1)  # noqa: E741
@@ -168,14 +165,14 @@ def run_packed(
 
 def compress_packed(
     compress: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, cu: Sequence[int], hp: NSAParams,
-    *, per_document: bool = False,
+    *, alone_from: int | None = None,
 ) -> torch.Tensor:
     """Packed compressed tokens ``[1, sum N_c(L_n), ...]`` of packed raw rows ``x [1, T, ...]``."""
     l, d = hp.l, hp.d  # noqa: E741
     cmp_cu = cmp_offsets(cu, l, d)
     if cmp_cu[-1] == 0:
         return x.new_zeros(1, 0, *x.shape[2:])
-    buckets = plan(cu, x.device, per_document=per_document)
+    buckets = plan(cu, x.device, alone_from=alone_from)
     parts = [compress(take(x, b)) for b in buckets]  # [n, N_c(length), ...]
     return scatter(parts, [cmp_bucket(b, cmp_cu, l, d) for b in buckets], cmp_cu[-1])
 

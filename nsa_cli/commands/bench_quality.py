@@ -102,9 +102,10 @@ def quality(
                            needle_seq_len=needle_seq_len, needle_gap=needle_gap, needle_steps=needle_steps,
                            needle_batch=needle_batch, needle_eval_samples=64 if tiny else 256,
                            device="cpu" if tiny else None, lrs=lr_list, parallel=parallel)
+        env = environment()
         partial = None if json_out is None else json_out.with_name(json_out.name + ".rows.jsonl")
         if partial is not None:  # the sweep first (rows none yet): a sweep cut short reads back with --from
-            partial.write_text(json.dumps(partial_header(spec, environment())) + "\n")
+            partial.write_text(json.dumps(partial_header(spec, env)) + "\n")
 
         def keep(row: QualityRow) -> None:  # each finished run at once: a sweep cut short keeps its rows
             if partial is not None:
@@ -114,7 +115,7 @@ def quality(
         rows = run_quality(spec, say=lambda line: console.print(line, highlight=False, markup=False), log=log,
                            on_row=keep)
         _show(console, spec, rows)
-        _save(console, spec, rows, environment(), as_json, json_out, chart, f"S={base.train.seq_len}")
+        _save(console, spec, rows, env, as_json, json_out, chart, f"S={base.train.seq_len}")
 
 
 def _from_saved(paths: list[Path], as_json: bool, json_out: Path | None, chart: Path | None) -> None:

@@ -19,6 +19,7 @@ from nsa.model.lm import NSALM
 from nsa.model.load import read_init_weights
 from nsa.model.selection import (
     AttachLoss,
+    best_recall,
     block_scores,
     cmp_entropy,
     compressed_probs,
@@ -86,6 +87,32 @@ def test_recall_is_the_mass_of_the_selected_blocks() -> None:
     torch.testing.assert_close(recall(mass, every), torch.ones(1, 2, 3))
 
 
+def test_best_recall_is_the_heaviest_choice_selection_could_make() -> None:
+    """Seed 21: recall's ceiling equals, by brute force over every choice of ``n_sel`` candidate blocks that
+    keeps the forced ones (current, initial, previous), the largest mass; 1 when the mass sits in ``n_sel``
+    blocks (the op's own choice stays below it: test_selection_report_per_layer)."""
+    import itertools
+
+    g = torch.Generator().manual_seed(21)
+    hp = NSAParams(l=8, d=4, l_sel=16, n_sel=4, w=32)
+    ts = torch.tensor([70, 100, 127])  # current blocks 4, 6, 7
+    nb = 8
+    logits = torch.randn(2, 2, 3, nb, generator=g) * 2
+    cand = torch.arange(nb)[None, :] <= (ts // hp.l_sel)[:, None]
+    mass = torch.softmax(logits.masked_fill(~cand, -math.inf), dim=-1)
+    got = best_recall(mass, ts, hp)
+    for c, t in enumerate(ts.tolist()):
+        bt = t // hp.l_sel
+        forced = {bt, 0, bt - 1}
+        for b_, h in itertools.product(range(2), range(2)):
+            want = max(sum(float(mass[b_, h, c, i]) for i in pick)
+                       for pick in itertools.combinations(range(bt + 1), hp.n_sel) if forced <= set(pick))
+            assert math.isclose(float(got[b_, h, c]), want, rel_tol=1e-6)
+    peaked = torch.zeros(1, 1, 1, nb)
+    peaked[..., [0, 2, 3, 4]] = 0.25
+    assert float(best_recall(peaked, torch.tensor([70]), hp)) == pytest.approx(1.0)
+
+
 def test_block_scores_rank_blocks_as_the_op_selects() -> None:
     """Seed 13: the normalised scores at the probe positions order the candidate blocks as the op's own
     selection does (the same Eq. 9 importance), so their top-n (forced blocks first) is the op's choice."""
@@ -135,9 +162,9 @@ def test_scorer_loss_reaches_the_scorer_and_not_the_reported_loss() -> None:
     m.train()
     x = torch.randint(0, 256, (2, 96))
 
-    def grads(queries: int, weight: float) -> tuple[float, torch.Tensor, torch.Tensor]:
+    def grads(queries: int, weight: float, into: str = "query_and_keys") -> tuple[float, torch.Tensor, torch.Tensor]:
         m.zero_grad()
-        m.configure_scorer(queries, weight)
+        m.configure_scorer(queries, weight, into)
         out = m(x, labels=x)
         assert out.loss is not None
         out.loss.backward()
@@ -154,6 +181,46 @@ def test_scorer_loss_reaches_the_scorer_and_not_the_reported_loss() -> None:
     torch.testing.assert_close(q2, q0)
     stats = m.consume_stats()
     assert stats["scorer_kl"] > 0
+    # scorer.into=keys: the compressed keys learn from it, the query every branch shares does not
+    _, q3, kv3 = grads(16, 1.0, "keys")
+    torch.testing.assert_close(q3, q0)
+    torch.testing.assert_close(kv3[0], kv1[0])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_scorer_into_weights_trains_the_layers_weights_and_nothing_before(packed: bool) -> None:
+    """Seed 19, ``scorer.into=weights`` (DeepSeek DSA's indexer: the scorer reads the layer's input detached):
+    the scorer loss changes every layer's query and compressed K/V gradient, the same way as the full loss
+    does in the last layer, but nothing reaches the embedding (the residual stream), which the default
+    ``query_and_keys`` changes; the reported loss is the same. With packed documents too."""
+    from nsa.model.documents import from_separators
+
+    torch.manual_seed(19)
+    m = NSALM(TINY_MODEL, TINY_NSA)
+    m.train()
+    x = torch.randint(1, 256, (2, 96))
+    x[0, 59] = 0
+    cu = from_separators(x, 0) if packed else None
+
+    def grads(weight: float, into: str) -> tuple[float, dict[str, torch.Tensor]]:
+        m.zero_grad()
+        m.configure_scorer(16, weight, into)
+        out = m(x, labels=x, cu_seqlens=cu)
+        assert out.loss is not None
+        out.loss.backward()
+        return float(out.loss.detach()), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    loss0, g0 = grads(0.0, "weights")
+    loss1, g1 = grads(1.0, "weights")
+    loss2, g2 = grads(1.0, "query_and_keys")
+    assert loss0 == loss1 == loss2
+    torch.testing.assert_close(g1["tok_emb.weight"], g0["tok_emb.weight"])
+    assert (g2["tok_emb.weight"] - g0["tok_emb.weight"]).norm() > 1e-6
+    for i in range(len(m.blocks)):
+        name = f"blocks.{i}.attn.q_proj.weight"
+        assert (g1[name] - g0[name]).norm() > 1e-6
+    last = f"blocks.{len(m.blocks) - 1}.attn.q_proj.weight"  # nothing after it: both ways give it the same
+    torch.testing.assert_close(g1[last], g2[last])
 
 
 def test_scorer_loss_over_packed_documents_is_each_documents_weighted_by_length() -> None:
@@ -231,11 +298,12 @@ def test_selection_report_per_layer() -> None:
     rep = m.selection_report(torch.randint(0, 256, (2, 96)), queries=8)
     assert [r["layer"] for r in rep] == [0, 1]
     for r in rep:
-        assert 0 < r["recall"] <= 1 and 0 < r["cmp_entropy"] <= 1 + 1e-5 and r["kl"] >= 0
+        assert 0 < r["recall"] <= r["recall_best"] + 1e-6 <= 1 + 2e-6  # the op's choice is at most the best one
+        assert 0 < r["cmp_entropy"] <= 1 + 1e-5 and r["kl"] >= 0
         assert r["gates"] == pytest.approx([0.119, 0.119, 0.881], abs=0.01)  # the default preset: window
     assert m.training  # the report leaves the mode as it found it
     short = m.selection_report(torch.randint(0, 256, (1, 24)), queries=8)
-    assert short[0]["recall"] is None  # every query selects all of its blocks at this length
+    assert short[0]["recall"] is None and short[0]["recall_best"] is None  # every query selects all of its blocks at this length
     dense = NSALM(TINY_MODEL.model_copy(update={"attention": "dense"}), TINY_NSA)
     assert dense.selection_report(torch.randint(0, 256, (1, 96))) == []
 

@@ -130,6 +130,7 @@ class QualityRow:
     seconds: float = 0.0
     recall_mean: float | None = None
     recall_min: float | None = None
+    recall_best_mean: float | None = None  # recall's ceiling: a perfect block scorer's (selection.best_recall)
     cmp_entropy_mean: float | None = None
     selection: list[dict[str, Any]] = field(default_factory=list)
     needle_acc: float | None = None
@@ -207,7 +208,7 @@ def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> FinalM
         if cfg.model.attention != "nsa":
             return FinalMeasures([], loss["by_position"], by_context)
         rows = eval_selection(loaded.model, cfg, tok, [S], batches, queries=queries, batch_size=bs, device=device)
-    selection = [{k: r[k] for k in ("layer", "recall", "cmp_entropy", "kl", "gates")} for r in rows]
+    selection = [{k: r[k] for k in ("layer", "recall", "recall_best", "cmp_entropy", "kl", "gates")} for r in rows]
     return FinalMeasures(selection, loss["by_position"], by_context)
 
 
@@ -274,6 +275,8 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
         ents = [r["cmp_entropy"] for r in row.selection if r.get("cmp_entropy") is not None]
         row.recall_mean = sum(recalls) / len(recalls) if recalls else None
         row.recall_min = min(recalls) if recalls else None
+        best = [r["recall_best"] for r in row.selection if r.get("recall_best") is not None]
+        row.recall_best_mean = sum(best) / len(best) if best else None
         row.cmp_entropy_mean = sum(ents) / len(ents) if ents else None
     return row
 

@@ -7,6 +7,8 @@ note each, for one release (:data:`nsa.config.legacy.MOVED_KEYS`).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from nsa.config.section import ConfigSection, exposed
@@ -99,3 +101,8 @@ class ScorerConfig(ConfigSection):
     queries: int = Field(64, ge=1, description="query positions per layer and micro-batch")
     until: int | None = Field(
         None, ge=1, description="last step with the loss (a warm-up of the scorer); null: the whole run")
+    into: Literal["query_and_keys", "keys", "weights"] = Field(
+        "query_and_keys", description="what the loss trains: query_and_keys (its gradient reaches the whole model "
+                                      "through them), keys (the compressed keys only), weights (the layer's query, "
+                                      "key and compression weights alone, from its input detached: nothing "
+                                      "before the layer, as DeepSeek's DSA trains its indexer)")

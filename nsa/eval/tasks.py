@@ -332,7 +332,7 @@ def position_buckets(context: int, first: int = 64) -> list[tuple[int, int]]:
     return list(itertools.pairwise(edges))
 
 
-SELECTION_FIELDS = ("recall", "cmp_entropy", "kl")
+SELECTION_FIELDS = ("recall", "recall_best", "cmp_entropy", "kl")
 
 
 def _mean(values: list[Any]) -> float | None:
@@ -353,8 +353,8 @@ def eval_selection(
 ) -> list[dict[str, Any]]:
     """An NSA model's selection diagnostics on the run's validation split (``NSALM.selection_report`` with
     ``queries`` positions per layer), averaged over ``batches`` batches per context: rows ``{"context",
-    "layer", "recall", "cmp_entropy", "kl", "gates", "n"}`` (``n`` = sequences), contexts outer. ``recall``,
-    ``cmp_entropy`` and ``kl`` are None at a context too short for selection to choose (every block is
+    "layer", "recall", "recall_best", "cmp_entropy", "kl", "gates", "n"}`` (``n`` = sequences; ``recall_best``:
+    recall's ceiling, a perfect scorer's), contexts outer. ``recall``, ``recall_best``, ``cmp_entropy`` and ``kl`` are None at a context too short for selection to choose (every block is
     selected). The loader is seeded with ``train.seed`` (the same batches every time). A model without NSA
     layers is a ``ConfigError``."""
     report = getattr(model, "selection_report", None)

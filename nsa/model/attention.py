@@ -25,10 +25,11 @@ from nsa.ops.indexing import num_cmp
 class Projected:
     """Everything a layer computes from its input before attention (one forward or one decode step)."""
 
-    __slots__ = ("gates", "k_cmp_raw", "k_sel", "k_win", "q", "q_win", "v_cmp_raw", "v_sel", "v_win")
+    __slots__ = ("gates", "k_cmp_raw", "k_sel", "k_win", "q", "q_win", "scorer", "v_cmp_raw", "v_sel", "v_win")
 
     def __init__(self, **kw: torch.Tensor | None) -> None:
         self.q_win = None
+        self.scorer: list[torch.Tensor] | None = None  # the scorer loss's q and raw compressed K/V (scorer.into=weights)
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -228,22 +229,25 @@ class NSAAttention(nn.Module):
             assert isinstance(res, torch.Tensor)
             return res
         o, idx = res
-        return self.diag.observe(p.q, p.k_sel, k_cmp, p.gates, idx, o, collect)
+        scorer = None if p.scorer is None else (p.scorer[0], self.compress(p.scorer[1], p.scorer[2])[0])
+        return self.diag.observe(p.q, p.k_sel, k_cmp, p.gates, idx, o, collect, scorer)
 
     def attend_documents(self, p: Projected, cu_seqlens: torch.Tensor, collect: bool) -> torch.Tensor:
         """:meth:`attend` for packed documents (``cu_seqlens`` over the flattened batch)."""
 
         def one_batch(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                       kw: torch.Tensor, vw: torch.Tensor, g: torch.Tensor,
-                      *q_win: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             k_cmp, v_cmp = self.compress(kc, vc)
+            q_win = rest[0] if p.q_win is not None else None
             res = nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, g, self.hp, scale=self.scale,
-                                return_block_idx=True, backend=self.backend, q_win=q_win[0] if q_win else None)
+                                return_block_idx=True, backend=self.backend, q_win=q_win)
             assert isinstance(res, tuple)
             if probing:  # one document, unpadded: its own probe
                 self.diag.probe_document(q, ks, k_cmp, res[1], g)
             if scoring and q.shape[1] > choosing:  # one such document: its own scorer loss, by its share of tokens
-                return self.diag.scorer_loss(q, ks, k_cmp, res[0], q.shape[1] / total), res[1]
+                sq, skc = (q, k_cmp) if p.scorer is None else (rest[-3], self.compress(rest[-2], rest[-1])[0])
+                return self.diag.scorer_loss(sq, ks, skc, res[0], q.shape[1] / total), res[1]
             return res
 
         probing = self.diag.probe_queries > 0
@@ -253,8 +257,8 @@ class NSAAttention(nn.Module):
         # alone (unpadded): every document for the probe, the ones the scorer loss reaches for it; the rest by length
         alone_from = 0 if probing else choosing + 1 if scoring else None
         o, idx = documents.attend(one_batch, [p.q, p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win,
-                                              p.gates, *([] if p.q_win is None else [p.q_win])], cu_seqlens,
-                                  alone_from=alone_from)
+                                              p.gates, *([] if p.q_win is None else [p.q_win]), *(p.scorer or [])],
+                                  cu_seqlens, alone_from=alone_from)
         if probing:
             self.diag.end_documents()
         if collect:
@@ -270,6 +274,11 @@ class NSAAttention(nn.Module):
         pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
         p = self.project(x, pos)
         collect = self.diag.collects(self.training)
+        if collect and self.diag.scores() and self.diag.scorer_into == "weights":
+            # the scorer's inputs from the detached input: its loss trains the projection and compression
+            # weights it reads, and nothing before this layer (DeepSeek DSA's indexer)
+            d = self.project(x.detach(), pos)
+            p.scorer = [d.q, d.k_cmp_raw, d.v_cmp_raw]
         o = self.attend(p, collect) if cu_seqlens is None else self.attend_documents(p, cu_seqlens, collect)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 

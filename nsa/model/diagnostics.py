@@ -52,6 +52,7 @@ class LayerDiagnostics:
         self.scorer_queries = 0
         self._weight = 0.0  # scorer_weight's value on the host: a move rebuilds the tensor from it
         self.scorer_weight = torch.tensor(self._weight)
+        self.scorer_into = "query_and_keys"  # what the scorer loss trains (ScorerConfig.into)
         self.probe_queries = 0  # > 0 once armed: the next forward records layer_report in probe_out
         self.probe_out: dict[str, Any] | None = None
         self._parts: list[tuple[dict[str, Any], int]] = []  # a packed forward's reports per document, and lengths
@@ -76,14 +77,17 @@ class LayerDiagnostics:
         return self.probe_queries > 0 or self.scorer_queries > 0
 
     def observe(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, gates: torch.Tensor,
-                block_idx: torch.Tensor, o: torch.Tensor, collect: bool) -> torch.Tensor:
+                block_idx: torch.Tensor, o: torch.Tensor, collect: bool,
+                scorer: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One forward's probe, statistics and scorer loss (``collect``: a training forward); returns ``o``,
-        carrying the scorer loss into the backward when it is on."""
+        carrying the scorer loss into the backward when it is on. ``scorer``: the scorer's own ``(q, k_cmp)``
+        (the same values from a detached input) when not the attention's."""
         if self.probe_queries > 0:
             self.probe_out = layer_report(q, k_sel, k_cmp, block_idx, gates, self.hp, self.scale, self.probe_queries)
         if collect:
             self.accumulate(gates, block_idx)
-            o = self.scorer_loss(q, k_sel, k_cmp, o)
+            sq, skc = scorer or (q, k_cmp)
+            o = self.scorer_loss(sq, k_sel, skc, o)
         return o
 
     def probe_document(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
@@ -120,7 +124,7 @@ class LayerDiagnostics:
         if ts is None or not torch.is_grad_enabled():
             return o
         target = dense_block_mass(q, k_sel, ts, self.hp, self.scale)
-        probs, _ = compressed_probs(q, k_cmp, ts, S, self.hp, self.scale)
+        probs, _ = compressed_probs(q.detach() if self.scorer_into == "keys" else q, k_cmp, ts, S, self.hp, self.scale)
         kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))
         if not self.suppressed:
             with torch.no_grad():
@@ -130,10 +134,11 @@ class LayerDiagnostics:
     # ------------------------------------------------------------------------------------------
     # the language model drives these
 
-    def configure_scorer(self, queries: int, weight: float) -> None:
-        """``queries`` positions per training forward (0: off, nothing computed) and the loss's ``weight``
-        (filled in place: no recompilation)."""
-        self.scorer_queries, self._weight = int(queries), float(weight)
+    def configure_scorer(self, queries: int, weight: float, into: str = "query_and_keys") -> None:
+        """``queries`` positions per training forward (0: off, nothing computed), the loss's ``weight``
+        (filled in place: no recompilation) and what it trains (``into``: ``query_and_keys``; ``keys``, the
+        compressed keys alone; ``weights``, the layer's own weights from its detached input)."""
+        self.scorer_queries, self._weight, self.scorer_into = int(queries), float(weight), into
         self.scorer_weight.fill_(self._weight)
 
     def arm_probe(self, queries: int) -> None:

@@ -153,12 +153,13 @@ class NSALM(nn.Module):
             self.train(was_training)
         return reports
 
-    def configure_scorer(self, queries: int, weight: float) -> None:
-        """The scorer loss in every NSA layer: ``queries`` positions per forward (0: off, nothing computed)
-        and its ``weight`` (filled in place: changing only the weight does not recompile)."""
+    def configure_scorer(self, queries: int, weight: float, into: str = "query_and_keys") -> None:
+        """The scorer loss in every NSA layer: ``queries`` positions per forward (0: off, nothing computed),
+        its ``weight`` (filled in place: changing only the weight does not recompile) and what it trains
+        (``into``, :class:`nsa.config.ScorerConfig`)."""
         for block in self.block_list():
             if isinstance(block.attn, NSAAttention):
-                block.attn.diag.configure_scorer(queries, weight)
+                block.attn.diag.configure_scorer(queries, weight, into)
 
     # ------------------------------------------------------------------------------------------
     # sizes

@@ -104,6 +104,20 @@ def recall(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
     return picked.sum(dim=-1)
 
 
+def best_recall(mass: torch.Tensor, ts: torch.Tensor, hp: NSAParams) -> torch.Tensor:
+    """Recall's ceiling: the share of ``mass [B, H, C, nb]`` at positions ``ts`` in the best blocks selection
+    could choose there (the forced current, initial and previous blocks, then the heaviest others up to
+    ``n_sel``; docs/nsa-semantics.md), what a perfect block scorer reaches: ``[B, H, C]``. Below 1 when the
+    dense attention spreads over more than ``n_sel`` blocks."""
+    nb = mass.shape[-1]
+    b = torch.arange(nb, device=mass.device)[None, :]
+    bt = (ts // hp.l_sel)[:, None]
+    order = torch.where(b == bt, 4.0, torch.where(b == 0, 3.0, torch.where(b == bt - 1, 2.0, 0.0)))
+    prio = torch.where(order > 0, order, mass).masked_fill(b > bt, -1.0)  # mass <= 1: forced blocks first
+    top = prio.topk(min(hp.n_sel, nb), dim=-1).indices
+    return mass.gather(-1, top).sum(dim=-1)
+
+
 def scorer_kl(target: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     """Mean over (batch, group, position) of ``KL(target || P)`` over blocks; ``target`` is not differentiated."""
     t = target.detach()
@@ -113,21 +127,23 @@ def scorer_kl(target: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
 
 def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
                  gates: torch.Tensor, hp: NSAParams, scale: float, queries: int) -> dict[str, float | list[float] | None]:
-    """One layer's diagnostics on one batch: ``recall`` and ``cmp_entropy`` over the probe positions
-    (``None`` when the sequence is too short for selection to choose), the scorer's ``kl`` to the dense
-    mass, and the mean gate per branch ``gates`` ([cmp, sel, win])."""
+    """One layer's diagnostics on one batch: ``recall``, its ceiling ``recall_best`` (:func:`best_recall`) and
+    ``cmp_entropy`` over the probe positions (``None`` when the sequence is too short for selection to
+    choose), the scorer's ``kl`` to the dense mass, and the mean gate per branch ``gates`` ([cmp, sel, win])."""
     g = [float(x) for x in gates.float().mean(dim=(0, 1, 2)).tolist()]
     S = q.shape[1]
     ts = probe_positions(S, hp, queries, q.device)
     if ts is None:
-        return {"recall": None, "cmp_entropy": None, "kl": None, "gates": g}
+        return {"recall": None, "recall_best": None, "cmp_entropy": None, "kl": None, "gates": g}
     with torch.no_grad():
         mass = dense_block_mass(q, k_sel, ts, hp, scale)
         p, n_vis = compressed_probs(q, k_cmp, ts, S, hp, scale)
         rec = recall(mass, block_idx[:, ts])
+        best = best_recall(mass, ts, hp)
         kl = scorer_kl(mass, block_scores(p, ts, S, hp))
         ent = cmp_entropy(p, n_vis)
-    return {"recall": float(rec.mean()), "cmp_entropy": float(ent.mean()), "kl": float(kl), "gates": g}
+    return {"recall": float(rec.mean()), "recall_best": float(best.mean()), "cmp_entropy": float(ent.mean()),
+            "kl": float(kl), "gates": g}
 
 
 def merge_reports(parts: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
@@ -137,7 +153,7 @@ def merge_reports(parts: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
     if not parts:
         return {}
     out: dict[str, Any] = {}
-    for key in ("recall", "cmp_entropy", "kl"):
+    for key in ("recall", "recall_best", "cmp_entropy", "kl"):
         have = [(float(r[key]), n) for r, n in parts if r.get(key) is not None]
         out[key] = sum(v * n for v, n in have) / sum(n for _, n in have) if have else None
     total = sum(n for _, n in parts)

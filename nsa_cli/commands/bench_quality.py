@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -22,7 +23,8 @@ TINY_SETS = ["train.batch_size=4", "eval.batches=2", "logging.every=20"]
 
 
 def _csv(text: str, flag: str) -> list[str]:
-    out = [p for p in text.replace(" ", "").split(",") if p]
+    """The comma-separated items of ``text``; a comma inside brackets stays in its item (``nsa.fixed_gates=[0,0,1]``)."""
+    out = [p for p in re.split(r",(?![^\[]*\])", text.replace(" ", "")) if p]
     if not out:
         raise fail(f"{flag} {text!r} lists nothing", hint=f"e.g. {flag} dense,nsa")
     return out
@@ -144,7 +146,7 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
     rel = relative_to_dense(rows)
     table = Table(title=f"quality: config {cfg_name}, {steps} steps, seeds {','.join(map(str, seed_list))}")
     for col in ("arm", "seed", "held-out loss", "vs dense (arm mean)", "recall mean", "recall min",
-                "cmp entropy", "needle acc", "steps to 0.5", "s"):
+                "recall ceiling", "cmp entropy", "needle acc", "steps to 0.5", "s"):
         table.add_column(col, justify="right")
 
     def f(x: Any, spec: str = ".4f") -> str:
@@ -153,7 +155,8 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
     for r in rows:
         d = rel.get(r.arm)
         table.add_row(r.arm, str(r.seed), f(r.val_loss), "-" if d is None else f"{100 * d:+.1f}%",
-                      f(r.recall_mean, ".3f"), f(r.recall_min, ".3f"), f(r.cmp_entropy_mean, ".3f"),
+                      f(r.recall_mean, ".3f"), f(r.recall_min, ".3f"), f(r.recall_best_mean, ".3f"),
+                      f(r.cmp_entropy_mean, ".3f"),
                       f(r.needle_acc, ".3f"), "-" if r.needle_steps_to_target is None else str(r.needle_steps_to_target),
                       f"{r.seconds:.0f}")
     console.print(table)
@@ -209,10 +212,11 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
     for r in rows:
         if r.selection and r.seed == seed_list[0]:
             layers = Table(title=f"selection per layer: {r.arm} (seed {r.seed}, held-out batches)")
-            for col in ("layer", "recall", "cmp entropy", "scorer KL", "gates cmp / sel / win"):
+            for col in ("layer", "recall", "recall ceiling", "cmp entropy", "scorer KL", "gates cmp / sel / win"):
                 layers.add_column(col, justify="right")
             for L in r.selection:
-                layers.add_row(str(L["layer"]), f(L.get("recall"), ".3f"), f(L.get("cmp_entropy"), ".3f"),
+                layers.add_row(str(L["layer"]), f(L.get("recall"), ".3f"), f(L.get("recall_best"), ".3f"),
+                               f(L.get("cmp_entropy"), ".3f"),
                                f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
             console.print(layers)
 

@@ -28,8 +28,9 @@ Examples:
   nsa eval artifacts/tiny --task selection --contexts 128,512 --samples 8
 
 The selection task (NSA models) measures per layer, on the run's val split: recall (share of the dense
-attention mass, same q/k, inside the selected blocks; 1 = nothing lost), compressed entropy (1 =
-uniform), the scorer KL and the mean gates; averaged over --samples sequences at --queries positions
+attention mass, same q/k, inside the selected blocks; 1 = nothing lost), its ceiling (the mass in the best
+blocks selection could choose: below 1 when dense attention spreads over more blocks than it keeps),
+compressed entropy (1 = uniform), the scorer KL and the mean gates; averaged over --samples sequences at --queries positions
 per layer (default 64). At a context <= n_sel * l_sel every block is selected and recall is not measured.
 
 Results go to RUN/eval/<task>.json (and RUN/eval/needle.png, a depth x context heat map) unless
@@ -74,7 +75,7 @@ def _style(acc: float) -> str:
 
 
 def _selection_tables(payload: dict[str, Any]) -> list[tuple[str, Any]]:
-    """One heading and table per context: layer, recall, compressed entropy, KL, gates."""
+    """One heading and table per context: layer, recall, its ceiling, compressed entropy, KL, gates."""
     from rich.table import Table
 
     from nsa.eval.results import context_label
@@ -87,15 +88,16 @@ def _selection_tables(payload: dict[str, Any]) -> list[tuple[str, Any]]:
         heading = (f"selection of {name} at context {context_label(c)} ({here[0]['n']} val sequences, "
                    f"{s['queries']} query positions per layer{_each_document(s)})")
         t = Table()
-        for col in ("layer", "recall", "compressed entropy", "KL", "gates cmp/sel/win"):
+        for col in ("layer", "recall", "recall ceiling", "compressed entropy", "KL", "gates cmp/sel/win"):
             t.add_column(col, justify="right")
         for r in here:
             gates = "/".join(f"{g:.2f}" for g in r["gates"]) if r.get("gates") else "n/a"
             if r.get("recall") is None:
-                t.add_row(str(r["layer"]), "– (all blocks selected at this length)", "–", "–", gates)
+                t.add_row(str(r["layer"]), "– (all blocks selected at this length)", "–", "–", "–", gates)
                 continue
             rec = r["recall"]
-            t.add_row(str(r["layer"]), f"[{_style(rec)}]{rec:.3f}[/]", _num(r.get("cmp_entropy")), _num(r.get("kl")), gates)
+            t.add_row(str(r["layer"]), f"[{_style(rec)}]{rec:.3f}[/]", _num(r.get("recall_best")), _num(r.get("cmp_entropy")),
+                      _num(r.get("kl")), gates)
         out.append((heading, t))
     return out
 

@@ -89,6 +89,7 @@ class LayerSelection(TypedDict, total=False):
 
     layer: int
     recall: float | None
+    recall_best: float | None  # recall's ceiling (a perfect block scorer's)
     cmp_entropy: float | None
     kl: float | None
     gates: list[float] | None

@@ -240,8 +240,8 @@ def _layer(r: Any) -> dict[str, Any] | None:
     if not isinstance(r, dict) or not finite(r.get("layer")):
         return None
     gates = r.get("gates")
-    return {"layer": int(r["layer"]), "recall": _num(r.get("recall")), "cmp_entropy": _num(r.get("cmp_entropy")),
-            "kl": _num(r.get("kl")),
+    return {"layer": int(r["layer"]), "recall": _num(r.get("recall")), "recall_best": _num(r.get("recall_best")),
+            "cmp_entropy": _num(r.get("cmp_entropy")), "kl": _num(r.get("kl")),
             "gates": [float(g) for g in gates] if isinstance(gates, list) and all(finite(g) for g in gates) else None}
 
 

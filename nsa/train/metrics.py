@@ -277,8 +277,8 @@ def measure_selection(s: Session, x: torch.Tensor) -> list[dict[str, Any]] | Non
 
 def _layer_record(r: dict[str, Any]) -> dict[str, Any]:
     gates = r.get("gates")
-    return {"layer": int(r["layer"]), "recall": _float(r.get("recall")), "cmp_entropy": _float(r.get("cmp_entropy")),
-            "kl": _float(r.get("kl")), "gates": [float(g) for g in gates] if gates is not None else None}
+    return {"layer": int(r["layer"]), "recall": _float(r.get("recall")), "recall_best": _float(r.get("recall_best")),
+            "cmp_entropy": _float(r.get("cmp_entropy")), "kl": _float(r.get("kl")), "gates": [float(g) for g in gates] if gates is not None else None}
 
 
 def selection_figures(layers: list[dict[str, Any]]) -> dict[str, Any]:

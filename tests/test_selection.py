@@ -187,20 +187,26 @@ def test_scorer_loss_reaches_the_scorer_and_not_the_reported_loss() -> None:
     torch.testing.assert_close(kv3[0], kv1[0])
 
 
+def _model_and_batch(seed: int, separator_at: int, packed: bool) -> tuple[NSALM, torch.Tensor, torch.Tensor | None]:
+    """A tiny NSA model in training mode (seeded) and a [2, 96] batch with one separator (id 0) in its first row;
+    its ``cu_seqlens`` when ``packed``."""
+    from nsa.model.documents import from_separators
+
+    torch.manual_seed(seed)
+    m = NSALM(TINY_MODEL, TINY_NSA)
+    m.train()
+    x = torch.randint(1, 256, (2, 96))
+    x[0, separator_at] = 0
+    return m, x, from_separators(x, 0) if packed else None
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_scorer_into_weights_trains_the_layers_weights_and_nothing_before(packed: bool) -> None:
     """Seed 19, ``scorer.into=weights`` (DeepSeek DSA's indexer: the scorer reads the layer's input detached):
     the scorer loss changes every layer's query and compressed K/V gradient, the same way as the full loss
     does in the last layer, but nothing reaches the embedding (the residual stream), which the default
     ``query_and_keys`` changes; the reported loss is the same. With packed documents too."""
-    from nsa.model.documents import from_separators
-
-    torch.manual_seed(19)
-    m = NSALM(TINY_MODEL, TINY_NSA)
-    m.train()
-    x = torch.randint(1, 256, (2, 96))
-    x[0, 59] = 0
-    cu = from_separators(x, 0) if packed else None
+    m, x, cu = _model_and_batch(19, 59, packed)
 
     def grads(weight: float, into: str) -> tuple[float, dict[str, torch.Tensor]]:
         m.zero_grad()
@@ -260,20 +266,14 @@ def test_scorer_loss_over_packed_documents_is_each_documents_weighted_by_length(
     assert m.consume_stats()["scorer_kl"] > 0
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_scorer_loss_under_gradient_checkpointing_equals_without(packed: bool) -> None:
+@pytest.mark.parametrize(("packed", "into"), [(False, "query_and_keys"), (True, "query_and_keys"), (True, "weights")])
+def test_scorer_loss_under_gradient_checkpointing_equals_without(packed: bool, into: str) -> None:
     """Seed 18: ``runtime.gradient_checkpointing`` with the scorer loss on: the same gradients as without it
-    and the scorer counted once in the statistics, with packed documents or without. Before, the recompute
-    skipped the scorer loss, saved fewer tensors than the forward and the backward failed (``CheckpointError``)."""
-    from nsa.model.documents import from_separators
-
-    torch.manual_seed(18)
-    m = NSALM(TINY_MODEL, TINY_NSA)
-    m.train()
-    x = torch.randint(1, 256, (2, 96))
-    x[0, 39] = 0
-    cu = from_separators(x, 0) if packed else None
-    m.configure_scorer(16, 1.0)
+    and the scorer counted once in the statistics, with packed documents or without, and with the scorer's own
+    inputs (``scorer.into=weights``). Before, the recompute skipped the scorer loss, saved fewer tensors than
+    the forward and the backward failed (``CheckpointError``)."""
+    m, x, cu = _model_and_batch(18, 39, packed)
+    m.configure_scorer(16, 1.0, into)
 
     def run(checkpointing: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         m.zero_grad()

@@ -562,6 +562,16 @@ def test_bench_quality_from_saved_sweeps_merges_calls_into_one_sweep(tmp_path: P
     assert {s["arm"]: s["mean"] for s in merged["arms_summary_at_best_lr"]} == pytest.approx(want)
     again = runner.invoke(app, ["bench", "quality", "--from", str(tmp_path / "all.json"), "--json"])
     assert again.exit_code == 0 and json.loads(again.stdout)["lr_sweep"] == merged["lr_sweep"]
+    # --against: every other arm read against a chosen one (here NSA), each at its best rate, paired by seed
+    vs = runner.invoke(app, ["bench", "quality", "--from", str(a), "--from", str(b), "--against", "nsa", "--json"])
+    assert vs.exit_code == 0, vs.output
+    (dense_vs_nsa,) = json.loads(vs.stdout)["against"]["nsa"]
+    loss = {(r.arm, r.seed): r.val_loss for r in best}
+    want_diffs = [loss[("dense", k)] / loss[("nsa", k)] - 1 for k in (0, 1)]
+    assert dense_vs_nsa["arm"] == "dense" and dense_vs_nsa["baseline"] == "nsa"
+    assert dense_vs_nsa["vs_dense"] == pytest.approx(sum(want_diffs) / 2)
+    unknown = runner.invoke(app, ["bench", "quality", "--from", str(a), "--against", "nsa-ladder"])
+    assert unknown.exit_code == 2 and "is not one of the arms" in unknown.output and "Traceback" not in unknown.output
 
     other, _ = saved("other.json", [5e-4], sets=["train.seq_len=128", "optimizer.lr=1e-3"])
     not_sweep = tmp_path / "not.json"

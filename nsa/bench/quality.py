@@ -369,34 +369,58 @@ def summarise_arms(rows: list[QualityRow]) -> list[ArmSummary]:
     of :func:`baseline_of`: ``dense-curriculum`` for ``nsa-curriculum``). The reading
     is "within noise" when the mean difference is no larger than the differences' spread over the seeds
     (one standard deviation): two seeds that disagree in sign cannot tell +1% from -1%."""
+    by = _losses_by_seed(rows)
+    names = set(by)
+    out = []
+    for arm, losses in by.items():
+        base = baseline_of(arm, names)
+        if _is_baseline(arm, names):
+            s = _paired(arm, losses, None, {})
+            s.reading = "dense"
+        else:
+            s = _paired(arm, losses, base, by[base] if base is not None else {})
+        out.append(s)
+    return out
+
+
+def against(rows: list[QualityRow], baseline: str) -> list[ArmSummary]:
+    """Every other arm of ``rows`` against ``baseline`` (one of them: any arm, dense or not), paired by seed, read
+    as :func:`summarise_arms` reads an arm against dense. ``ValueError`` when ``baseline`` has no rows."""
+    by = _losses_by_seed(rows)
+    if baseline not in by:
+        raise ValueError(f"no arm {baseline!r} among {', '.join(sorted(by))}")
+    return [_paired(arm, losses, baseline, by[baseline], missing="no shared seed")
+            for arm, losses in by.items() if arm != baseline]
+
+
+def _losses_by_seed(rows: list[QualityRow]) -> dict[str, dict[int, float]]:
     by: dict[str, dict[int, float]] = {}
     for r in rows:
         if r.val_loss is not None and math.isfinite(r.val_loss):
             by.setdefault(r.arm, {})[r.seed] = r.val_loss
-    names = set(by)
-    out = []
-    for arm, losses in by.items():
-        vals = list(losses.values())
-        s = ArmSummary(arm, len(vals), sum(vals) / len(vals), _sd(vals))
-        base = baseline_of(arm, names)
-        dense = by[base] if base is not None else {}
-        shared = sorted(set(losses) & set(dense))
-        if _is_baseline(arm, names):
-            s.reading = "dense"
-        elif not shared:
-            s.reading = "no dense arm"
-        else:
-            s.baseline = base
-            diffs = [losses[k] / dense[k] - 1.0 for k in shared]
-            s.vs_dense, s.vs_dense_sd, s.paired_seeds = sum(diffs) / len(diffs), _sd(diffs), len(shared)
-            if s.vs_dense_sd is None:
-                s.reading = "one seed"
-            elif abs(s.vs_dense) <= s.vs_dense_sd:
-                s.reading = "within noise"
-            else:
-                s.reading = "better" if s.vs_dense < 0 else "worse"
-        out.append(s)
-    return out
+    return by
+
+
+def _paired(arm: str, losses: dict[int, float], base: str | None, base_losses: dict[int, float],
+            missing: str = "no dense arm") -> ArmSummary:
+    """``arm``'s mean and spread, and its difference from ``base`` over the seeds both ran, with its reading
+    (``missing`` when they share none)."""
+    vals = list(losses.values())
+    s = ArmSummary(arm, len(vals), sum(vals) / len(vals), _sd(vals))
+    shared = sorted(set(losses) & set(base_losses))
+    if not shared:
+        s.reading = missing
+        return s
+    s.baseline = base
+    diffs = [losses[k] / base_losses[k] - 1.0 for k in shared]
+    s.vs_dense, s.vs_dense_sd, s.paired_seeds = sum(diffs) / len(diffs), _sd(diffs), len(shared)
+    if s.vs_dense_sd is None:
+        s.reading = "one seed"
+    elif abs(s.vs_dense) <= s.vs_dense_sd:
+        s.reading = "within noise"
+    else:
+        s.reading = "better" if s.vs_dense < 0 else "worse"
+    return s
 
 
 def at_best_lr(rows: list[QualityRow]) -> tuple[list[QualityRow], dict[str, dict[str, Any]]]:
@@ -447,6 +471,7 @@ class QualitySpec:
     device: str | None = None  # the needle runs' device (None: CUDA when available)
     lrs: list[float] = field(default_factory=list)  # a learning-rate sweep: every arm at each (empty: the config's)
     parallel: int = 1  # runs at once, dealt over the GPUs (CPU: a share of the cores each)
+    against: list[str] = field(default_factory=list)  # arms every other arm is also read against, paired by seed
 
     def runs(self) -> list[tuple[int, Arm]]:
         arms = [a.at_lr(lr) for a in self.arms for lr in self.lrs] if self.lrs else self.arms
@@ -548,6 +573,8 @@ def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict
                       "warm_sets": list(a.warm_sets)} for a in spec.arms],
             "seeds": spec.seeds, "lrs": spec.lrs, "relative_to_dense": relative_to_dense(rows),
             "arms_summary": [asdict(a) for a in summarise_arms(rows)], **_sweep_payload(spec, rows),
+            **({"against": {b: [asdict(a) for a in against(at_best_lr(rows)[0], b)] for b in spec.against}}
+               if spec.against else {}),
             "environment": environment, "rows": [r.to_dict() for r in rows]}
 
 
@@ -566,6 +593,7 @@ __all__ = [
     "FinalMeasures",
     "QualityRow",
     "QualitySpec",
+    "against",
     "at_best_lr",
     "final_measures",
     "parse_arm",

@@ -49,6 +49,7 @@ def quality(
     as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
     json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
     saved: Annotated[list[Path] | None, typer.Option("--from", help="Train nothing: read these saved --json-out files of one sweep (repeatable: runs of several calls merged; a sweep cut short: its <json-out>.rows.jsonl) and print, save and chart them as one; the training options are not used.")] = None,
+    against_: Annotated[list[str] | None, typer.Option("--against", help="Also read every other arm against this one, paired by seed (mean +- sd of the per-seed differences, and whether they are within noise): any arm, NSA ones included; repeatable; works with --from.")] = None,
     chart: Annotated[Path | None, typer.Option("--chart", help="Also draw each arm's training loss and held-out loss by position (mean over seeds; a sweep's arms at their best rate) to this PNG.")] = None,
 ) -> None:
     """Train every arm on the same data and tokens; print held-out loss, selection recall and needle accuracy."""
@@ -67,11 +68,12 @@ def quality(
         from nsa.envinfo import environment
 
         if saved:
-            _from_saved(saved, as_json, json_out, chart)
+            _from_saved(saved, as_json, json_out, chart, against_ or [])
             return
         if task not in ("text", "needle", "both"):
             raise fail(f"--task {task!r} must be text, needle or both")
         arm_list = [parse_arm(a) for a in _csv(arms, "--arms")]
+        _check_against(against_ or [], {a.name for a in arm_list})
         try:
             seed_list = [int(s) for s in _csv(seeds, "--seeds")]
         except ValueError:
@@ -103,7 +105,7 @@ def quality(
         spec = QualitySpec(cfg_name, sets, arm_list, seed_list, steps, out_dir, task=task, queries=queries,
                            needle_seq_len=needle_seq_len, needle_gap=needle_gap, needle_steps=needle_steps,
                            needle_batch=needle_batch, needle_eval_samples=64 if tiny else 256,
-                           device="cpu" if tiny else None, lrs=lr_list, parallel=parallel)
+                           device="cpu" if tiny else None, lrs=lr_list, parallel=parallel, against=against_ or [])
         env = environment()
         partial = None if json_out is None else json_out.with_name(json_out.name + ".rows.jsonl")
         if partial is not None:  # the sweep first (rows none yet): a sweep cut short reads back with --from
@@ -120,13 +122,27 @@ def quality(
         _save(console, spec, rows, env, as_json, json_out, chart, f"S={base.train.seq_len}")
 
 
-def _from_saved(paths: list[Path], as_json: bool, json_out: Path | None, chart: Path | None) -> None:
+def _check_against(baselines: list[str], arms: set[str]) -> None:
+    """``--against`` names arms of the sweep: one line before anything runs otherwise."""
+    for b in baselines:
+        if b not in arms:
+            raise fail(f"--against {b!r} is not one of the arms ({', '.join(sorted(arms))})",
+                       hint="name an arm by its label, e.g. --against nsa-ladder")
+
+
+def _from_saved(paths: list[Path], as_json: bool, json_out: Path | None, chart: Path | None,
+                baselines: list[str]) -> None:
     """``--from``: the saved runs of one sweep, merged, shown and saved as one (nothing trained)."""
+    from dataclasses import replace
+
     from rich.console import Console
 
+    from nsa.bench.quality import at_best_lr
     from nsa.bench.quality_saved import merge_sweeps
 
     spec, rows, extra = merge_sweeps(paths)
+    _check_against(baselines, {r.arm for r in at_best_lr(rows)[0]})
+    spec = replace(spec, against=baselines)
     console = Console(width=200, stderr=as_json)
     console.print(f"{len(rows)} runs from {len(paths)} saved sweep(s): "
                   + ", ".join(f"{s['path']} ({s['runs']})" for s in extra["merged_from"]), highlight=False, markup=False)
@@ -140,7 +156,7 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
     """The tables of a quality benchmark: runs, the rate sweep, arms over seeds, loss by position, selection."""
     from rich.table import Table
 
-    from nsa.bench.quality import at_best_lr, relative_to_dense, summarise_arms
+    from nsa.bench.quality import against, at_best_lr, relative_to_dense, summarise_arms
 
     cfg_name, steps, seed_list, lr_list = spec.config, spec.steps, spec.seeds, spec.lrs
     rel = relative_to_dense(rows)
@@ -187,6 +203,18 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
                 + ("" if a.baseline in (None, "dense") else f" (vs {a.baseline})"))
         over_seeds.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, a.reading)
     console.print(over_seeds)
+    for b in spec.against:
+        paired = Table(title=f"arms against {b} (paired by seed, mean +- sd)"
+                       + (", each arm at its best learning rate" if lr_list else ""))
+        for col in ("arm", "seeds", "held-out loss mean +- sd", f"vs {b}", "per seed", "reading"):
+            paired.add_column(col, justify="right")
+        for a in against(summary_rows, b):
+            spread = "" if a.sd is None else f" +- {a.sd:.4f}"
+            diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
+                    + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%"))
+            paired.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, _per_seed(summary_rows, a.arm, b),
+                           a.reading)
+        console.print(paired)
     by_pos = [r for r in rows if r.loss_by_position and r.seed == seed_list[0]]
     if by_pos:
         spans = [(b["start"], b["end"]) for b in max((r.loss_by_position for r in by_pos), key=len)]
@@ -219,6 +247,13 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
                                f(L.get("cmp_entropy"), ".3f"),
                                f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
             console.print(layers)
+
+
+def _per_seed(rows: list[QualityRow], arm: str, base: str) -> str:
+    """``arm`` against ``base`` seed by seed, in percent (``-5.4 / +1.0 / -2.0``)."""
+    loss = {(r.arm, r.seed): r.val_loss for r in rows if r.val_loss is not None}
+    seeds = sorted(s for (a, s) in loss if a == arm and (base, s) in loss)
+    return " / ".join(f"{100 * (loss[(arm, s)] / loss[(base, s)] - 1):+.1f}" for s in seeds) or "-"
 
 
 def _save(console: Console, spec: QualitySpec, rows: list[QualityRow], environment: dict[str, Any], as_json: bool,

@@ -109,6 +109,8 @@ CPU_CASES = {
     "S-lt-l": (1, 10, 4, 1, 16, 16, 16, 8, 16, 2, 4),
     "h2-strided-views": (1, 40, 4, 2, 16, 16, 8, 4, 8, 3, 12, True),
     "h2-window-query": (1, 40, 4, 2, 16, 16, 8, 4, 8, 3, 12, False, True),
+    # selection blocks as long as the compression blocks and more of them (nsa.l_sel=32, nsa.n_sel=32 at scale)
+    "h2-lsel-eq-l-nsel5": (1, 48, 6, 2, 16, 16, 8, 4, 8, 5, 12, False, True),
     # the compressed branch as square causal attention over virtual rows (cmp_sdpa, plain torch on CPU):
     # S=48 leaves a partial last virtual row, S=43 a whole one; with and without the window's own queries
     "h6-cmp-sdpa": (1, 48, 6, 1, 16, 16, 8, 4, 16, 3, 16, False, False, "math"),

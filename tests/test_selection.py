@@ -227,6 +227,11 @@ def test_scorer_into_weights_trains_the_layers_weights_and_nothing_before(packed
         assert (g1[name] - g0[name]).norm() > 1e-6
     last = f"blocks.{len(m.blocks) - 1}.attn.q_proj.weight"  # nothing after it: both ways give it the same
     torch.testing.assert_close(g1[last], g2[last])
+    attn, h = m.blocks[0].attn, torch.randn(2, 96, TINY_MODEL.dim)  # the scorer's inputs are project()'s values
+    pos = torch.arange(96)
+    full = attn.project(h, pos)
+    for got, want in zip(attn.scorer_inputs(h, pos), (full.q, full.k_cmp_raw, full.v_cmp_raw), strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_scorer_loss_over_packed_documents_is_each_documents_weighted_by_length() -> None:

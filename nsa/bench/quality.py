@@ -353,6 +353,7 @@ class ArmSummary:
     vs_dense: float | None = None  # mean over the shared seeds of (arm / dense - 1)
     vs_dense_sd: float | None = None  # its spread over those seeds
     paired_seeds: int = 0
+    per_seed: list[float] = field(default_factory=list)  # arm / baseline - 1 on each shared seed, seeds ascending
     baseline: str | None = None  # the dense arm it was paired with (:func:`baseline_of`)
     reading: str = ""  # "better", "worse", "within noise", "one seed", "dense" or "no dense arm"
 
@@ -413,7 +414,7 @@ def _paired(arm: str, losses: dict[int, float], base: str | None, base_losses: d
         return s
     s.baseline = base
     diffs = [losses[k] / base_losses[k] - 1.0 for k in shared]
-    s.vs_dense, s.vs_dense_sd, s.paired_seeds = sum(diffs) / len(diffs), _sd(diffs), len(shared)
+    s.vs_dense, s.vs_dense_sd, s.paired_seeds, s.per_seed = sum(diffs) / len(diffs), _sd(diffs), len(shared), diffs
     if s.vs_dense_sd is None:
         s.reading = "one seed"
     elif abs(s.vs_dense) <= s.vs_dense_sd:

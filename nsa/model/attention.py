@@ -202,6 +202,17 @@ class NSAAttention(nn.Module):
             gates=gates, q_win=q_win,
         )
 
+    def scorer_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """``[q, k_cmp_raw, v_cmp_raw]`` of ``x`` as :meth:`project` gives them (same values), from one GEMM over
+        ``q_proj``'s rows and the compressed branch's K/V rows only (``scorer.into=weights``: ``x`` detached)."""
+        B, S, _ = x.shape
+        H, Dk, Dv = self.n_kv_groups, self.d_k, self.d_v
+        nq, ncmp = self.q_proj.out_features, H * (Dk + Dv)  # kv_proj's first rows: the compressed branch
+        q_lin, kv_lin = F.linear(x, torch.cat([self.q_proj.weight, self.kv_weight()[:ncmp]])).split([nq, ncmp], -1)
+        q = self.rope(q_lin.view(B, S, self.n_heads, Dk), positions)
+        k = self.rope(kv_lin[..., : H * Dk].reshape(B, S, H, Dk), positions)
+        return [q, k, kv_lin[..., H * Dk :].reshape(B, S, H, Dv)]
+
     def keys_values(self, kv_lin: torch.Tensor, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The (cmp, sel, win) keys, RoPE'd at ``positions``, and values of the K/V projection ``[B, S, ...]``."""
         B, S, _ = kv_lin.shape
@@ -273,12 +284,13 @@ class NSAAttention(nn.Module):
         B, S, _ = x.shape
         pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
         p = self.project(x, pos)
-        collect = self.diag.collects(self.training)
+        # a training forward collects statistics and the scorer loss; a checkpoint's recompute runs the same
+        # computation (it must save the same tensors) and adds no statistics (LayerDiagnostics.suppress)
+        collect = self.training
         if collect and self.diag.scores() and self.diag.scorer_into == "weights":
             # the scorer's inputs from the detached input: its loss trains the projection and compression
             # weights it reads, and nothing before this layer (DeepSeek DSA's indexer)
-            d = self.project(x.detach(), pos)
-            p.scorer = [d.q, d.k_cmp_raw, d.v_cmp_raw]
+            p.scorer = self.scorer_inputs(x.detach(), pos)
         o = self.attend(p, collect) if cu_seqlens is None else self.attend_documents(p, cu_seqlens, collect)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
@@ -295,7 +307,7 @@ class NSAAttention(nn.Module):
         p = self.project(x, mine if whole is None else whole[:, mine], cp, whole)
         kv = [p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win]
         k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw) if cu_seqlens is None else (None, None)
-        collect = self.diag.collects(self.training)
+        collect = self.training
         outs: list[torch.Tensor] = []
         idxs: list[torch.Tensor | None] = []
         for i, (start, stop) in enumerate(cp.chunks(S)):

@@ -66,12 +66,6 @@ class LayerDiagnostics:
     # ------------------------------------------------------------------------------------------
     # the layer's forward calls these
 
-    def collects(self, training: bool) -> bool:
-        """Whether a forward in this mode collects: a training forward adds statistics and the scorer loss.
-        A checkpoint's recompute (:meth:`suppress`) runs the same computation (it must save the same tensors)
-        and adds no statistics."""
-        return training
-
     def whole_sequence_only(self) -> bool:
         """The probe or the scorer is on: neither runs under context parallelism."""
         return self.probe_queries > 0 or self.scorer_queries > 0

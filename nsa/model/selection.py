@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nsa.ops.indexing import masked_softmax, overlap_weights, visible_cmp_counts
+from nsa.ops.indexing import masked_softmax, overlap_weights, top_n_blocks, visible_cmp_counts
 from nsa.params import NSAParams
 
 
@@ -105,17 +105,12 @@ def recall(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
 
 
 def best_recall(mass: torch.Tensor, ts: torch.Tensor, hp: NSAParams) -> torch.Tensor:
-    """Recall's ceiling: the share of ``mass [B, H, C, nb]`` at positions ``ts`` in the best blocks selection
-    could choose there (the forced current, initial and previous blocks, then the heaviest others up to
-    ``n_sel``; docs/nsa-semantics.md), what a perfect block scorer reaches: ``[B, H, C]``. Below 1 when the
-    dense attention spreads over more than ``n_sel`` blocks."""
-    nb = mass.shape[-1]
-    b = torch.arange(nb, device=mass.device)[None, :]
-    bt = (ts // hp.l_sel)[:, None]
-    order = torch.where(b == bt, 4.0, torch.where(b == 0, 3.0, torch.where(b == bt - 1, 2.0, 0.0)))
-    prio = torch.where(order > 0, order, mass).masked_fill(b > bt, -1.0)  # mass <= 1: forced blocks first
-    top = prio.topk(min(hp.n_sel, nb), dim=-1).indices
-    return mass.gather(-1, top).sum(dim=-1)
+    """Recall's ceiling: the share of ``mass [B, H, C, nb]`` at positions ``ts`` in the blocks the spec's top-n
+    would choose if the block scores were the mass itself (forced blocks first; ``top_n_blocks``), what a
+    perfect block scorer reaches: ``[B, H, C]``. Below 1 when dense attention spreads over more than ``n_sel``
+    blocks."""
+    best = top_n_blocks(mass, (ts // hp.l_sel)[:, None], hp.n_sel)  # [B, H, C, n_sel]
+    return recall(mass, best.permute(0, 2, 1, 3))
 
 
 def scorer_kl(target: torch.Tensor, P: torch.Tensor) -> torch.Tensor:

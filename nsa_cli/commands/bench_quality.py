@@ -212,8 +212,8 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
             spread = "" if a.sd is None else f" +- {a.sd:.4f}"
             diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
                     + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%"))
-            paired.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, _per_seed(summary_rows, a.arm, b),
-                           a.reading)
+            per_seed = " / ".join(f"{100 * d:+.1f}" for d in a.per_seed) or "-"
+            paired.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, per_seed, a.reading)
         console.print(paired)
     by_pos = [r for r in rows if r.loss_by_position and r.seed == seed_list[0]]
     if by_pos:
@@ -247,13 +247,6 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
                                f(L.get("cmp_entropy"), ".3f"),
                                f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
             console.print(layers)
-
-
-def _per_seed(rows: list[QualityRow], arm: str, base: str) -> str:
-    """``arm`` against ``base`` seed by seed, in percent (``-5.4 / +1.0 / -2.0``)."""
-    loss = {(r.arm, r.seed): r.val_loss for r in rows if r.val_loss is not None}
-    seeds = sorted(s for (a, s) in loss if a == arm and (base, s) in loss)
-    return " / ".join(f"{100 * (loss[(arm, s)] / loss[(base, s)] - 1):+.1f}" for s in seeds) or "-"
 
 
 def _save(console: Console, spec: QualitySpec, rows: list[QualityRow], environment: dict[str, Any], as_json: bool,

@@ -211,7 +211,8 @@ def test_context_parallel_settings_that_cannot_work_are_one_line(tmp_path: Path)
 
     bad = {
         ("train.seq_len=40", "runtime.context_parallel=3"): "must split into 6 equal chunks",
-        ("scorer.weight=0.1", "runtime.context_parallel=2"): "scorer loss",
+        ("scorer.weight=0.1", "runtime.context_parallel=2"): "scorer and alignment losses",
+        ("scorer.align=0.1", "runtime.context_parallel=2"): "scorer and alignment losses",
     }
     for sets, want in bad.items():
         with pytest.raises(NSAError, match=want):

@@ -19,7 +19,9 @@ from nsa.model.lm import NSALM
 from nsa.model.load import read_init_weights
 from nsa.model.selection import (
     AttachLoss,
+    align_loss,
     best_recall,
+    block_mass,
     block_scores,
     cmp_entropy,
     compressed_probs,
@@ -185,6 +187,94 @@ def test_scorer_loss_reaches_the_scorer_and_not_the_reported_loss() -> None:
     _, q3, kv3 = grads(16, 1.0, "keys")
     torch.testing.assert_close(q3, q0)
     torch.testing.assert_close(kv3[0], kv1[0])
+
+
+def test_align_loss_draws_dense_attention_into_the_selected_blocks() -> None:
+    """Seed 23: ``align_loss`` is ``-log recall``; its gradient reaches the keys outside the selected blocks
+    (sparse attention never gives them one) and lowers their logits; a few plain gradient steps on ``q``/``k``
+    alone raise recall from about its random share to most of the mass."""
+    q, k = _qk(23)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    ts = torch.tensor([40, 63, 95])
+    g = torch.Generator().manual_seed(23)
+    idx = torch.stack([torch.randperm(int(t) // HP.l_sel + 1, generator=g)[: HP.n_sel] for t in ts])  # [C, n_sel]
+    block_idx = idx[None, :, None, :].expand(2, -1, 2, -1)  # [B, C, H, n_sel]: the same choice everywhere
+    mass = block_mass(q, k, ts, HP, 0.25)
+    torch.testing.assert_close(mass.detach(), dense_block_mass(q, k, ts, HP, 0.25))
+    loss = align_loss(mass, block_idx)
+    before = recall(mass.detach(), block_idx)
+    torch.testing.assert_close(loss.detach(), -torch.log(before).mean())
+    loss.backward()
+    assert k.grad is not None
+    chosen = torch.zeros(96, dtype=torch.bool)
+    for b in idx[-1].tolist():
+        chosen[b * HP.l_sel:(b + 1) * HP.l_sel] = True
+    left_out = k.grad[:, ~chosen].norm()
+    assert left_out > 1e-4  # keys selection left out get a gradient
+    for _ in range(60):
+        q.grad = k.grad = None
+        align_loss(block_mass(q, k, ts, HP, 0.25), block_idx).backward()
+        with torch.no_grad():
+            q.sub_(5.0 * q.grad)
+            k.sub_(5.0 * k.grad)
+    after = recall(dense_block_mass(q, k, ts, HP, 0.25), block_idx)
+    assert float(before.mean()) < 0.6 < 0.8 < float(after.mean())
+
+
+def test_align_loss_trains_the_attention_and_not_the_reported_loss() -> None:
+    """Seed 21, ``scorer.align`` alone (scorer weight 0): the reported loss is unchanged; the selected
+    branch's key projection, the query and (through the residual) the embedding get a gradient from it; the
+    compressed branch's rows do not (the scorer's KL is off); align 0 is exactly off. With both on, the
+    gradient is the sum of each alone's part."""
+    m, x, _ = _model_and_batch(21, 59, False)
+
+    def grads(weight: float, align: float) -> tuple[float, dict[str, torch.Tensor]]:
+        m.zero_grad()
+        m.configure_scorer(16, weight, "query_and_keys", align)
+        out = m(x, labels=x)
+        assert out.loss is not None
+        out.loss.backward()
+        return float(out.loss.detach()), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    loss0, g0 = grads(0.0, 0.0)
+    loss1, g1 = grads(0.0, 1.0)
+    loss2, g2 = grads(1.0, 0.0)
+    loss3, g3 = grads(1.0, 1.0)
+    assert loss0 == loss1 == loss2 == loss3
+    last = len(m.blocks) - 1
+    kv0 = g0[f"blocks.{last}.attn.kv_proj.weight"].view(3, -1, TINY_MODEL.dim)
+    kv1 = g1[f"blocks.{last}.attn.kv_proj.weight"].view(3, -1, TINY_MODEL.dim)
+    torch.testing.assert_close(kv1[0], kv0[0])  # compressed rows: untouched by the alignment loss
+    assert (kv1[1] - kv0[1]).norm() > 1e-6  # the selected branch's keys
+    assert (g1[f"blocks.{last}.attn.q_proj.weight"] - g0[f"blocks.{last}.attn.q_proj.weight"]).norm() > 1e-6
+    assert (g1["tok_emb.weight"] - g0["tok_emb.weight"]).norm() > 1e-6
+    for n in g0:
+        torch.testing.assert_close(g3[n] - g0[n], (g1[n] - g0[n]) + (g2[n] - g0[n]), atol=1e-6, rtol=1e-4)
+    _, g4 = grads(0.0, 0.0)
+    for n in g0:
+        torch.testing.assert_close(g4[n], g0[n])
+
+
+def test_align_loss_over_packed_documents_and_under_checkpointing() -> None:
+    """Seed 22: with ``data.document_mask`` each long enough document gets its own alignment loss, and
+    gradient checkpointing gives the same gradients as without."""
+    m, x, cu = _model_and_batch(22, 59, True)
+    m.configure_scorer(16, 0.0, "query_and_keys", 1.0)
+
+    def run(checkpointing: bool, align: float) -> list[torch.Tensor]:
+        m.zero_grad()
+        m.configure_scorer(16, 0.0, "query_and_keys", align)
+        m.set_gradient_checkpointing(checkpointing)
+        loss = m(x, labels=x, cu_seqlens=cu).loss
+        assert loss is not None
+        loss.backward()
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
+
+    plain, ckpt, off = run(False, 1.0), run(True, 1.0), run(False, 0.0)
+    for a, b in zip(plain, ckpt, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+    assert max(float((a - b).norm()) for a, b in zip(plain, off, strict=True)) > 1e-6
 
 
 def _model_and_batch(seed: int, separator_at: int, packed: bool) -> tuple[NSALM, torch.Tensor, torch.Tensor | None]:

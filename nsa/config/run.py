@@ -220,9 +220,9 @@ class RunConfig(_Section):
             if self.train.seq_len % (2 * cp):
                 raise ValueError(f"train.seq_len={self.train.seq_len} must split into {2 * cp} equal chunks for "
                                  f"runtime.context_parallel={cp} (a multiple of {2 * cp})")
-            if self.scorer.weight > 0:
-                raise ValueError("the scorer loss (scorer.weight) does not run under runtime.context_parallel: "
-                                 "set one of them")
+            if self.scorer.active:
+                raise ValueError("the scorer and alignment losses (scorer.weight, scorer.align) do not run under "
+                                 "runtime.context_parallel: set one of them")
         return self
 
     def to_yaml(self) -> str:

@@ -106,3 +106,12 @@ class ScorerConfig(ConfigSection):
                                       "through them), keys (the compressed keys only), weights (the layer's query, "
                                       "key and compression weights alone, from its input detached: nothing "
                                       "before the layer, as DeepSeek's DSA trains its indexer)")
+    align: float = Field(
+        0.0, ge=0, description="alignment loss weight (0: off): -log of the dense attention mass inside the selected "
+                               "blocks at the same query positions, its gradient into the layer's query and selected "
+                               "keys (the keys selection leaves out learn to be suppressed: SSA, arXiv 2511.20102)")
+
+    @property
+    def active(self) -> bool:
+        """Whether either loss is on (the scorer's query positions are computed)."""
+        return self.weight > 0 or self.align > 0

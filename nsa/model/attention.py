@@ -258,7 +258,7 @@ class NSAAttention(nn.Module):
                 self.diag.probe_document(q, ks, k_cmp, res[1], g)
             if scoring and q.shape[1] > choosing:  # one such document: its own scorer loss, by its share of tokens
                 sq, skc = (q, k_cmp) if p.scorer is None else (rest[-3], self.compress(rest[-2], rest[-1])[0])
-                return self.diag.scorer_loss(sq, ks, skc, res[0], q.shape[1] / total), res[1]
+                return self.diag.scorer_loss(sq, ks, skc, res[0], q, res[1], q.shape[1] / total), res[1]
             return res
 
         probing = self.diag.probe_queries > 0

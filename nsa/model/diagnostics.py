@@ -19,6 +19,8 @@ import torch
 
 from nsa.model.selection import (
     AttachLoss,
+    align_loss,
+    block_mass,
     block_scores,
     compressed_probs,
     dense_block_mass,
@@ -42,7 +44,8 @@ class LayerDiagnostics:
     - Scorer loss: with ``scorer_queries > 0`` every training forward computes
       :func:`nsa.model.selection.scorer_kl` on that many query positions and adds ``scorer_weight * loss`` to
       the backward pass (not to the reported loss). ``scorer_weight`` is a tensor filled in place, so a
-      schedule changes it without recompiling.
+      schedule changes it without recompiling. With ``align_weight > 0`` the same positions also add
+      :func:`nsa.model.selection.align_loss` (dense attention drawn into the selected blocks) times it.
     """
 
     def __init__(self, hp: NSAParams, scale: float, collapse_threshold: float) -> None:
@@ -53,6 +56,8 @@ class LayerDiagnostics:
         self._weight = 0.0  # scorer_weight's value on the host: a move rebuilds the tensor from it
         self.scorer_weight = torch.tensor(self._weight)
         self.scorer_into = "query_and_keys"  # what the scorer loss trains (ScorerConfig.into)
+        self._align = 0.0  # align_weight's value on the host (ScorerConfig.align)
+        self.align_weight = torch.tensor(self._align)
         self.probe_queries = 0  # > 0 once armed: the next forward records layer_report in probe_out
         self.probe_out: dict[str, Any] | None = None
         self._parts: list[tuple[dict[str, Any], int]] = []  # a packed forward's reports per document, and lengths
@@ -62,6 +67,7 @@ class LayerDiagnostics:
         ``scorer_weight`` on ``device`` in ``dtype`` (as a floating buffer of the layer would be)."""
         self.acc = torch.zeros(N_FIELDS, dtype=torch.float64, device=device)
         self.scorer_weight = torch.tensor(self._weight, dtype=dtype, device=device)
+        self.align_weight = torch.tensor(self._align, dtype=dtype, device=device)
 
     # ------------------------------------------------------------------------------------------
     # the layer's forward calls these
@@ -81,7 +87,7 @@ class LayerDiagnostics:
         if collect:
             self.accumulate(gates, block_idx)
             sq, skc = scorer or (q, k_cmp)
-            o = self.scorer_loss(sq, k_sel, skc, o)
+            o = self.scorer_loss(sq, k_sel, skc, o, q, block_idx)
         return o
 
     def probe_document(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
@@ -109,31 +115,42 @@ class LayerDiagnostics:
         return self.scorer_queries > 0 and torch.is_grad_enabled()
 
     def scorer_loss(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, o: torch.Tensor,
-                    share: float = 1.0) -> torch.Tensor:
-        """``o``, carrying ``share * scorer_weight * scorer_kl`` into the backward (training forwards with
-        ``scorer_queries > 0`` and gradients on). ``share``: the part of the forward's tokens ``q`` holds (one
-        document of a packed forward, a batch of one: the documents' losses add up as one forward's)."""
+                    q_att: torch.Tensor, block_idx: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+        """``o``, carrying ``share * (scorer_weight * scorer_kl + align_weight * align_loss)`` into the backward
+        (training forwards with ``scorer_queries > 0`` and gradients on). ``q``/``k_cmp``: the scorer's;
+        ``q_att``/``k_sel``: the attention's own, which the alignment loss trains; ``block_idx``: the forward's
+        selection. ``share``: the part of the forward's tokens ``q`` holds (one document of a packed forward, a
+        batch of one: the documents' losses add up as one forward's)."""
         S = q.shape[1]
         ts = probe_positions(S, self.hp, self.scorer_queries, q.device)
         if ts is None or not torch.is_grad_enabled():
             return o
-        target = dense_block_mass(q, k_sel, ts, self.hp, self.scale)
-        probs, _ = compressed_probs(q.detach() if self.scorer_into == "keys" else q, k_cmp, ts, S, self.hp, self.scale)
-        kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))
-        if not self.suppressed:
-            with torch.no_grad():
-                self.acc[N_FIELDS - 2:].add_(scorer_sums(kl, share))
-        return AttachLoss.apply(o, kl * self.scorer_weight * share)
+        loss = q.new_zeros((), dtype=torch.float32)
+        if self._align > 0:
+            loss = loss + self.align_weight * align_loss(block_mass(q_att, k_sel, ts, self.hp, self.scale),
+                                                         block_idx[:, ts])
+        if self._weight > 0:
+            target = dense_block_mass(q, k_sel, ts, self.hp, self.scale)
+            probs, _ = compressed_probs(q.detach() if self.scorer_into == "keys" else q, k_cmp, ts, S, self.hp,
+                                        self.scale)
+            kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))
+            if not self.suppressed:
+                with torch.no_grad():
+                    self.acc[N_FIELDS - 2:].add_(scorer_sums(kl, share))
+            loss = loss + kl * self.scorer_weight
+        return AttachLoss.apply(o, loss * share)
 
     # ------------------------------------------------------------------------------------------
     # the language model drives these
 
-    def configure_scorer(self, queries: int, weight: float, into: str = "query_and_keys") -> None:
-        """``queries`` positions per training forward (0: off, nothing computed), the loss's ``weight``
-        (filled in place: no recompilation) and what it trains (``into``: ``query_and_keys``; ``keys``, the
-        compressed keys alone; ``weights``, the layer's own weights from its detached input)."""
+    def configure_scorer(self, queries: int, weight: float, into: str = "query_and_keys", align: float = 0.0) -> None:
+        """``queries`` positions per training forward (0: off, nothing computed), the scorer loss's ``weight``
+        and what it trains (``into``: ``query_and_keys``; ``keys``, the compressed keys alone; ``weights``, the
+        layer's own weights from its detached input), the alignment loss's weight ``align`` (0: off)."""
         self.scorer_queries, self._weight, self.scorer_into = int(queries), float(weight), into
+        self._align = float(align)
         self.scorer_weight.fill_(self._weight)
+        self.align_weight.fill_(self._align)
 
     def arm_probe(self, queries: int) -> None:
         """The next forward records :func:`nsa.model.selection.layer_report` on ``queries`` positions."""

@@ -153,13 +153,13 @@ class NSALM(nn.Module):
             self.train(was_training)
         return reports
 
-    def configure_scorer(self, queries: int, weight: float, into: str = "query_and_keys") -> None:
-        """The scorer loss in every NSA layer: ``queries`` positions per forward (0: off, nothing computed),
-        its ``weight`` (filled in place: changing only the weight does not recompile) and what it trains
-        (``into``, :class:`nsa.config.ScorerConfig`)."""
+    def configure_scorer(self, queries: int, weight: float, into: str = "query_and_keys", align: float = 0.0) -> None:
+        """The scorer and alignment losses in every NSA layer: ``queries`` positions per forward (0: off, nothing
+        computed), the scorer's ``weight``, what it trains (``into``) and the alignment loss's weight ``align``
+        (:class:`nsa.config.ScorerConfig`)."""
         for block in self.block_list():
             if isinstance(block.attn, NSAAttention):
-                block.attn.diag.configure_scorer(queries, weight, into)
+                block.attn.diag.configure_scorer(queries, weight, into, align)
 
     # ------------------------------------------------------------------------------------------
     # sizes

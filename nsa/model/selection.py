@@ -2,8 +2,9 @@
 
 For a sample of query positions ``ts`` of one NSA layer (the selected branch's ``q``/``k``):
 
-- :func:`dense_block_mass`: dense causal attention ``softmax(q k^T * scale)`` over every key ``<= t``,
-  summed per selection block and averaged over the group's heads: ``[B, H, C, nb]``.
+- :func:`block_mass` (:func:`dense_block_mass` without gradient): dense causal attention
+  ``softmax(q k^T * scale)`` over every key ``<= t``, summed per selection block and averaged over the
+  group's heads: ``[B, H, C, nb]``.
 - :func:`recall`: the share of that mass inside the blocks the layer selected (1.0: selection lost
   nothing dense attention would have read).
 - :func:`compressed_probs`, :func:`block_scores`: the block importance the op ranks by (spec Eq. 8-9:
@@ -12,6 +13,8 @@ For a sample of query positions ``ts`` of one NSA layer (the selected branch's `
   probabilities (diagnostics only: the scorer loss does not compute it).
 - :func:`scorer_kl`: ``KL(dense block mass || block scores)`` (the target detached): a gradient to the
   scorer (``q`` and the compressed keys), which top-n selection otherwise never gives it.
+- :func:`align_loss`: ``-log recall`` with gradient into ``q`` and the selected branch's keys: the other
+  direction, dense attention drawn into the selected blocks (the keys left out learn to be suppressed).
 
 :func:`probe_positions` picks the positions: evenly spaced from the first one with more candidate
 blocks than ``n_sel`` (before it every block is selected and recall is 1 by construction).
@@ -52,19 +55,25 @@ def _group_rows(q: torch.Tensor, ts: torch.Tensor, H: int) -> torch.Tensor:
     return qs.view(B, qs.shape[1], H, HQ // H, Dk).permute(0, 2, 3, 1, 4)
 
 
-def dense_block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSAParams, scale: float) -> torch.Tensor:
+def block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSAParams, scale: float) -> torch.Tensor:
     """Dense attention mass per selection block at ``ts``, mean over each group's heads: ``[B, H, C, nb]``.
 
-    ``q [B, S, HQ, Dk]``, ``k [B, S, H, Dk]`` (the selected branch's keys); float32, no gradient."""
-    with torch.no_grad():
-        _, S, H, _ = k.shape
-        qg = _group_rows(q, ts, H)
-        logits = torch.einsum("bhgcd,bshd->bhgcs", qg, k.float()) * scale
-        mask = torch.arange(S, device=q.device)[None, :] <= ts[:, None]
-        p = masked_softmax(logits, mask[None, None, None])
-        nb = -(-S // hp.l_sel)
-        p = F.pad(p, (0, nb * hp.l_sel - S))
-        return p.view(*p.shape[:-1], nb, hp.l_sel).sum(-1).mean(dim=2)
+    ``q [B, S, HQ, Dk]``, ``k [B, S, H, Dk]`` (the selected branch's keys); float32, differentiable in both
+    (the alignment loss's; :func:`dense_block_mass` without gradient)."""
+    _, S, H, _ = k.shape
+    qg = _group_rows(q, ts, H)
+    logits = torch.einsum("bhgcd,bshd->bhgcs", qg, k.float()) * scale
+    mask = torch.arange(S, device=q.device)[None, :] <= ts[:, None]
+    p = masked_softmax(logits, mask[None, None, None])
+    nb = -(-S // hp.l_sel)
+    p = F.pad(p, (0, nb * hp.l_sel - S))
+    return p.view(*p.shape[:-1], nb, hp.l_sel).sum(-1).mean(dim=2)
+
+
+@torch.no_grad()
+def dense_block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSAParams, scale: float) -> torch.Tensor:
+    """:func:`block_mass` without gradient (the probe's, and the scorer loss's target)."""
+    return block_mass(q, k, ts, hp, scale)
 
 
 def compressed_probs(q: torch.Tensor, k_cmp: torch.Tensor, ts: torch.Tensor, S: int, hp: NSAParams,
@@ -118,6 +127,14 @@ def scorer_kl(target: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     t = target.detach()
     kl = torch.xlogy(t, t) - t * torch.log(P.clamp_min(1e-9))
     return kl.sum(dim=-1).mean()
+
+
+def align_loss(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
+    """Mean over (batch, group, position) of ``-log recall``: the dense attention mass (:func:`block_mass`, with
+    gradient) that the selected blocks ``block_idx [B, C, H, n_sel]`` leave out, as a loss. Its gradient lowers
+    the keys selection left out and raises the chosen ones: the keys sparse training never reaches learn to
+    be suppressed (SSA, arXiv 2511.20102, in probability space), which lifts recall's ceiling."""
+    return -torch.log(recall(mass, block_idx).clamp_min(1e-6)).mean()
 
 
 def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,

@@ -35,7 +35,7 @@ class StepHook:
 
 
 class ScorerWarmup(StepHook):
-    """``scorer.until``: the scorer loss trains steps ``1 .. until``, then is switched off for good
+    """``scorer.until``: the scorer (and alignment) loss trains steps ``1 .. until``, then is switched off for good
     (also on a resume past it)."""
 
     def __init__(self, model: Any, until: int) -> None:
@@ -110,10 +110,10 @@ class StepHooks:
 
 
 def step_hooks(cfg: RunConfig, model: Any, answer_mask: torch.Tensor | None) -> StepHooks:
-    """The hooks ``cfg`` asks for: the scorer's warm-up (``scorer.weight > 0`` with ``scorer.until``) on
+    """The hooks ``cfg`` asks for: the scorer's warm-up (a scorer or alignment loss with ``scorer.until``) on
     ``model`` (unwrapped), the answer metrics of a synthetic task (``answer_mask``: on the run's device)."""
     hooks: list[StepHook] = []
-    if cfg.scorer.weight > 0 and cfg.scorer.until is not None:
+    if cfg.scorer.active and cfg.scorer.until is not None:
         hooks.append(ScorerWarmup(model, cfg.scorer.until))
     if answer_mask is not None:
         hooks.append(AnswerMetrics(answer_mask))

@@ -26,6 +26,7 @@ from nsa.model.selection import (
     cmp_entropy,
     compressed_probs,
     dense_block_mass,
+    forced_recall,
     probe_positions,
     recall,
     scorer_kl,
@@ -113,6 +114,14 @@ def test_best_recall_is_the_heaviest_choice_selection_could_make() -> None:
     peaked = torch.zeros(1, 1, 1, nb)
     peaked[..., [0, 2, 3, 4]] = 0.25
     assert float(best_recall(peaked, torch.tensor([70]), hp)) == pytest.approx(1.0)
+    # the forced blocks alone (first, current, previous): a loop's sum, and below the ceiling
+    forced = forced_recall(mass, ts, hp)
+    for c, t in enumerate(ts.tolist()):
+        bt = t // hp.l_sel
+        want = mass[:, :, c, [0, bt - 1, bt]].sum(-1)
+        torch.testing.assert_close(forced[:, :, c], want)
+    assert bool((forced <= got + 1e-6).all())
+    assert float(forced_recall(peaked, torch.tensor([70]), hp)) == pytest.approx(0.75)  # blocks 0, 3, 4
 
 
 def test_block_scores_rank_blocks_as_the_op_selects() -> None:

@@ -87,8 +87,8 @@ def test_training_records_selection_at_each_evaluation(nsa_run: tuple[Path, str]
         layers = e["selection"]
         assert [r["layer"] for r in layers] == [0, 1]
         for r in layers:
-            assert set(r) == {"layer", "recall", "recall_best", "cmp_entropy", "kl", "gates"}
-            assert 0.0 <= r["recall"] <= r["recall_best"] + 1e-6 <= 1.0 + 2e-6 and 0.0 <= r["cmp_entropy"] <= 1.0 + 1e-6 and r["kl"] >= 0.0
+            assert set(r) == {"layer", "recall", "recall_best", "recall_forced", "cmp_entropy", "kl", "gates"}
+            assert 0.0 <= r["recall_forced"] <= r["recall"] + 1e-6 <= r["recall_best"] + 2e-6 <= 1.0 + 3e-6 and 0.0 <= r["cmp_entropy"] <= 1.0 + 1e-6 and r["kl"] >= 0.0
             assert len(r["gates"]) == 3 and all(0.0 < g < 1.0 for g in r["gates"])
         recalls = [r["recall"] for r in layers]
         assert e["sel_recall_mean"] == pytest.approx(sum(recalls) / 2) and e["sel_recall_min"] == min(recalls)
@@ -185,9 +185,10 @@ def test_summary_tolerates_odd_eval_events(nsa_run: tuple[Path, str], tmp_path: 
     hb.write_text("\n".join([*lines[:at], json.dumps(odd), json.dumps(old), *lines[at:]]) + "\n")
     s = summarize(read_run(run), time.time())
     assert s.selection_step == 5 and s.sel_recall_mean == 0.25 and s.sel_recall_min_layer == 0
-    assert s.selection == [{"layer": 1, "recall": None, "recall_best": None, "cmp_entropy": None, "kl": None, "gates": None},
-                           {"layer": 0, "recall": 0.25, "recall_best": None, "cmp_entropy": None, "kl": None,
-                            "gates": None}]
+    assert s.selection == [{"layer": 1, "recall": None, "recall_best": None, "recall_forced": None, "cmp_entropy": None,
+                            "kl": None, "gates": None},
+                           {"layer": 0, "recall": 0.25, "recall_best": None, "recall_forced": None, "cmp_entropy": None,
+                            "kl": None, "gates": None}]
     build_report([run], tmp_path / "rep", charts=False)  # renders without the missing figures
 
 
@@ -197,12 +198,13 @@ def test_report_has_the_selection_section(nsa_run: tuple[Path, str], tmp_path: P
     res = build_report([run], tmp_path / "rep", charts=False)
     text = res.path.read_text()
     section = text.split("### Selection (last evaluation, step 4)", 1)[1].split("\n### ", 1)[0]
-    assert "| layer | recall | ceiling | compressed entropy | scorer KL | gates cmp / sel / win |" in section
+    assert "| layer | recall | ceiling | forced blocks | compressed entropy | scorer KL | gates cmp / sel / win |" in section
     assert s.selection is not None
     for r in s.selection:
         gates = " / ".join(f"{g:.3f}" for g in r["gates"])
         assert r["recall"] <= r["recall_best"] + 1e-6  # the ceiling travels from the trainer's probe to the report
-        assert (f"| {r['layer']} | {r['recall']:.3f} | {r['recall_best']:.3f} | {r['cmp_entropy']:.3f} | {r['kl']:.3f} "
+        assert (f"| {r['layer']} | {r['recall']:.3f} | {r['recall_best']:.3f} | {r['recall_forced']:.3f} "
+                f"| {r['cmp_entropy']:.3f} | {r['kl']:.3f} "
                 f"| {gates} |") in section
     assert selection_reading(s.selection) in section
     check = next(c for c in res.checks[0] if c.name == "selection recall")
@@ -267,7 +269,7 @@ def test_cli_eval_selection(nsa_run: tuple[Path, str], dense_run: Path, tmp_path
     assert [(r["context"], r["layer"]) for r in data["results"]] == [(16, 0), (16, 1), (64, 0), (64, 1)]
     assert all(0.0 <= r["recall"] <= 1.0 for r in data["results"][2:])
     assert json.loads((run / "eval" / "selection.json").read_text()) == data
-    assert "– (all blocks selected at this length)" in res.stderr and "compressed entropy" in res.stderr
+    assert "–: all blocks selected at this length" in res.stderr and "compressed entropy" in res.stderr
     rep = build_report([run], tmp_path / "rep", charts=False)
     section = rep.path.read_text().split("#### Selection (nsa eval)", 1)[1]
     assert "| 16 | 0 | – |" in section and "| 64 | 1 | 0." in section

@@ -223,7 +223,7 @@ def test_selection_report_over_packed_documents_is_each_documents_own() -> None:
         want = merge_reports([({k: v for k, v in rep[layer].items() if k != "layer"}, n)
                               for rep, n in zip(alone, lengths, strict=True)])
         assert got["layer"] == layer and 0 < got["recall"] <= 1
-        for key in ("recall", "recall_best", "cmp_entropy", "kl"):
+        for key in ("recall", "recall_best", "recall_forced", "cmp_entropy", "kl"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
         assert got["gates"] == pytest.approx(want["gates"], rel=1e-5)
     whole = model.selection_report(ids, 16)  # without the mask: another reading

@@ -41,7 +41,7 @@ from nsa.errors import ConfigError
 from nsa.eval.tasks import eval_loss, eval_selection
 from nsa.model.load import load_model
 from nsa.rundir import RunDir
-from nsa.rundir.records import Metrics
+from nsa.rundir.records import SELECTION_FIELDS, Metrics
 from nsa.train.events import PlainReporter
 from nsa.train.trainer import Trainer
 
@@ -208,7 +208,7 @@ def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> FinalM
         if cfg.model.attention != "nsa":
             return FinalMeasures([], loss["by_position"], by_context)
         rows = eval_selection(loaded.model, cfg, tok, [S], batches, queries=queries, batch_size=bs, device=device)
-    selection = [{k: r[k] for k in ("layer", "recall", "recall_best", "cmp_entropy", "kl", "gates")} for r in rows]
+    selection = [{k: r[k] for k in ("layer", *SELECTION_FIELDS, "gates")} for r in rows]
     return FinalMeasures(selection, loss["by_position"], by_context)
 
 

@@ -26,6 +26,7 @@ from nsa.data.retrieval import TaskLayout, mqar_episode, needle_episode
 from nsa.data.tokenizers import ByteTokenizer
 from nsa.errors import ConfigError
 from nsa.model.documents import from_separators
+from nsa.rundir.records import SELECTION_FIELDS
 
 TASKS = ("needle", "mqar", "loss", "selection")
 HAYSTACKS = ("random", "text")
@@ -332,7 +333,6 @@ def position_buckets(context: int, first: int = 64) -> list[tuple[int, int]]:
     return list(itertools.pairwise(edges))
 
 
-SELECTION_FIELDS = ("recall", "recall_best", "cmp_entropy", "kl")
 
 
 def _mean(values: list[Any]) -> float | None:
@@ -353,9 +353,10 @@ def eval_selection(
 ) -> list[dict[str, Any]]:
     """An NSA model's selection diagnostics on the run's validation split (``NSALM.selection_report`` with
     ``queries`` positions per layer), averaged over ``batches`` batches per context: rows ``{"context",
-    "layer", "recall", "recall_best", "cmp_entropy", "kl", "gates", "n"}`` (``n`` = sequences; ``recall_best``:
-    recall's ceiling, a perfect scorer's), contexts outer. ``recall``, ``recall_best``, ``cmp_entropy`` and ``kl`` are None at a context too short for selection to choose (every block is
-    selected). The loader is seeded with ``train.seed`` (the same batches every time). A model without NSA
+    "layer", "recall", "recall_best", "recall_forced", "cmp_entropy", "kl", "gates", "n"}`` (``n`` = sequences;
+    ``recall_best``: recall's ceiling, a perfect scorer's; ``recall_forced``: the forced blocks' share), contexts
+    outer. The numbers (``SELECTION_FIELDS``) are None at a context too short for selection to choose (every
+    block is selected). The loader is seeded with ``train.seed`` (the same batches every time). A model without NSA
     layers is a ``ConfigError``."""
     report = getattr(model, "selection_report", None)
     if not callable(report) or getattr(getattr(model, "model_cfg", None), "attention", "nsa") == "dense":

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from nsa.ops.indexing import masked_softmax, overlap_weights, top_n_blocks, visible_cmp_counts
 from nsa.params import NSAParams
+from nsa.rundir.records import SELECTION_FIELDS
 
 
 def first_choice(hp: NSAParams) -> int:
@@ -122,6 +123,15 @@ def best_recall(mass: torch.Tensor, ts: torch.Tensor, hp: NSAParams) -> torch.Te
     return recall(mass, best.permute(0, 2, 1, 3))
 
 
+def forced_recall(mass: torch.Tensor, ts: torch.Tensor, hp: NSAParams) -> torch.Tensor:
+    """The share of ``mass [B, H, C, nb]`` at ``ts`` in the blocks every query keeps whatever the scores (the
+    first, the current and the previous: ``top_n_blocks`` with ``n_sel = 3`` on zero scores): ``[B, H, C]``.
+    Recall above it is what the chosen blocks found; recall near it says dense attention sits where no
+    choice is made (the sink and the neighbourhood)."""
+    forced = top_n_blocks(torch.zeros_like(mass), (ts // hp.l_sel)[:, None], min(3, hp.n_sel))  # [B, H, C, 3]
+    return recall(mass, forced.permute(0, 2, 1, 3))
+
+
 def scorer_kl(target: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     """Mean over (batch, group, position) of ``KL(target || P)`` over blocks; ``target`` is not differentiated."""
     t = target.detach()
@@ -139,23 +149,24 @@ def align_loss(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
 
 def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
                  gates: torch.Tensor, hp: NSAParams, scale: float, queries: int) -> dict[str, float | list[float] | None]:
-    """One layer's diagnostics on one batch: ``recall``, its ceiling ``recall_best`` (:func:`best_recall`) and
-    ``cmp_entropy`` over the probe positions (``None`` when the sequence is too short for selection to
+    """One layer's diagnostics on one batch: ``recall``, its ceiling ``recall_best`` (:func:`best_recall`), the
+    forced blocks' share ``recall_forced`` (:func:`forced_recall`) and ``cmp_entropy`` over the probe positions (``None`` when the sequence is too short for selection to
     choose), the scorer's ``kl`` to the dense mass, and the mean gate per branch ``gates`` ([cmp, sel, win])."""
     g = [float(x) for x in gates.float().mean(dim=(0, 1, 2)).tolist()]
     S = q.shape[1]
     ts = probe_positions(S, hp, queries, q.device)
     if ts is None:
-        return {"recall": None, "recall_best": None, "cmp_entropy": None, "kl": None, "gates": g}
+        return {**dict.fromkeys(SELECTION_FIELDS), "gates": g}
     with torch.no_grad():
         mass = dense_block_mass(q, k_sel, ts, hp, scale)
         p, n_vis = compressed_probs(q, k_cmp, ts, S, hp, scale)
         rec = recall(mass, block_idx[:, ts])
         best = best_recall(mass, ts, hp)
+        forced = forced_recall(mass, ts, hp)
         kl = scorer_kl(mass, block_scores(p, ts, S, hp))
         ent = cmp_entropy(p, n_vis)
-    return {"recall": float(rec.mean()), "recall_best": float(best.mean()), "cmp_entropy": float(ent.mean()),
-            "kl": float(kl), "gates": g}
+    return {"recall": float(rec.mean()), "recall_best": float(best.mean()), "recall_forced": float(forced.mean()),
+            "cmp_entropy": float(ent.mean()), "kl": float(kl), "gates": g}
 
 
 def merge_reports(parts: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
@@ -165,7 +176,7 @@ def merge_reports(parts: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
     if not parts:
         return {}
     out: dict[str, Any] = {}
-    for key in ("recall", "recall_best", "cmp_entropy", "kl"):
+    for key in SELECTION_FIELDS:
         have = [(float(r[key]), n) for r, n in parts if r.get(key) is not None]
         out[key] = sum(v * n for v, n in have) / sum(n for _, n in have) if have else None
     total = sum(n for _, n in parts)

@@ -84,12 +84,17 @@ class ProgressEvent(Event, total=False):
     gpu_mem_used_mib: float | None
 
 
+SELECTION_FIELDS = ("recall", "recall_best", "recall_forced", "cmp_entropy", "kl")
+"""The numbers of a :class:`LayerSelection` (besides ``layer`` and ``gates``), in the order tables show them."""
+
+
 class LayerSelection(TypedDict, total=False):
     """One NSA layer's selection diagnostics (an ``eval`` event's ``selection``)."""
 
     layer: int
     recall: float | None
     recall_best: float | None  # recall's ceiling (a perfect block scorer's)
+    recall_forced: float | None  # the share in the forced blocks alone (first, current, previous)
     cmp_entropy: float | None
     kl: float | None
     gates: list[float] | None

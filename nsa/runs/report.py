@@ -474,16 +474,17 @@ def selection_section(s: RunSummary) -> list[str]:
     L = [f"### Selection (last evaluation, step {s.selection_step})", "",
          "On the first held-out batch: recall = share of dense attention mass (same q/k) inside the selected "
          "blocks (1 = nothing lost); ceiling = the mass of the best blocks selection could choose (a perfect "
-         "scorer's recall); compressed entropy = compressed attention entropy / log(visible tokens) "
+         "scorer's recall); forced blocks = the share in the blocks every query keeps (first, current, previous); "
+         "compressed entropy = compressed attention entropy / log(visible tokens) "
          "(1 = uniform); scorer KL = KL(dense block mass || the compressed branch's block scores); gates = mean "
          "gate per branch.", ""]
     if s.selection:
-        L += ["| layer | recall | ceiling | compressed entropy | scorer KL | gates cmp / sel / win |",
-              "|---|---|---|---|---|---|"]
+        L += ["| layer | recall | ceiling | forced blocks | compressed entropy | scorer KL | gates cmp / sel / win |",
+              "|---|---|---|---|---|---|---|"]
         for r in s.selection:
             gates = " / ".join(f"{g:.3f}" for g in r["gates"]) if r.get("gates") else "n/a"
             L.append(f"| {r['layer']} | {fmt_value(r.get('recall'), '.3f')} | {fmt_value(r.get('recall_best'), '.3f')} "
-                     f"| {fmt_value(r.get('cmp_entropy'), '.3f')} "
+                     f"| {fmt_value(r.get('recall_forced'), '.3f')} | {fmt_value(r.get('cmp_entropy'), '.3f')} "
                      f"| {fmt_value(r.get('kl'), '.3f')} | {gates} |")
         L += ["", selection_reading(s.selection), ""]
     else:  # val.csv alone (no heartbeat): the means only
@@ -572,14 +573,16 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_d
             L += ["#### Selection (nsa eval)", "",
                   f"Validation split, {st.get('samples')} sequences per context, {st.get('queries')} query positions per "
                   f"layer; {source}. Recall \"–\": every block is selected at that length.", "",
-                  "| context | layer | recall | ceiling | compressed entropy | scorer KL | gates cmp / sel / win |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| context | layer | recall | ceiling | forced blocks | compressed entropy | scorer KL "
+                  "| gates cmp / sel / win |",
+                  "|---|---|---|---|---|---|---|---|"]
             for r in rows:
                 gates = r.get("gates")
                 shown = " / ".join(fmt_value(g, ".3f") for g in gates) if isinstance(gates, list) else "n/a"
                 recall = "–" if r.get("recall") is None else fmt_value(r.get("recall"), ".3f")
                 L.append(f"| {context_label(r.get('context'))} | {r.get('layer')} | {recall} "
-                         f"| {fmt_value(r.get('recall_best'), '.3f')} | {fmt_value(r.get('cmp_entropy'), '.3f')} | {fmt_value(r.get('kl'), '.3f')} | {shown} |")
+                         f"| {fmt_value(r.get('recall_best'), '.3f')} | {fmt_value(r.get('recall_forced'), '.3f')} "
+                         f"| {fmt_value(r.get('cmp_entropy'), '.3f')} | {fmt_value(r.get('kl'), '.3f')} | {shown} |")
             L.append("")
         else:
             L += ["#### Held-out loss", "",

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nsa.rundir.records import AnomalyEvent, CheckpointEvent, EndEvent, HaltEvent, HaltFile
+from nsa.rundir.records import SELECTION_FIELDS, AnomalyEvent, CheckpointEvent, EndEvent, HaltEvent, HaltFile
 from nsa.runs.reader import DEFAULT_STALE_S, RunState
 
 
@@ -240,8 +240,7 @@ def _layer(r: Any) -> dict[str, Any] | None:
     if not isinstance(r, dict) or not finite(r.get("layer")):
         return None
     gates = r.get("gates")
-    return {"layer": int(r["layer"]), "recall": _num(r.get("recall")), "recall_best": _num(r.get("recall_best")),
-            "cmp_entropy": _num(r.get("cmp_entropy")), "kl": _num(r.get("kl")),
+    return {"layer": int(r["layer"]), **{k: _num(r.get(k)) for k in SELECTION_FIELDS},
             "gates": [float(g) for g in gates] if isinstance(gates, list) and all(finite(g) for g in gates) else None}
 
 

@@ -13,7 +13,7 @@ from nsa.config.settings import read_settings
 from nsa.envinfo import GpuProbe
 from nsa.ops import fallback_counts as counts
 from nsa.rundir.checkpoints import latest_checkpoint
-from nsa.rundir.records import METRICS_SCHEMA, Metrics
+from nsa.rundir.records import METRICS_SCHEMA, SELECTION_FIELDS, Metrics
 from nsa.train.telemetry import MFU_FORMULA, environment_record, peak_flops, write_json_atomic
 
 if TYPE_CHECKING:
@@ -277,8 +277,8 @@ def measure_selection(s: Session, x: torch.Tensor) -> list[dict[str, Any]] | Non
 
 def _layer_record(r: dict[str, Any]) -> dict[str, Any]:
     gates = r.get("gates")
-    return {"layer": int(r["layer"]), "recall": _float(r.get("recall")), "recall_best": _float(r.get("recall_best")),
-            "cmp_entropy": _float(r.get("cmp_entropy")), "kl": _float(r.get("kl")), "gates": [float(g) for g in gates] if gates is not None else None}
+    return {"layer": int(r["layer"]), **{k: _float(r.get(k)) for k in SELECTION_FIELDS},
+            "gates": [float(g) for g in gates] if gates is not None else None}
 
 
 def selection_figures(layers: list[dict[str, Any]]) -> dict[str, Any]:

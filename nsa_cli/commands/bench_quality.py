@@ -240,11 +240,12 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
     for r in rows:
         if r.selection and r.seed == seed_list[0]:
             layers = Table(title=f"selection per layer: {r.arm} (seed {r.seed}, held-out batches)")
-            for col in ("layer", "recall", "recall ceiling", "cmp entropy", "scorer KL", "gates cmp / sel / win"):
+            for col in ("layer", "recall", "recall ceiling", "forced blocks", "cmp entropy", "scorer KL",
+                        "gates cmp / sel / win"):
                 layers.add_column(col, justify="right")
             for L in r.selection:
                 layers.add_row(str(L["layer"]), f(L.get("recall"), ".3f"), f(L.get("recall_best"), ".3f"),
-                               f(L.get("cmp_entropy"), ".3f"),
+                               f(L.get("recall_forced"), ".3f"), f(L.get("cmp_entropy"), ".3f"),
                                f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
             console.print(layers)
 

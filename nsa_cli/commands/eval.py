@@ -87,17 +87,18 @@ def _selection_tables(payload: dict[str, Any]) -> list[tuple[str, Any]]:
         here = [r for r in rows if r["context"] == c]
         heading = (f"selection of {name} at context {context_label(c)} ({here[0]['n']} val sequences, "
                    f"{s['queries']} query positions per layer{_each_document(s)})")
-        t = Table()
-        for col in ("layer", "recall", "recall ceiling", "compressed entropy", "KL", "gates cmp/sel/win"):
+        short = any(r.get("recall") is None for r in here)
+        t = Table(caption="–: all blocks selected at this length" if short else None)
+        for col in ("layer", "recall", "recall ceiling", "forced blocks", "compressed entropy", "KL", "gates cmp/sel/win"):
             t.add_column(col, justify="right")
         for r in here:
             gates = "/".join(f"{g:.2f}" for g in r["gates"]) if r.get("gates") else "n/a"
             if r.get("recall") is None:
-                t.add_row(str(r["layer"]), "– (all blocks selected at this length)", "–", "–", "–", gates)
+                t.add_row(str(r["layer"]), "–", "–", "–", "–", "–", gates)
                 continue
             rec = r["recall"]
-            t.add_row(str(r["layer"]), f"[{_style(rec)}]{rec:.3f}[/]", _num(r.get("recall_best")), _num(r.get("cmp_entropy")),
-                      _num(r.get("kl")), gates)
+            t.add_row(str(r["layer"]), f"[{_style(rec)}]{rec:.3f}[/]", _num(r.get("recall_best")),
+                      _num(r.get("recall_forced")), _num(r.get("cmp_entropy")), _num(r.get("kl")), gates)
         out.append((heading, t))
     return out
 

@@ -217,6 +217,10 @@ def test_context_parallel_settings_that_cannot_work_are_one_line(tmp_path: Path)
     for sets, want in bad.items():
         with pytest.raises(NSAError, match=want):
             load_run_config("tiny", environ={}, sets=list(sets))
+    # the default recipe's alignment loss: on alone, off (and saved as off) under context parallelism
+    assert load_run_config("tiny", environ={}, sets=[]).config.scorer.align == 0.1
+    cp_cfg = load_run_config("tiny", environ={}, sets=["runtime.context_parallel=2"]).config
+    assert cp_cfg.scorer.align == 0.0 and "align: 0.0" in cp_cfg.to_yaml()
     with pytest.raises(NSAError, match=r"context_parallel=2 must divide the 1 rank\(s\)"):
         Trainer(resolve(tmp_path / "x", 2, runtime__context_parallel=2), reporter=quiet())
     res = subprocess.run(cmd("--steps", "2", "--out-dir", str(tmp_path / "y"), "--context-parallel", "2"),

@@ -265,6 +265,31 @@ def test_align_loss_trains_the_attention_and_not_the_reported_loss() -> None:
         torch.testing.assert_close(g4[n], g0[n])
 
 
+def test_auxiliary_losses_split_over_micro_batches_as_the_trainer_scales_them() -> None:
+    """Seed 24: the trainer gives each of ``train.accum`` micro-batches the losses' weights divided by ``accum``
+    (nsa.train.session); two half batches at half the weights then give the auxiliary gradient of the whole
+    batch at the full weights (each forward's losses are means over its batch), as the language model's."""
+    m, x, _ = _model_and_batch(24, 59, False)
+
+    def aux_grad(batches: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+        out = []
+        for on in (1.0, 0.0):
+            m.zero_grad()
+            m.configure_scorer(16, 0.1 * on * scale, "query_and_keys", 0.1 * on * scale)
+            for b in batches:
+                loss = m(b, labels=b).loss
+                assert loss is not None
+                (loss * b.shape[0] / x.shape[0]).backward()
+            out.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()])
+        return [a - b for a, b in zip(*out, strict=True)]
+
+    whole = aux_grad([x], 1.0)
+    split = aux_grad([x[:1], x[1:]], 0.5)
+    for a, b in zip(whole, split, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+    assert max(float(g.norm()) for g in whole) > 1e-6
+
+
 def test_align_loss_over_packed_documents_and_under_checkpointing() -> None:
     """Seed 22: with ``data.document_mask`` each long enough document gets its own alignment loss, and
     gradient checkpointing gives the same gradients as without."""

@@ -220,6 +220,8 @@ class RunConfig(_Section):
             if self.train.seq_len % (2 * cp):
                 raise ValueError(f"train.seq_len={self.train.seq_len} must split into {2 * cp} equal chunks for "
                                  f"runtime.context_parallel={cp} (a multiple of {2 * cp})")
+            if self.scorer.align > 0 and "align" not in self.scorer.model_fields_set:
+                self.scorer.align = 0.0  # the default recipe's alignment loss does not run under context parallelism
             if self.scorer.active:
                 raise ValueError("the scorer and alignment losses (scorer.weight, scorer.align) do not run under "
                                  "runtime.context_parallel: set one of them")

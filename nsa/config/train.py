@@ -107,9 +107,11 @@ class ScorerConfig(ConfigSection):
                                       "key and compression weights alone, from its input detached: nothing "
                                       "before the layer, as DeepSeek's DSA trains its indexer)")
     align: float = Field(
-        0.0, ge=0, description="alignment loss weight (0: off): -log of the dense attention mass inside the selected "
+        0.1, ge=0, description="alignment loss weight (0: off): -log of the dense attention mass inside the selected "
                                "blocks at the same query positions, its gradient into the layer's query and selected "
-                               "keys (the keys selection leaves out learn to be suppressed: SSA, arXiv 2511.20102)")
+                               "keys (the keys selection leaves out learn to be suppressed: SSA, arXiv 2511.20102). "
+                               "On by default (docs/benchmarks/quality-sweep-h100.md); left at its default it is off "
+                               "under runtime.context_parallel, where it does not run")
 
     @property
     def active(self) -> bool:

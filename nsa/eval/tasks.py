@@ -333,8 +333,6 @@ def position_buckets(context: int, first: int = 64) -> list[tuple[int, int]]:
     return list(itertools.pairwise(edges))
 
 
-
-
 def _mean(values: list[Any]) -> float | None:
     vals = [float(v) for v in values if v is not None]
     return sum(vals) / len(vals) if vals else None

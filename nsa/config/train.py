@@ -93,14 +93,16 @@ class EvalConfig(ConfigSection):
 
 
 class ScorerConfig(ConfigSection):
-    """The scorer loss: ``KL(dense attention mass per block || the compressed branch's block scores)`` on
-    sampled queries of every NSA layer, added to the backward pass (not to the reported loss). It gives the
-    block scorer the gradient top-n selection never does (nsa.model.selection)."""
+    """Two auxiliary selection losses on sampled queries of every NSA layer, added to the backward pass (not to
+    the reported loss; nsa.model.selection): the alignment loss (``align``, on by default: dense attention
+    drawn into the selected blocks, the keys selection leaves out taught to be ignored) and the scorer loss
+    (``weight``: ``KL(dense attention mass per block || the compressed branch's block scores)``, the gradient
+    top-n selection never gives the block scorer)."""
 
-    weight: float = Field(0.0, ge=0, description="loss weight; 0: off (nothing computed)")
-    queries: int = Field(64, ge=1, description="query positions per layer and micro-batch")
+    weight: float = Field(0.0, ge=0, description="scorer loss weight; 0: off (nothing computed)")
+    queries: int = Field(64, ge=1, description="query positions per layer and micro-batch (both losses)")
     until: int | None = Field(
-        None, ge=1, description="last step with the loss (a warm-up of the scorer); null: the whole run")
+        None, ge=1, description="last step with the losses (a warm-up); null: the whole run")
     into: Literal["query_and_keys", "keys", "weights"] = Field(
         "query_and_keys", description="what the loss trains: query_and_keys (its gradient reaches the whole model "
                                       "through them), keys (the compressed keys only), weights (the layer's query, "

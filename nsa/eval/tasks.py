@@ -354,8 +354,8 @@ def eval_selection(
     "layer", "recall", "recall_best", "recall_forced", "cmp_entropy", "kl", "gates", "n"}`` (``n`` = sequences;
     ``recall_best``: recall's ceiling, a perfect scorer's; ``recall_forced``: the forced blocks' share), contexts
     outer. The numbers (``SELECTION_FIELDS``) are None at a context too short for selection to choose (every
-    block is selected). The loader is seeded with ``train.seed`` (the same batches every time). A model without NSA
-    layers is a ``ConfigError``."""
+    block is selected). The loader is seeded with ``train.seed`` (the same batches every time). A model without
+    NSA layers is a ``ConfigError``."""
     report = getattr(model, "selection_report", None)
     if not callable(report) or getattr(getattr(model, "model_cfg", None), "attention", "nsa") == "dense":
         raise ConfigError("the selection task needs an NSA model (this one has dense attention)",

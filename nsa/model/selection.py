@@ -150,8 +150,9 @@ def align_loss(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
 def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
                  gates: torch.Tensor, hp: NSAParams, scale: float, queries: int) -> dict[str, float | list[float] | None]:
     """One layer's diagnostics on one batch: ``recall``, its ceiling ``recall_best`` (:func:`best_recall`), the
-    forced blocks' share ``recall_forced`` (:func:`forced_recall`) and ``cmp_entropy`` over the probe positions (``None`` when the sequence is too short for selection to
-    choose), the scorer's ``kl`` to the dense mass, and the mean gate per branch ``gates`` ([cmp, sel, win])."""
+    forced blocks' share ``recall_forced`` (:func:`forced_recall`) and ``cmp_entropy`` over the probe positions
+    (``None`` when the sequence is too short for selection to choose), the scorer's ``kl`` to the dense mass,
+    and the mean gate per branch ``gates`` ([cmp, sel, win])."""
     g = [float(x) for x in gates.float().mean(dim=(0, 1, 2)).tolist()]
     S = q.shape[1]
     ts = probe_positions(S, hp, queries, q.device)

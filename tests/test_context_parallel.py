@@ -93,6 +93,34 @@ def test_one_rank_in_two_chunks_is_the_whole_model(attention: str, documents: bo
     assert torch.allclose(split(ids, cu_seqlens=cu).logits, a.logits, atol=1e-12, rtol=0)
 
 
+def test_alignment_loss_in_chunks_is_the_whole_models() -> None:
+    """Seed 5 weights, seed 7 data, float64, the alignment loss on (weight 0.5, 16 probe positions): one rank in
+    two chunks (the probe positions all in the second) gives the whole model's loss and every gradient; the
+    same model without the loss differs (the loss reaches the gradients). With packed documents it is refused."""
+    whole, split = _models("nsa")
+    ids, labels = _data(7)
+    cp = ContextParallel(None, 0, 1)
+    split.set_context_parallel(cp)
+    grads = []
+    for align in (0.5, 0.0):
+        for m in (whole, split):
+            m.zero_grad()
+            m.configure_scorer(16, 0.0, "query_and_keys", align)
+        a, b = whole(ids, labels), split(cp.shard(ids), cp.shard(labels))
+        assert a.loss is not None and b.loss is not None
+        assert torch.allclose(b.loss, a.loss, atol=1e-12, rtol=0)
+        a.loss.backward()
+        b.loss.backward()
+        for (name, p), q in zip(whole.named_parameters(), split.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            assert torch.allclose(q.grad, p.grad, atol=1e-12, rtol=0), name
+        grads.append([p.grad.clone() for p in whole.parameters() if p.grad is not None])
+    assert max(float((x - y).norm()) for x, y in zip(*grads, strict=True)) > 1e-6
+    split.configure_scorer(16, 0.0, "query_and_keys", 0.5)
+    with pytest.raises(ValueError, match="packed documents"):
+        split(cp.shard(ids), cp.shard(labels), cu_seqlens=DOCS)
+
+
 def reduced(model: torch.nn.Module, loss: torch.Tensor, size: int) -> tuple[list[torch.Tensor], float]:
     """After the backward: every gradient and the loss all-reduced and averaged over the ``size`` ranks (the
     data-parallel reduction: the mean of the rows' means)."""
@@ -106,24 +134,30 @@ def reduced(model: torch.nn.Module, loss: torch.Tensor, size: int) -> tuple[list
     return grads, float(total) / size
 
 
+def _cases(attentions: list[str]) -> list[tuple[str, torch.Tensor | None, float]]:
+    """(attention, packed documents, alignment loss weight) of the gloo test: each attention alone and over
+    :data:`DOCS`, NSA also with the alignment loss (whose probe positions fall on both ranks' chunks)."""
+    return [(a, cu, 0.0) for a in attentions for cu in (None, DOCS)] + [("nsa", None, 0.5)] * ("nsa" in attentions)
+
+
 def _worker(rank: int, size: int, port: int, attentions: list[str], out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
-        for attention in attentions:
-            for cu in (None, DOCS):
-                _, split = _models(attention)
-                ids, labels = _data(11)
-                cp = ContextParallel(dist.group.WORLD, rank, size)
-                split.set_context_parallel(cp)
-                res = split(cp.shard(ids), cp.shard(labels), cu_seqlens=cu)
-                assert res.loss is not None
-                res.loss.backward()
-                grads, loss = reduced(split, res.loss, size)
-                # numpy arrays travel by value (tensors would travel as handles to memory of a finished process)
-                out.put((attention, cu is not None, rank, cp.positions(S).numpy(), res.logits.detach().numpy(), loss,
-                         [g.numpy() for g in grads] if rank == 0 else None))
+        for attention, cu, align in _cases(attentions):
+            _, split = _models(attention)
+            split.configure_scorer(16, 0.0, "query_and_keys", align)
+            ids, labels = _data(11)
+            cp = ContextParallel(dist.group.WORLD, rank, size)
+            split.set_context_parallel(cp)
+            res = split(cp.shard(ids), cp.shard(labels), cu_seqlens=cu)
+            assert res.loss is not None
+            res.loss.backward()
+            grads, loss = reduced(split, res.loss, size)
+            # numpy arrays travel by value (tensors would travel as handles to memory of a finished process)
+            out.put((attention, cu is not None, align, rank, cp.positions(S).numpy(), res.logits.detach().numpy(),
+                     loss, [g.numpy() for g in grads] if rank == 0 else None))
     finally:
         dist.destroy_process_group()
 
@@ -132,25 +166,28 @@ def _worker(rank: int, size: int, port: int, attentions: list[str], out: Any) ->
 def test_split_over_gloo_ranks_is_the_whole_model(size: int, attentions: list[str]) -> None:
     """Seed 5 weights, seed 11 data, float64: each rank's logits are the whole model's at its positions, the
     mean of the ranks' losses is the whole loss, and their reduced gradients are the whole gradients; the same
-    with packed documents (:data:`DOCS`) that cross the ranks' chunks."""
+    with packed documents (:data:`DOCS`) that cross the ranks' chunks, and with the alignment loss (its probe
+    positions on both ranks: each rank's share of the whole sequence's mean)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, size, port, attentions, q)) for r in range(size)]
     for p in procs:
         p.start()
-    results = [q.get(timeout=300) for _ in range(size * len(attentions) * 2)]
+    results = [q.get(timeout=300) for _ in range(size * len(_cases(attentions)))]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    for attention, documents in ((a, d) for a in attentions for d in (False, True)):
+    for attention, cu, align in _cases(attentions):
+        documents = cu is not None
         whole, _ = _models(attention)
+        whole.configure_scorer(16, 0.0, "query_and_keys", align)
         ids, labels = _data(11)
-        ref = whole(ids, labels, cu_seqlens=DOCS if documents else None)
+        ref = whole(ids, labels, cu_seqlens=cu)
         assert ref.loss is not None
         ref.loss.backward()
-        for att, docs, rank, pos, logits, loss, grads in results:
-            if (att, docs) != (attention, documents):
+        for att, docs, al, rank, pos, logits, loss, grads in results:
+            if (att, docs, al) != (attention, documents, align):
                 continue
             assert torch.allclose(torch.from_numpy(logits), ref.logits.detach()[:, torch.from_numpy(pos)],
                                   atol=1e-12, rtol=0), (attention, rank)
@@ -211,15 +248,17 @@ def test_context_parallel_settings_that_cannot_work_are_one_line(tmp_path: Path)
 
     bad = {
         ("train.seq_len=40", "runtime.context_parallel=3"): "must split into 6 equal chunks",
-        ("scorer.weight=0.1", "runtime.context_parallel=2"): "scorer and alignment losses",
-        ("scorer.align=0.1", "runtime.context_parallel=2"): "scorer and alignment losses",
+        ("scorer.weight=0.1", "runtime.context_parallel=2"): "scorer loss",
+        ("scorer.align=0.1", "data.document_mask=true", "runtime.context_parallel=2"): "alignment loss",
     }
     for sets, want in bad.items():
         with pytest.raises(NSAError, match=want):
             load_run_config("tiny", environ={}, sets=list(sets))
-    # the default recipe's alignment loss: on alone, off (and saved as off) under context parallelism
+    # the default recipe's alignment loss: on, under context parallelism too, but off (and saved as off) where
+    # it does not run, context parallelism over packed documents
     assert load_run_config("tiny", environ={}, sets=[]).config.scorer.align == 0.1
-    cp_cfg = load_run_config("tiny", environ={}, sets=["runtime.context_parallel=2"]).config
+    assert load_run_config("tiny", environ={}, sets=["runtime.context_parallel=2"]).config.scorer.align == 0.1
+    cp_cfg = load_run_config("tiny", environ={}, sets=["runtime.context_parallel=2", "data.document_mask=true"]).config
     assert cp_cfg.scorer.align == 0.0 and "align: 0.0" in cp_cfg.to_yaml()
     with pytest.raises(NSAError, match=r"context_parallel=2 must divide the 1 rank\(s\)"):
         Trainer(resolve(tmp_path / "x", 2, runtime__context_parallel=2), reporter=quiet())

@@ -220,11 +220,14 @@ class RunConfig(_Section):
             if self.train.seq_len % (2 * cp):
                 raise ValueError(f"train.seq_len={self.train.seq_len} must split into {2 * cp} equal chunks for "
                                  f"runtime.context_parallel={cp} (a multiple of {2 * cp})")
-            if self.scorer.align > 0 and "align" not in self.scorer.model_fields_set:
-                self.scorer.align = 0.0  # the default recipe's alignment loss does not run under context parallelism
-            if self.scorer.active:
-                raise ValueError("the scorer and alignment losses (scorer.weight, scorer.align) do not run under "
-                                 "runtime.context_parallel: set one of them")
+            if self.scorer.weight > 0:
+                raise ValueError("the scorer loss (scorer.weight) does not run under runtime.context_parallel: "
+                                 "set one of them")
+            if self.scorer.align > 0 and self.data.document_mask:
+                if "align" in self.scorer.model_fields_set:
+                    raise ValueError("the alignment loss (scorer.align) does not run under runtime.context_parallel "
+                                     "with data.document_mask: set one of them")
+                self.scorer.align = 0.0  # the default recipe's: off where it does not run
         return self
 
     def to_yaml(self) -> str:

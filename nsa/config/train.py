@@ -113,7 +113,7 @@ class ScorerConfig(ConfigSection):
                                "blocks at the same query positions, its gradient into the layer's query and selected "
                                "keys (the keys selection leaves out learn to be suppressed: SSA, arXiv 2511.20102). "
                                "On by default (docs/benchmarks/quality-sweep-h100.md); left at its default it is off "
-                               "under runtime.context_parallel, where it does not run")
+                               "under runtime.context_parallel with data.document_mask, where it does not run")
 
     @property
     def active(self) -> bool:

@@ -15,7 +15,7 @@ from nsa.model.context import ContextParallel
 from nsa.model.diagnostics import LayerDiagnostics
 from nsa.model.gates import GateParams
 from nsa.model.rope import RotaryEmbedding
-from nsa.model.selection import first_choice
+from nsa.model.selection import first_choice, probe_range
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.decode_cache import NewToken
@@ -300,6 +300,8 @@ class NSAAttention(nn.Module):
         (``cu_seqlens`` of the whole batch) to its documents' (:func:`nsa.model.documents.chunk_attend`)."""
         if self.diag.whole_sequence_only():
             raise ValueError("the scorer loss and selection probes do not run under context parallelism")
+        if cu_seqlens is not None and self.training and self.diag.aligns():
+            raise ValueError("the alignment loss does not run under context parallelism with packed documents")
         B, S_local, _ = x.shape
         S = S_local * cp.size
         mine = cp.positions(S, x.device)
@@ -308,6 +310,8 @@ class NSAAttention(nn.Module):
         kv = [p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win]
         k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw) if cu_seqlens is None else (None, None)
         collect = self.training
+        aligning = collect and cu_seqlens is None and self.diag.aligns()
+        align: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         idxs: list[torch.Tensor | None] = []
         for i, (start, stop) in enumerate(cp.chunks(S)):
@@ -323,11 +327,19 @@ class NSAAttention(nn.Module):
                 res = self._attend_prefix(mine_q, [k_cmp[:, :n], v_cmp[:, :n], *(t[:, :stop] for t in kv[2:])],
                                           start, collect)
                 o, idx = res if isinstance(res, tuple) else (res, None)
+                if aligning and idx is not None:  # the probe positions among this chunk's rows
+                    part = self.diag.align_chunk(mine_q[0], kv[2][:, :stop], idx, start, S)
+                    if part is not None:
+                        align.append(part)
             outs.append(o)
             idxs.append(idx)
         if collect:
             self.diag.accumulate(p.gates, torch.cat([t for t in idxs if t is not None], dim=1))
         o = torch.cat(outs, dim=1)
+        if aligning:  # the whole sequence's mean over (batch, group, probe position), this rank's share
+            r = probe_range(S, self.hp, self.diag.scorer_queries)
+            total = torch.stack(align).sum() if align else o.new_zeros((), dtype=torch.float32)
+            o = self.diag.attach_align(o, total * cp.size, B * self.n_kv_groups * (len(r) if r else 1))
         return self.o_proj(o.reshape(B, S_local, self.n_heads * self.d_v))
 
     def _attend_prefix(self, mine_q: list[torch.Tensor], kv: list[torch.Tensor], q_start: int,

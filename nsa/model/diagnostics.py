@@ -27,6 +27,7 @@ from nsa.model.selection import (
     layer_report,
     merge_reports,
     probe_positions,
+    probe_range,
     scorer_kl,
 )
 from nsa.model.stats import N_FIELDS, gate_sums, scorer_sums, selection_sums, summarise
@@ -73,8 +74,34 @@ class LayerDiagnostics:
     # the layer's forward calls these
 
     def whole_sequence_only(self) -> bool:
-        """The probe or the scorer is on: neither runs under context parallelism."""
-        return self.probe_queries > 0 or self.scorer_queries > 0
+        """The probe or the scorer's KL is on: neither runs under context parallelism (the alignment loss does:
+        :meth:`align_chunk`)."""
+        return self.probe_queries > 0 or (self.scorer_queries > 0 and self._weight > 0)
+
+    def aligns(self) -> bool:
+        """Whether a training forward now computes the alignment loss."""
+        return self.scores() and self._align > 0
+
+    def align_chunk(self, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor, q_start: int,
+                    S: int) -> torch.Tensor | None:
+        """Under context parallelism: the alignment loss's sum over the probe positions of a sequence of ``S``
+        that fall among the query rows ``q`` (positions ``q_start ..``, selection ``block_idx`` of those rows),
+        against the keys ``k_sel`` of the prefix ``0 ..`` (float32; ``None`` when none falls there)."""
+        r = probe_range(S, self.hp, self.scorer_queries)
+        if r is None:
+            return None
+        mine = [t for t in r if q_start <= t < q_start + q.shape[1]]
+        if not mine:
+            return None
+        ts = torch.tensor(mine, device=q.device)
+        mass = block_mass(q, k_sel, ts, self.hp, self.scale, q_start)
+        return align_loss(mass, block_idx[:, ts - q_start], reduce="sum")
+
+    def attach_align(self, o: torch.Tensor, total: torch.Tensor, count: int) -> torch.Tensor:
+        """``o`` carrying ``align_weight * total / count`` into the backward (``count``: the terms of the whole
+        sequence's mean; a context-parallel rank passes its sum times the group's size, as its language loss is
+        the mean of its own rows)."""
+        return AttachLoss.apply(o, total * self.align_weight / count)
 
     def observe(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, gates: torch.Tensor,
                 block_idx: torch.Tensor, o: torch.Tensor, collect: bool,

@@ -38,32 +38,45 @@ def first_choice(hp: NSAParams) -> int:
     return hp.n_sel * hp.l_sel
 
 
-def probe_positions(S: int, hp: NSAParams, n: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+def probe_range(S: int, hp: NSAParams, n: int) -> range | None:
     """``n`` (at most) distinct positions, evenly spaced over ``[n_sel * l_sel, S)``; ``None`` when that
     range is empty (every query selects all its blocks) or ``n <= 0``."""
     t0 = first_choice(hp)
     if n <= 0 or t0 >= S:
         return None
     C = min(n, S - t0)
-    step = (S - 1 - t0) // max(C - 1, 1)
-    return t0 + torch.arange(C, device=device) * step
+    step = max((S - 1 - t0) // max(C - 1, 1), 1)
+    return range(t0, t0 + C * step, step)
+
+
+def probe_positions(S: int, hp: NSAParams, n: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+    """:func:`probe_range` as an int64 tensor on ``device``."""
+    r = probe_range(S, hp, n)
+    return None if r is None else torch.arange(r.start, r.stop, r.step, device=device)
+
+
+def _wide(x: torch.Tensor) -> torch.dtype:
+    """float32 at least (bf16 activations are measured in float32, float64 ones stay float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _group_rows(q: torch.Tensor, ts: torch.Tensor, H: int) -> torch.Tensor:
-    """Queries at ``ts`` as ``[B, H, h, C, Dk]`` float32 (the group's heads together)."""
+    """Queries at ``ts`` as ``[B, H, h, C, Dk]``, float32 at least (the group's heads together)."""
     B, _, HQ, Dk = q.shape
-    qs = q[:, ts].float()
+    qs = q[:, ts].to(_wide(q))
     return qs.view(B, qs.shape[1], H, HQ // H, Dk).permute(0, 2, 3, 1, 4)
 
 
-def block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSAParams, scale: float) -> torch.Tensor:
+def block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSAParams, scale: float,
+               q_start: int = 0) -> torch.Tensor:
     """Dense attention mass per selection block at ``ts``, mean over each group's heads: ``[B, H, C, nb]``.
 
-    ``q [B, S, HQ, Dk]``, ``k [B, S, H, Dk]`` (the selected branch's keys); float32, differentiable in both
-    (the alignment loss's; :func:`dense_block_mass` without gradient)."""
+    ``q [B, Sq, HQ, Dk]`` (the rows of positions ``q_start ..``), ``k [B, S, H, Dk]`` (the selected branch's
+    keys of positions ``0 .. S-1``); float32 at least, differentiable in both (the alignment loss's;
+    :func:`dense_block_mass` without gradient)."""
     _, S, H, _ = k.shape
-    qg = _group_rows(q, ts, H)
-    logits = torch.einsum("bhgcd,bshd->bhgcs", qg, k.float()) * scale
+    qg = _group_rows(q, ts - q_start, H)
+    logits = torch.einsum("bhgcd,bshd->bhgcs", qg, k.to(_wide(k))) * scale
     mask = torch.arange(S, device=q.device)[None, :] <= ts[:, None]
     p = masked_softmax(logits, mask[None, None, None])
     nb = -(-S // hp.l_sel)
@@ -80,11 +93,11 @@ def dense_block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSA
 def compressed_probs(q: torch.Tensor, k_cmp: torch.Tensor, ts: torch.Tensor, S: int, hp: NSAParams,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(p, n_vis)``: the compressed branch's attention at ``ts`` over its visible tokens, ``[B, H, h, C, n]``
-    float32 (differentiable in ``q`` and ``k_cmp``), and the visible count per position ``[C]``."""
+    float32 at least (differentiable in ``q`` and ``k_cmp``), and the visible count per position ``[C]``."""
     n, H = k_cmp.shape[1], k_cmp.shape[2]
     n_vis = visible_cmp_counts(S, hp.l, hp.d, device=q.device)[ts]
     vis = torch.arange(n, device=q.device)[None, :] < n_vis[:, None]
-    logits = torch.einsum("bhgcd,bnhd->bhgcn", _group_rows(q, ts, H), k_cmp.float()) * scale
+    logits = torch.einsum("bhgcd,bnhd->bhgcn", _group_rows(q, ts, H), k_cmp.to(_wide(k_cmp))) * scale
     return masked_softmax(logits, vis[None, None, None]), n_vis
 
 
@@ -139,12 +152,14 @@ def scorer_kl(target: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     return kl.sum(dim=-1).mean()
 
 
-def align_loss(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
-    """Mean over (batch, group, position) of ``-log recall``: the dense attention mass (:func:`block_mass`, with
-    gradient) that the selected blocks ``block_idx [B, C, H, n_sel]`` leave out, as a loss. Its gradient lowers
-    the keys selection left out and raises the chosen ones: the keys sparse training never reaches learn to
-    be suppressed (SSA, arXiv 2511.20102, in probability space), which lifts recall's ceiling."""
-    return -torch.log(recall(mass, block_idx).clamp_min(1e-6)).mean()
+def align_loss(mass: torch.Tensor, block_idx: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
+    """``-log recall`` over (batch, group, position), its mean (``reduce="sum"``: its sum): the dense attention
+    mass (:func:`block_mass`, with gradient) that the selected blocks ``block_idx [B, C, H, n_sel]`` leave out,
+    as a loss. Its gradient lowers the keys selection left out and raises the chosen ones: the keys sparse
+    training never reaches learn to be suppressed (SSA, arXiv 2511.20102, in probability space), which lifts
+    recall's ceiling."""
+    nll = -torch.log(recall(mass, block_idx).clamp_min(1e-6))
+    return nll.sum() if reduce == "sum" else nll.mean()
 
 
 def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
@@ -191,10 +206,10 @@ class AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        ctx.loss_shape = loss.shape  # type: ignore[attr-defined]
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype  # type: ignore[attr-defined]
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, grad.new_ones(ctx.loss_shape, dtype=torch.float32)  # type: ignore[attr-defined]
+        return grad, grad.new_ones(ctx.loss_shape, dtype=ctx.loss_dtype)  # type: ignore[attr-defined]
 

@@ -31,6 +31,7 @@ from nsa.model.selection import (
     recall,
     scorer_kl,
 )
+from nsa.model.stats import SCORER
 from nsa.ops import NSAParams
 from nsa.ops.torch_path import compress_avg, select_blocks
 from nsa.train.trainer import Trainer
@@ -418,7 +419,7 @@ def test_scorer_loss_under_gradient_checkpointing_equals_without(packed: bool, i
     for a, b in zip(plain, ckpt, strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(sums_ckpt, sums_plain, atol=1e-9, rtol=1e-6)  # the scorer's sums included
-    assert float(sums_plain[:, -2].min()) > 0 and float(sums_plain[:, -1].max()) <= 1.0 + 1e-9
+    assert float(sums_plain[:, SCORER].min()) > 0 and float(sums_plain[:, SCORER + 1].max()) <= 1.0 + 1e-9
 
 
 def test_selection_report_per_layer() -> None:

@@ -109,6 +109,11 @@ def test_training_records_selection_at_each_evaluation(nsa_run: tuple[Path, str]
     assert f"| recall {evals[1]['sel_recall_mean']:.2f} (min L{low_layer} " in line
     assert all(r["scorer_kl"] == "" for r in csv_rows(run / "training.csv"))
     assert all(e["scorer_kl"] is None for e in events(run) if e["event"] == "progress")
+    # the alignment loss is on by default: its mean since the last log step, about -log of the training recall
+    nll = [float(r["align_nll"]) for r in csv_rows(run / "training.csv")]
+    assert nll and all(0.0 < v < 10.0 for v in nll)
+    assert [e["align_nll"] for e in events(run) if e["event"] == "progress"][-1] == pytest.approx(nll[-1], rel=1e-6)
+    assert "sel/align_nll" in tb
 
 
 def test_scorer_kl_is_logged_while_the_scorer_trains(tmp_path: Path) -> None:
@@ -207,6 +212,7 @@ def test_report_has_the_selection_section(nsa_run: tuple[Path, str], tmp_path: P
                 f"| {r['cmp_entropy']:.3f} | {r['kl']:.3f} "
                 f"| {gates} |") in section
     assert selection_reading(s.selection) in section
+    assert s.align_nll is not None and f"Alignment loss (training, last log step): {s.align_nll:.4f}" in section
     check = next(c for c in res.checks[0] if c.name == "selection recall")
     assert check.result == "not set" and f"mean {s.sel_recall_mean:.3f}" in check.figure
     assert "selection recall" not in _failing(res)

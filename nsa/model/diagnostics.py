@@ -30,7 +30,7 @@ from nsa.model.selection import (
     probe_range,
     scorer_kl,
 )
-from nsa.model.stats import N_FIELDS, gate_sums, scorer_sums, selection_sums, summarise
+from nsa.model.stats import ALIGN, N_FIELDS, SCORER, gate_sums, scorer_sums, selection_sums, summarise
 from nsa.ops import NSAParams
 
 
@@ -73,6 +73,13 @@ class LayerDiagnostics:
     # ------------------------------------------------------------------------------------------
     # the layer's forward calls these
 
+    @torch.no_grad()
+    def count(self, field: int, mean: torch.Tensor, share: float = 1.0) -> None:
+        """One forward's auxiliary loss (a mean, ``share`` of the forward) into the running sums at ``field``
+        (:data:`nsa.model.stats.SCORER` or :data:`~nsa.model.stats.ALIGN`); nothing while suppressed."""
+        if not self.suppressed:
+            self.acc[field:field + 2].add_(scorer_sums(mean, share))
+
     def whole_sequence_only(self) -> bool:
         """The probe or the scorer's KL is on: neither runs under context parallelism (the alignment loss does:
         :meth:`align_chunk`)."""
@@ -94,8 +101,10 @@ class LayerDiagnostics:
         if not mine:
             return None
         ts = torch.tensor(mine, device=q.device)
-        mass = block_mass(q, k_sel, ts, self.hp, self.scale, q_start)
-        return align_loss(mass, block_idx[:, ts - q_start], reduce="sum")
+        total = align_loss(block_mass(q, k_sel, ts, self.hp, self.scale, q_start), block_idx[:, ts - q_start],
+                           reduce="sum")
+        self.count(ALIGN, total / (q.shape[0] * k_sel.shape[2] * len(mine)))  # this chunk's mean
+        return total
 
     def attach_align(self, o: torch.Tensor, total: torch.Tensor, count: int) -> torch.Tensor:
         """``o`` carrying ``align_weight * total / count`` into the backward (``count``: the terms of the whole
@@ -134,7 +143,7 @@ class LayerDiagnostics:
         add = torch.cat([gate_sums(gates, self.collapse_threshold), selection_sums(block_idx, self.hp.l_sel)])
         if self.acc.device != add.device:  # a module used on a device it was not moved to
             self.acc = torch.zeros(N_FIELDS, dtype=torch.float64, device=add.device)
-        # in place: torch.compile keeps one graph (the last two fields are the scorer's: scorer_loss)
+        # in place: torch.compile keeps one graph (the auxiliary losses' fields come after: count)
         self.acc[: add.numel()].add_(add)
 
     def scores(self) -> bool:
@@ -154,16 +163,15 @@ class LayerDiagnostics:
             return o
         loss = q.new_zeros((), dtype=torch.float32)
         if self._align > 0:
-            loss = loss + self.align_weight * align_loss(block_mass(q_att, k_sel, ts, self.hp, self.scale),
-                                                         block_idx[:, ts])
+            nll = align_loss(block_mass(q_att, k_sel, ts, self.hp, self.scale), block_idx[:, ts])
+            self.count(ALIGN, nll, share)
+            loss = loss + self.align_weight * nll
         if self._weight > 0:
             target = dense_block_mass(q, k_sel, ts, self.hp, self.scale)
             probs, _ = compressed_probs(q.detach() if self.scorer_into == "keys" else q, k_cmp, ts, S, self.hp,
                                         self.scale)
             kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))
-            if not self.suppressed:
-                with torch.no_grad():
-                    self.acc[N_FIELDS - 2:].add_(scorer_sums(kl, share))
+            self.count(SCORER, kl, share)
             loss = loss + kl * self.scorer_weight
         return AttachLoss.apply(o, loss * share)
 

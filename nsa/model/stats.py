@@ -3,7 +3,7 @@
 Each NSA layer keeps a small float64 vector of running sums (see ``FIELDS``); nothing in the forward
 pass reads a value back to the host. ``summarise`` turns summed vectors into the heartbeat fields
 ``gate_entropy_mean``, ``gate_branch_shares``, ``gate_collapse_fraction``, ``gate_mean``,
-``sel_keys_mean`` and ``scorer_kl``.
+``sel_keys_mean``, ``scorer_kl`` and ``align_nll``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,12 @@ FIELDS = (
     "sel_count",  # number of (token, group)
     "scorer_kl",  # sum over training forwards of the scorer loss (nsa.model.selection.scorer_kl)
     "scorer_count",  # number of those forwards
+    "align_nll",  # sum over training forwards of the alignment loss (-log recall, nsa.model.selection.align_loss)
+    "align_count",  # number of those forwards
 )
 N_FIELDS = len(FIELDS)
+SCORER = FIELDS.index("scorer_kl")  # the scorer loss's two fields start here
+ALIGN = FIELDS.index("align_nll")  # and the alignment loss's
 LN3 = math.log(3.0)
 
 
@@ -77,14 +81,16 @@ def summarise(sums: Sequence[float]) -> dict[str, float | list[float]]:
         out["gate_collapse_fraction"] = sums[7] / n
     if sums[10] > 0:
         out["sel_keys_mean"] = sums[9] / sums[10]
-    if sums[12] > 0:
-        out["scorer_kl"] = sums[11] / sums[12]
+    if sums[SCORER + 1] > 0:
+        out["scorer_kl"] = sums[SCORER] / sums[SCORER + 1]
+    if sums[ALIGN + 1] > 0:
+        out["align_nll"] = sums[ALIGN] / sums[ALIGN + 1]
     return out
 
 
 @torch.no_grad()
 def scorer_sums(kl: torch.Tensor, share: float = 1.0) -> torch.Tensor:
-    """Running-sum contributions (fields 11, 12) of one forward's scorer loss (``share``: the part of the
-    forward it covers, one packed document's tokens)."""
+    """Running-sum contributions (the two fields at :data:`SCORER`, or at :data:`ALIGN`) of one forward's scorer
+    (or alignment) loss, a mean (``share``: the part of the forward it covers, one packed document's tokens)."""
     w = torch.full((), share, dtype=torch.float64, device=kl.device)
     return torch.stack([kl.detach().to(torch.float64) * w, w])

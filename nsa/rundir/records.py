@@ -80,6 +80,7 @@ class ProgressEvent(Event, total=False):
     answer_acc: float | None
     gpu_mem_errors: dict[str, int] | None
     scorer_kl: float | None
+    align_nll: float | None
     gpu_util_pct: float | None
     gpu_mem_used_mib: float | None
 
@@ -163,6 +164,7 @@ class TrainRow(TypedDict, total=False):
     answer_loss: float | None
     answer_acc: float | None
     scorer_kl: float | None
+    align_nll: float | None
     fetch_p50_ms: float | None
     fetch_p95_ms: float | None
     mem_allocated_mib: float | None

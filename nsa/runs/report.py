@@ -492,6 +492,9 @@ def selection_section(s: RunSummary) -> list[str]:
               f"compressed entropy {fmt_value(s.cmp_entropy_mean, '.3f')} (val.csv; no per-layer figures).", ""]
     if s.scorer_kl is not None:
         L += [f"Scorer loss (training, last log step): {s.scorer_kl:.4f}.", ""]
+    if s.align_nll is not None:
+        L += [f"Alignment loss (training, last log step): {s.align_nll:.4f} (-log of the dense attention mass "
+              f"selection kept: recall about {math.exp(-s.align_nll):.3f} on training batches).", ""]
     return L
 
 

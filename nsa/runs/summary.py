@@ -118,6 +118,7 @@ class RunSummary:
     gpu_mem_errors: dict[str, int] | None = None  # GPU memory error counters (all ranks' last), when telemetry has them
     gpu_mem_errors_new: int | None = None  # how many of them appeared during the current session
     scorer_kl: float | None = None  # the scorer loss of the last progress line (scorer.weight > 0)
+    align_nll: float | None = None  # the alignment loss of the last progress line (scorer.align > 0)
     # the selection diagnostics of the last evaluation that has them (NSA models; see last_selection)
     selection_step: int | None = None
     selection: list[dict[str, Any]] | None = None  # per layer: layer, recall, cmp_entropy, kl, gates
@@ -201,6 +202,7 @@ def summarize(state: RunState, now: float, stale_s: float = DEFAULT_STALE_S) -> 
     s.sel_keys_mean = _num(last.get("sel_keys_mean"))
     s.mfu = _num(last.get("mfu"))
     s.scorer_kl = _num(last.get("scorer_kl")) if "scorer_kl" in last else _num(last_row.get("scorer_kl"))
+    s.align_nll = _num(last.get("align_nll")) if "align_nll" in last else _num(last_row.get("align_nll"))
     sel = last_selection(state)
     if sel is not None:
         s.selection_step, s.selection = sel["step"], sel["layers"]

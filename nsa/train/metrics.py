@@ -168,7 +168,7 @@ class Recorder:
             "elapsed_s": self.clock.elapsed(), "eta_s": eta,
             "answer_loss": fields.get("answer_loss"), "answer_acc": fields.get("answer_acc"),
             "fetch_p50_ms": loader_stats.get("fetch_p50_ms"), "fetch_p95_ms": loader_stats.get("fetch_p95_ms"),
-            "scorer_kl": _float(stats.get("scorer_kl")), **mem, **gpu,
+            "scorer_kl": _float(stats.get("scorer_kl")), "align_nll": _float(stats.get("align_nll")), **mem, **gpu,
         }
         shares = stats.get("gate_branch_shares")
         s.hb.emit(
@@ -182,7 +182,7 @@ class Recorder:
             data_skipped=_skipped(loader_stats), data_warnings=list(self.warnings),
             answer_loss=row["answer_loss"], answer_acc=row["answer_acc"],
             gpu_mem_errors=self.gpu.read() if self.gpu is not None else None,
-            scorer_kl=row["scorer_kl"], **gpu,
+            scorer_kl=row["scorer_kl"], align_nll=row["align_nll"], **gpu,
         )
         if heartbeat_only:
             s.out.step(step)
@@ -202,6 +202,7 @@ class Recorder:
             "gate/entropy_mean": _float(stats.get("gate_entropy_mean")),
             "gate/collapse_fraction": _float(stats.get("gate_collapse_fraction")),
             "sel/keys_mean": _float(stats.get("sel_keys_mean")), "sel/scorer_kl": row["scorer_kl"],
+            "sel/align_nll": row["align_nll"],
         }
         scalars.update({f"train/{name}": value for name, value in fields.items()})
         if shares is not None:

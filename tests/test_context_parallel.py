@@ -80,6 +80,15 @@ def test_one_rank_in_two_chunks_is_the_whole_model(attention: str, documents: bo
     cu = DOCS if documents else None
     cp = ContextParallel(None, 0, 1)
     split.set_context_parallel(cp)
+    logits = _split_is_whole(whole, split, cp, ids, labels, cu)
+    split.set_context_parallel(None)
+    assert torch.allclose(split(ids, cu_seqlens=cu).logits, logits, atol=1e-12, rtol=0)
+
+
+def _split_is_whole(whole: NSALM, split: NSALM, cp: ContextParallel, ids: torch.Tensor, labels: torch.Tensor,
+                    cu: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward and backward of both; ``split`` (one rank in chunks) has the whole model's logits at its
+    positions, loss and every gradient, in float64. Returns the whole model's logits."""
     a, b = whole(ids, labels, cu_seqlens=cu), split(cp.shard(ids), cp.shard(labels), cu_seqlens=cu)
     assert torch.allclose(b.logits, a.logits[:, cp.positions(S)], atol=1e-12, rtol=0)
     assert b.loss is not None and a.loss is not None
@@ -89,8 +98,7 @@ def test_one_rank_in_two_chunks_is_the_whole_model(attention: str, documents: bo
     for (name, p), q in zip(whole.named_parameters(), split.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert torch.allclose(q.grad, p.grad, atol=1e-12, rtol=0), name
-    split.set_context_parallel(None)
-    assert torch.allclose(split(ids, cu_seqlens=cu).logits, a.logits, atol=1e-12, rtol=0)
+    return a.logits
 
 
 def test_alignment_loss_in_chunks_is_the_whole_models() -> None:
@@ -106,14 +114,7 @@ def test_alignment_loss_in_chunks_is_the_whole_models() -> None:
         for m in (whole, split):
             m.zero_grad()
             m.configure_scorer(16, 0.0, "query_and_keys", align)
-        a, b = whole(ids, labels), split(cp.shard(ids), cp.shard(labels))
-        assert a.loss is not None and b.loss is not None
-        assert torch.allclose(b.loss, a.loss, atol=1e-12, rtol=0)
-        a.loss.backward()
-        b.loss.backward()
-        for (name, p), q in zip(whole.named_parameters(), split.parameters(), strict=True):
-            assert p.grad is not None and q.grad is not None
-            assert torch.allclose(q.grad, p.grad, atol=1e-12, rtol=0), name
+        _split_is_whole(whole, split, cp, ids, labels)
         grads.append([p.grad.clone() for p in whole.parameters() if p.grad is not None])
     assert max(float((x - y).norm()) for x, y in zip(*grads, strict=True)) > 1e-6
     split.configure_scorer(16, 0.0, "query_and_keys", 0.5)

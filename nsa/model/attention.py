@@ -310,7 +310,8 @@ class NSAAttention(nn.Module):
         kv = [p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win]
         k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw) if cu_seqlens is None else (None, None)
         collect = self.training
-        aligning = collect and cu_seqlens is None and self.diag.aligns()
+        # the alignment loss's probe positions of the whole sequence (None: off, or none to choose at this length)
+        probes = probe_range(S, self.hp, self.diag.scorer_queries) if collect and self.diag.aligns() else None
         align: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         idxs: list[torch.Tensor | None] = []
@@ -327,8 +328,8 @@ class NSAAttention(nn.Module):
                 res = self._attend_prefix(mine_q, [k_cmp[:, :n], v_cmp[:, :n], *(t[:, :stop] for t in kv[2:])],
                                           start, collect)
                 o, idx = res if isinstance(res, tuple) else (res, None)
-                if aligning and idx is not None:  # the probe positions among this chunk's rows
-                    part = self.diag.align_chunk(mine_q[0], kv[2][:, :stop], idx, start, S)
+                if probes is not None and idx is not None:  # the probe positions among this chunk's rows
+                    part = self.diag.align_chunk(mine_q[0], kv[2][:, :stop], idx, start, probes)
                     if part is not None:
                         align.append(part)
             outs.append(o)
@@ -336,10 +337,9 @@ class NSAAttention(nn.Module):
         if collect:
             self.diag.accumulate(p.gates, torch.cat([t for t in idxs if t is not None], dim=1))
         o = torch.cat(outs, dim=1)
-        if aligning:  # the whole sequence's mean over (batch, group, probe position), this rank's share
-            r = probe_range(S, self.hp, self.diag.scorer_queries)
+        if probes is not None:  # the whole sequence's mean over (batch, group, probe position), this rank's share
             total = torch.stack(align).sum() if align else o.new_zeros((), dtype=torch.float32)
-            o = self.diag.attach_align(o, total * cp.size, B * self.n_kv_groups * (len(r) if r else 1))
+            o = self.diag.attach_align(o, total * cp.size, B * self.n_kv_groups * len(probes))
         return self.o_proj(o.reshape(B, S_local, self.n_heads * self.d_v))
 
     def _attend_prefix(self, mine_q: list[torch.Tensor], kv: list[torch.Tensor], q_start: int,

@@ -27,10 +27,9 @@ from nsa.model.selection import (
     layer_report,
     merge_reports,
     probe_positions,
-    probe_range,
     scorer_kl,
 )
-from nsa.model.stats import ALIGN, N_FIELDS, SCORER, gate_sums, scorer_sums, selection_sums, summarise
+from nsa.model.stats import ALIGN, N_FIELDS, SCORER, gate_sums, loss_sums, selection_sums, summarise
 from nsa.ops import NSAParams
 
 
@@ -78,7 +77,7 @@ class LayerDiagnostics:
         """One forward's auxiliary loss (a mean, ``share`` of the forward) into the running sums at ``field``
         (:data:`nsa.model.stats.SCORER` or :data:`~nsa.model.stats.ALIGN`); nothing while suppressed."""
         if not self.suppressed:
-            self.acc[field:field + 2].add_(scorer_sums(mean, share))
+            self.acc[field:field + 2].add_(loss_sums(mean, share))
 
     def whole_sequence_only(self) -> bool:
         """The probe or the scorer's KL is on: neither runs under context parallelism (the alignment loss does:
@@ -90,21 +89,18 @@ class LayerDiagnostics:
         return self.scores() and self._align > 0
 
     def align_chunk(self, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor, q_start: int,
-                    S: int) -> torch.Tensor | None:
-        """Under context parallelism: the alignment loss's sum over the probe positions of a sequence of ``S``
-        that fall among the query rows ``q`` (positions ``q_start ..``, selection ``block_idx`` of those rows),
-        against the keys ``k_sel`` of the prefix ``0 ..`` (float32; ``None`` when none falls there)."""
-        r = probe_range(S, self.hp, self.scorer_queries)
-        if r is None:
-            return None
-        mine = [t for t in r if q_start <= t < q_start + q.shape[1]]
+                    probes: range) -> torch.Tensor | None:
+        """Under context parallelism: the alignment loss's sum over the probe positions ``probes`` (of the whole
+        sequence: :func:`nsa.model.selection.probe_range`) that fall among the query rows ``q`` (positions
+        ``q_start ..``, selection ``block_idx`` of those rows), against the keys ``k_sel`` of the prefix ``0 ..``
+        (float32 at least; ``None`` when none falls there)."""
+        mine = [t for t in probes if q_start <= t < q_start + q.shape[1]]
         if not mine:
             return None
         ts = torch.tensor(mine, device=q.device)
-        total = align_loss(block_mass(q, k_sel, ts, self.hp, self.scale, q_start), block_idx[:, ts - q_start],
-                           reduce="sum")
-        self.count(ALIGN, total / (q.shape[0] * k_sel.shape[2] * len(mine)))  # this chunk's mean
-        return total
+        mean = align_loss(block_mass(q, k_sel, ts, self.hp, self.scale, q_start), block_idx[:, ts - q_start])
+        self.count(ALIGN, mean)
+        return mean * (q.shape[0] * k_sel.shape[2] * len(mine))  # its terms: (batch, group, position)
 
     def attach_align(self, o: torch.Tensor, total: torch.Tensor, count: int) -> torch.Tensor:
         """``o`` carrying ``align_weight * total / count`` into the backward (``count``: the terms of the whole
@@ -162,12 +158,16 @@ class LayerDiagnostics:
         if ts is None or not torch.is_grad_enabled():
             return o
         loss = q.new_zeros((), dtype=torch.float32)
+        mass = None
         if self._align > 0:
-            nll = align_loss(block_mass(q_att, k_sel, ts, self.hp, self.scale), block_idx[:, ts])
+            mass = block_mass(q_att, k_sel, ts, self.hp, self.scale)
+            nll = align_loss(mass, block_idx[:, ts])
             self.count(ALIGN, nll, share)
             loss = loss + self.align_weight * nll
         if self._weight > 0:
-            target = dense_block_mass(q, k_sel, ts, self.hp, self.scale)
+            # the scorer's target: the alignment loss's mass when both read the attention's query
+            target = mass.detach() if mass is not None and q is q_att else dense_block_mass(q, k_sel, ts, self.hp,
+                                                                                             self.scale)
             probs, _ = compressed_probs(q.detach() if self.scorer_into == "keys" else q, k_cmp, ts, S, self.hp,
                                         self.scale)
             kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))

@@ -152,14 +152,13 @@ def scorer_kl(target: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     return kl.sum(dim=-1).mean()
 
 
-def align_loss(mass: torch.Tensor, block_idx: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
-    """``-log recall`` over (batch, group, position), its mean (``reduce="sum"``: its sum): the dense attention
+def align_loss(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
+    """Mean over (batch, group, position) of ``-log recall``: the dense attention
     mass (:func:`block_mass`, with gradient) that the selected blocks ``block_idx [B, C, H, n_sel]`` leave out,
     as a loss. Its gradient lowers the keys selection left out and raises the chosen ones: the keys sparse
     training never reaches learn to be suppressed (SSA, arXiv 2511.20102, in probability space), which lifts
     recall's ceiling."""
-    nll = -torch.log(recall(mass, block_idx).clamp_min(1e-6))
-    return nll.sum() if reduce == "sum" else nll.mean()
+    return -torch.log(recall(mass, block_idx).clamp_min(1e-6)).mean()
 
 
 def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,

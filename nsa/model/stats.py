@@ -89,8 +89,8 @@ def summarise(sums: Sequence[float]) -> dict[str, float | list[float]]:
 
 
 @torch.no_grad()
-def scorer_sums(kl: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+def loss_sums(mean: torch.Tensor, share: float = 1.0) -> torch.Tensor:
     """Running-sum contributions (the two fields at :data:`SCORER`, or at :data:`ALIGN`) of one forward's scorer
     (or alignment) loss, a mean (``share``: the part of the forward it covers, one packed document's tokens)."""
-    w = torch.full((), share, dtype=torch.float64, device=kl.device)
-    return torch.stack([kl.detach().to(torch.float64) * w, w])
+    w = torch.full((), share, dtype=torch.float64, device=mean.device)
+    return torch.stack([mean.detach().to(torch.float64) * w, w])

@@ -175,3 +175,20 @@ def test_bench_retrieval_flag_errors_are_one_line() -> None:
         res = runner.invoke(app, ["bench", "retrieval", *args])
         assert res.exit_code == 2, (args, res.output)
         assert "error:" in res.output and text in res.output
+
+
+def test_bench_train_runs_the_trainers_selection_losses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nsa bench train`` times the step ``nsa train`` runs: the model gets the trainer's scorer arguments
+    (the default recipe's alignment loss on; both weights per micro-batch under ``train.accum``)."""
+    from nsa.bench.train import bench_train_step
+    from nsa.config import load_run_config
+    from nsa.model.lm import NSALM
+
+    seen: list[tuple[object, ...]] = []
+    real = NSALM.configure_scorer
+    monkeypatch.setattr(NSALM, "configure_scorer", lambda self, *a: (seen.append(a), real(self, *a))[1])
+    cfg = load_run_config("tiny", environ={}, sets=["scorer.weight=0.2", "train.accum=4"]).config
+    assert cfg.scorer.model_args(4) == (64, 0.05, "query_and_keys", 0.025)
+    assert cfg.scorer.model_copy(update={"weight": 0.0, "align": 0.0}).model_args() == (0, 0.0, "query_and_keys", 0.0)
+    row = bench_train_step(cfg, attention="nsa", seq_len=64, batch_size=2, steps=1, warmup=0, device="cpu")
+    assert row.error is None and seen == [(64, 0.2, "query_and_keys", 0.1)]  # one step is one micro-batch

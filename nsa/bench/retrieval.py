@@ -90,7 +90,7 @@ def learn_retrieval(
     model = NSALM(cfg, nsa_cfg, backend=backend).to(dev)
     scorer_until: int | None = None
     if scorer is not None and scorer.active and variant != "dense":
-        model.configure_scorer(scorer.queries, scorer.weight, scorer.into, scorer.align)
+        model.configure_scorer(*scorer.model_args())
         scorer_until = scorer.until
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=0.0)

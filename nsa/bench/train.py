@@ -86,7 +86,8 @@ def bench_train_step(
     tune: Mapping[str, int | str] | None = None, profile: bool = False,
     ranks: tuple[D.DistInfo, D.Layout] | None = None,
 ) -> TrainRow:
-    """Median step time of forward + backward + optimizer step for one model variant.
+    """Median step time of forward + backward + optimizer step for one model variant, with the selection losses
+    of ``scorer`` (the alignment loss by default) as the trainer runs them.
 
     With ``runtime.compile`` the model is wrapped in ``torch.compile`` (the warm-up steps absorb the
     compilation), for NSA and dense alike, so the ratio compares like with like; ``compiled`` overrides
@@ -125,6 +126,7 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
     info, grid = ranks or (D.DistInfo(), D.Layout())
     torch.manual_seed(0)
     model = build_model(cfg).to(dev)
+    model.configure_scorer(*cfg.scorer.model_args())  # the selection losses (scorer.*), as the trainer's
     model.train()
     if use_compile:
         torch._dynamo.reset()  # a fresh graph per row: shapes differ, never the recompile limit

@@ -285,10 +285,7 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
         if plan.init_fresh:
             out.message(f"dense warm-start: key/value projections copied into every NSA branch; "
                         f"{len(plan.init_fresh)} NSA-only tensors (gates, compression) freshly initialised")
-    # per micro-batch: the losses' gradients are summed over train.accum forwards, as the language model's
-    accum = cfg.train.accum
-    model.configure_scorer(cfg.scorer.queries if cfg.scorer.active else 0, cfg.scorer.weight / accum,
-                           cfg.scorer.into, cfg.scorer.align / accum)
+    model.configure_scorer(*cfg.scorer.model_args(cfg.train.accum))
     model = model.to(rt.device)
     grid = D.layout(dist, cfg.runtime.context_parallel, rt.device_type)
     context = (ContextParallel(grid.context_group, grid.context_rank, grid.context_size)

@@ -238,6 +238,8 @@ def test_context_parallelism_composes_with_data_parallel_fsdp(tmp_path: Path) ->
                         cmd(*common, "--out-dir", str(grid), "--nproc-per-node", "4", "--context-parallel", "2",
                             "--set", "runtime.parallel=fsdp"))
     assert "4 rank(s) (2 data x 2 context)" in res.stdout + res.stderr
+    assert "scorer.align=0: the alignment loss" in res.stdout + res.stderr  # said once, why it is off
+    assert (res.stdout + res.stderr).count("scorer.align=0:") == 1
     assert _losses(grid) == pytest.approx(_losses(dp), rel=1e-4)
 
 

@@ -68,6 +68,10 @@ def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 # rank) and of 12 (two ranks), one that starts exactly at a chunk (60 = 48 + 12), one a token long, one
 # shorter than a compression block (5 < l = 8)
 DOCS = torch.tensor([0, 5, 20, 30, 48, 60, 61, 90, 96], dtype=torch.int32)
+# documents long enough to choose blocks (more than n_sel * l_sel = 24 tokens), for the alignment loss: one from
+# the start of row 0 (40 tokens), one from position 2 of row 1 (46 tokens); their probe positions (24-39 of each,
+# positions 24-39 and 26-41 of the rows) cross the chunks of 12 (two ranks), and each document runs over chunks
+LONG_DOCS = torch.tensor([0, 40, 48, 50, 96], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("documents", [False, True])
@@ -101,10 +105,13 @@ def _split_is_whole(whole: NSALM, split: NSALM, cp: ContextParallel, ids: torch.
     return a.logits
 
 
-def test_alignment_loss_in_chunks_is_the_whole_models() -> None:
+@pytest.mark.parametrize("cu", [None, LONG_DOCS], ids=["sequence", "documents"])
+def test_alignment_loss_in_chunks_is_the_whole_models(cu: torch.Tensor | None) -> None:
     """Seed 5 weights, seed 7 data, float64, the alignment loss on (weight 0.5, 16 probe positions): one rank in
-    two chunks (the probe positions all in the second) gives the whole model's loss and every gradient; the
-    same model without the loss differs (the loss reaches the gradients). With packed documents it is refused."""
+    two chunks gives the whole model's loss, every gradient and the loss's running mean (``align_nll``); the
+    same model without the loss differs (the loss reaches the gradients). Over packed documents
+    (:data:`LONG_DOCS`) each document has its own probe positions, its mean weighted by its share of the tokens
+    (split between ranks' chunks in the gloo test)."""
     whole, split = _models("nsa")
     ids, labels = _data(7)
     cp = ContextParallel(None, 0, 1)
@@ -114,12 +121,12 @@ def test_alignment_loss_in_chunks_is_the_whole_models() -> None:
         for m in (whole, split):
             m.zero_grad()
             m.configure_scorer(16, 0.0, "query_and_keys", align)
-        _split_is_whole(whole, split, cp, ids, labels)
+        _split_is_whole(whole, split, cp, ids, labels, cu)
         grads.append([p.grad.clone() for p in whole.parameters() if p.grad is not None])
+        if align:  # the running means of the loss, as training telemetry reads them
+            means = [m.consume_stats()["align_nll"] for m in (whole, split)]
+            assert means[0] == pytest.approx(means[1], rel=1e-12, abs=0) and means[0] > 0
     assert max(float((x - y).norm()) for x, y in zip(*grads, strict=True)) > 1e-6
-    split.configure_scorer(16, 0.0, "query_and_keys", 0.5)
-    with pytest.raises(ValueError, match="packed documents"):
-        split(cp.shard(ids), cp.shard(labels), cu_seqlens=DOCS)
 
 
 def reduced(model: torch.nn.Module, loss: torch.Tensor, size: int) -> tuple[list[torch.Tensor], float]:
@@ -137,8 +144,10 @@ def reduced(model: torch.nn.Module, loss: torch.Tensor, size: int) -> tuple[list
 
 def _cases(attentions: list[str]) -> list[tuple[str, torch.Tensor | None, float]]:
     """(attention, packed documents, alignment loss weight) of the gloo test: each attention alone and over
-    :data:`DOCS`, NSA also with the alignment loss (whose probe positions fall on both ranks' chunks)."""
-    return [(a, cu, 0.0) for a in attentions for cu in (None, DOCS)] + [("nsa", None, 0.5)] * ("nsa" in attentions)
+    :data:`DOCS`, NSA also with the alignment loss (whose probe positions fall on both ranks' chunks), alone
+    and over :data:`LONG_DOCS`."""
+    return [(a, cu, 0.0) for a in attentions for cu in (None, DOCS)] + [
+        ("nsa", cu, 0.5) for cu in (None, LONG_DOCS) if "nsa" in attentions]
 
 
 def _worker(rank: int, size: int, port: int, attentions: list[str], out: Any) -> None:
@@ -168,7 +177,7 @@ def test_split_over_gloo_ranks_is_the_whole_model(size: int, attentions: list[st
     """Seed 5 weights, seed 11 data, float64: each rank's logits are the whole model's at its positions, the
     mean of the ranks' losses is the whole loss, and their reduced gradients are the whole gradients; the same
     with packed documents (:data:`DOCS`) that cross the ranks' chunks, and with the alignment loss (its probe
-    positions on both ranks: each rank's share of the whole sequence's mean)."""
+    positions on both ranks: each rank's share of the whole sequence's mean), alone and over packed documents."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -238,8 +247,6 @@ def test_context_parallelism_composes_with_data_parallel_fsdp(tmp_path: Path) ->
                         cmd(*common, "--out-dir", str(grid), "--nproc-per-node", "4", "--context-parallel", "2",
                             "--set", "runtime.parallel=fsdp"))
     assert "4 rank(s) (2 data x 2 context)" in res.stdout + res.stderr
-    assert "scorer.align=0: the alignment loss" in res.stdout + res.stderr  # said once, why it is off
-    assert (res.stdout + res.stderr).count("scorer.align=0:") == 1
     assert _losses(grid) == pytest.approx(_losses(dp), rel=1e-4)
 
 
@@ -252,17 +259,13 @@ def test_context_parallel_settings_that_cannot_work_are_one_line(tmp_path: Path)
     bad = {
         ("train.seq_len=40", "runtime.context_parallel=3"): "must split into 6 equal chunks",
         ("scorer.weight=0.1", "runtime.context_parallel=2"): "scorer loss",
-        ("scorer.align=0.1", "data.document_mask=true", "runtime.context_parallel=2"): "alignment loss",
     }
     for sets, want in bad.items():
         with pytest.raises(NSAError, match=want):
             load_run_config("tiny", environ={}, sets=list(sets))
-    # the default recipe's alignment loss: on, under context parallelism too, but off (and saved as off) where
-    # it does not run, context parallelism over packed documents
-    assert load_run_config("tiny", environ={}, sets=[]).config.scorer.align == 0.1
-    assert load_run_config("tiny", environ={}, sets=["runtime.context_parallel=2"]).config.scorer.align == 0.1
-    cp_cfg = load_run_config("tiny", environ={}, sets=["runtime.context_parallel=2", "data.document_mask=true"]).config
-    assert cp_cfg.scorer.align == 0.0 and "align: 0.0" in cp_cfg.to_yaml()
+    # the default recipe's alignment loss: on, under context parallelism too, over packed documents as well
+    for sets in ([], ["runtime.context_parallel=2"], ["runtime.context_parallel=2", "data.document_mask=true"]):
+        assert load_run_config("tiny", environ={}, sets=sets).config.scorer.align == 0.1, sets
     with pytest.raises(NSAError, match=r"context_parallel=2 must divide the 1 rank\(s\)"):
         Trainer(resolve(tmp_path / "x", 2, runtime__context_parallel=2), reporter=quiet())
     res = subprocess.run(cmd("--steps", "2", "--out-dir", str(tmp_path / "y"), "--context-parallel", "2"),

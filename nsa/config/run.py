@@ -223,11 +223,6 @@ class RunConfig(_Section):
             if self.scorer.weight > 0:
                 raise ValueError("the scorer loss (scorer.weight) does not run under runtime.context_parallel: "
                                  "set one of them")
-            if self.scorer.align > 0 and self.data.document_mask:
-                if "align" in self.scorer.model_fields_set:
-                    raise ValueError("the alignment loss (scorer.align) does not run under runtime.context_parallel "
-                                     "with data.document_mask: set one of them")
-                self.scorer.align = 0.0  # the default recipe's: off where it does not run
         return self
 
     def to_yaml(self) -> str:

@@ -112,8 +112,7 @@ class ScorerConfig(ConfigSection):
         0.1, ge=0, description="alignment loss weight (0: off): -log of the dense attention mass inside the selected "
                                "blocks at the same query positions, its gradient into the layer's query and selected "
                                "keys (the keys selection leaves out learn to be suppressed: SSA, arXiv 2511.20102). "
-                               "On by default (docs/benchmarks/quality-sweep-h100.md); left at its default it is off "
-                               "under runtime.context_parallel with data.document_mask, where it does not run")
+                               "On by default (docs/benchmarks/quality-sweep-h100.md)")
 
     @property
     def active(self) -> bool:

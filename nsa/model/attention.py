@@ -300,8 +300,6 @@ class NSAAttention(nn.Module):
         (``cu_seqlens`` of the whole batch) to its documents' (:func:`nsa.model.documents.chunk_attend`)."""
         if self.diag.whole_sequence_only():
             raise ValueError("the scorer loss and selection probes do not run under context parallelism")
-        if cu_seqlens is not None and self.training and self.diag.aligns():
-            raise ValueError("the alignment loss does not run under context parallelism with packed documents")
         B, S_local, _ = x.shape
         S = S_local * cp.size
         mine = cp.positions(S, x.device)
@@ -310,8 +308,10 @@ class NSAAttention(nn.Module):
         kv = [p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win]
         k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw) if cu_seqlens is None else (None, None)
         collect = self.training
-        # the alignment loss's probe positions of the whole sequence (None: off, or none to choose at this length)
-        probes = probe_range(S, self.hp, self.diag.scorer_queries) if collect and self.diag.aligns() else None
+        aligning = collect and self.diag.aligns()
+        # the alignment loss's probe positions of the whole sequence (None: off, none to choose at this length, or
+        # packed documents: each its own)
+        probes = probe_range(S, self.hp, self.diag.scorer_queries) if aligning and cu_seqlens is None else None
         align: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         idxs: list[torch.Tensor | None] = []
@@ -322,6 +322,11 @@ class NSAAttention(nn.Module):
             idx: torch.Tensor | None
             if cu_seqlens is not None:  # packed documents: each compressed from its own start
                 o, idx = documents.chunk_attend(self._attend_documents_piece, mine_q, kv, cu_seqlens, start, stop)
+                if aligning:  # the probe positions of each document among this chunk's rows
+                    part = documents.outside_graph(self._align_documents)(mine_q[0], kv[2], idx, cu_seqlens, start,
+                                                                           stop)
+                    if part is not None:
+                        align.append(part)
             else:
                 assert k_cmp is not None and v_cmp is not None
                 n = num_cmp(stop, self.hp.l, self.hp.d)
@@ -340,7 +345,17 @@ class NSAAttention(nn.Module):
         if probes is not None:  # the whole sequence's mean over (batch, group, probe position), this rank's share
             total = torch.stack(align).sum() if align else o.new_zeros((), dtype=torch.float32)
             o = self.diag.attach_align(o, total * cp.size, B * self.n_kv_groups * len(probes))
+        elif align:  # packed documents: each document's mean by its share of the batch, this rank's part
+            o = self.diag.attach_align(o, torch.stack(align).sum() * cp.size, 1)
         return self.o_proj(o.reshape(B, S_local, self.n_heads * self.d_v))
+
+    def _align_documents(self, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor,
+                         cu_seqlens: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+        """The alignment loss of the query rows ``q`` at ``start .. stop - 1`` over packed documents
+        (:meth:`LayerDiagnostics.align_documents`; eager: the documents' host offsets)."""
+        B, S = k_sel.shape[:2]
+        spans = documents.chunk_spans(cu_seqlens, B, S, start, stop)
+        return self.diag.align_documents(q, k_sel, block_idx, start, spans, B * S)
 
     def _attend_prefix(self, mine_q: list[torch.Tensor], kv: list[torch.Tensor], q_start: int,
                        want_idx: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from nsa.model.selection import (
     layer_report,
     merge_reports,
     probe_positions,
+    probe_range,
     scorer_kl,
 )
 from nsa.model.stats import ALIGN, N_FIELDS, SCORER, gate_sums, loss_sums, selection_sums, summarise
@@ -99,8 +100,31 @@ class LayerDiagnostics:
             return None
         ts = torch.tensor(mine, device=q.device)
         mean = align_loss(block_mass(q, k_sel, ts, self.hp, self.scale, q_start), block_idx[:, ts - q_start])
-        self.count(ALIGN, mean)
+        self.count(ALIGN, mean, len(mine) / len(probes))  # its part of the whole sequence's mean
         return mean * (q.shape[0] * k_sel.shape[2] * len(mine))  # its terms: (batch, group, position)
+
+    def align_documents(self, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor, q_start: int,
+                        spans: list[tuple[int, int, int]], tokens: int) -> torch.Tensor | None:
+        """Under context parallelism over packed documents: the alignment loss of the query rows ``q`` (positions
+        ``q_start ..`` of the batch's rows; ``block_idx`` in each document's own positions) for the documents
+        ``spans`` (:func:`nsa.model.documents.chunk_spans`) long enough to choose, against the keys ``k_sel`` of the
+        whole batch. Each document's mean over its probe positions (:func:`nsa.model.selection.probe_range` of its
+        length) weighs by its share of the batch's ``tokens``, as in the whole model's packed forward; the terms of
+        its positions here are this part of it. ``None`` when none of them falls here."""
+        parts = []
+        for b, s0, length in spans:
+            probes = probe_range(length, self.hp, self.scorer_queries)
+            mine = [] if probes is None else [t for t in probes if q_start <= s0 + t < q_start + q.shape[1]]
+            if not mine:
+                continue
+            assert probes is not None
+            ts = torch.tensor(mine, device=q.device)
+            mass = block_mass(q[b:b + 1], k_sel[b:b + 1, s0:s0 + mine[-1] + 1], ts, self.hp, self.scale, q_start - s0)
+            mean = align_loss(mass, block_idx[b:b + 1, ts + s0 - q_start])
+            share = length / tokens * len(mine) / len(probes)
+            self.count(ALIGN, mean, share)
+            parts.append(mean * share)
+        return torch.stack(parts).sum() if parts else None
 
     def attach_align(self, o: torch.Tensor, total: torch.Tensor, count: int) -> torch.Tensor:
         """``o`` carrying ``align_weight * total / count`` into the backward (``count``: the terms of the whole

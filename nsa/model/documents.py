@@ -9,6 +9,8 @@ graph break per layer: its bucket shapes depend on the data); the rest of the mo
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
+from typing import Any
 
 import torch
 
@@ -35,14 +37,23 @@ def attend(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], rows: lis
     outputs back as ``[B, S, ...]``. ``alone_from``: each document of at least that many rows in a call of
     its own, unpadded (``n = 1``; 0: every document). Outside ``torch.compile``'s graph (host offsets; one
     graph break)."""
-    return _outside_graph(_attend)(fn, rows, cu_seqlens, alone_from)
+    return outside_graph(_attend)(fn, rows, cu_seqlens, alone_from)
 
 
-_DISABLED: dict[Callable[..., list[torch.Tensor]], Callable[..., list[torch.Tensor]]] = {}
+def chunk_spans(cu_seqlens: torch.Tensor, B: int, S: int, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """``(row, first position in the row, length)`` of each document of a ``[B, S]`` batch (``cu_seqlens`` over
+    the whole batch) with positions in ``start .. stop - 1`` (host; eager)."""
+    cu = offsets(cu_seqlens, B, S)
+    return [(a // S, a % S, b - a) for a, b in pairwise(cu)
+            if a % S < stop and a % S + (b - a) > start]
 
 
-def _outside_graph(f: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torch.Tensor]]:
-    """``f`` under ``torch.compiler.disable``, wrapped on first use (that imports Dynamo: 7-8 s of every start)."""
+_DISABLED: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def outside_graph(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` under ``torch.compiler.disable`` (run eagerly: the host offsets inside it never become guards),
+    wrapped on first use (that imports Dynamo: 7-8 s of every start)."""
     if f not in _DISABLED:
         _DISABLED[f] = torch.compiler.disable(f)
     return _DISABLED[f]
@@ -79,7 +90,7 @@ def chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tup
     Per row of the batch, the document that runs into the chunk from before it goes alone (its queries at an
     offset into its own keys), and the documents that start inside the chunk go together as packed documents
     (:func:`nsa.ops.varlen.run_packed`). Outside ``torch.compile``'s graph, as :func:`attend`."""
-    return _outside_graph(_chunk_attend)(fn, q_rows, kv_rows, cu_seqlens, start, stop)
+    return outside_graph(_chunk_attend)(fn, q_rows, kv_rows, cu_seqlens, start, stop)
 
 
 def _chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tuple[torch.Tensor, ...]],

@@ -291,9 +291,6 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     context = (ContextParallel(grid.context_group, grid.context_rank, grid.context_size)
                if grid.context_size > 1 else None)
     model.set_context_parallel(context)
-    if context is not None and cfg.data.document_mask and cfg.scorer.align == 0:
-        out.message("scorer.align=0: the alignment loss (on in the default recipe) does not run under context "
-                    "parallelism over packed documents (data.document_mask)")
     model.set_gradient_checkpointing(cfg.runtime.gradient_checkpointing)
     compiled = cfg.runtime.compiles(rt.device_type)
     # wrapped before the optimizer is built: FSDP replaces the parameters by their shards

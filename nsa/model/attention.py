@@ -323,8 +323,8 @@ class NSAAttention(nn.Module):
             if cu_seqlens is not None:  # packed documents: each compressed from its own start
                 o, idx = documents.chunk_attend(self._attend_documents_piece, mine_q, kv, cu_seqlens, start, stop)
                 if aligning:  # the probe positions of each document among this chunk's rows
-                    part = documents.outside_graph(self._align_documents)(mine_q[0], kv[2], idx, cu_seqlens, start,
-                                                                           stop)
+                    part = documents.outside_graph(_align_documents)(self.diag, mine_q[0], kv[2], idx, cu_seqlens,
+                                                                      start, stop)
                     if part is not None:
                         align.append(part)
             else:
@@ -348,14 +348,6 @@ class NSAAttention(nn.Module):
         elif align:  # packed documents: each document's mean by its share of the batch, this rank's part
             o = self.diag.attach_align(o, torch.stack(align).sum() * cp.size, 1)
         return self.o_proj(o.reshape(B, S_local, self.n_heads * self.d_v))
-
-    def _align_documents(self, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor,
-                         cu_seqlens: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
-        """The alignment loss of the query rows ``q`` at ``start .. stop - 1`` over packed documents
-        (:meth:`LayerDiagnostics.align_documents`; eager: the documents' host offsets)."""
-        B, S = k_sel.shape[:2]
-        spans = documents.chunk_spans(cu_seqlens, B, S, start, stop)
-        return self.diag.align_documents(q, k_sel, block_idx, start, spans, B * S)
 
     def _attend_prefix(self, mine_q: list[torch.Tensor], kv: list[torch.Tensor], q_start: int,
                        want_idx: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -453,3 +445,11 @@ class NSAAttention(nn.Module):
             f"window_query={self.q_win_proj is not None}, kv_speed={self.kv_speed}"
             + (f", fixed_gates={self.gates.fixed}" if self.gates.fixed is not None else "")
         )
+
+
+def _align_documents(diag: LayerDiagnostics, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor,
+                     cu_seqlens: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+    """The alignment loss of the query rows ``q`` at ``start .. stop - 1`` over packed documents
+    (:meth:`LayerDiagnostics.align_documents`; run eagerly: the documents' host offsets)."""
+    B, S = k_sel.shape[:2]
+    return diag.align_documents(q, k_sel, block_idx, start, documents.chunk_spans(cu_seqlens, B, S, start, stop), B * S)

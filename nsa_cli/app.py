@@ -6,6 +6,7 @@ itself (the traceback names the module), never a command missing from ``nsa --he
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -31,7 +32,7 @@ from nsa_cli.commands import (
     watch,
 )
 from nsa_cli.commands import eval as eval_command
-from nsa_cli.errors import EXIT_INTERRUPTED, STATE, usage_line
+from nsa_cli.errors import EXIT_INTERRUPTED, EXIT_USAGE, STATE, usage_line
 
 
 class Group(TyperGroup):
@@ -60,8 +61,21 @@ class Group(TyperGroup):
             typer.echo("interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)
         if standalone_mode:
-            sys.exit(rv if isinstance(rv, int) else 0)
+            code = rv if isinstance(rv, int) else 0
+            if code == EXIT_USAGE and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                _rank_exit(code)
+            sys.exit(code)
         return rv
+
+
+def _rank_exit(code: int) -> None:
+    """A torchrun rank refused its input (said in one line, its files closed, its process group destroyed): exit
+    now, without the interpreter's teardown, where the distributed runtime's threads can outlive the store
+    another node's launcher has closed and abort the process ("terminate called without an active exception",
+    exit -6 instead of 2)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 app = typer.Typer(

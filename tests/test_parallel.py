@@ -209,6 +209,27 @@ def test_a_user_error_in_the_ranks_is_one_line_through_the_launcher(tmp_path: Pa
     assert "a rank exited with code 2" in res.stderr
 
 
+RANK_REFUSED = """
+import atexit, sys
+atexit.register(lambda: print("teardown ran", file=sys.stderr))
+sys.argv = ["nsa", "train", "--config", "no-such-config", "--steps", "1"]
+from nsa_cli.app import main
+main()
+"""
+
+
+def test_a_rank_that_refuses_its_input_exits_2_without_the_interpreters_teardown() -> None:
+    """A torchrun rank (``WORLD_SIZE`` > 1) that says a user error in one line exits 2 at once, before the
+    interpreter's teardown (where the distributed runtime's threads could abort it: exit -6); alone, the same
+    error exits 2 through the ordinary teardown."""
+    for world, teardown in (("2", False), ("1", True)):
+        res = subprocess.run([sys.executable, "-c", RANK_REFUSED], env={**_env(), "WORLD_SIZE": world},
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert res.stderr.count("error:") == 1 and "no-such-config" in res.stderr, res.stderr[-2000:]
+        assert ("teardown ran" in res.stderr) is teardown, (world, res.stderr[-2000:])
+
+
 @pytest.mark.slow
 def test_nodes_that_resolve_different_configs_are_refused(tmp_path: Path) -> None:
     """Two nodes started with different flags stop before any work with one line naming the key, and both

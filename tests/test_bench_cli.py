@@ -153,12 +153,25 @@ def test_bench_flag_errors_are_one_line() -> None:
         assert "error:" in res.output
 
 
-def test_bench_retrieval_writes_curves(tmp_path: Path) -> None:
-    """A few steps of the retrieval benchmark on the CPU: the table, and one curve per variant in JSON."""
+def test_bench_retrieval_writes_curves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few steps of the retrieval benchmark on the CPU: the table, and one curve per variant in JSON; the NSA
+    model trains with the config's selection losses (the default alignment loss), the window control without."""
+    from nsa.bench import retrieval as bench_retrieval
+    from nsa.model.lm import NSALM
+
+    configured: list[tuple[object, ...]] = []
+    real = NSALM.configure_scorer
+    monkeypatch.setattr(NSALM, "configure_scorer", lambda self, *a: (configured.append(a), real(self, *a))[1])
+    variants: list[str] = []
+    learn = bench_retrieval.learn_retrieval
+    monkeypatch.setattr(bench_retrieval, "learn_retrieval",
+                        lambda *a, **k: (variants.append(a[3]), learn(*a, **k))[1])
     out = tmp_path / "retrieval.json"
     res = runner.invoke(app, ["bench", "retrieval", "--config", "tiny", "--seq-len", "64", "--gap", "20", "--steps", "4",
                               "--eval-every", "2", "--eval-samples", "8", "--variants", "nsa,window", "--json-out", str(out)])
     assert res.exit_code == 0, res.output
+    assert variants == ["nsa", "window"] and configured == [(64, 0.0, "query_and_keys", 0.1)]  # nsa's only
+    assert json.loads(out.read_text())["scorer"]["align"] == 0.1
     assert "retrieval at S=64" in res.output
     data = json.loads(out.read_text())
     assert data["command"] == "bench retrieval" and data["environment"]["torch"] and data["gap"] == 20

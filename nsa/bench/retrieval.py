@@ -89,7 +89,7 @@ def learn_retrieval(
     torch.manual_seed(seed)
     model = NSALM(cfg, nsa_cfg, backend=backend).to(dev)
     scorer_until: int | None = None
-    if scorer is not None and scorer.active and variant != "dense":
+    if scorer is not None and scorer.active and variant == "nsa":  # the window control has no selection to train
         model.configure_scorer(*scorer.model_args())
         scorer_until = scorer.until
     model.train()

@@ -74,7 +74,8 @@ def retrieval(
                                   f"gates {p.gates} | {eta.line(before + p.step)}", highlight=False)
 
                 curves.append(learn_retrieval(cfg.model, cfg.nsa, task, v, recipe=recipe, seed=seed, device=device,
-                                              backend="torch" if device == "cpu" else None, on_point=show))
+                                              backend="torch" if device == "cpu" else None, on_point=show,
+                                              scorer=cfg.scorer))
         table = Table(title=f"retrieval at S={seq_len}, gap >= {gap} ({device}, config {config}, {steps} steps)")
         for col in ("variant", "seed", f"steps to {target:g}", "final acc", "final loss", "gates (cmp, sel, win)"):
             table.add_column(col, justify="right")
@@ -85,6 +86,7 @@ def retrieval(
         console.print(table)
         payload = {"command": "bench retrieval", "config": config, "sets": sets, "seq_len": seq_len, "gap": gap,
                    "recipe": recipe.__dict__, "nsa": cfg.nsa.model_dump(mode="json"),
+                   "scorer": cfg.scorer.model_dump(mode="json"),
                    "model": cfg.model.model_dump(mode="json"), "environment": environment(),
                    "curves": [c.to_dict() for c in curves]}
         render.json_outputs(payload, as_json=as_json, json_out=json_out, indent=1)

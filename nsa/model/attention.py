@@ -334,7 +334,7 @@ class NSAAttention(nn.Module):
                                           start, collect)
                 o, idx = res if isinstance(res, tuple) else (res, None)
                 if probes is not None and idx is not None:  # the probe positions among this chunk's rows
-                    part = self.diag.align_chunk(mine_q[0], kv[2][:, :stop], idx, start, probes)
+                    part = self.diag.align_part(mine_q[0], kv[2][:, :stop], idx, start, probes)
                     if part is not None:
                         align.append(part)
             outs.append(o)
@@ -342,11 +342,8 @@ class NSAAttention(nn.Module):
         if collect:
             self.diag.accumulate(p.gates, torch.cat([t for t in idxs if t is not None], dim=1))
         o = torch.cat(outs, dim=1)
-        if probes is not None:  # the whole sequence's mean over (batch, group, probe position), this rank's share
-            total = torch.stack(align).sum() if align else o.new_zeros((), dtype=torch.float32)
-            o = self.diag.attach_align(o, total * cp.size, B * self.n_kv_groups * len(probes))
-        elif align:  # packed documents: each document's mean by its share of the batch, this rank's part
-            o = self.diag.attach_align(o, torch.stack(align).sum() * cp.size, 1)
+        if align:  # this rank's parts of the whole forward's loss
+            o = self.diag.attach_align(o, torch.stack(align).sum() * cp.size)
         return self.o_proj(o.reshape(B, S_local, self.n_heads * self.d_v))
 
     def _attend_prefix(self, mine_q: list[torch.Tensor], kv: list[torch.Tensor], q_start: int,

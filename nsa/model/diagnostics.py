@@ -82,55 +82,52 @@ class LayerDiagnostics:
 
     def whole_sequence_only(self) -> bool:
         """The probe or the scorer's KL is on: neither runs under context parallelism (the alignment loss does:
-        :meth:`align_chunk`)."""
+        :meth:`align_part`)."""
         return self.probe_queries > 0 or (self.scorer_queries > 0 and self._weight > 0)
 
     def aligns(self) -> bool:
         """Whether a training forward now computes the alignment loss."""
         return self.scores() and self._align > 0
 
-    def align_chunk(self, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor, q_start: int,
-                    probes: range) -> torch.Tensor | None:
-        """Under context parallelism: the alignment loss's sum over the probe positions ``probes`` (of the whole
-        sequence: :func:`nsa.model.selection.probe_range`) that fall among the query rows ``q`` (positions
-        ``q_start ..``, selection ``block_idx`` of those rows), against the keys ``k_sel`` of the prefix ``0 ..``
-        (float32 at least; ``None`` when none falls there)."""
+    def align_part(self, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor, q_start: int,
+                   probes: range, weight: float = 1.0) -> torch.Tensor | None:
+        """Under context parallelism: the alignment loss's part from the probe positions ``probes`` (of a whole
+        sequence, or of one document: :func:`nsa.model.selection.probe_range` of its length) that fall among the
+        query rows ``q`` (positions ``q_start ..`` of the keys ``k_sel``, which start at position 0; selection
+        ``block_idx`` of those rows): their mean times their share of ``probes`` times ``weight`` (a document's
+        share of the forward's tokens), so the parts add up to the whole forward's loss (float32 at least;
+        ``None`` when no position falls here)."""
         mine = [t for t in probes if q_start <= t < q_start + q.shape[1]]
         if not mine:
             return None
         ts = torch.tensor(mine, device=q.device)
         mean = align_loss(block_mass(q, k_sel, ts, self.hp, self.scale, q_start), block_idx[:, ts - q_start])
-        self.count(ALIGN, mean, len(mine) / len(probes))  # its part of the whole sequence's mean
-        return mean * (q.shape[0] * k_sel.shape[2] * len(mine))  # its terms: (batch, group, position)
+        share = weight * len(mine) / len(probes)
+        self.count(ALIGN, mean, share)
+        return mean * share
 
     def align_documents(self, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor, q_start: int,
                         spans: list[tuple[int, int, int]], tokens: int) -> torch.Tensor | None:
-        """Under context parallelism over packed documents: the alignment loss of the query rows ``q`` (positions
-        ``q_start ..`` of the batch's rows; ``block_idx`` in each document's own positions) for the documents
-        ``spans`` (:func:`nsa.model.documents.chunk_spans`) long enough to choose, against the keys ``k_sel`` of the
-        whole batch. Each document's mean over its probe positions (:func:`nsa.model.selection.probe_range` of its
-        length) weighs by its share of the batch's ``tokens``, as in the whole model's packed forward; the terms of
-        its positions here are this part of it. ``None`` when none of them falls here."""
+        """:meth:`align_part` over packed documents: the query rows ``q`` at ``q_start ..`` of the batch's rows
+        (``block_idx`` in each document's own positions), for each document of ``spans``
+        (:func:`nsa.model.documents.chunk_spans`) long enough to choose, its probe positions against its own keys
+        of ``k_sel`` (the whole batch's), weighted by its share of the batch's ``tokens`` as in the whole model's
+        packed forward. ``None`` when none of them falls here."""
+        stop = q_start + q.shape[1]
         parts = []
         for b, s0, length in spans:
             probes = probe_range(length, self.hp, self.scorer_queries)
-            mine = [] if probes is None else [t for t in probes if q_start <= s0 + t < q_start + q.shape[1]]
-            if not mine:
-                continue
-            assert probes is not None
-            ts = torch.tensor(mine, device=q.device)
-            mass = block_mass(q[b:b + 1], k_sel[b:b + 1, s0:s0 + mine[-1] + 1], ts, self.hp, self.scale, q_start - s0)
-            mean = align_loss(mass, block_idx[b:b + 1, ts + s0 - q_start])
-            share = length / tokens * len(mine) / len(probes)
-            self.count(ALIGN, mean, share)
-            parts.append(mean * share)
+            part = None if probes is None else self.align_part(q[b:b + 1], k_sel[b:b + 1, s0:stop], block_idx[b:b + 1],
+                                                               q_start - s0, probes, length / tokens)
+            if part is not None:
+                parts.append(part)
         return torch.stack(parts).sum() if parts else None
 
-    def attach_align(self, o: torch.Tensor, total: torch.Tensor, count: int) -> torch.Tensor:
-        """``o`` carrying ``align_weight * total / count`` into the backward (``count``: the terms of the whole
-        sequence's mean; a context-parallel rank passes its sum times the group's size, as its language loss is
-        the mean of its own rows)."""
-        return AttachLoss.apply(o, total * self.align_weight / count)
+    def attach_align(self, o: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """``o`` carrying ``align_weight * total`` into the backward (``total``: the parts of :meth:`align_part`; a
+        context-parallel rank passes their sum times the group's size, as its language loss is the mean of its
+        own rows)."""
+        return AttachLoss.apply(o, total * self.align_weight)
 
     def observe(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, gates: torch.Tensor,
                 block_idx: torch.Tensor, o: torch.Tensor, collect: bool,

@@ -140,6 +140,9 @@ class QualityRow:
     loss_by_position: list[dict[str, Any]] = field(default_factory=list)  # held-out loss per window range
     loss_by_context: list[dict[str, Any]] = field(default_factory=list)  # the same tokens in shorter windows
     status: str = "completed"
+    budget: str = "tokens"  # "tokens": every arm the same steps; "time": the same GPU time (BUDGETS)
+    step_ms: float | None = None  # the arm's step as probed alone on its GPU (probe_step_ms; time budgets)
+    gpu_seconds: float | None = None  # steps x step_ms: the GPU time the budget gave this run
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,15 +216,16 @@ def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> FinalM
 
 
 def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,
-                 queries: int = 64, log: Callable[[str], None] | None = None) -> QualityRow:
+                 queries: int = 64, log: Callable[[str], None] | None = None, budget: str = "tokens") -> QualityRow:
     """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it. The run is
     named ``<arm>-seed<seed>`` (a restarted phase ``<arm>-warm-seed<seed>``, ``<arm>-warm2-seed<seed>``, ...),
-    so reports and charts of several runs tell them apart."""
-    run_dir = out_dir / arm.name / f"seed{seed}"
+    so reports and charts of several runs tell them apart; a run of the equal-time budget is ``time-seed<seed>``."""
+    tag = f"seed{seed}" if budget == "tokens" else f"{budget}-seed{seed}"
+    run_dir = out_dir / arm.name / tag
     if run_dir.exists():
         shutil.rmtree(run_dir)
     common = [*base_sets, f"train.seed={seed}", "checkpoint.every=0", "train.resume=null"]
-    row = QualityRow(arm.name, seed, steps=steps)
+    row = QualityRow(arm.name, seed, steps=steps, budget=budget)
     train = _resolve(config, [*common, *arm.sets]).config.train if arm.warm else None
     restart = arm.restart or bool(arm.warm_sets)
     phases: list[list[str]] = []  # each phase's sets
@@ -234,10 +238,10 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
                 raise ConfigError(f"arm {arm.name}: train.seq_len={train.seq_len} does not split into {div} windows",
                                   hint="pick a seq_len divisible by it")
             shorter = [f"train.seq_len={train.seq_len // div}", f"train.batch_size={train.batch_size * div}"]
-        tag = "warm" if i == 0 else f"warm{i + 1}"
+        part = "warm" if i == 0 else f"warm{i + 1}"
         if restart:
-            phases.append([*arm.warm_sets, *shorter, f"train.steps={phase_steps}", f"train.out_dir={run_dir / tag}",
-                           f"train.run_name={arm.name}-{tag}-seed{seed}"])
+            phases.append([*arm.warm_sets, *shorter, f"train.steps={phase_steps}", f"train.out_dir={run_dir / part}",
+                           f"train.run_name={arm.name}-{part}-{tag}"])
         else:
             phases.append([*shorter, f"train.steps={steps}", f"train.stop_at={done + phase_steps}"])
         done += phase_steps
@@ -254,7 +258,7 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
             start = [f"train.init_from={before}"] if before else []
         else:  # the same run directory, resumed
             start = [f"train.out_dir={run_dir}"] + (["train.resume=auto"] if before else [])
-        resolved = _resolve(config, [*common, *arm.sets, f"train.run_name={arm.name}-seed{seed}", *sets, *start])
+        resolved = _resolve(config, [*common, *arm.sets, f"train.run_name={arm.name}-{tag}", *sets, *start])
         m = _quiet_train(resolved, log)
         before = Path(resolved.config.train.out_dir)
         if restart:  # each phase its own run: its own clock, tokens and loss curve
@@ -451,10 +455,28 @@ def at_best_lr(rows: list[QualityRow]) -> tuple[list[QualityRow], dict[str, dict
     return out, sweep
 
 
+BUDGETS = ("tokens", "time", "both")  # every arm the same steps; the same GPU time; both sets of runs
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of a benchmark: an arm (at one rate of a sweep), a seed, its steps and its budget."""
+
+    seed: int
+    arm: Arm
+    steps: int
+    budget: str = "tokens"
+
+
 @dataclass
 class QualitySpec:
     """One ``nsa bench quality``: every arm of ``arms`` trained once per seed on ``task`` (``text``: held-out
-    loss and selection over ``steps``; ``needle``: single-needle retrieval; ``both``)."""
+    loss and selection over ``steps``; ``needle``: single-needle retrieval; ``both``).
+
+    ``budget`` (text only): ``tokens`` gives every arm ``steps``; ``time`` gives every arm the GPU time the
+    reference arm (``time_reference``, else the slowest) spends on ``steps``: ``steps x its step time / the arm's``
+    steps, each arm's step time probed alone on its GPU first (``step_ms``, :func:`probe_step_ms`); ``both`` runs
+    the two sets (the reference's equal-time run is its equal-token run)."""
 
     config: str
     sets: list[str]
@@ -473,22 +495,101 @@ class QualitySpec:
     lrs: list[float] = field(default_factory=list)  # a learning-rate sweep: every arm at each (empty: the config's)
     parallel: int = 1  # runs at once, dealt over the GPUs (CPU: a share of the cores each)
     against: list[str] = field(default_factory=list)  # arms every other arm is also read against, paired by seed
+    budget: str = "tokens"
+    time_reference: str | None = None  # the arm whose GPU time every arm gets (None: the slowest)
+    step_ms: dict[str, float] = field(default_factory=dict)  # each arm's probed step (ms), by arm name
+    probe_steps: int = 10  # timed steps of each probe
 
-    def runs(self) -> list[tuple[int, Arm]]:
-        arms = [a.at_lr(lr) for a in self.arms for lr in self.lrs] if self.lrs else self.arms
-        return [(seed, arm) for seed in self.seeds for arm in arms]
+    def budgets(self) -> list[str]:
+        return ["tokens", "time"] if self.budget == "both" else [self.budget]
+
+    def reference(self) -> str:
+        """The arm whose GPU time an equal-time run gets: ``time_reference``, else the slowest probed arm."""
+        if self.time_reference is not None:
+            return self.time_reference
+        if not self.step_ms:
+            raise ValueError("no step times probed yet")
+        return max(self.step_ms, key=lambda a: self.step_ms[a])
+
+    def time_steps(self) -> dict[str, int]:
+        """Each arm's steps at equal GPU time: the reference's ``steps`` scaled by its step time over the arm's."""
+        ref = self.step_ms[self.reference()]
+        return {a: max(1, round(self.steps * ref / ms)) for a, ms in self.step_ms.items()}
+
+    def runs(self) -> list[Run]:
+        """Every training run, equal-token runs first; an equal-time run of the reference arm is left out under
+        ``both`` (its equal-token run is the same run)."""
+        out: list[Run] = []
+        for budget in self.budgets():
+            steps = self.time_steps() if budget == "time" else {}
+            for seed in self.seeds:
+                for arm in self.arms:
+                    if budget == "time" and self.budget == "both" and arm.name == self.reference():
+                        continue
+                    n = steps.get(arm.name, self.steps)
+                    for a in [arm.at_lr(lr) for lr in self.lrs] if self.lrs else [arm]:
+                        out.append(Run(seed, a, n, budget))
+        return out
 
     def steps_per_run(self) -> int:
         return (self.steps if self.task in ("text", "both") else 0) + (
             self.needle_steps if self.task in ("needle", "both") else 0)
 
 
-def _one_run(spec: QualitySpec, seed: int, arm: Arm, log: Callable[[str], None] | None) -> QualityRow:
-    """One arm and seed of ``spec``: its text run, needle run, or both in one row."""
+def arm_phases(config: str, sets: list[str], arm: Arm) -> list[tuple[float, list[str]]]:
+    """``(share of the steps, overrides)`` of each phase of ``arm``, the last phase (its own length) last: what
+    its step costs is the shares' mean of the phases' steps."""
+    train = _resolve(config, [*sets, *arm.sets]).config.train
+    out: list[tuple[float, list[str]]] = []
+    for frac, div in arm.warm:
+        shorter = ([f"train.seq_len={train.seq_len // div}", f"train.batch_size={train.batch_size * div}"]
+                   if div > 1 and train.seq_len % div == 0 else [])
+        out.append((frac, [*arm.sets, *arm.warm_sets, *shorter]))
+    out.append((1.0 - sum(f for f, _ in out), list(arm.sets)))
+    return out
+
+
+def _probe(config: str, sets: list[str], steps: int) -> float:
+    """One phase's step (ms): the trainer's step (``nsa.bench.train.bench_train_step``) at the config's length
+    and batch, compiled as the config says, timed in this process's turn on its GPU."""
+    from nsa.bench.timing import device_turn
+    from nsa.bench.train import bench_train_step
+
+    cfg = _resolve(config, sets).config
+    row = bench_train_step(cfg, attention=cfg.model.attention, seq_len=cfg.train.seq_len,
+                           batch_size=cfg.train.batch_size, steps=steps, warmup=3, hold=device_turn)
+    if row.error:
+        raise ConfigError(f"probing {' '.join(sets)}: {row.error}", hint="lower train.batch_size")
+    return row.step_ms
+
+
+def probe_step_ms(spec: QualitySpec, tell: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Each arm's step time (ms; a warm arm's the mean over its phases by their shares), every phase probed in a
+    process of its own, ``spec.parallel`` at a time: they compile side by side and time one at a time per GPU
+    (:func:`nsa.bench.timing.device_turn`), so no probe shares its GPU with another's timing."""
+    phases = {a.name: arm_phases(spec.config, spec.sets, a) for a in spec.arms}
+    jobs: list[tuple[str, ...]] = []
+    for parts in phases.values():
+        for _, sets in parts:
+            if tuple(sets) not in jobs:
+                jobs.append(tuple(sets))
+    times = fanout.spread(_probe, [(spec.config, [*spec.sets, *j], spec.probe_steps) for j in jobs],
+                          max(1, min(spec.parallel, len(jobs))), on_start=tell)
+    ms = dict(zip(jobs, times, strict=True))
+    return {name: sum(frac * ms[tuple(sets)] for frac, sets in parts) for name, parts in phases.items()}
+
+
+def _one_run(spec: QualitySpec, run: Run, log: Callable[[str], None] | None) -> QualityRow:
+    """One run of ``spec``: its text run, needle run, or both in one row."""
+    seed, arm = run.seed, run.arm
     row: QualityRow | None = None
     if spec.task in ("text", "both"):
-        row = run_text_arm(spec.config, spec.sets, arm, seed, spec.out_dir, steps=spec.steps, queries=spec.queries,
-                           log=log)
+        row = run_text_arm(spec.config, spec.sets, arm, seed, spec.out_dir, steps=run.steps, queries=spec.queries,
+                           log=log, budget=run.budget)
+        base = arm.name.partition(LR_TAG)[0]
+        if base in spec.step_ms:
+            row.step_ms = spec.step_ms[base]
+            row.gpu_seconds = run.steps * spec.step_ms[base] / 1e3
     if spec.task in ("needle", "both"):
         device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
         recipe = RetrievalRecipe(steps=spec.needle_steps, batch_size=spec.needle_batch,
@@ -503,40 +604,66 @@ def _one_run(spec: QualitySpec, seed: int, arm: Arm, log: Callable[[str], None] 
     return row
 
 
-def _describe(spec: QualitySpec, seed: int, arm: Arm) -> str:
+def _describe(spec: QualitySpec, run: Run) -> str:
     what = []
     if spec.task in ("text", "both"):
-        what.append(f"text, {spec.steps} steps")
+        what.append(f"text, {run.steps} steps" + (" (equal GPU time)" if run.budget == "time" else ""))
     if spec.task in ("needle", "both"):
         what.append(f"needle S={spec.needle_seq_len} gap {spec.needle_gap}, {spec.needle_steps} steps")
-    return f"{arm.name} seed {seed}: {'; '.join(what)}"
+    return f"{run.arm.name} seed {run.seed}: {'; '.join(what)}"
+
+
+def _reference_copies(spec: QualitySpec, rows: list[QualityRow]) -> list[QualityRow]:
+    """Under ``both``: the reference arm's equal-token rows again as its equal-time rows (the same runs)."""
+    if spec.budget != "both":
+        return []
+    ref = spec.reference()
+    return [replace(r, budget="time") for r in rows if r.budget == "tokens" and r.arm.partition(LR_TAG)[0] == ref]
 
 
 def run_quality(spec: QualitySpec, say: Callable[[str], None] | None = None,
                 log: Callable[[str], None] | None = None,
                 on_row: Callable[[QualityRow], None] | None = None) -> list[QualityRow]:
-    """Train every arm and seed of ``spec`` and measure them (one row per arm and seed, in ``spec.runs()``
-    order). ``say`` hears a line per run with the benchmark's progress and ETA; ``log`` the trainers' lines;
-    ``on_row`` each row as its run ends (so a sweep cut short keeps what finished).
-    ``spec.parallel > 1``: that many runs at once (:func:`run_parallel`)."""
+    """Train every arm and seed of ``spec`` and measure them (one row per run, in ``spec.runs()`` order; under
+    ``budget="both"`` the reference arm's equal-time rows, copies of its equal-token ones, last). ``say`` hears a
+    line per run with the benchmark's progress and ETA; ``log`` the trainers' lines; ``on_row`` each row as its
+    run ends (so a sweep cut short keeps what finished). A time budget probes each arm's step first
+    (:func:`probe_step_ms`) unless ``spec.step_ms`` holds them. ``spec.parallel > 1``: that many runs at once
+    (:func:`run_parallel`)."""
     tell = say or (lambda _line: None)
+    if spec.budget != "tokens" and not spec.step_ms:
+        if spec.task != "text":
+            raise ConfigError(f"--budget {spec.budget} applies to the text task, not {spec.task}",
+                              hint="pass --task text, or --budget tokens")
+        spec.step_ms = probe_step_ms(spec, tell)
+        steps = spec.time_steps()
+        for a in spec.arms:
+            tell(f"{a.name}: step {spec.step_ms[a.name]:.1f} ms probed alone; {steps[a.name]} steps at equal GPU "
+                 f"time (reference {spec.reference()}: {spec.steps} steps)")
     runs = spec.runs()
     if spec.parallel > 1 and len(runs) > 1:
-        return run_parallel(spec, tell, log, on_row)
-    eta = Eta(len(runs) * spec.steps_per_run())
-    rows: list[QualityRow] = []
-    for i, (seed, arm) in enumerate(runs):
-        tell(f"{_describe(spec, seed, arm)} [run {i + 1}/{len(runs)}, {eta.line(i * spec.steps_per_run())}]")
-        rows.append(_one_run(spec, seed, arm, log))
+        rows = run_parallel(spec, tell, log, on_row)
+    else:
+        total = sum(r.steps for r in runs) if spec.task == "text" else len(runs) * spec.steps_per_run()
+        eta = Eta(total)
+        rows, done = [], 0
+        for i, run in enumerate(runs):
+            tell(f"{_describe(spec, run)} [run {i + 1}/{len(runs)}, {eta.line(done)}]")
+            rows.append(_one_run(spec, run, log))
+            done += run.steps if spec.task == "text" else spec.steps_per_run()
+            if on_row is not None:
+                on_row(rows[-1])
+    copies = _reference_copies(spec, rows)
+    for r in copies:
         if on_row is not None:
-            on_row(rows[-1])
-    return rows
+            on_row(r)
+    return rows + copies
 
 
-def _work(spec: QualitySpec, seed: int, arm: Arm) -> tuple[QualityRow, list[str]]:
+def _work(spec: QualitySpec, run: Run) -> tuple[QualityRow, list[str]]:
     """One run in a worker process: its row and its trainers' lines."""
     lines: list[str] = []
-    return _one_run(spec, seed, arm, lines.append), lines
+    return _one_run(spec, run, lines.append), lines
 
 
 def run_parallel(spec: QualitySpec, tell: Callable[[str], None], log: Callable[[str], None] | None,
@@ -555,32 +682,49 @@ def run_parallel(spec: QualitySpec, tell: Callable[[str], None], log: Callable[[
         if log is not None:
             for line in lines:
                 log(line)
-        seed, arm = runs[i]
-        tell(f"{_describe(spec, seed, arm)}: done in {row.seconds:.0f} s [{finished}/{len(runs)} runs, "
+        tell(f"{_describe(spec, runs[i])}: done in {row.seconds:.0f} s [{finished}/{len(runs)} runs, "
              f"{eta.line(finished)}]")
         if on_row is not None:
             on_row(row)
 
-    results = fanout.spread(_work, [(spec, seed, arm) for seed, arm in runs], spec.parallel, on_start=tell,
-                            on_done=done)
+    results = fanout.spread(_work, [(spec, run) for run in runs], spec.parallel, on_start=tell, on_done=done)
     return [row for row, _ in results]
 
 
-def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict[str, Any]) -> dict[str, Any]:
-    """The JSON result of a quality benchmark (``--json``)."""
-    return {"command": "bench quality", "config": spec.config, "sets": spec.sets, "steps": spec.steps,
-            "task": spec.task,
-            "arms": [{"name": a.name, "sets": list(a.sets), "warm": [list(w) for w in a.warm],
-                      "warm_sets": list(a.warm_sets)} for a in spec.arms],
-            "seeds": spec.seeds, "lrs": spec.lrs, "relative_to_dense": relative_to_dense(rows),
-            "arms_summary": [asdict(a) for a in summarise_arms(rows)], **_sweep_payload(spec, rows),
+def of_budget(rows: list[QualityRow], budget: str) -> list[QualityRow]:
+    """The rows of one budget (``tokens`` or ``time``)."""
+    return [r for r in rows if r.budget == budget]
+
+
+def _summaries(spec: QualitySpec, rows: list[QualityRow]) -> dict[str, Any]:
+    """The readings of one budget's rows: against dense, the rate sweep, the ``--against`` arms."""
+    return {"relative_to_dense": relative_to_dense(rows), "arms_summary": [asdict(a) for a in summarise_arms(rows)],
+            **_sweep_payload(spec, rows),
             **({"against": {b: [asdict(a) for a in against(at_best_lr(rows)[0], b)] for b in spec.against}}
-               if spec.against else {}),
-            "environment": environment, "rows": [r.to_dict() for r in rows]}
+               if spec.against and rows else {})}
+
+
+def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict[str, Any]) -> dict[str, Any]:
+    """The JSON result of a quality benchmark (``--json``): the equal-token readings at the top level (those of
+    the equal-time runs there when they are the only ones), and under ``equal_time`` the equal-time runs' with
+    the probed step times and each arm's steps; every row says its ``budget``."""
+    first = "time" if spec.budget == "time" else "tokens"
+    payload = {"command": "bench quality", "config": spec.config, "sets": spec.sets, "steps": spec.steps,
+               "task": spec.task, "budget": spec.budget,
+               "arms": [{"name": a.name, "sets": list(a.sets), "warm": [list(w) for w in a.warm],
+                         "warm_sets": list(a.warm_sets)} for a in spec.arms],
+               "seeds": spec.seeds, "lrs": spec.lrs, **_summaries(spec, of_budget(rows, first))}
+    if spec.budget != "tokens" and spec.step_ms:
+        payload["equal_time"] = {
+            "budget": "equal GPU time: each arm the reference's steps x its step time, over its own step time",
+            "reference": spec.reference(), "reference_steps": spec.steps, "step_ms": spec.step_ms,
+            "steps": spec.time_steps(), "probe_steps": spec.probe_steps,
+            **_summaries(spec, of_budget(rows, "time"))}
+    return {**payload, "environment": environment, "rows": [r.to_dict() for r in rows]}
 
 
 def _sweep_payload(spec: QualitySpec, rows: list[QualityRow]) -> dict[str, Any]:
-    if not spec.lrs:
+    if not spec.lrs or not rows:
         return {}
     best, sweep = at_best_lr(rows)
     return {"lr_sweep": sweep, "arms_summary_at_best_lr": [asdict(a) for a in summarise_arms(best)]}
@@ -588,16 +732,21 @@ def _sweep_payload(spec: QualitySpec, rows: list[QualityRow]) -> dict[str, Any]:
 
 __all__ = [
     "ARMS",
+    "BUDGETS",
     "LR_TAG",
     "Arm",
     "ArmSummary",
     "FinalMeasures",
     "QualityRow",
     "QualitySpec",
+    "Run",
     "against",
+    "arm_phases",
     "at_best_lr",
     "final_measures",
+    "of_budget",
     "parse_arm",
+    "probe_step_ms",
     "quality_payload",
     "relative_to_dense",
     "run_needle_arm",

@@ -23,8 +23,10 @@ def _mean_curve(curves: Sequence[Sequence[Sequence[float]]]) -> tuple[list[float
     return steps, [sum(by_step[s]) / len(by_step[s]) for s in steps]
 
 
-def quality_chart(rows: Sequence[QualityRow], path: Path, title: str) -> list[str]:
-    """Write the two panels to ``path`` (PNG); returns the arms drawn (empty: nothing to draw, no file)."""
+def quality_chart(rows: Sequence[QualityRow], path: Path, title: str, gpu_seconds: bool = False) -> list[str]:
+    """Write the two panels to ``path`` (PNG); returns the arms drawn (empty: nothing to draw, no file).
+    ``gpu_seconds``: the training loss against GPU seconds (steps x each arm's probed step), not steps: the
+    x-axis of an equal-time comparison."""
     best, sweep = at_best_lr(list(rows))
     by_arm: dict[str, list[QualityRow]] = defaultdict(list)
     for r in best:
@@ -37,6 +39,9 @@ def quality_chart(rows: Sequence[QualityRow], path: Path, title: str) -> list[st
     for arm, arm_rows in by_arm.items():
         n = len(arm_rows)
         steps, loss = _mean_curve([r.loss_curve for r in arm_rows if r.loss_curve])
+        per_step = arm_rows[0].step_ms / 1e3 if gpu_seconds and arm_rows[0].step_ms else None
+        if per_step is not None:
+            steps = [x * per_step for x in steps]
         if steps:
             left.plot(steps, rolling_median(loss, median_window(len(loss))), label=f"{arm} ({n} seed{'s' * (n > 1)})",
                       linewidth=1.2)
@@ -48,7 +53,7 @@ def quality_chart(rows: Sequence[QualityRow], path: Path, title: str) -> list[st
             keys = sorted(spans)
             right.plot([max(1, (a + b) / 2) for a, b in keys], [sum(spans[k]) / len(spans[k]) for k in keys],
                        marker="o", markersize=3, label=arm, linewidth=1.2)
-    left.set_xlabel("step")
+    left.set_xlabel("GPU seconds (steps x the arm's probed step)" if gpu_seconds else "step")
     finish_axis(left, "training loss (mean over seeds, rolling median)")
     right.set_xscale("log", base=2)
     right.set_xlabel("position in the window (bucket centre)")

@@ -50,9 +50,13 @@ def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow], dict[str, Any
         raise ConfigError(f"{path} is not the JSON of nsa bench quality", hint="give its --json-out file")
     try:
         arms = [Arm(a["name"], tuple(a["sets"]), _warm(a), tuple(a.get("warm_sets", []))) for a in payload["arms"]]
+        timed = payload.get("equal_time") or {}
         spec = QualitySpec(payload["config"], list(payload["sets"]), arms, [int(s) for s in payload["seeds"]],
                            int(payload["steps"]), Path(path).parent, task=payload.get("task", "text"),
-                           lrs=[float(x) for x in payload.get("lrs") or []])
+                           lrs=[float(x) for x in payload.get("lrs") or []], budget=payload.get("budget", "tokens"),
+                           time_reference=timed.get("reference"),
+                           step_ms={str(k): float(v) for k, v in (timed.get("step_ms") or {}).items()},
+                           probe_steps=int(timed.get("probe_steps") or 10))
         rows = [QualityRow(**r) for r in payload["rows"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: a bench quality JSON with a missing or malformed field ({exc})",
@@ -85,14 +89,15 @@ def merge_sweeps(paths: Sequence[Path]) -> tuple[QualitySpec, list[QualityRow], 
         raise ConfigError("a sweep over learning rates cannot be merged with runs at the config's rate",
                           hint="merge only --lrs sweeps, or only runs without --lrs")
     arms: dict[str, Arm] = {}
-    seen: dict[tuple[str, int], Path] = {}
+    seen: dict[tuple[str, int, str], Path] = {}
     seeds: list[int] = []
     lrs: list[float] = []
     rows: list[QualityRow] = []
     for path, other, more, _ in saved:
         mine_sets, their_sets = _same_base(spec.sets), _same_base(other.sets)
         for what, mine, theirs in (("config", spec.config, other.config), ("steps", spec.steps, other.steps),
-                                   ("task", spec.task, other.task), ("sets", mine_sets, their_sets)):
+                                   ("task", spec.task, other.task), ("sets", mine_sets, their_sets),
+                                   ("budget", spec.budget, other.budget)):
             if mine != theirs:
                 diff = (", ".join(sorted(set(mine_sets) ^ set(their_sets))) if what == "sets"
                         else f"{mine} vs {theirs}")
@@ -103,15 +108,19 @@ def merge_sweeps(paths: Sequence[Path]) -> tuple[QualitySpec, list[QualityRow], 
                 raise ConfigError(f"{path}: arm {arm.name} differs from the one of the same name before it",
                                   hint="give the arms different names")
         for r in more:
-            if (r.arm, r.seed) in seen:
-                raise ConfigError(f"{path}: {r.arm} seed {r.seed} is also in {seen[(r.arm, r.seed)]}",
+            if (r.arm, r.seed, r.budget) in seen:
+                raise ConfigError(f"{path}: {r.arm} seed {r.seed} is also in {seen[(r.arm, r.seed, r.budget)]}",
                                   hint="merge each run once")
-            seen[(r.arm, r.seed)] = path
+            seen[(r.arm, r.seed, r.budget)] = path
             rows.append(r)
         seeds += [s for s in other.seeds if s not in seeds]
         lrs += [x for x in other.lrs if x not in lrs]
+    step_ms: dict[str, float] = {}  # each arm's step as the first file that probed it says
+    for _, s, _, _ in reversed(saved):
+        step_ms.update(s.step_ms)
     merged = QualitySpec(spec.config, _same_base(spec.sets) if lrs else spec.sets, list(arms.values()), seeds,
-                         spec.steps, spec.out_dir, task=spec.task, lrs=sorted(lrs))
+                         spec.steps, spec.out_dir, task=spec.task, lrs=sorted(lrs), budget=spec.budget,
+                         time_reference=spec.time_reference, step_ms=step_ms, probe_steps=spec.probe_steps)
     return merged, rows, {"environment": environment, "merged_from": [{"path": str(p), "runs": len(r)} for p, _, r, _ in saved]}
 
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,3 +55,18 @@ def noise_note(what: str, spread: float, limit: float = NOISE_LIMIT) -> str | No
         return None
     return (f"{what} timings spread {spread:.0%} around their median (> {limit:.0%}): too noisy to read; "
             "stop other work on the machine or raise --rep-ms")
+
+
+@contextmanager
+def device_turn(tag: str = "nsa-bench") -> Iterator[None]:
+    """This process's turn on its GPU: an exclusive lock shared by every process of this machine that times on
+    the same ``CUDA_VISIBLE_DEVICES`` (a file lock in the temporary folder, released when the process ends).
+    Processes that compile side by side (CPU-bound) time one at a time, so no timing shares the GPU."""
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "_") or "none"
+    path = Path(tempfile.gettempdir()) / f"{tag}-gpu-{gpu}.lock"
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

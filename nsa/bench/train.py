@@ -10,11 +10,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from nsa.bench.step_parts import parts_of
 from nsa.config import RunConfig
 from nsa.errors import ConfigError
 from nsa.model import build_model
@@ -47,6 +49,7 @@ class TrainRow:
     # one profiled step (``profile=True``): kernels by CUDA time, ``{"name", "ms", "launches"}``
     kernels: list[dict[str, Any]] | None = None
     launches: int | None = None  # GPU kernel launches of the profiled step
+    parts: dict[str, float] | None = None  # the profiled step's device ms by part (nsa.bench.step_parts)
     # several ranks (``nsa bench train --nproc-per-node N``): tokens/s count each sequence once over all ranks,
     # ``step_ms`` is the slowest rank's median and ``peak_mib`` the largest rank's peak
     world_size: int = 1
@@ -84,7 +87,7 @@ def bench_train_step(
     run_cfg: RunConfig, *, attention: str, seq_len: int, batch_size: int, steps: int = 10,
     warmup: int = 3, device: str | torch.device | None = None, compiled: bool | None = None,
     tune: Mapping[str, int | str] | None = None, profile: bool = False,
-    ranks: tuple[D.DistInfo, D.Layout] | None = None,
+    ranks: tuple[D.DistInfo, D.Layout] | None = None, hold: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> TrainRow:
     """Median step time of forward + backward + optimizer step for one model variant, with the selection losses
     of ``scorer`` (the alignment loss by default) as the trainer runs them.
@@ -93,6 +96,9 @@ def bench_train_step(
     compilation), for NSA and dense alike, so the ratio compares like with like; ``compiled`` overrides
     the config's ``runtime.compile``. A batch that does not fit gives a row with ``error="out of memory"``.
     ``profile``: after the timed steps, one more step under ``torch.profiler`` fills ``kernels``/``launches``.
+    ``hold``: a context entered after the first (compiling) step and held through the other warm-up steps, the
+    timed ones and the profile (:func:`nsa.bench.timing.device_turn`: processes that compile side by side on one
+    GPU take turns to time).
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = run_cfg.model_copy(deep=True)
@@ -102,7 +108,8 @@ def bench_train_step(
 
     try:
         with tile_overrides(tune):
-            return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile, profile, ranks)
+            return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile, profile, ranks,
+                               hold)
     except torch.OutOfMemoryError:
         if ranks is not None and ranks[0].enabled:
             raise  # the other ranks wait in a collective: the job stops (the launcher says which rank)
@@ -117,7 +124,8 @@ def bench_train_step(
 
 def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, steps: int, warmup: int,
                 dev: torch.device, use_compile: bool, profile: bool = False,
-                ranks: tuple[D.DistInfo, D.Layout] | None = None) -> TrainRow:
+                ranks: tuple[D.DistInfo, D.Layout] | None = None,
+                hold: Callable[[], AbstractContextManager[Any]] | None = None) -> TrainRow:
 
     cfg.model.attention = attention  # type: ignore[assignment]
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq_len)
@@ -152,13 +160,42 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
 
     reset_fallback_counts()
     compile_s = None
-    for i in range(max(warmup, 1 if use_compile else 0)):
+    warm = max(warmup, 1 if use_compile else 0)
+    if use_compile:  # the compiling step, outside the turn
         t0 = time.perf_counter()
         step()
-        if i == 0 and use_compile:
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            compile_s = time.perf_counter() - t0
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        compile_s = time.perf_counter() - t0
+        warm -= 1
+    with hold() if hold is not None else nullcontext():
+        for _ in range(warm):
+            step()
+        ms, peak = _timed_steps(step, steps, dev)
+        kernels = _profile_step(step, dev) if profile else None
+    if info.enabled:  # the slowest rank sets the step; the fullest rank the memory
+        ms, peak_all = (max(v) for v in zip(*D.gather_objects((ms, peak or 0.0), info), strict=True))
+        peak = peak_all if dev.type == "cuda" else None
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    tps = batch_size * grid.data_size * seq_len / (ms / 1e3)
+    fpt = float(model.flops_per_token(seq_len))
+    peak_fl = peak_flops(name, None)[0] if dev.type == "cuda" else None
+    row = TrainRow(attention=attention, seq_len=seq_len, batch_size=batch_size,
+                   params_m=model.num_params() / 1e6, step_ms=ms, tokens_per_s=tps, peak_mib=peak, device=name,
+                   backend=cfg.runtime.attn_backend, compiled=use_compile, fallbacks=fallback_counts(),
+                   mfu=tps / info.world_size * fpt / peak_fl if peak_fl else None, flops_per_token=fpt,
+                   compile_s=compile_s, world_size=info.world_size, context_parallel=grid.context_size,
+                   parallel=cfg.runtime.parallel if info.enabled else "none")
+    if kernels is not None:
+        row.kernels, row.launches, row.parts = kernels
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _timed_steps(step: Callable[[], None], steps: int, dev: torch.device) -> tuple[float, float | None]:
+    """The median milliseconds of ``steps`` calls of ``step`` (CUDA events on a GPU) and the peak MiB allocated
+    during them (None on a CPU)."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -175,31 +212,15 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
-    ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
-    if info.enabled:  # the slowest rank sets the step; the fullest rank the memory
-        ms, peak_all = (max(v) for v in zip(*D.gather_objects((ms, peak or 0.0), info), strict=True))
-        peak = peak_all if dev.type == "cuda" else None
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    tps = batch_size * grid.data_size * seq_len / (ms / 1e3)
-    fpt = float(model.flops_per_token(seq_len))
-    peak_fl = peak_flops(name, None)[0] if dev.type == "cuda" else None
-    row = TrainRow(attention=attention, seq_len=seq_len, batch_size=batch_size,
-                   params_m=model.num_params() / 1e6, step_ms=ms, tokens_per_s=tps, peak_mib=peak, device=name,
-                   backend=cfg.runtime.attn_backend, compiled=use_compile, fallbacks=fallback_counts(),
-                   mfu=tps / info.world_size * fpt / peak_fl if peak_fl else None, flops_per_token=fpt,
-                   compile_s=compile_s, world_size=info.world_size, context_parallel=grid.context_size,
-                   parallel=cfg.runtime.parallel if info.enabled else "none")
-    if profile:
-        row.kernels, row.launches = _profile_step(step, dev)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+    return statistics.median(times), peak
 
 
-def _profile_step(step: Callable[[], None], dev: torch.device, top: int = 25) -> tuple[list[dict[str, Any]], int]:
-    """One step's kernels by device time (the ``top`` largest) and its kernel launches; on a CPU, the
-    operators by self CPU time and their calls."""
+def _profile_step(step: Callable[[], None], dev: torch.device,
+                  top: int = 25) -> tuple[list[dict[str, Any]], int, dict[str, float]]:
+    """One step's kernels by device time (the ``top`` largest), its kernel launches and its device time by part
+    (:func:`nsa.bench.step_parts.parts_of`, every kernel); on a CPU, the operators by self CPU time and their
+    calls (no parts)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
@@ -221,7 +242,8 @@ def _profile_step(step: Callable[[], None], dev: torch.device, top: int = 25) ->
             per[avg.key[:90]] = [avg.self_cpu_time_total / 1e3, float(avg.count)]
     ranked = sorted(per.items(), key=lambda kv: -kv[1][0])
     kernels = [{"name": k, "ms": round(v[0], 4), "launches": int(v[1])} for k, v in ranked[:top]]
-    return kernels, int(sum(v[1] for v in per.values()))
+    parts = parts_of([(k, v[0], int(v[1])) for k, v in per.items()]) if cuda else {}
+    return kernels, int(sum(v[1] for v in per.values())), parts
 
 
 def join_ranks(context: int, device_type: str) -> tuple[D.DistInfo, D.Layout]:

@@ -50,7 +50,10 @@ def quality(
     json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
     saved: Annotated[list[Path] | None, typer.Option("--from", help="Train nothing: read these saved --json-out files of one sweep (repeatable: runs of several calls merged; a sweep cut short: its <json-out>.rows.jsonl) and print, save and chart them as one; the training options are not used.")] = None,
     against_: Annotated[list[str] | None, typer.Option("--against", help="Also read every other arm against this one, paired by seed (mean +- sd of the per-seed differences, and whether they are within noise): any arm, NSA ones included; repeatable; works with --from.")] = None,
-    chart: Annotated[Path | None, typer.Option("--chart", help="Also draw each arm's training loss and held-out loss by position (mean over seeds; a sweep's arms at their best rate) to this PNG.")] = None,
+    chart: Annotated[Path | None, typer.Option("--chart", help="Also draw each arm's training loss and held-out loss by position (mean over seeds; a sweep's arms at their best rate) to this PNG (the equal-time runs' against GPU seconds to <name>-time.png).")] = None,
+    budget: Annotated[str, typer.Option("--budget", help="tokens (every arm --steps), time (every arm the GPU time the reference arm spends on --steps: each arm's step probed alone on its GPU first, its steps scaled by the reference's step time over its own) or both (the two sets of runs, read side by side).")] = "tokens",
+    time_reference: Annotated[str | None, typer.Option("--time-reference", help="The arm whose GPU time every arm gets under --budget time/both [default: the slowest].")] = None,
+    probe_steps: Annotated[int, typer.Option("--probe-steps", min=1, help="Timed steps of each arm's step probe (--budget time/both).")] = 10,
 ) -> None:
     """Train every arm on the same data and tokens; print held-out loss, selection recall and needle accuracy."""
     with user_errors():
@@ -59,8 +62,10 @@ def quality(
         from rich.console import Console
 
         from nsa.bench.quality import (
+            BUDGETS,
             QualitySpec,
             parse_arm,
+            probe_step_ms,
             run_quality,
         )
         from nsa.bench.quality_saved import partial_header
@@ -72,8 +77,15 @@ def quality(
             return
         if task not in ("text", "needle", "both"):
             raise fail(f"--task {task!r} must be text, needle or both")
+        if budget not in BUDGETS:
+            raise fail(f"--budget {budget!r} must be one of {', '.join(BUDGETS)}", hint="e.g. --budget both")
+        if budget != "tokens" and task != "text":
+            raise fail(f"--budget {budget} applies to --task text, not {task}", hint="pass --task text")
         arm_list = [parse_arm(a) for a in _csv(arms, "--arms")]
         _check_against(against_ or [], {a.name for a in arm_list})
+        if time_reference is not None and time_reference not in {a.name for a in arm_list}:
+            raise fail(f"--time-reference {time_reference!r} is not one of the arms "
+                       f"({', '.join(a.name for a in arm_list)})", hint="name an arm by its label, e.g. nsa")
         try:
             seed_list = [int(s) for s in _csv(seeds, "--seeds")]
         except ValueError:
@@ -105,7 +117,11 @@ def quality(
         spec = QualitySpec(cfg_name, sets, arm_list, seed_list, steps, out_dir, task=task, queries=queries,
                            needle_seq_len=needle_seq_len, needle_gap=needle_gap, needle_steps=needle_steps,
                            needle_batch=needle_batch, needle_eval_samples=64 if tiny else 256,
-                           device="cpu" if tiny else None, lrs=lr_list, parallel=parallel, against=against_ or [])
+                           device="cpu" if tiny else None, lrs=lr_list, parallel=parallel, against=against_ or [],
+                           budget=budget, time_reference=time_reference, probe_steps=probe_steps)
+        if budget != "tokens":  # each arm's step alone on its GPU, before any training run
+            spec.step_ms = probe_step_ms(spec, lambda line: console.print(line, highlight=False, markup=False))
+            _show_probes(console, spec)
         env = environment()
         partial = None if json_out is None else json_out.with_name(json_out.name + ".rows.jsonl")
         if partial is not None:  # the sweep first (rows none yet): a sweep cut short reads back with --from
@@ -152,69 +168,58 @@ def _from_saved(paths: list[Path], as_json: bool, json_out: Path | None, chart: 
           merged_from=extra["merged_from"])
 
 
-def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
-    """The tables of a quality benchmark: runs, the rate sweep, arms over seeds, loss by position, selection."""
+def _show_probes(console: Console, spec: QualitySpec) -> None:
+    """The probed step of each arm and the steps it gets at equal GPU time."""
     from rich.table import Table
 
-    from nsa.bench.quality import against, at_best_lr, relative_to_dense, summarise_arms
+    steps, ref = spec.time_steps(), spec.reference()
+    table = Table(title=f"equal GPU time: each arm's step probed alone on its GPU ({spec.probe_steps} timed steps); "
+                        f"reference {ref}, {spec.steps} steps")
+    for col in ("arm", "step ms", f"vs {ref}", "steps", "GPU s"):
+        table.add_column(col, justify="right")
+    for a in spec.arms:
+        ms = spec.step_ms[a.name]
+        table.add_row(a.name, f"{ms:.1f}", f"{spec.step_ms[ref] / ms:.2f}x", str(steps[a.name]),
+                      f"{steps[a.name] * ms / 1e3:.0f}")
+    console.print(table)
 
-    cfg_name, steps, seed_list, lr_list = spec.config, spec.steps, spec.seeds, spec.lrs
-    rel = relative_to_dense(rows)
-    table = Table(title=f"quality: config {cfg_name}, {steps} steps, seeds {','.join(map(str, seed_list))}")
-    for col in ("arm", "seed", "held-out loss", "vs dense (arm mean)", "recall mean", "recall min",
-                "recall ceiling", "cmp entropy", "needle acc", "steps to 0.5", "s"):
+
+BUDGET_TITLES = {"tokens": "equal tokens", "time": "equal GPU time"}
+
+
+def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
+    """The tables of a quality benchmark: runs, then per budget the rate sweep, arms over seeds and the --against
+    readings, then loss by position, by context and selection of the first budget's runs."""
+    from rich.table import Table
+
+    from nsa.bench.quality import of_budget, relative_to_dense
+
+    cfg_name, steps, seed_list = spec.config, spec.steps, spec.seeds
+    timed = spec.budget != "tokens"
+    table = Table(title=f"quality: config {cfg_name}, {steps} steps" + (f" (reference of the equal-time runs: "
+                  f"{spec.reference()})" if timed and spec.step_ms else "") + f", seeds {','.join(map(str, seed_list))}")
+    for col in ("arm", "seed", *(("budget", "steps", "step ms", "GPU s") if timed else ()), "held-out loss",
+                "vs dense (arm mean)", "recall mean", "recall min", "recall ceiling", "cmp entropy", "needle acc",
+                "steps to 0.5", "s"):
         table.add_column(col, justify="right")
 
     def f(x: Any, spec: str = ".4f") -> str:
         return "-" if x is None else format(x, spec)
 
+    rel = {b: relative_to_dense(of_budget(rows, b)) for b in spec.budgets()}
     for r in rows:
-        d = rel.get(r.arm)
-        table.add_row(r.arm, str(r.seed), f(r.val_loss), "-" if d is None else f"{100 * d:+.1f}%",
+        d = rel.get(r.budget, {}).get(r.arm)
+        budget_cols = (BUDGET_TITLES[r.budget], str(r.steps), f(r.step_ms, ".1f"), f(r.gpu_seconds, ".1f"))
+        table.add_row(r.arm, str(r.seed), *(budget_cols if timed else ()), f(r.val_loss),
+                      "-" if d is None else f"{100 * d:+.1f}%",
                       f(r.recall_mean, ".3f"), f(r.recall_min, ".3f"), f(r.recall_best_mean, ".3f"),
                       f(r.cmp_entropy_mean, ".3f"),
                       f(r.needle_acc, ".3f"), "-" if r.needle_steps_to_target is None else str(r.needle_steps_to_target),
                       f"{r.seconds:.0f}")
     console.print(table)
-    summary_rows = rows
-    if lr_list:
-        summary_rows, sweep = at_best_lr(rows)
-        best = Table(title="learning-rate sweep: held-out loss, mean over the seeds")
-        best.add_column("arm", justify="right")
-        for lr in lr_list:
-            best.add_column(f"lr {lr:g}", justify="right")
-        best.add_column("best", justify="right")
-        for arm, sw in sweep.items():
-            best.add_row(arm, *(f(sw["mean_by_lr"].get(lr)) for lr in lr_list), f"{sw['best_lr']:g}")
-        console.print(best)
-        for arm, sw in sweep.items():
-            if sw["edge"]:  # the optimum may lie past the rates tried
-                console.print(f"note: {arm}'s best rate {sw['best_lr']:g} is the {sw['edge']} tried; "
-                              f"extend the sweep {'down' if sw['edge'] == 'lowest' else 'up'} to be sure",
-                              highlight=False, markup=False)
-    over_seeds = Table(title="arms over their seeds (vs dense: paired by seed, mean +- sd)"
-                       + (", each arm at its best learning rate" if lr_list else ""))
-    for col in ("arm", "seeds", "held-out loss mean +- sd", "vs dense", "reading"):
-        over_seeds.add_column(col, justify="right")
-    for a in summarise_arms(summary_rows):
-        spread = "" if a.sd is None else f" +- {a.sd:.4f}"
-        diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
-                + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%")
-                + ("" if a.baseline in (None, "dense") else f" (vs {a.baseline})"))
-        over_seeds.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, a.reading)
-    console.print(over_seeds)
-    for b in spec.against:
-        paired = Table(title=f"arms against {b} (paired by seed, mean +- sd)"
-                       + (", each arm at its best learning rate" if lr_list else ""))
-        for col in ("arm", "seeds", "held-out loss mean +- sd", f"vs {b}", "per seed", "reading"):
-            paired.add_column(col, justify="right")
-        for a in against(summary_rows, b):
-            spread = "" if a.sd is None else f" +- {a.sd:.4f}"
-            diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
-                    + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%"))
-            per_seed = " / ".join(f"{100 * d:+.1f}" for d in a.per_seed) or "-"
-            paired.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, per_seed, a.reading)
-        console.print(paired)
+    for budget in spec.budgets():
+        _show_readings(console, spec, of_budget(rows, budget), f": {BUDGET_TITLES[budget]}" if timed else "")
+    rows = of_budget(rows, spec.budgets()[0])
     by_pos = [r for r in rows if r.loss_by_position and r.seed == seed_list[0]]
     if by_pos:
         spans = [(b["start"], b["end"]) for b in max((r.loss_by_position for r in by_pos), key=len)]
@@ -250,6 +255,60 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
             console.print(layers)
 
 
+def _show_readings(console: Console, spec: QualitySpec, rows: list[QualityRow], budget: str) -> None:
+    """One budget's readings: the rate sweep, each arm over its seeds against dense, and the --against arms."""
+    from rich.table import Table
+
+    from nsa.bench.quality import against, at_best_lr, summarise_arms
+
+    lr_list = spec.lrs
+
+    def f(x: Any, spec: str = ".4f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    summary_rows = rows
+    if lr_list:
+        summary_rows, sweep = at_best_lr(rows)
+        best = Table(title=f"learning-rate sweep: held-out loss, mean over the seeds{budget}")
+        best.add_column("arm", justify="right")
+        for lr in lr_list:
+            best.add_column(f"lr {lr:g}", justify="right")
+        best.add_column("best", justify="right")
+        for arm, sw in sweep.items():
+            best.add_row(arm, *(f(sw["mean_by_lr"].get(lr)) for lr in lr_list), f"{sw['best_lr']:g}")
+        console.print(best)
+        for arm, sw in sweep.items():
+            if sw["edge"]:  # the optimum may lie past the rates tried
+                console.print(f"note: {arm}'s best rate {sw['best_lr']:g} is the {sw['edge']} tried{budget}; "
+                              f"extend the sweep {'down' if sw['edge'] == 'lowest' else 'up'} to be sure",
+                              highlight=False, markup=False)
+    over_seeds = Table(title="arms over their seeds (vs dense: paired by seed, mean +- sd)"
+                       + (", each arm at its best learning rate" if lr_list else "") + budget)
+    for col in ("arm", "seeds", "held-out loss mean +- sd", "vs dense", "reading"):
+        over_seeds.add_column(col, justify="right")
+    for a in summarise_arms(summary_rows):
+        spread = "" if a.sd is None else f" +- {a.sd:.4f}"
+        diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
+                + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%")
+                + ("" if a.baseline in (None, "dense") else f" (vs {a.baseline})"))
+        over_seeds.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, a.reading)
+    console.print(over_seeds)
+    for b in spec.against:
+        if not any(r.arm == b for r in summary_rows):
+            continue
+        paired = Table(title=f"arms against {b} (paired by seed, mean +- sd)"
+                       + (", each arm at its best learning rate" if lr_list else "") + budget)
+        for col in ("arm", "seeds", "held-out loss mean +- sd", f"vs {b}", "per seed", "reading"):
+            paired.add_column(col, justify="right")
+        for a in against(summary_rows, b):
+            spread = "" if a.sd is None else f" +- {a.sd:.4f}"
+            diff = ("-" if a.vs_dense is None else f"{100 * a.vs_dense:+.1f}%"
+                    + ("" if a.vs_dense_sd is None else f" +- {100 * a.vs_dense_sd:.1f}%"))
+            per_seed = " / ".join(f"{100 * d:+.1f}" for d in a.per_seed) or "-"
+            paired.add_row(a.arm, str(a.seeds), f"{a.mean:.4f}{spread}", diff, per_seed, a.reading)
+        console.print(paired)
+
+
 def _save(console: Console, spec: QualitySpec, rows: list[QualityRow], environment: dict[str, Any], as_json: bool,
           json_out: Path | None, chart: Path | None, length: str, merged_from: list[dict[str, Any]] | None = None) -> None:
     """The JSON outputs, then the chart (after the results are out: a chart that cannot be written loses nothing)."""
@@ -261,11 +320,15 @@ def _save(console: Console, spec: QualitySpec, rows: list[QualityRow], environme
         payload["merged_from"] = merged_from
     render.json_outputs(payload, as_json=as_json, json_out=json_out, indent=1)
     if chart is not None:
+        from nsa.bench.quality import of_budget
         from nsa.bench.quality_chart import quality_chart
 
-        title = f"bench quality: config {spec.config}, {spec.steps} steps, {length}"
-        if quality_chart(rows, chart, title):
-            console.print(f"saved {chart}", highlight=False, markup=False)
+        for budget in spec.budgets():
+            path = chart if budget == spec.budgets()[0] else chart.with_name(f"{chart.stem}-{budget}{chart.suffix}")
+            what = f"{spec.steps} steps" if budget == "tokens" else f"equal GPU time of {spec.reference()}'s {spec.steps} steps"
+            title = f"bench quality: config {spec.config}, {what}, {length}"
+            if quality_chart(of_budget(rows, budget), path, title, gpu_seconds=budget == "time"):
+                console.print(f"saved {path}", highlight=False, markup=False)
 
 
 def register(app: typer.Typer) -> None:

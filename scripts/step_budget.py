@@ -36,6 +36,14 @@ VARIANTS: dict[str, list[str]] = {
     "nsa-nsel8": ["model.attention=nsa", "nsa.n_sel=8"],
     "nsa-w256": ["model.attention=nsa", "nsa.w=256"],
     "nsa-sharedkv": ["model.attention=nsa", "nsa.shared_kv=true"],
+    "nsa-selrow": ["model.attention=nsa"],
+    "dense-graphs": ["model.attention=dense", "runtime.compile_mode=reduce-overhead"],
+    "nsa-graphs": ["model.attention=nsa", "runtime.compile_mode=reduce-overhead"],
+    "nsa-graphs-nsel8": ["model.attention=nsa", "runtime.compile_mode=reduce-overhead", "nsa.n_sel=8"],
+    "nsa-graphs-sharedkv": ["model.attention=nsa", "runtime.compile_mode=reduce-overhead", "nsa.shared_kv=true"],
+}
+TUNES: dict[str, dict[str, int | str]] = {  # tile overrides of a variant (nsa.ops.TUNE_KEYS)
+    "nsa-selrow": {"sel_mode": "row"},
 }
 
 
@@ -49,7 +57,8 @@ def one(config: str, shape: str, sets: list[str], name: str, seq_len: int, batch
 
     cfg = load_run_config(config=config, sets=[*SHAPES[shape], *sets, *VARIANTS[name]]).config
     row = bench_train_step(cfg, attention=cfg.model.attention, seq_len=seq_len, batch_size=batch, steps=steps,
-                           warmup=3, compiled=compiled, profile=True, hold=device_turn)
+                           warmup=3, compiled=compiled, profile=True, hold=device_turn,
+                           tune=TUNES.get(name))
     return {"variant": name, "shape": shape, **asdict(row)}
 
 

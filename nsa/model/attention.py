@@ -185,13 +185,15 @@ class NSAAttention(nn.Module):
         sequence's: ``0 .. S - 1`` by default)."""
         B, S, _ = x.shape
         q_lin, kv_lin, gate_pre, q_win_lin = self.in_proj(x)
-        q = self.rope(q_lin.view(B, S, self.n_heads, self.d_k), positions)
-        q_win = None if q_win_lin is None else self.rope(q_win_lin.view(B, S, self.n_heads, self.d_k), positions)
+        ang = self.rope.angles(positions, q_lin)  # once for every tensor rotated at these positions
+        q = self.rope(q_lin.view(B, S, self.n_heads, self.d_k), positions, ang)
+        q_win = None if q_win_lin is None else self.rope(q_win_lin.view(B, S, self.n_heads, self.d_k), positions, ang)
         if cp is not None:
             kv_lin = cp.gather(kv_lin)
             if kv_positions is None:
                 kv_positions = torch.arange(kv_lin.shape[1], device=x.device)
-        ks, vs = self.keys_values(kv_lin, positions if kv_positions is None else kv_positions)
+        ks, vs = self.keys_values(kv_lin, positions if kv_positions is None else kv_positions,
+                                  ang if kv_positions is None else None)
         if self.gates.fixed is not None:  # ablation: constant gates, the gate MLP unused
             gates = torch.tensor(self.gates.fixed, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads, 3)
         else:
@@ -213,15 +215,18 @@ class NSAAttention(nn.Module):
         k = self.rope(kv_lin[..., : H * Dk].reshape(B, S, H, Dk), positions)
         return [q, k, kv_lin[..., H * Dk :].reshape(B, S, H, Dv)]
 
-    def keys_values(self, kv_lin: torch.Tensor, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The (cmp, sel, win) keys, RoPE'd at ``positions``, and values of the K/V projection ``[B, S, ...]``."""
+    def keys_values(self, kv_lin: torch.Tensor, positions: torch.Tensor,
+                    angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The (cmp, sel, win) keys, RoPE'd at ``positions`` (``angles``: their rotation, already computed), and
+        values of the K/V projection ``[B, S, ...]``."""
         B, S, _ = kv_lin.shape
         H, Dk, Dv = self.n_kv_groups, self.d_k, self.d_v
         kv = kv_lin.view(B, S, self.n_kv_branches, H * (Dk + Dv))
+        ang = self.rope.angles(positions, kv_lin) if angles is None else angles
         ks, vs = [], []
         for i in range(self.n_kv_branches):
             k = kv[:, :, i, : H * Dk].reshape(B, S, H, Dk)
-            ks.append(self.rope(k, positions))
+            ks.append(self.rope(k, positions, ang))
             vs.append(kv[:, :, i, H * Dk :].reshape(B, S, H, Dv))
         if self.shared_kv:
             ks, vs = ks * 3, vs * 3

@@ -57,9 +57,11 @@ class DenseAttention(nn.Module):
         """``q [B, S, HQ, Dk]``, ``k [B, S, H, Dk]`` (RoPE'd at ``positions``), ``v [B, S, H, Dv]``."""
         B, S, _ = x.shape
         H = self.n_kv_groups
-        q = self.rope(self.q_proj(x).view(B, S, self.n_heads, self.d_k), positions)
+        q_lin = self.q_proj(x)
+        ang = self.rope.angles(positions, q_lin)  # once for q and k
+        q = self.rope(q_lin.view(B, S, self.n_heads, self.d_k), positions, ang)
         kv = self.kv_proj(x)
-        k = self.rope(kv[..., : H * self.d_k].reshape(B, S, H, self.d_k), positions)
+        k = self.rope(kv[..., : H * self.d_k].reshape(B, S, H, self.d_k), positions, ang)
         v = kv[..., H * self.d_k :].reshape(B, S, H, self.d_v)
         return q, k, v
 

@@ -3,10 +3,11 @@
 # packages (python -m nsa.data.corpus.packages, ~480 MB on the GPU machines: every run sees each token at most once),
 # the quality model of scripts/quality_text_gpu.sh (6 layers, dim 384), byte tokens.
 # Usage: scripts/quality_equal_time_gpu.sh OUT_DIR   with, in the environment:
-#   ARMS (dense,nsa) SEEDS (0,1,2) LRS (1e-3) SEQ (2048) BATCH (16) STEPS (1200) BUDGET (both) PARALLEL (6)
+#   ARMS (dense,nsa) SEEDS (0,1,2) LRS (1e-3; empty: the config's or the arms' own) SEQ (2048) BATCH (16) STEPS (1200) BUDGET (both) PARALLEL (6)
 #   EXTRA ("--set k=v ..." for every arm) CORPUS (/tmp/corpus)
 set -u
 out=${1:?out dir}
+lrs=${LRS-1e-3}
 corpus=${CORPUS:-/tmp/corpus}
 if [ ! -f "$corpus/manifest.json" ]; then
   python3 -m nsa.data.corpus.packages "$corpus" --min-mb 300 --val-fraction 0.02 | tail -1 || exit 2
@@ -17,6 +18,6 @@ python3 -m nsa_cli bench quality --config m7c-125m \
   --set model.n_kv_groups=2 --set model.d_k=64 --set model.d_v=64 --set model.mlp_hidden=1536 \
   --set train.seq_len="${SEQ:-2048}" --set train.batch_size="${BATCH:-16}" --set schedule.warmup_steps=100 \
   --set eval.batches=8 --set logging.every=100 --set data.prefetch_depth=2 ${EXTRA:-} \
-  --arms "${ARMS:-dense,nsa}" --seeds "${SEEDS:-0,1,2}" --lrs "${LRS:-1e-3}" --steps "${STEPS:-1200}" \
+  --arms "${ARMS:-dense,nsa}" --seeds "${SEEDS:-0,1,2}" ${lrs:+--lrs "$lrs"} --steps "${STEPS:-1200}" \
   --budget "${BUDGET:-both}" --parallel "${PARALLEL:-6}" -o /tmp/quality-$$ \
   --json-out "$out/quality.json" --chart "$out/quality.png"

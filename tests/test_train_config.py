@@ -146,3 +146,18 @@ def test_existing_run_needs_resume(tmp_path: Path) -> None:
 def test_nproc_must_be_positive() -> None:
     res = runner.invoke(app, ["train", "--config", "tiny", "--nproc-per-node", "0"])
     assert res.exit_code == 2
+
+
+@pytest.mark.parametrize("sets, world, mode", [
+    ([], 1, "reduce-overhead"),  # an NSA model on one rank: CUDA graphs (its step waits on the host)
+    (["model.attention=dense"], 1, "default"),  # dense gains nothing from them
+    ([], 2, "default"),  # several ranks: the collectives stay outside graphs
+    (["train.accum=2"], 1, "default"),
+    (["runtime.gradient_checkpointing=true"], 1, "default"),
+    (["data.document_mask=true"], 1, "default"),
+    (["runtime.compile_mode=default"], 1, "default"),  # an explicit mode is kept
+    (["runtime.compile_mode=reduce-overhead", "model.attention=dense"], 2, "reduce-overhead"),
+])
+def test_compile_mode_auto_uses_cuda_graphs_where_they_pay(sets: list[str], world: int, mode: str) -> None:
+    cfg = load_run_config(config="tiny", sets=sets).config
+    assert cfg.torch_compile_mode(world) == mode

@@ -55,6 +55,7 @@ class TrainRow:
     world_size: int = 1
     context_parallel: int = 1  # ranks that share each sequence
     parallel: str = "none"  # ddp, fsdp or none (one rank)
+    compile_mode: str | None = None  # the torch.compile mode that ran (RunConfig.torch_compile_mode); None: eager
 
     @property
     def mode(self) -> str:
@@ -189,7 +190,8 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
                    backend=cfg.runtime.attn_backend, compiled=use_compile, fallbacks=fallback_counts(),
                    mfu=tps / info.world_size * fpt / peak_fl if peak_fl else None, flops_per_token=fpt,
                    compile_s=compile_s, world_size=info.world_size, context_parallel=grid.context_size,
-                   parallel=cfg.runtime.parallel if info.enabled else "none")
+                   parallel=cfg.runtime.parallel if info.enabled else "none",
+                   compile_mode=cfg.torch_compile_mode(info.world_size) if use_compile else None)
     if kernels is not None:
         row.kernels, row.launches, row.parts = kernels
     if dev.type == "cuda":

@@ -169,8 +169,10 @@ class RuntimeConfig(_Section):
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile the model; auto: on CUDA (where it is faster), not on CPU",
         json_schema_extra=exposed(env="NSA_COMPILE", flag="--compile"))
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="torch.compile mode; reduce-overhead replays each step as CUDA graphs",
+    compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
+        "auto", description="torch.compile mode; reduce-overhead replays each step as CUDA graphs; auto: "
+        "reduce-overhead for an NSA model on one rank with one micro-batch a step, no gradient checkpointing and no "
+        "document mask (its step waits on the host's launches), else default",
         json_schema_extra=exposed(env="NSA_COMPILE_MODE"))
     gradient_checkpointing: bool = Field(False, description="gradient checkpointing",
                                          json_schema_extra=exposed(env="NSA_GRAD_CKPT"))
@@ -224,6 +226,18 @@ class RunConfig(_Section):
                 raise ValueError("the scorer loss (scorer.weight) does not run under runtime.context_parallel: "
                                  "set one of them")
         return self
+
+    def torch_compile_mode(self, world_size: int = 1) -> str:
+        """The ``torch.compile`` mode of a run on ``world_size`` ranks: ``runtime.compile_mode``, and for ``auto``
+        CUDA graphs (``reduce-overhead``) where they were measured to pay and to run (docs/benchmarks/equal-time-h200.md:
+        the NSA step 1.4x faster at the 6-layer quality shape, 1.04x at m7c-125m; dense attention gains nothing):
+        an NSA model on one rank, one micro-batch a step, without gradient checkpointing or a document mask."""
+        mode = self.runtime.compile_mode
+        if mode != "auto":
+            return mode
+        graphs = (self.model.attention == "nsa" and world_size == 1 and self.train.accum == 1
+                  and not self.runtime.gradient_checkpointing and not self.data.document_mask)
+        return "reduce-overhead" if graphs else "default"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -58,7 +58,7 @@ def wrap(model: Any, cfg: RunConfig, dist: D.DistInfo, precision: str, device_ty
     # curriculum's short phase) would make this one's new sizes symbolic ("automatic dynamic"), which broke
     # Inductor on the NSA operator (an AssertionError at the 8k phase of `nsa bench quality` curricula)
     torch._dynamo.reset()
-    return torch.compile(model, mode=cfg.runtime.compile_mode)
+    return torch.compile(model, mode=cfg.torch_compile_mode(dist.world_size))
 
 
 @contextlib.contextmanager

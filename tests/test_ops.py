@@ -400,7 +400,8 @@ def test_triton_backend_under_torch_compile_matches_eager() -> None:
 
 
 def test_tile_overrides_are_scoped_and_checked() -> None:
-    """Block-shape overrides hold inside their block only (nested blocks merge); unknown keys are refused."""
+    """Block-shape overrides hold inside their block only (nested blocks merge), in every thread; unknown keys are
+    refused."""
     from nsa.ops import tile_overrides
     from nsa.ops._triton import tuned
 
@@ -413,6 +414,15 @@ def test_tile_overrides_are_scoped_and_checked() -> None:
     assert tuned("sel_bm", 64) == 64
     with pytest.raises(ValueError, match="unknown tile override sel_bmx"), tile_overrides({"sel_bmx": 1}):
         pass
+    # every thread sees them: autograd runs the backward of CUDA tensors in a thread of its own
+    import threading
+
+    seen: list[int | str] = []
+    with tile_overrides({"sel_mode": "row"}):
+        t = threading.Thread(target=lambda: seen.append(tuned("sel_mode", "fsa")))
+        t.start()
+        t.join()
+    assert seen == ["row"] and tuned("sel_mode", "fsa") == "fsa"
 
 
 def test_starting_the_toolkit_does_not_import_dynamo() -> None:

@@ -8,7 +8,6 @@ of a group read the same keys, so a small group is never padded to 16 heads of w
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -86,33 +85,37 @@ TUNE_KEYS = frozenset(
        "dec_rank_block", "dec_score_warps", "dec_sel_min_tiles", "dec_sel_warps", "dec_sel_stages",
        "dec_combine_cols", "dec_combine_warps"]
 )
-_OVERRIDES: contextvars.ContextVar[Mapping[str, int | str]] = contextvars.ContextVar(
-    "nsa_tile_overrides", default=MappingProxyType({}))
+# the process's overrides, not a context variable's: the backward of CUDA tensors runs in autograd's device thread,
+# which a context variable does not reach (a selected-branch order chosen by an override in the forward and the
+# default one in the backward's trace failed to compile)
+_OVERRIDES: list[Mapping[str, int | str]] = [MappingProxyType({})]
 
 
 @contextlib.contextmanager
 def tile_overrides(overrides: Mapping[str, int | str] | None) -> Iterator[None]:
-    """Kernel block shapes for the calls inside this block (tuning sweeps; nothing is changed globally).
+    """Kernel block shapes for the calls inside this block, in every thread of the process (the backward runs in
+    autograd's threads), restored at its end (tuning sweeps).
 
     Keys are :data:`TUNE_KEYS` (``{"sel_bm": 16, "dec_waves": 3}``); an unknown key is a ``ValueError``."""
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - TUNE_KEYS)
     if unknown:
         raise ValueError(f"unknown tile override {', '.join(unknown)}: choose from {', '.join(sorted(TUNE_KEYS))}")
-    token = _OVERRIDES.set({**_OVERRIDES.get(), **overrides})
+    before = _OVERRIDES[0]
+    _OVERRIDES[0] = MappingProxyType({**before, **overrides})
     try:
         yield
     finally:
-        _OVERRIDES.reset(token)
+        _OVERRIDES[0] = before
 
 
 def tuned(key: str, default: int | str) -> int | str:
     """The override of ``key`` in the current :func:`tile_overrides` block, else ``default``."""
-    return _OVERRIDES.get().get(key, default)
+    return _OVERRIDES[0].get(key, default)
 
 
 def is_tuned(key: str) -> bool:
-    return key in _OVERRIDES.get()
+    return key in _OVERRIDES[0]
 
 
 def tile_config(device: torch.device, h: int, dk: int, dv: int, kind: str) -> TileConfig:

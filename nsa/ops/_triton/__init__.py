@@ -109,11 +109,15 @@ def tile_overrides(overrides: Mapping[str, int | str] | None) -> Iterator[None]:
         _OVERRIDES[0] = before
 
 
+@_constant_under_compile
 def tuned(key: str, default: int | str) -> int | str:
-    """The override of ``key`` in the current :func:`tile_overrides` block, else ``default``."""
+    """The override of ``key`` in the current :func:`tile_overrides` block, else ``default``; a constant of the
+    graph under ``torch.compile`` (Dynamo reads it once, at tracing: inside the compressed branch's
+    ``autograd.Function`` it could not trace the lookup)."""
     return _OVERRIDES[0].get(key, default)
 
 
+@_constant_under_compile
 def is_tuned(key: str) -> bool:
     return key in _OVERRIDES[0]
 

@@ -205,3 +205,19 @@ def test_bench_train_runs_the_trainers_selection_losses(monkeypatch: pytest.Monk
     assert cfg.scorer.model_copy(update={"weight": 0.0, "align": 0.0}).model_args() == (0, 0.0, "query_and_keys", 0.0)
     row = bench_train_step(cfg, attention="nsa", seq_len=64, batch_size=2, steps=1, warmup=0, device="cpu")
     assert row.error is None and seen == [(64, 0.2, "query_and_keys", 0.1)]  # one step is one micro-batch
+
+
+def test_bench_train_pairs_each_variant_in_its_own_compile_mode() -> None:
+    """With ``runtime.compile_mode=auto`` NSA runs under CUDA graphs and dense under the default mode: the table
+    says which, and the NSA/dense ratio still pairs the two compiled rows."""
+    from nsa.bench.train import TrainRow, speedups
+
+    def row(attention: str, tps: float, mode: str | None, compiled: bool = True) -> TrainRow:
+        return TrainRow(attention=attention, seq_len=2048, batch_size=16, params_m=1.0, step_ms=1.0,
+                        tokens_per_s=tps, peak_mib=None, device="cpu", backend="triton", compiled=compiled,
+                        compile_mode=mode)
+
+    rows = [row("nsa", 300.0, "reduce-overhead"), row("dense", 600.0, "default"),
+            row("nsa", 100.0, None, compiled=False), row("dense", 400.0, None, compiled=False)]
+    assert [r.mode for r in rows] == ["compiled (reduce-overhead)", "compiled", "eager", "eager"]
+    assert speedups(rows) == {"S=2048 b=16 compiled": 0.5, "S=2048 b=16 eager": 0.25}

@@ -59,7 +59,10 @@ class TrainRow:
 
     @property
     def mode(self) -> str:
-        return "compiled" if self.compiled else "eager"
+        """``eager``, ``compiled``, or ``compiled (reduce-overhead)`` and the like for another compile mode."""
+        if not self.compiled:
+            return "eager"
+        return "compiled" if self.compile_mode in (None, "default") else f"compiled ({self.compile_mode})"
 
     @property
     def path(self) -> str:
@@ -288,5 +291,6 @@ def speedups(rows: list[TrainRow]) -> dict[str, float]:
     by: dict[str, dict[str, float]] = {}
     for r in rows:
         if r.error is None:
-            by.setdefault(f"S={r.seq_len} b={r.batch_size} {r.mode}", {})[r.attention] = r.tokens_per_s
+            compiled = "compiled" if r.compiled else "eager"  # each variant in the compile mode it runs best in
+            by.setdefault(f"S={r.seq_len} b={r.batch_size} {compiled}", {})[r.attention] = r.tokens_per_s
     return {k: v["nsa"] / v["dense"] for k, v in by.items() if "nsa" in v and "dense" in v}

@@ -155,6 +155,7 @@ def test_nproc_must_be_positive() -> None:
     (["train.accum=2"], 1, "default"),
     (["runtime.gradient_checkpointing=true"], 1, "default"),
     (["data.document_mask=true"], 1, "default"),
+    (["train.seq_len=32768", "model.max_seq_len=32768"], 1, "default"),  # long steps are the GPU's
     (["runtime.compile_mode=default"], 1, "default"),  # an explicit mode is kept
     (["runtime.compile_mode=reduce-overhead", "model.attention=dense"], 2, "reduce-overhead"),
 ])

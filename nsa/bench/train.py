@@ -134,6 +134,7 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
 
     cfg.model.attention = attention  # type: ignore[assignment]
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq_len)
+    cfg.train.seq_len, cfg.train.batch_size = seq_len, batch_size  # what the step is (RunConfig.torch_compile_mode)
     if dev.type == "cuda" and cfg.runtime.attn_backend == "auto":
         cfg.runtime.attn_backend = "triton"  # explicit, so a fallback to torch is counted
     info, grid = ranks or (D.DistInfo(), D.Layout())

@@ -87,6 +87,7 @@ NO_RETRIEVAL_GATES: dict[str, str] = {
     "window": "learned it in none of 4 seeds at S=128-512 where dense attention and the slow gates did",
 }
 RETRIEVAL_KV_SPEED = 3.0
+GRAPHS_MAX_SEQ_LEN = 16384  # runtime.compile_mode=auto: CUDA graphs for NSA up to this train.seq_len
 
 
 class NSAConfig(_Section):
@@ -171,8 +172,8 @@ class RuntimeConfig(_Section):
         json_schema_extra=exposed(env="NSA_COMPILE", flag="--compile"))
     compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
         "auto", description="torch.compile mode; reduce-overhead replays each step as CUDA graphs; auto: "
-        "reduce-overhead for an NSA model on one rank with one micro-batch a step, no gradient checkpointing and no "
-        "document mask (its step waits on the host's launches), else default",
+        "reduce-overhead for an NSA model on one rank with one micro-batch a step, up to 16k tokens, no gradient "
+        "checkpointing and no document mask (its step waits on the host's launches), else default",
         json_schema_extra=exposed(env="NSA_COMPILE_MODE"))
     gradient_checkpointing: bool = Field(False, description="gradient checkpointing",
                                          json_schema_extra=exposed(env="NSA_GRAD_CKPT"))
@@ -231,11 +232,13 @@ class RunConfig(_Section):
         """The ``torch.compile`` mode of a run on ``world_size`` ranks: ``runtime.compile_mode``, and for ``auto``
         CUDA graphs (``reduce-overhead``) where they were measured to pay and to run (docs/benchmarks/equal-time-h200.md:
         the NSA step 1.4x faster at the 6-layer quality shape, 1.04x at m7c-125m; dense attention gains nothing):
-        an NSA model on one rank, one micro-batch a step, without gradient checkpointing or a document mask."""
+        an NSA model on one rank, one micro-batch a step, without gradient checkpointing or a document mask, up to
+        :data:`GRAPHS_MAX_SEQ_LEN` tokens (longer steps are bound by the GPU, and graphs hold their memory)."""
         mode = self.runtime.compile_mode
         if mode != "auto":
             return mode
         graphs = (self.model.attention == "nsa" and world_size == 1 and self.train.accum == 1
+                  and self.train.seq_len <= GRAPHS_MAX_SEQ_LEN
                   and not self.runtime.gradient_checkpointing and not self.data.document_mask)
         return "reduce-overhead" if graphs else "default"
 

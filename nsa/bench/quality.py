@@ -142,10 +142,19 @@ class QualityRow:
     status: str = "completed"
     budget: str = "tokens"  # "tokens": every arm the same steps; "time": the same GPU time (BUDGETS)
     step_ms: float | None = None  # the arm's step as probed alone on its GPU (probe_step_ms; time budgets)
-    gpu_seconds: float | None = None  # steps x step_ms: the GPU time the budget gave this run
+
+    @property
+    def gpu_seconds(self) -> float | None:
+        """``steps x step_ms``: the GPU time the budget gave this run (None without a probed step)."""
+        return None if self.step_ms is None else self.steps * self.step_ms / 1e3
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "gpu_seconds": self.gpu_seconds}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> QualityRow:
+        """A row as :meth:`to_dict` saved it (its derived ``gpu_seconds`` left out)."""
+        return cls(**{k: v for k, v in saved.items() if k != "gpu_seconds"})
 
 
 def loss_curve(run_dir: Path, offset: int = 0) -> list[tuple[int, float]]:
@@ -215,6 +224,17 @@ def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> FinalM
     return FinalMeasures(selection, loss["by_position"], by_context)
 
 
+def _shorter_windows(arm: Arm, train: Any, div: int) -> list[str]:
+    """The overrides of a warm phase ``div`` times shorter: windows that much shorter, as many more per batch (the
+    same tokens per step); none for ``div`` 1. ``ConfigError`` when ``train.seq_len`` does not split so."""
+    if div <= 1:
+        return []
+    if train.seq_len % div:
+        raise ConfigError(f"arm {arm.name}: train.seq_len={train.seq_len} does not split into {div} windows",
+                          hint="pick a seq_len divisible by it")
+    return [f"train.seq_len={train.seq_len // div}", f"train.batch_size={train.batch_size * div}"]
+
+
 def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,
                  queries: int = 64, log: Callable[[str], None] | None = None, budget: str = "tokens") -> QualityRow:
     """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it. The run is
@@ -232,12 +252,7 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
     done = 0
     for i, (frac, div) in enumerate(arm.warm):
         phase_steps = max(1, round(steps * frac))
-        shorter: list[str] = []
-        if div > 1 and train is not None:
-            if train.seq_len % div:
-                raise ConfigError(f"arm {arm.name}: train.seq_len={train.seq_len} does not split into {div} windows",
-                                  hint="pick a seq_len divisible by it")
-            shorter = [f"train.seq_len={train.seq_len // div}", f"train.batch_size={train.batch_size * div}"]
+        shorter = _shorter_windows(arm, train, div) if train is not None else []
         part = "warm" if i == 0 else f"warm{i + 1}"
         if restart:
             phases.append([*arm.warm_sets, *shorter, f"train.steps={phase_steps}", f"train.out_dir={run_dir / part}",
@@ -542,9 +557,7 @@ def arm_phases(config: str, sets: list[str], arm: Arm) -> list[tuple[float, list
     train = _resolve(config, [*sets, *arm.sets]).config.train
     out: list[tuple[float, list[str]]] = []
     for frac, div in arm.warm:
-        shorter = ([f"train.seq_len={train.seq_len // div}", f"train.batch_size={train.batch_size * div}"]
-                   if div > 1 and train.seq_len % div == 0 else [])
-        out.append((frac, [*arm.sets, *arm.warm_sets, *shorter]))
+        out.append((frac, [*arm.sets, *arm.warm_sets, *_shorter_windows(arm, train, div)]))
     out.append((1.0 - sum(f for f, _ in out), list(arm.sets)))
     return out
 
@@ -586,10 +599,7 @@ def _one_run(spec: QualitySpec, run: Run, log: Callable[[str], None] | None) -> 
     if spec.task in ("text", "both"):
         row = run_text_arm(spec.config, spec.sets, arm, seed, spec.out_dir, steps=run.steps, queries=spec.queries,
                            log=log, budget=run.budget)
-        base = arm.name.partition(LR_TAG)[0]
-        if base in spec.step_ms:
-            row.step_ms = spec.step_ms[base]
-            row.gpu_seconds = run.steps * spec.step_ms[base] / 1e3
+        row.step_ms = spec.step_ms.get(arm.name.partition(LR_TAG)[0])
     if spec.task in ("needle", "both"):
         device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
         recipe = RetrievalRecipe(steps=spec.needle_steps, batch_size=spec.needle_batch,

@@ -57,7 +57,7 @@ def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow], dict[str, Any
                            time_reference=timed.get("reference"),
                            step_ms={str(k): float(v) for k, v in (timed.get("step_ms") or {}).items()},
                            probe_steps=int(timed.get("probe_steps") or 10))
-        rows = [QualityRow(**r) for r in payload["rows"]]
+        rows = [QualityRow.from_dict(r) for r in payload["rows"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: a bench quality JSON with a missing or malformed field ({exc})",
                           hint="give the --json-out file of a bench quality run, as written") from None

@@ -211,8 +211,9 @@ class NSAAttention(nn.Module):
         H, Dk, Dv = self.n_kv_groups, self.d_k, self.d_v
         nq, ncmp = self.q_proj.out_features, H * (Dk + Dv)  # kv_proj's first rows: the compressed branch
         q_lin, kv_lin = F.linear(x, torch.cat([self.q_proj.weight, self.kv_weight()[:ncmp]])).split([nq, ncmp], -1)
-        q = self.rope(q_lin.view(B, S, self.n_heads, Dk), positions)
-        k = self.rope(kv_lin[..., : H * Dk].reshape(B, S, H, Dk), positions)
+        ang = self.rope.angles(positions, q_lin)
+        q = self.rope(q_lin.view(B, S, self.n_heads, Dk), positions, ang)
+        k = self.rope(kv_lin[..., : H * Dk].reshape(B, S, H, Dk), positions, ang)
         return [q, k, kv_lin[..., H * Dk :].reshape(B, S, H, Dv)]
 
     def keys_values(self, kv_lin: torch.Tensor, positions: torch.Tensor,

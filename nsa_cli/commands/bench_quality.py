@@ -187,6 +187,11 @@ def _show_probes(console: Console, spec: QualitySpec) -> None:
 BUDGET_TITLES = {"tokens": "equal tokens", "time": "equal GPU time"}
 
 
+def _fig(x: Any, spec: str = ".4f") -> str:
+    """A figure of the tables, ``-`` for none."""
+    return "-" if x is None else format(x, spec)
+
+
 def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
     """The tables of a quality benchmark: runs, then per budget the rate sweep, arms over seeds and the --against
     readings, then loss by position, by context and selection of the first budget's runs."""
@@ -203,18 +208,15 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
                 "steps to 0.5", "s"):
         table.add_column(col, justify="right")
 
-    def f(x: Any, spec: str = ".4f") -> str:
-        return "-" if x is None else format(x, spec)
-
     rel = {b: relative_to_dense(of_budget(rows, b)) for b in spec.budgets()}
     for r in rows:
         d = rel.get(r.budget, {}).get(r.arm)
-        budget_cols = (BUDGET_TITLES[r.budget], str(r.steps), f(r.step_ms, ".1f"), f(r.gpu_seconds, ".1f"))
-        table.add_row(r.arm, str(r.seed), *(budget_cols if timed else ()), f(r.val_loss),
+        budget_cols = (BUDGET_TITLES[r.budget], str(r.steps), _fig(r.step_ms, ".1f"), _fig(r.gpu_seconds, ".1f"))
+        table.add_row(r.arm, str(r.seed), *(budget_cols if timed else ()), _fig(r.val_loss),
                       "-" if d is None else f"{100 * d:+.1f}%",
-                      f(r.recall_mean, ".3f"), f(r.recall_min, ".3f"), f(r.recall_best_mean, ".3f"),
-                      f(r.cmp_entropy_mean, ".3f"),
-                      f(r.needle_acc, ".3f"), "-" if r.needle_steps_to_target is None else str(r.needle_steps_to_target),
+                      _fig(r.recall_mean, ".3f"), _fig(r.recall_min, ".3f"), _fig(r.recall_best_mean, ".3f"),
+                      _fig(r.cmp_entropy_mean, ".3f"),
+                      _fig(r.needle_acc, ".3f"), "-" if r.needle_steps_to_target is None else str(r.needle_steps_to_target),
                       f"{r.seconds:.0f}")
     console.print(table)
     for budget in spec.budgets():
@@ -229,7 +231,7 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
             positions.add_column(f"{a}-{b}", justify="right")
         for r in by_pos:
             got = {(b["start"], b["end"]): b["loss"] for b in r.loss_by_position}
-            positions.add_row(r.arm, *(f(got.get(span), ".3f") for span in spans))
+            positions.add_row(r.arm, *(_fig(got.get(span), ".3f") for span in spans))
         console.print(positions)
     by_ctx = [r for r in rows if len(r.loss_by_context) > 1 and r.seed == seed_list[0]]
     if by_ctx:
@@ -240,7 +242,7 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
             contexts.add_column(f"{c}", justify="right")
         for r in by_ctx:
             got = {c["context"]: c["loss"] for c in r.loss_by_context}
-            contexts.add_row(r.arm, *(f(got.get(c), ".4f") for c in ctxs))
+            contexts.add_row(r.arm, *(_fig(got.get(c), ".4f") for c in ctxs))
         console.print(contexts)
     for r in rows:
         if r.selection and r.seed == seed_list[0]:
@@ -249,9 +251,9 @@ def _show(console: Console, spec: QualitySpec, rows: list[QualityRow]) -> None:
                         "gates cmp / sel / win"):
                 layers.add_column(col, justify="right")
             for L in r.selection:
-                layers.add_row(str(L["layer"]), f(L.get("recall"), ".3f"), f(L.get("recall_best"), ".3f"),
-                               f(L.get("recall_forced"), ".3f"), f(L.get("cmp_entropy"), ".3f"),
-                               f(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
+                layers.add_row(str(L["layer"]), _fig(L.get("recall"), ".3f"), _fig(L.get("recall_best"), ".3f"),
+                               _fig(L.get("recall_forced"), ".3f"), _fig(L.get("cmp_entropy"), ".3f"),
+                               _fig(L.get("kl"), ".3f"), " / ".join(f"{g:.2f}" for g in L["gates"]))
             console.print(layers)
 
 
@@ -263,9 +265,6 @@ def _show_readings(console: Console, spec: QualitySpec, rows: list[QualityRow], 
 
     lr_list = spec.lrs
 
-    def f(x: Any, spec: str = ".4f") -> str:
-        return "-" if x is None else format(x, spec)
-
     summary_rows = rows
     if lr_list:
         summary_rows, sweep = at_best_lr(rows)
@@ -275,7 +274,7 @@ def _show_readings(console: Console, spec: QualitySpec, rows: list[QualityRow], 
             best.add_column(f"lr {lr:g}", justify="right")
         best.add_column("best", justify="right")
         for arm, sw in sweep.items():
-            best.add_row(arm, *(f(sw["mean_by_lr"].get(lr)) for lr in lr_list), f"{sw['best_lr']:g}")
+            best.add_row(arm, *(_fig(sw["mean_by_lr"].get(lr)) for lr in lr_list), f"{sw['best_lr']:g}")
         console.print(best)
         for arm, sw in sweep.items():
             if sw["edge"]:  # the optimum may lie past the rates tried

@@ -7,10 +7,10 @@ from so that ``nsa profiles show`` and the run directory can say it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nsa.config.data import DataConfig
 from nsa.config.monitor import MonitorConfig
@@ -48,8 +48,26 @@ class ModelConfig(_Section):
     max_seq_len: int = Field(65536, ge=1)
     attention: Literal["nsa", "dense"] = Field("nsa", description="nsa or dense (SDPA causal)",
                                                json_schema_extra=exposed(flag="--attention"))
+    dense_layers: list[int] = Field(
+        default_factory=list,
+        description="with attention nsa: the layers (0-based) that use dense attention instead (a hybrid stack; "
+                    "YAML list or '0 2 4')")
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
+
+    @field_validator("dense_layers", mode="before")
+    @classmethod
+    def _layer_list(cls, value: Any) -> Any:
+        """``'0 2 4'`` or ``'0,2,4'`` (a ``--set`` value or an environment variable) as ``[0, 2, 4]``."""
+        if isinstance(value, str):
+            parts = value.replace(",", " ").strip("[] ").split()
+            try:
+                return sorted(int(p) for p in parts)
+            except ValueError:
+                raise ValueError(f"model.dense_layers={value!r} must be layer numbers, e.g. '0 2 4'") from None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return [value]
+        return sorted(value) if isinstance(value, list | tuple) and all(isinstance(v, int) for v in value) else value
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -59,7 +77,24 @@ class ModelConfig(_Section):
             )
         if self.d_k % 2:
             raise ValueError(f"model.d_k={self.d_k} must be even (RoPE rotates pairs)")
+        if self.dense_layers:
+            bad = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
+            if bad:
+                raise ValueError(f"model.dense_layers {bad} outside the {self.n_layers} layers (0 .. {self.n_layers - 1})")
+            if len(set(self.dense_layers)) != len(self.dense_layers):
+                raise ValueError(f"model.dense_layers {self.dense_layers} names a layer twice")
+            if self.attention == "dense":
+                raise ValueError("model.dense_layers is for model.attention=nsa (a dense model's layers are all dense)")
         return self
+
+    def layer_attention(self, layer: int) -> Literal["nsa", "dense"]:
+        """The attention of block ``layer``: ``model.attention``, dense where ``dense_layers`` says so."""
+        return "dense" if self.attention == "dense" or layer in self.dense_layers else "nsa"
+
+    @property
+    def nsa_layers(self) -> list[int]:
+        """The blocks with NSA attention (none for a dense model)."""
+        return [i for i in range(self.n_layers) if self.layer_attention(i) == "nsa"]
 
     @property
     def heads_per_group(self) -> int:

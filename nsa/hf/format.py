@@ -45,6 +45,7 @@ MODEL_KEYS = {
     "rope_theta": "rope_theta",
     "max_seq_len": "max_position_embeddings",
     "attention": "attention",
+    "dense_layers": "dense_layers",
     "tie_embeddings": "tie_word_embeddings",
     "init_std": "initializer_range",
 }

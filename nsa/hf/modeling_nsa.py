@@ -75,7 +75,8 @@ class NSAConfig(PretrainedConfig):
 
     ``nsa`` holds ``l, d, l_sel, n_sel, w, phi, gate, shared_kv, gate_hidden, gate_bias, gate_scale,
     fixed_gates, window_query, kv_speed`` (a config.json written before the last two existed has the paper's
-    layer: ``window_query=False, kv_speed=1.0``, the defaults here); ``attention`` is ``nsa`` or ``dense``;
+    layer: ``window_query=False, kv_speed=1.0``, the defaults here); ``attention`` is ``nsa`` or ``dense``, and
+    ``dense_layers`` the layers of an NSA model that attend densely (none: every layer NSA);
     ``nsa_impl`` picks the implementation (module docstring); ``nsa_ops_backend`` is passed to the ``nsa``
     package's layers (its ``runtime.attn_backend``).
     """
@@ -97,6 +98,7 @@ class NSAConfig(PretrainedConfig):
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 65536,
         attention: str = "nsa",
+        dense_layers: list[int] | None = None,
         nsa: dict[str, Any] | None = None,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = False,
@@ -124,6 +126,7 @@ class NSAConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.attention = attention
+        self.dense_layers = sorted(int(i) for i in dense_layers or ())
         defaults = {"l": 32, "d": 16, "l_sel": 64, "n_sel": 16, "w": 512, "phi": "avg", "gate": "sigmoid",
                     "shared_kv": False, "gate_hidden": None, "gate_bias": [-2.0, -2.0, 2.0], "gate_scale": 0.1,
                     "fixed_gates": None, "window_query": False, "kv_speed": 1.0}
@@ -403,11 +406,16 @@ def _triple(values: Any) -> tuple[float, float, float]:
     return a, b, c
 
 
-def _package_attention(config: NSAConfig) -> nn.Module:
-    """The nsa package's layer for ``config`` (same parameter names as the standalone one)."""
+def _dense_layer(config: NSAConfig, layer: int) -> bool:
+    """Whether decoder layer ``layer`` attends densely (a dense model, or one of ``dense_layers``)."""
+    return config.attention == "dense" or layer in config.dense_layers
+
+
+def _package_attention(config: NSAConfig, layer: int) -> nn.Module:
+    """The nsa package's attention of decoder layer ``layer`` (same parameter names as the standalone one)."""
     c, n = config, config.nsa
     backend = None if c.nsa_ops_backend == "auto" else c.nsa_ops_backend
-    if c.attention == "dense":
+    if _dense_layer(c, layer):
         return _PkgDenseAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                   c.v_head_dim, rope_theta=c.rope_theta)
     hp = _PkgNSAParams(l=int(n["l"]), d=int(n["d"]), l_sel=int(n["l_sel"]), n_sel=int(n["n_sel"]), w=int(n["w"]))
@@ -421,8 +429,8 @@ def _package_attention(config: NSAConfig) -> nn.Module:
     )
 
 
-def _standalone_attention(config: NSAConfig) -> nn.Module:
-    return StandaloneDenseAttention(config) if config.attention == "dense" else StandaloneNSAAttention(config)
+def _standalone_attention(config: NSAConfig, layer: int) -> nn.Module:
+    return StandaloneDenseAttention(config) if _dense_layer(config, layer) else StandaloneNSAAttention(config)
 
 
 def _use_package(config: NSAConfig) -> bool:
@@ -441,10 +449,10 @@ def _use_package(config: NSAConfig) -> bool:
 class NSADecoderLayer(nn.Module):
     """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
 
-    def __init__(self, config: NSAConfig, package: bool) -> None:
+    def __init__(self, config: NSAConfig, package: bool, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = NSARMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = _package_attention(config) if package else _standalone_attention(config)
+        self.self_attn = _package_attention(config, layer) if package else _standalone_attention(config, layer)
         self.post_attention_layernorm = NSARMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = NSAMLP(config.hidden_size, config.intermediate_size)
 
@@ -513,8 +521,8 @@ class NSAModel(NSAPreTrainedModel):
         super().__init__(config)
         self.uses_nsa_package = _use_package(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(NSADecoderLayer(config, self.uses_nsa_package)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(NSADecoderLayer(config, self.uses_nsa_package, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = NSARMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 

@@ -13,11 +13,12 @@ from nsa.model.norm import RMSNorm, SwiGLU
 
 
 def make_attention(
-    model_cfg: ModelConfig, nsa_cfg: NSAConfig, backend: str | None = None
+    model_cfg: ModelConfig, nsa_cfg: NSAConfig, backend: str | None = None, layer: int = 0
 ) -> NSAAttention | DenseAttention:
-    """``NSAAttention`` (``model.attention = nsa``) or ``DenseAttention`` (``dense``) from the config."""
+    """Block ``layer``'s attention: ``NSAAttention``, or ``DenseAttention`` for a dense model
+    (``model.attention = dense``) and the layers of ``model.dense_layers``."""
     m = model_cfg
-    if m.attention == "dense":
+    if m.layer_attention(layer) == "dense":
         return DenseAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, rope_theta=m.rope_theta)
     n = nsa_cfg
     return NSAAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, n.params(), GateParams.of_config(n), phi=n.phi,
@@ -28,10 +29,10 @@ def make_attention(
 class Block(nn.Module):
     """Pre-norm decoder block with NSA or dense attention and a SwiGLU MLP."""
 
-    def __init__(self, model_cfg: ModelConfig, nsa_cfg: NSAConfig, backend: str | None = None) -> None:
+    def __init__(self, model_cfg: ModelConfig, nsa_cfg: NSAConfig, backend: str | None = None, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(model_cfg.dim, model_cfg.norm_eps)
-        self.attn: NSAAttention | DenseAttention = make_attention(model_cfg, nsa_cfg, backend)
+        self.attn: NSAAttention | DenseAttention = make_attention(model_cfg, nsa_cfg, backend, layer)
         self.mlp_norm = RMSNorm(model_cfg.dim, model_cfg.norm_eps)
         self.mlp = SwiGLU(model_cfg.dim, model_cfg.ffn_hidden)
 

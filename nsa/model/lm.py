@@ -45,7 +45,8 @@ def _block_decode(block: Block, x: torch.Tensor, layer: Any, cache: ModelCache) 
 
 
 class NSALM(nn.Module):
-    """Decoder-only language model; ``model_cfg.attention`` picks NSA (default) or the dense baseline.
+    """Decoder-only language model; ``model_cfg.attention`` picks NSA (default) or the dense baseline, and
+    ``model_cfg.dense_layers`` the blocks of an NSA model that attend densely (a hybrid stack).
 
     ``forward(input_ids [B, S], labels=None) -> LMOutput``. ``labels`` are the targets aligned with the
     inputs (``labels[:, t]`` is the token that should follow ``input_ids[:, t]``; no shift inside),
@@ -59,7 +60,7 @@ class NSALM(nn.Module):
         self.backend = backend
         m = model_cfg
         self.tok_emb = nn.Embedding(m.vocab_size, m.dim)
-        self.blocks = nn.ModuleList(Block(m, self.nsa_cfg, backend) for _ in range(m.n_layers))
+        self.blocks = nn.ModuleList(Block(m, self.nsa_cfg, backend, i) for i in range(m.n_layers))
         self.norm = RMSNorm(m.dim, m.norm_eps)
         self.head = nn.Linear(m.dim, m.vocab_size, bias=False)
         if m.tie_embeddings:
@@ -172,14 +173,15 @@ class NSALM(nn.Module):
             n -= self.tok_emb.weight.numel()
         return n
 
-    def attended_keys_mean(self, seq_len: int) -> float:
-        """Mean number of keys one query reads over positions ``0 .. seq_len-1`` (all branches).
+    def attended_keys_mean(self, seq_len: int, attention: str | None = None) -> float:
+        """Mean number of keys one query reads over positions ``0 .. seq_len-1`` (all branches) in a layer of
+        ``attention`` (``nsa`` or ``dense``; default: the model's ``model.attention``).
 
         NSA: ``N_c(t) + sel(t) + min(w, t+1)`` with ``sel(t) = t+1`` while all blocks fit in ``n_sel``,
         else ``(n_sel-1)*l_sel + t % l_sel + 1``; dense: ``t + 1``.
         """
         t = torch.arange(seq_len, dtype=torch.float64)
-        if self.model_cfg.attention == "dense":
+        if (attention or self.model_cfg.attention) == "dense":
             return float((t + 1).mean())
         n = self.nsa_cfg
         n_c = torch.clamp(torch.div(t + 1 - n.l, n.d, rounding_mode="floor") + 1, min=0)
@@ -191,15 +193,16 @@ class NSALM(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward) for MFU.
 
-        ``6 * N + 6 * n_layers * n_heads * (d_k + d_v) * K(seq_len)`` where ``N`` is
+        ``6 * N + 6 * n_heads * (d_k + d_v) * sum over layers of K_layer(seq_len)`` where ``N`` is
         ``num_params(exclude_embedding=True)`` (every weight matmul: 2 FLOPs forward, 4 backward) and
-        ``K`` is ``attended_keys_mean``: one query reads ``K`` keys per head, costing ``2 * d_k * K``
-        (scores) + ``2 * d_v * K`` (weighted values) forward, times 3 with the backward. For dense
-        causal attention ``K = (S + 1) / 2``; for NSA ``K`` is about ``N_c + n_sel*l_sel + w``.
+        ``K`` is ``attended_keys_mean`` of the layer's attention: one query reads ``K`` keys per head, costing
+        ``2 * d_k * K`` (scores) + ``2 * d_v * K`` (weighted values) forward, times 3 with the backward. For
+        dense causal attention ``K = (S + 1) / 2``; for NSA ``K`` is about ``N_c + n_sel*l_sel + w``.
         Selection scoring and compression are not counted beyond their weights.
         """
         m = self.model_cfg
-        attn = 6.0 * m.n_layers * m.n_heads * (m.d_k + m.d_v) * self.attended_keys_mean(seq_len)
+        keys = {a: self.attended_keys_mean(seq_len, a) for a in ("nsa", "dense")}
+        attn = 6.0 * m.n_heads * (m.d_k + m.d_v) * sum(keys[m.layer_attention(i)] for i in range(m.n_layers))
         return 6.0 * self.num_params(exclude_embedding=True) + attn
 
     # ------------------------------------------------------------------------------------------

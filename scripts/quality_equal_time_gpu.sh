@@ -4,7 +4,8 @@
 # the quality model of scripts/quality_text_gpu.sh (6 layers, dim 384), byte tokens.
 # Usage: scripts/quality_equal_time_gpu.sh OUT_DIR   with, in the environment:
 #   ARMS (dense,nsa) SEEDS (0,1,2) LRS (1e-3; empty: the config's or the arms' own) SEQ (2048) BATCH (16) STEPS (1200) BUDGET (both) PARALLEL (6)
-#   EXTRA ("--set k=v ..." for every arm) CORPUS (/tmp/corpus)
+#   EXTRA ("--set k=v ..." for every arm) CORPUS (/tmp/corpus) WORK (the runs; /tmp/quality-PID) TIMEREF (the arm whose GPU time the others get;
+#   empty: the slowest probed)
 set -u
 out=${1:?out dir}
 lrs=${LRS-1e-3}
@@ -19,5 +20,5 @@ python3 -m nsa_cli bench quality --config m7c-125m \
   --set train.seq_len="${SEQ:-2048}" --set train.batch_size="${BATCH:-16}" --set schedule.warmup_steps=100 \
   --set eval.batches=8 --set logging.every=100 --set data.prefetch_depth=2 ${EXTRA:-} \
   --arms "${ARMS:-dense,nsa}" --seeds "${SEEDS:-0,1,2}" ${lrs:+--lrs "$lrs"} --steps "${STEPS:-1200}" \
-  --budget "${BUDGET:-both}" --parallel "${PARALLEL:-6}" -o /tmp/quality-$$ \
+  --budget "${BUDGET:-both}" ${TIMEREF:+--time-reference "$TIMEREF"} --parallel "${PARALLEL:-6}" -o "${WORK:-/tmp/quality-$$}" \
   --json-out "$out/quality.json" --chart "$out/quality.png"

@@ -41,6 +41,8 @@ VARIANTS: dict[str, list[str]] = {
     "nsa-graphs": ["model.attention=nsa", "runtime.compile_mode=reduce-overhead"],
     "nsa-graphs-nsel8": ["model.attention=nsa", "runtime.compile_mode=reduce-overhead", "nsa.n_sel=8"],
     "nsa-graphs-sharedkv": ["model.attention=nsa", "runtime.compile_mode=reduce-overhead", "nsa.shared_kv=true"],
+    "hybrid": ["model.attention=nsa", "model.dense_layers=even"],
+    "hybrid-graphs": ["model.attention=nsa", "model.dense_layers=even", "runtime.compile_mode=reduce-overhead"],
 }
 TUNES: dict[str, dict[str, int | str]] = {  # tile overrides of a variant (nsa.ops.TUNE_KEYS)
     "nsa-selrow": {"sel_mode": "row"},

@@ -51,7 +51,8 @@ def test_layout_refuses_what_does_not_split() -> None:
 
 def _models(attention: str, seed: int = 5) -> tuple[NSALM, NSALM]:
     torch.manual_seed(seed)
-    cfg = MODEL.model_copy(update={"attention": attention})
+    update = {"attention": "nsa", "dense_layers": [0]} if attention == "hybrid" else {"attention": attention}
+    cfg = MODEL.model_copy(update=update)
     whole = NSALM(cfg, NSA, backend="torch").double()
     split = NSALM(cfg, NSA, backend="torch").double()
     split.load_state_dict(whole.state_dict())
@@ -75,7 +76,7 @@ LONG_DOCS = torch.tensor([0, 40, 48, 50, 96], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("documents", [False, True])
-@pytest.mark.parametrize("attention", ["nsa", "dense"])
+@pytest.mark.parametrize("attention", ["nsa", "dense", "hybrid"])
 def test_one_rank_in_two_chunks_is_the_whole_model(attention: str, documents: bool) -> None:
     """Seed 5 weights, seed 7 data: the chunked forward (queries at an offset) equals the whole one, with
     packed documents too (``cu_seqlens`` of the whole batch: each chunk attends within its documents)."""

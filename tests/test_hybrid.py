@@ -155,7 +155,32 @@ def test_bad_layer_lists_are_one_line(tmp_path: Path, value: str, needle: str) -
     assert not out.exists()
 
 
-def test_a_dense_model_refuses_a_layer_list(tmp_path: Path) -> None:
-    res = runner.invoke(app, ["train", "--config", "tiny", "--steps", "2", "--out-dir", str(tmp_path / "r"),
-                              "--attention", "dense", "--set", "model.dense_layers=1"])
-    assert res.exit_code == 2 and "model.attention=nsa" in res.stderr, res.stderr
+def test_a_dense_model_has_no_layer_list(tmp_path: Path) -> None:
+    """``--attention dense`` on a config with a hybrid list (m7c-125m's ``even``) trains the dense baseline, and its
+    saved config names no dense layers; so does switching an NSA config's attention afterwards."""
+    from nsa.model.load import load_model
+
+    out = tmp_path / "r"
+    res = runner.invoke(app, ["train", "--config", "tiny", "--steps", "2", "--out-dir", str(out), "--attention",
+                              "dense", "--set", "model.dense_layers=1", "--set", "eval.every=0"])
+    assert res.exit_code == 0, res.stderr
+    loaded = load_model(out)
+    assert loaded.config.model.dense_layers == [] and loaded.config.model.attention == "dense"
+    mc = ModelConfig(n_layers=4, dense_layers="odd")
+    mc.attention = "dense"
+    assert mc.dense_layers == [] and mc.nsa_layers == []
+
+
+@pytest.mark.parametrize(("word", "n_layers", "want"), [("even", 6, [0, 2, 4]), ("odd", 5, [1, 3]), ("even", 1, [0])])
+def test_even_and_odd_name_every_other_block(word: str, n_layers: int, want: list[int]) -> None:
+    assert ModelConfig(n_layers=n_layers, dense_layers=word).dense_layers == want
+
+
+def test_m7c_trains_the_hybrid_stack_by_default() -> None:
+    """The pretraining config's recipe (issue 52): every other block dense, from block 0, at any depth."""
+    from nsa.config import load_run_config
+
+    assert load_named("m7c-125m").model.dense_layers == list(range(0, 12, 2))
+    six = load_run_config("m7c-125m", environ={}, flags={"model.n_layers": 6}).config
+    assert six.model.dense_layers == [0, 2, 4]
+    assert load_run_config("m7c-125m", environ={}, flags={"model.dense_layers": []}).config.model.nsa_layers == list(range(12))

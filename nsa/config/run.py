@@ -32,6 +32,9 @@ class _Section(ConfigSection):
     """A run-config section (see ``ConfigSection``: no booleans for int/float fields)."""
 
 
+LAYER_WORDS = {"even": 0, "odd": 1}  # model.dense_layers by name: every other block from block 0 / block 1
+
+
 class ModelConfig(_Section):
     """LLaMA-style decoder: embedding, ``n_layers`` blocks (RMSNorm, attention, SwiGLU), norm, head."""
 
@@ -51,9 +54,23 @@ class ModelConfig(_Section):
     dense_layers: list[int] = Field(
         default_factory=list,
         description="with attention nsa: the layers (0-based) that use dense attention instead (a hybrid stack; "
-                    "YAML list or '0 2 4')")
+                    "YAML list, '0 2 4', or even / odd: every other block from the first / second)")
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layer_words(cls, data: Any) -> Any:
+        """``dense_layers: even`` (blocks 0, 2, 4, ...) or ``odd`` (1, 3, 5, ...) as the list for ``n_layers``;
+        none for a dense model (``attention: dense``: a config's hybrid list does not stop a dense baseline)."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("attention") == "dense" and data.get("dense_layers"):
+            return {**data, "dense_layers": []}  # every block of a dense model is dense: the list names nothing
+        if isinstance(word := data.get("dense_layers"), str) and word.strip() in LAYER_WORDS:
+            n = int(data.get("n_layers", cls.model_fields["n_layers"].default))
+            data = {**data, "dense_layers": list(range(LAYER_WORDS[word.strip()], n, 2))}
+        return data
 
     @field_validator("dense_layers", mode="before")
     @classmethod
@@ -64,7 +81,7 @@ class ModelConfig(_Section):
             try:
                 return sorted(int(p) for p in parts)
             except ValueError:
-                raise ValueError(f"model.dense_layers={value!r} must be layer numbers, e.g. '0 2 4'") from None
+                raise ValueError(f"model.dense_layers={value!r} must be layer numbers ('0 2 4') or even or odd") from None
         if isinstance(value, int) and not isinstance(value, bool):
             return [value]
         return sorted(value) if isinstance(value, list | tuple) and all(isinstance(v, int) for v in value) else value
@@ -83,8 +100,6 @@ class ModelConfig(_Section):
                 raise ValueError(f"model.dense_layers {bad} outside the {self.n_layers} layers (0 .. {self.n_layers - 1})")
             if len(set(self.dense_layers)) != len(self.dense_layers):
                 raise ValueError(f"model.dense_layers {self.dense_layers} names a layer twice")
-            if self.attention == "dense":
-                raise ValueError("model.dense_layers is for model.attention=nsa (a dense model's layers are all dense)")
         return self
 
     def layer_attention(self, layer: int) -> Literal["nsa", "dense"]:

@@ -27,20 +27,21 @@ SHAPES: dict[str, list[str]] = {
     "quality": ["model.dim=384", "model.n_layers=6", "model.n_heads=6", "model.n_kv_groups=2", "model.d_k=64",
                 "model.d_v=64", "model.mlp_hidden=1536"],
 }
-VARIANTS: dict[str, list[str]] = {
+ALL_NSA = ["model.attention=nsa", "model.dense_layers=[]"]  # every block NSA (m7c-125m's default is the hybrid)
+VARIANTS: dict[str, list[str]] = {  # nsa*: every block NSA; hybrid*: every other block dense
     "dense": ["model.attention=dense"],
-    "nsa": ["model.attention=nsa"],
-    "nsa-noalign": ["model.attention=nsa", "scorer.align=0"],
-    "nsa-onequery": ["model.attention=nsa", "nsa.window_query=false"],
-    "nsa-fixedgates": ["model.attention=nsa", "nsa.fixed_gates=[0.3,0.3,0.3]"],
-    "nsa-nsel8": ["model.attention=nsa", "nsa.n_sel=8"],
-    "nsa-w256": ["model.attention=nsa", "nsa.w=256"],
-    "nsa-sharedkv": ["model.attention=nsa", "nsa.shared_kv=true"],
-    "nsa-selrow": ["model.attention=nsa"],
+    "nsa": ALL_NSA,
+    "nsa-noalign": [*ALL_NSA, "scorer.align=0"],
+    "nsa-onequery": [*ALL_NSA, "nsa.window_query=false"],
+    "nsa-fixedgates": [*ALL_NSA, "nsa.fixed_gates=[0.3,0.3,0.3]"],
+    "nsa-nsel8": [*ALL_NSA, "nsa.n_sel=8"],
+    "nsa-w256": [*ALL_NSA, "nsa.w=256"],
+    "nsa-sharedkv": [*ALL_NSA, "nsa.shared_kv=true"],
+    "nsa-selrow": ALL_NSA,
     "dense-graphs": ["model.attention=dense", "runtime.compile_mode=reduce-overhead"],
-    "nsa-graphs": ["model.attention=nsa", "runtime.compile_mode=reduce-overhead"],
-    "nsa-graphs-nsel8": ["model.attention=nsa", "runtime.compile_mode=reduce-overhead", "nsa.n_sel=8"],
-    "nsa-graphs-sharedkv": ["model.attention=nsa", "runtime.compile_mode=reduce-overhead", "nsa.shared_kv=true"],
+    "nsa-graphs": [*ALL_NSA, "runtime.compile_mode=reduce-overhead"],
+    "nsa-graphs-nsel8": [*ALL_NSA, "runtime.compile_mode=reduce-overhead", "nsa.n_sel=8"],
+    "nsa-graphs-sharedkv": [*ALL_NSA, "runtime.compile_mode=reduce-overhead", "nsa.shared_kv=true"],
     "hybrid": ["model.attention=nsa", "model.dense_layers=even"],
     "hybrid-graphs": ["model.attention=nsa", "model.dense_layers=even", "runtime.compile_mode=reduce-overhead"],
 }

@@ -221,3 +221,35 @@ def test_bench_train_pairs_each_variant_in_its_own_compile_mode() -> None:
             row("nsa", 100.0, None, compiled=False), row("dense", 400.0, None, compiled=False)]
     assert [r.mode for r in rows] == ["compiled (reduce-overhead)", "compiled", "eager", "eager"]
     assert speedups(rows) == {"S=2048 b=16 compiled": 0.5, "S=2048 b=16 eager": 0.25}
+
+
+def test_bench_train_and_nsa_train_run_one_step_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 54: the benchmark times the trainer's step (``nsa.train.step.Stepper``), optimizer and schedule
+    included: both call the same ``forward_backward`` and ``apply``, and the bench's optimizer is the run's."""
+    from nsa.bench.train import bench_train_step
+    from nsa.config import load_run_config
+    from nsa.train.step import Stepper
+
+    calls: list[tuple[str, int]] = []
+    real_fb, real_apply = Stepper.forward_backward, Stepper.apply
+
+    def fb(self: Stepper) -> object:
+        calls.append(("forward_backward", len(self.optimizer.param_groups)))
+        return real_fb(self)
+
+    def apply(self: Stepper) -> None:
+        calls.append(("apply", len(self.optimizer.param_groups)))
+        real_apply(self)
+
+    monkeypatch.setattr(Stepper, "forward_backward", fb)
+    monkeypatch.setattr(Stepper, "apply", apply)
+    cfg = load_run_config("tiny", environ={}).config
+    row = bench_train_step(cfg, attention="nsa", seq_len=64, batch_size=2, steps=2, warmup=1, device="cpu")
+    assert row.error is None
+    # warm-up, the timed steps: each one forward/backward and one apply, with the run's two AdamW groups
+    assert calls[:2] == [("forward_backward", 2), ("apply", 2)] and len(calls) >= 6
+    calls.clear()
+    res = runner.invoke(app, ["train", "--config", "tiny", "--steps", "3", "--out-dir", str(tmp_path / "run"),
+                              "--set", "eval.every=0"])
+    assert res.exit_code == 0, res.output
+    assert calls == [("forward_backward", 2), ("apply", 2)] * 3

@@ -184,3 +184,15 @@ def test_m7c_trains_the_hybrid_stack_by_default() -> None:
     six = load_run_config("m7c-125m", environ={}, flags={"model.n_layers": 6}).config
     assert six.model.dense_layers == [0, 2, 4]
     assert load_run_config("m7c-125m", environ={}, flags={"model.dense_layers": []}).config.model.nsa_layers == list(range(12))
+
+
+def test_the_stack_is_named_where_runs_are_described() -> None:
+    """Preflight's config line and the training bench's path column say which blocks are dense."""
+    from nsa.bench.train import TrainRow
+
+    assert ModelConfig(n_layers=4, dense_layers="even").stack == "nsa (blocks 0,2 dense)"
+    assert ModelConfig(n_layers=4).stack == "nsa" and ModelConfig(attention="dense").stack == "dense"
+    row = TrainRow(attention="nsa", seq_len=64, batch_size=1, params_m=1.0, step_ms=1.0, tokens_per_s=1.0,
+                   peak_mib=None, device="cpu", backend="torch", dense_layers=[0, 2])
+    assert row.path == "torch, blocks 0,2 dense"
+    assert TrainRow(**{**row.__dict__, "dense_layers": []}).path == "torch"

@@ -133,7 +133,7 @@ def test_a_checkpoint_moves_between_numbers_of_ranks_exactly(runs: dict[str, Pat
     hop, and the run says what it did with the data position. (The one-process hop runs in this process.)"""
     from nsa.model import build_model
     from nsa.train.parallel import by_name
-    from nsa.train.session import build_optimizer
+    from nsa.train.step import build_optimizer
     from nsa.train.trainer import Trainer
     from tests.conftest import quiet, resolve
 

@@ -146,7 +146,7 @@ def test_optimizer_state_by_name_and_back_and_the_whole_view() -> None:
     from nsa.config import load_run_config
     from nsa.model import build_model
     from nsa.train.parallel import WholeIntoShards, by_name, by_number
-    from nsa.train.session import build_optimizer
+    from nsa.train.step import build_optimizer
 
     torch.manual_seed(7)
     cfg = load_run_config("tiny", environ={}, flags={}).config

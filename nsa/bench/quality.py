@@ -75,7 +75,9 @@ LR_TAG = "@lr="  # an arm's name at one learning rate of a sweep: <arm>@lr=<lr>
 
 ARMS: dict[str, Arm] = {
     "dense": Arm("dense", ("model.attention=dense",)),
-    "nsa": Arm("nsa", ("model.attention=nsa",)),
+    "nsa": Arm("nsa", ("model.attention=nsa",)),  # the config's stack (m7c-125m: the hybrid)
+    "nsa-all": Arm("nsa-all", ("model.attention=nsa", "model.dense_layers=[]")),  # every block NSA
+    "nsa-hybrid": Arm("nsa-hybrid", ("model.attention=nsa", "model.dense_layers=even")),  # every other block dense
     "nsa-half": Arm("nsa-half", ("model.attention=nsa", "nsa.gate_init=half")),
     "nsa-window": Arm("nsa-window", ("model.attention=nsa", "nsa.gate_init=window")),
     "nsa-uniform": Arm("nsa-uniform", ("model.attention=nsa", "nsa.gate_init=uniform")),

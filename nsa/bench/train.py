@@ -1,6 +1,8 @@
 """Training-step benchmark: tokens/s, MFU and peak memory of the NSA model and the same model with dense
 attention (``model.attention = "dense"``), eager and/or under ``torch.compile``, on random tokens, bf16
-autocast on CUDA, fused AdamW. MFU follows :data:`nsa.train.telemetry.MFU_FORMULA` (the model's own
+autocast on CUDA: the trainer's own step (:class:`nsa.train.step.Stepper`: the run's optimizer and schedule,
+clipping, step hooks and the one all-reduce with its host sync), so the rate is what ``nsa train`` reaches without
+its data loading. MFU follows :data:`nsa.train.telemetry.MFU_FORMULA` (the model's own
 ``flops_per_token(seq_len)``: 6 x parameters plus the attention products each variant really computes,
 over the device's bf16 datasheet peak).
 """
@@ -24,6 +26,9 @@ from nsa.model.context import ContextParallel
 from nsa.ops import fallback_counts, reset_fallback_counts, tile_overrides
 from nsa.train import distributed as D
 from nsa.train import parallel
+from nsa.train.hooks import step_hooks
+from nsa.train.schedule import build_scheduler
+from nsa.train.step import Stepper, build_optimizer
 from nsa.train.telemetry import peak_flops
 
 
@@ -56,6 +61,7 @@ class TrainRow:
     context_parallel: int = 1  # ranks that share each sequence
     parallel: str = "none"  # ddp, fsdp or none (one rank)
     compile_mode: str | None = None  # the torch.compile mode that ran (RunConfig.torch_compile_mode); None: eager
+    dense_layers: list[int] = field(default_factory=list)  # an NSA model's dense blocks (model.dense_layers)
 
     @property
     def mode(self) -> str:
@@ -70,7 +76,8 @@ class TrainRow:
         if self.attention == "dense":
             return "dense (SDPA)"
         n = sum(self.fallbacks.values())
-        return f"{self.backend} + torch fallback ({n:,} calls)" if n and self.backend != "torch" else self.backend
+        path = f"{self.backend} + torch fallback ({n:,} calls)" if n and self.backend != "torch" else self.backend
+        return f"{path}, blocks {','.join(map(str, self.dense_layers))} dense" if self.dense_layers else path
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -134,7 +141,8 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
 
     cfg.model.attention = attention  # type: ignore[assignment]
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq_len)
-    cfg.train.seq_len, cfg.train.batch_size = seq_len, batch_size  # what the step is (RunConfig.torch_compile_mode)
+    # what the step is (RunConfig.torch_compile_mode): one micro-batch of batch_size sequences
+    cfg.train.seq_len, cfg.train.batch_size, cfg.train.accum = seq_len, batch_size, 1
     if dev.type == "cuda" and cfg.runtime.attn_backend == "auto":
         cfg.runtime.attn_backend = "triton"  # explicit, so a fallback to torch is counted
     info, grid = ranks or (D.DistInfo(), D.Layout())
@@ -148,21 +156,23 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
     model.set_context_parallel(cp)
     # the trainer's own wrapping: DDP or FSDP2 on several ranks, compiled from the outside (one rank: compiled)
     forward = parallel.wrap(model, cfg, info, "bf16" if dev.type == "cuda" else "fp32", dev.type, use_compile)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     gen = torch.Generator(device="cpu").manual_seed(grid.data_rank)  # each data rank its own batch
     ids = torch.randint(0, cfg.model.vocab_size, (batch_size, seq_len + 1), generator=gen).to(dev)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     if cp is not None:  # this rank's head and tail chunks of each sequence
         inputs, labels = cp.shard(inputs), cp.shard(labels)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def autocast() -> AbstractContextManager[Any]:
+        return torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext()
+
+    # the trainer's own step (nsa.train.step): its optimizer, schedule, clipping, hooks and one all-reduce
+    optimizer = build_optimizer(model, cfg, dev.type)
+    scheduler = build_scheduler(optimizer, cfg.train.steps, cfg.schedule.warmup_steps, cfg.schedule.min_lr_ratio)
+    stepper = Stepper(cfg, model, forward, optimizer, scheduler, autocast, dev, info, step_hooks(cfg, model, None),
+                      lambda: (inputs, labels, None))
 
     def step() -> None:
-        with amp:
-            loss = forward(inputs, labels).loss
-        assert loss is not None
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        stepper.step()
 
     reset_fallback_counts()
     compile_s = None
@@ -195,7 +205,8 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
                    mfu=tps / info.world_size * fpt / peak_fl if peak_fl else None, flops_per_token=fpt,
                    compile_s=compile_s, world_size=info.world_size, context_parallel=grid.context_size,
                    parallel=cfg.runtime.parallel if info.enabled else "none",
-                   compile_mode=cfg.torch_compile_mode(info.world_size) if use_compile else None)
+                   compile_mode=cfg.torch_compile_mode(info.world_size) if use_compile else None,
+                   dense_layers=list(cfg.model.dense_layers))
     if kernels is not None:
         row.kernels, row.launches, row.parts = kernels
     if dev.type == "cuda":

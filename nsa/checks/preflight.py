@@ -78,7 +78,7 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
     cfg = ctx.cfg
     t = cfg.train
     what = ctx.resolved.config_path or "defaults"
-    summary = (f"{Path(what).name}: {cfg.model.attention} dim {cfg.model.dim} x {cfg.model.n_layers} layers, "
+    summary = (f"{Path(what).name}: {cfg.model.stack} dim {cfg.model.dim} x {cfg.model.n_layers} layers, "
                f"seq_len {t.seq_len}, batch {t.batch_size} x accum {t.accum}, {t.steps} steps")
 
     concerns = [*ctx.resolved.notes, *filter(None, [default_config_note(ctx.resolved)]), *long_run_warnings(cfg)]

@@ -107,6 +107,13 @@ class ModelConfig(_Section):
         return "dense" if self.attention == "dense" or layer in self.dense_layers else "nsa"
 
     @property
+    def stack(self) -> str:
+        """The attention of the blocks in words: ``nsa``, ``dense``, or ``nsa (blocks 0,2,4 dense)``."""
+        if self.attention == "dense" or not self.dense_layers:
+            return self.attention
+        return f"nsa (blocks {','.join(map(str, self.dense_layers))} dense)"
+
+    @property
     def nsa_layers(self) -> list[int]:
         """The blocks with NSA attention (none for a dense model)."""
         return [i for i in range(self.n_layers) if self.layer_attention(i) == "nsa"]

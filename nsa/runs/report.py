@@ -608,8 +608,9 @@ def kernel_path(st: RunState, s: RunSummary) -> str:
         cuda = str(env.get("device") or s.device or "").startswith("cuda")
         backend = "triton" if cuda and (env.get("versions") or {}).get("triton") else "torch"
     if s.fallback_total and backend != "torch":
-        return f"{backend} + torch fallback ({s.fallback_total:,} calls)"
-    return backend
+        backend = f"{backend} + torch fallback ({s.fallback_total:,} calls)"
+    dense = _cfg(st, "model", "dense_layers") or []
+    return f"{backend}; blocks {','.join(map(str, dense))} dense (SDPA)" if dense else backend
 
 
 def _comparison(states: list[RunState], summaries: list[RunSummary], verdicts: list[tuple[str, str]]) -> list[str]:

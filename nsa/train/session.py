@@ -51,6 +51,7 @@ from nsa.train.state import (
     TrainState,
     by_rank_modulo,
 )
+from nsa.train.step import build_optimizer
 from nsa.train.telemetry import CsvLog, Heartbeat, TensorBoard
 
 
@@ -142,18 +143,6 @@ class Session:
             return None
 
         return from_separators(x, self.plan.tokenizer.eot_id)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str) -> torch.optim.Optimizer:
-    """AdamW, weight decay on matrices only, fused on CUDA."""
-    opt = cfg.optimizer
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    extra = {"fused": True} if device_type == "cuda" else {}
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), **extra)
 
 
 def _check_same_config(plan: Plan, dist: D.DistInfo) -> None:

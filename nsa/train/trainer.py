@@ -45,6 +45,7 @@ from nsa.train.metrics import Clock, Recorder, measure_selection
 from nsa.train.runtime import apply_alloc_conf, check_training_config, resolve_runtime
 from nsa.train.session import Plan, Session, open_session
 from nsa.train.state import TrainState
+from nsa.train.step import StepOutcome, Stepper
 from nsa.train.telemetry import write_json_atomic
 
 Status = Literal["completed", "halted", "failed"]
@@ -61,20 +62,6 @@ class TrainResult:
     metrics: Metrics = field(default_factory=lambda: Metrics())
     # a halt's origin: "watchdog" (nsa watch --halt-on), "operator", "signal", "stop_at" (train.stop_at)
     halted_by: str | None = None
-
-
-@dataclass
-class StepOutcome:
-    """One optimizer step's figures, agreed by all ranks through one all-reduce (the step's one sync)."""
-
-    loss: float
-    grad_norm: float
-    bad: str | None  # "nonfinite_loss" / "nonfinite_grad": the step must not be applied
-    halt: tuple[str, str, str | None] | None  # this rank's own halt request (source, reason, watch rule)
-    halt_any: bool
-    save_now: bool
-    fields: dict[str, float]  # the step hooks' telemetry fields (nsa.train.hooks)
-    fetch_s: float
 
 
 def _read_init_weights(cfg: RunConfig, path: str) -> tuple[dict[str, torch.Tensor], Path, list[str]]:
@@ -203,18 +190,19 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         s.out.start(s.state.step)
         s.train_model.train()
         end = tr.stop_at or tr.steps
+        stepper = Stepper(s.cfg, s.model, s.train_model, s.optimizer, s.scheduler, s.plan.rt.autocast, s.plan.rt.device,
+                          s.dist, s.hooks, s.next_batch, halt_request=lambda: _local_halt_request(s),
+                          save_requested=lambda: s.signals.save_now)
         while s.state.step < end:
             step = s.state.step + 1
             s.hooks.on_step_start(step)
             t0 = time.perf_counter()
             lr = s.optimizer.param_groups[0]["lr"]
-            r = self._step(s, step)
+            r = stepper.forward_backward()
             if r.bad is not None:
-                s.optimizer.zero_grad(set_to_none=True)  # the step is not applied
+                stepper.discard()  # the step is not applied
                 return self._anomaly(s, rec, step, r.bad, r.loss if r.bad == "nonfinite_loss" else r.grad_norm, r)
-            s.optimizer.step()
-            s.scheduler.step()
-            s.optimizer.zero_grad(set_to_none=True)
+            stepper.apply()
             s.state.step, s.state.last_loss = step, r.loss
             s.state.tokens_seen += s.tokens_per_step
             dt = time.perf_counter() - t0
@@ -254,46 +242,6 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 export_hf(path, hf_path, overwrite=True)
                 s.out.message(f"exported {hf_path} (Hugging Face format)")
         return self._finish(s, rec, "completed", None)
-
-    def _step(self, s: Session, step: int) -> StepOutcome:
-        """Forward and backward over ``train.accum`` micro-batches, the gradient norm, and one all-reduce
-        of everything the ranks must agree on (the step hooks' sums included)."""
-        tr = s.cfg.train
-        loss_sum = torch.zeros((), device=s.plan.rt.device)
-        fetch_s = 0.0
-        for micro in range(tr.accum):
-            tf = time.perf_counter()
-            x, y, cu = s.next_batch()
-            fetch_s += time.perf_counter() - tf
-            last = micro == tr.accum - 1
-            with parallel.gradient_sync(s.train_model, s.model, enabled=last or not s.dist.enabled):
-                with s.plan.rt.autocast():
-                    out = s.train_model(x, labels=y, cu_seqlens=cu)
-                loss = out.loss.float() / tr.accum
-                loss.backward()
-            loss_sum += loss.detach()
-            s.hooks.on_micro_batch(out, y)
-        params = [p for p in s.model.parameters() if p.requires_grad]
-        clip = s.cfg.optimizer.grad_clip
-        grad_norm = parallel.local_norm(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
-        halt = _local_halt_request(s)
-        dev = s.plan.rt.device
-        flags = torch.stack([
-            loss_sum, (~torch.isfinite(loss_sum)).float(), (~torch.isfinite(grad_norm)).float(),
-            torch.tensor(float(halt is not None), device=dev), torch.tensor(float(s.signals.save_now), device=dev),
-            grad_norm.float(),  # identical on all ranks after the gradient all-reduce (DDP) / reduce-scatter (FSDP)
-            *s.hooks.step_sums(),
-        ])
-        D.all_reduce_sum(flags, s.dist)
-        loss_t, bad_loss, bad_grad, halt_any, save_any, norm_t, *hook_totals = flags.tolist()  # one sync
-        n = s.dist.world_size
-        return StepOutcome(
-            loss=loss_t / n, grad_norm=norm_t / n,
-            bad="nonfinite_loss" if bad_loss else "nonfinite_grad" if bad_grad else None,
-            halt=halt, halt_any=bool(halt_any), save_now=bool(save_any),
-            fields=s.hooks.log_fields(hook_totals),
-            fetch_s=fetch_s,
-        )
 
     def _evaluate(self, s: Session, rec: Recorder, step: int) -> None:
         """Mean loss over the same ``eval.batches`` held-out batches every time, and the selection diagnostics

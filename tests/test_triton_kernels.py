@@ -139,6 +139,29 @@ def _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w, strided=False, window_
                cmp_path=cmp_path)
 
 
+def _chunked_case() -> None:
+    """Issue 53: the FSA order in query chunks (the per-pair buffers capped, here at one byte, chunks of 16
+    rows of each batch row): the same outputs and gradients as the reference, the forward keeping no pair list,
+    and the fake (compile-time) outputs of the operator the real ones' shapes."""
+    from nsa.ops import triton_path
+    from nsa.ops._triton import selection
+
+    saved = selection.PARTIAL_BYTES, selection.CHUNK_ROWS
+    selection.PARTIAL_BYTES, selection.CHUNK_ROWS = 1, 16
+    try:
+        B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w = 2, 40, 4, 2, 16, 8, 8, 4, 8, 3, 12  # noqa: E741
+        assert selection.query_chunks(B, S, HQ, n_sel, Dk) == [(0, 0, 16), (0, 16, 32), (0, 32, 40),
+                                                                 (1, 0, 16), (1, 16, 32), (1, 32, 40)]
+        _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w)
+        x = make_inputs(B, S, HQ, H, Dk, Dv, l=l, d=d, dtype=torch.float32, seed=3)
+        real = triton_path.attention_fwd(*x.args(), None, l, d, l_sel, n_sel, w, Dk**-0.5)
+        fake = triton_path._attention_fwd_fake(*x.args(), None, l, d, l_sel, n_sel, w, Dk**-0.5)
+        assert [tuple(t.shape) for t in real] == [tuple(t.shape) for t in fake]
+        assert tuple(real[-1].shape) == (B * H, 0)
+    finally:
+        selection.PARTIAL_BYTES, selection.CHUNK_ROWS = saved
+
+
 def _messy_blocks_case(device: str = "cpu") -> None:
     """A given block list in any order, with duplicates, ``-1`` anywhere and blocks past the query's
     own: the same keys as the reference reads (each block once, future blocks empty), both loop orders."""
@@ -182,8 +205,9 @@ def _interpreter_job() -> Job:
               "assert triton_path.supports(torch.zeros(1, 8, 1, 512)) == 'head dim 512'\n"
               "_dispatcher_case()\n")
     calls += "print('messy block lists', flush=True); _messy_blocks_case()\n"
+    calls += "print('chunked selection', flush=True); _chunked_case()\n"
     calls += "print('regroup copies', flush=True); from tests.test_cmp_sdpa import _regroup_case; _regroup_case()\n"
-    return Job("from tests.test_triton_kernels import _cpu_case, _dispatcher_case, _messy_blocks_case\n"
+    return Job("from tests.test_triton_kernels import _chunked_case, _cpu_case, _dispatcher_case, _messy_blocks_case\n"
                + checks + calls)
 
 
@@ -255,6 +279,20 @@ def test_gpu_sel_dq_ways_match_torch_path(sel_dq: str, HQ: int, window_query: bo
     with tile_overrides({"sel_dq": sel_dq}):
         _check(1, 1500, HQ, 2 if HQ == 12 else 4, 64, 64, l=32, d=16, l_sel=64, n_sel=16, w=512,
                dtype=torch.bfloat16, device="cuda", tol=2e-2, oracle="torch", window_query=window_query)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S", [(1, 4500), (2, 2100)])
+def test_gpu_chunked_selection_matches_torch_path(B: int, S: int) -> None:
+    """The FSA order in query chunks (``sel_partial_mib=1``: chunks of 1024 rows of each batch row, the last one
+    short) against the torch path, forward and every gradient, the window's own query included."""
+    from nsa.ops import tile_overrides
+    from nsa.ops._triton.selection import query_chunks
+
+    with tile_overrides({"sel_partial_mib": 1}):
+        assert len(query_chunks(B, S, 12, 16, 64)) == B * -(-S // 1024)
+        _check(B, S, 12, 2, 64, 64, l=32, d=16, l_sel=64, n_sel=16, w=512, dtype=torch.bfloat16, device="cuda",
+               tol=2e-2, oracle="torch", window_query=True)
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ from nsa.ops import cmp_sdpa
 from nsa.ops._triton import cc_major, interpreting, tuned
 from nsa.ops._triton.range_attn import range_bwd, range_fwd
 from nsa.ops._triton.scores import select_top
-from nsa.ops._triton.selection import canonical_blocks, sel_bwd, sel_fwd, sel_mode, work_shape
+from nsa.ops._triton.selection import canonical_blocks, query_chunks, sel_bwd, sel_fwd, sel_mode, work_shape
 from nsa.ops.indexing import check_cmp_tokens, check_q_start, check_shapes, num_cmp
 from nsa.ops.torch_path import compress_avg as _torch_compress_avg
 from nsa.params import NSAParams
@@ -322,8 +322,9 @@ def _attention_fwd_fake(
     B, S, HQ, _ = q.shape
     H, Dv = k_sel.shape[2], v_sel.shape[-1]
     f32, i32 = torch.float32, torch.int32
+    chunked = len(query_chunks(B, S, HQ, n_sel, Dv)) > 1
     work = (q.new_empty(0, dtype=i32) if sel_mode(HQ // H, q.device) == "row"
-            else q.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, q_start), dtype=i32))
+            else q.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, q_start, chunked=chunked), dtype=i32))
     slots = o3_slots(o_cmp is not None and lse_cmp is not None)
     return (q.new_empty(B, S, HQ, Dv), q.new_empty(B, S, H, n_sel, dtype=i32), q.new_empty(B, S, HQ, slots, Dv),
             q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32),

@@ -413,9 +413,32 @@ def num_blocks(S: int, l_sel: int, q_start: int = 0) -> int:
     return -(-(q_start + S) // l_sel)
 
 
+# The FSA order's per-pair buffers (the forward's partial outputs, the backward's dq partials: one row of D per
+# query head and slot) of one sequence at most this large (the tile override ``sel_partial_mib``, MiB): a longer
+# sequence runs in chunks of query rows (each a launch at its offset, as context parallelism runs one), so they
+# stop growing with S (m7c at 64k: 1.6 GB each).
+PARTIAL_BYTES = 256 * 2**20
+CHUNK_ROWS = 1024  # chunks are whole multiples of this many query rows (of every selection block length used)
+
+
+def query_chunks(B: int, S: int, HQ: int, n_sel: int, D: int, itemsize: int = 2) -> list[tuple[int, int, int]]:
+    """``(batch row, first, end)`` query-row chunks of the FSA order's launches: ``[(-1, 0, S)]`` (the whole
+    call) while one sequence's per-pair buffers fit :data:`PARTIAL_BYTES`, else each batch row in chunks of a
+    multiple of :data:`CHUNK_ROWS` rows that fit (shapes only: also under fake tensors)."""
+    per_row = HQ * n_sel * D * itemsize
+    budget = int(tuned("sel_partial_mib", 0)) * 2**20 or PARTIAL_BYTES
+    if S * per_row <= budget:
+        return [(-1, 0, S)]
+    rows = max(CHUNK_ROWS, budget // per_row // CHUNK_ROWS * CHUNK_ROWS)
+    return [(b, a, min(S, a + rows)) for b in range(B) for a in range(0, S, rows)]
+
+
 def work_shape(B: int, S: int, H: int, n_sel: int, l_sel: int, device: torch.device,
-               q_start: int = 0, backward: bool = False) -> tuple[int, int]:
-    """Shape of :func:`work_list`'s tensor (shapes only: also under fake tensors)."""
+               q_start: int = 0, backward: bool = False, chunked: bool = False) -> tuple[int, int]:
+    """Shape of :func:`work_list`'s tensor (shapes only: also under fake tensors); ``chunked``: none (``[B*H,
+    0]``: a forward in query chunks keeps no list, the backward builds one per chunk)."""
+    if chunked:
+        return B * H, 0
     sn = S * n_sel
     nw = num_blocks(S, l_sel, q_start) + -(-sn // _pairs_per_program(device, backward))
     return B * H, sn + 3 * nw
@@ -515,6 +538,22 @@ def sel_fwd(
             S, SK, HQ, q_start, scale * LOG2E, N_SEL=n_sel, NSP=nsp, TMA=tma, **c,
         )
         return lse, idx.new_empty(0)
+    chunks = query_chunks(B, S, HQ, n_sel, v.shape[-1])
+    if len(chunks) == 1:
+        return lse, _sel_fwd_fsa(q, k, v, idx, o, lse, l_sel, scale, q_start)
+    for b, a, e in chunks:  # each chunk a launch at its offset; every slice of a batch row is contiguous
+        _sel_fwd_fsa(q[b:b + 1, a:e], k[b:b + 1], v[b:b + 1], idx[b:b + 1, a:e].contiguous(), o[b:b + 1, a:e],
+                     lse[b:b + 1, a:e], l_sel, scale, q_start + a)
+    return lse, idx.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, chunked=True))
+
+
+def _sel_fwd_fsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, l_sel: int, scale: float, q_start: int) -> torch.Tensor:
+    """The FSA order's forward of these query rows into ``o`` and ``lse`` (contiguous); returns its work list."""
+    B, S, HQ, _ = q.shape
+    SK = k.shape[1]
+    H, n_sel = k.shape[2], idx.shape[-1]
+    nsp = max(2, next_pow2(n_sel))
     work = work_list(idx, l_sel, q_start)
     c = _common(q, k, v, l_sel, "sel")
     NB = num_blocks(S, l_sel, q_start)
@@ -532,7 +571,7 @@ def sel_fwd(
         o_part, l_part, idx, o, lse, *o.stride()[:3], N, S, HQ, HG=c["HG"], H=H, N_SEL=n_sel, NSP=nsp,
         DV=c["DV"], BDV=c["BDV"], BR=br, num_warps=4,
     )
-    return lse, work
+    return work
 
 
 def sel_bwd(
@@ -547,8 +586,6 @@ def sel_bwd(
     H, n_sel = k.shape[2], idx.shape[-1]
     nsp = max(2, next_pow2(n_sel))
     dq_how = sel_dq(HQ // H, q.device)
-    if work is None or work.numel() == 0:
-        work = work_list(idx, l_sel, q_start, backward=True)
     if dq_how == "row":
         c = _row_config(q, k, v, l_sel, "seldq")
         kd, vd, tma = _descriptors(k, v, c)
@@ -557,12 +594,39 @@ def sel_bwd(
             *do.stride()[:3], S, SK, HQ, q_start, scale * LOG2E, scale,
             N_SEL=n_sel, NSP=nsp, X=branch, TMA=tma, ACCUM=accum, **c,
         )
+    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    chunks = query_chunks(B, S, HQ, n_sel, q.shape[-1]) if dq_how == "part" else [(-1, 0, S)]
+    if len(chunks) == 1:
+        if work is None or work.numel() == 0:
+            work = work_list(idx, l_sel, q_start, backward=True)
+        _sel_dkdv(q, k, v, idx, do, lse, gates, dg, dq, dk, dv, work, branch=branch, accum=accum, l_sel=l_sel,
+                  scale=scale, q_start=q_start, dq_how=dq_how)
+        return dk, dv
+    for b, a, e in chunks:  # each chunk a launch at its offset (its own work list); dk/dv add up over them
+        rows = (slice(b, b + 1), slice(a, e))
+        idx_c = idx[rows].contiguous()
+        _sel_dkdv(q[rows], k[b:b + 1], v[b:b + 1], idx_c, do[rows], lse[rows], gates[rows], dg[rows], dq[rows],
+                  dk[b:b + 1], dv[b:b + 1], work_list(idx_c, l_sel, q_start + a, backward=True), branch=branch,
+                  accum=accum, l_sel=l_sel, scale=scale, q_start=q_start + a, dq_how=dq_how)
+    return dk, dv
+
+
+def _sel_dkdv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+    gates: torch.Tensor, dg: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, work: torch.Tensor,
+    *, branch: int, accum: bool, l_sel: int, scale: float, q_start: int, dq_how: str,
+) -> None:
+    """dk/dv of these query rows added into ``dk``/``dv`` (contiguous fp32), and in ``part`` mode their dq
+    partials reduced into ``dq`` (contiguous)."""
+    B, S, HQ, _ = q.shape
+    SK = k.shape[1]
+    H, n_sel = k.shape[2], idx.shape[-1]
+    nsp = max(2, next_pow2(n_sel))
     c = _common(q, k, v, l_sel, "seldkdv")
     NB = num_blocks(S, l_sel, q_start)
     sn = S * n_sel
     nw = (work.shape[1] - sn) // 3
-    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
-    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     dq_part = (torch.empty(B * S * HQ, n_sel, q.shape[-1], device=q.device, dtype=q.dtype) if dq_how == "part"
                else dq)
     # the branch's gated do and delta once beforehand: scaling a loaded do tile before its product cost the
@@ -583,4 +647,3 @@ def sel_bwd(
             dq_part, idx, dq, N, S, HQ, HG=c["HG"], H=H, N_SEL=n_sel, NSP=nsp, DK=c["DK"], BDK=c["BDK"],
             BR=br, ACCUM=accum, num_warps=4,
         )
-    return dk, dv

@@ -21,7 +21,7 @@ from nsa.bench.timing import make_timer, noise_note
 from nsa.ops import NSAParams, compress_avg, nsa_attention, tile_overrides, use_backend
 
 SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
-DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536)
+DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)  # 128k: issue 53's row
 # fla-core autotunes each kernel on its first call; tuning at 64k took minutes, and its tuning keys do
 # not include the sequence length, so the peer is tuned once at this length and then timed
 PEER_TUNE_LEN = 16384

@@ -50,7 +50,7 @@ def _parse_tune(items: list[str] | None) -> dict[str, int | str]:
 
 @bench_app.command("attention", cls=command_class(json_path=True))
 def attention(
-    seq_lens: Annotated[str | None, typer.Option("--seq-lens", help="Comma-separated sequence lengths [default: 2048..65536, --tiny: 64,128].")] = None,
+    seq_lens: Annotated[str | None, typer.Option("--seq-lens", help="Comma-separated sequence lengths [default: 2048..131072, --tiny: 64,128].")] = None,
     shape: Annotated[list[str] | None, typer.Option("--shape", help="paper (HQ=64,H=4,D=128), m7c (HQ=12,H=2,D=64) or HQ,H,D; repeatable.")] = None,
     batch: Annotated[int, typer.Option("--batch", min=1)] = 1,
     backend: Annotated[str, typer.Option("--backend", help="nsa.ops backend: auto, triton, torch, reference.")] = "auto",

@@ -9,10 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nsa.data.retrieval import TaskLayout
 from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import ConfigError
 from nsa.eval.results import build_payload, run_dir_of
+from nsa.eval.ruler import RULER_TASKS, check_ruler_tasks
 from nsa.eval.tasks import (
     HAYSTACKS,
     TASKS,
@@ -22,13 +25,17 @@ from nsa.eval.tasks import (
     eval_loss,
     eval_mqar,
     eval_needle,
+    eval_ruler,
     eval_selection,
     resolve_device,
     text_haystack,
 )
-from nsa.model.load import load_model
+from nsa.hf import is_hf_folder, read_hf
+from nsa.model import build_model
+from nsa.model.load import LoadedModel, load_model
+from nsa.rundir.layout import is_run_dir
 
-DEFAULT_SAMPLES = {"needle": 32, "mqar": 32, "loss": 16, "selection": 8}
+DEFAULT_SAMPLES = {"needle": 32, "mqar": 32, "loss": 16, "selection": 8, "ruler": 16}
 SELECTION_QUERIES = 64  # query positions per layer of the selection task
 
 
@@ -49,6 +56,7 @@ class EvalSpec:
     seed: int = 0
     batch_size: int | None = None
     device: str = "auto"
+    ruler_tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))
 
     def check(self) -> None:
         """``ConfigError`` for what can be checked before a model is loaded (task, haystack, depths, contexts)."""
@@ -58,6 +66,8 @@ class EvalSpec:
             raise ConfigError(f"--haystack {self.haystack!r} must be random or text")
         if self.task == "needle":
             self.depths = check_depths(self.depths)
+        if self.task == "ruler":
+            self.ruler_tasks = check_ruler_tasks(self.ruler_tasks)
         if self.contexts is not None:
             check_contexts(self.contexts, self.task, None, self.pairs, self.mqar_queries)
 
@@ -66,8 +76,19 @@ class EvalSpec:
         return self.pairs if self.queries is None else self.queries
 
 
+def _load(path: str | Path, device: torch.device) -> LoadedModel:
+    """The model at ``path``: a run directory, its export, a checkpoint, or an export in the Hugging Face format
+    (``nsa export --format hf``), which evaluates as the run it came from."""
+    if not is_hf_folder(path):
+        return load_model(path, device=device)
+    state, cfg, weights = read_hf(path)
+    model = build_model(cfg)
+    model.load_state_dict(state)
+    return LoadedModel(model.to(device).eval(), cfg, weights)
+
+
 def run_eval(path: str | Path, spec: EvalSpec, say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Load the model at ``path`` (a run directory, its export, a checkpoint), score it on ``spec`` and return
+    """Load the model at ``path`` (a run directory, its export, a checkpoint, a Hugging Face export), score it on ``spec`` and return
     the payload (``task, run, checkpoint, step, weights, results, settings, env``). ``say`` hears one line
     naming the weights, device and contexts before the work starts. ``ConfigError`` / ``RunDirError`` /
     ``CheckpointError`` for bad input."""
@@ -75,7 +96,7 @@ def run_eval(path: str | Path, spec: EvalSpec, say: Callable[[str], None] | None
     task, q = spec.task, spec.mqar_queries
     n = spec.samples or DEFAULT_SAMPLES[task]
     dev = resolve_device(spec.device)
-    loaded = load_model(path, device=dev)
+    loaded = _load(path, dev)
     cfg, model = loaded.config, loaded.model
     if task == "selection" and cfg.model.attention != "nsa":
         raise ConfigError(f"the selection task needs an NSA model; {loaded.source} has {cfg.model.attention} attention",
@@ -104,6 +125,12 @@ def run_eval(path: str | Path, spec: EvalSpec, say: Callable[[str], None] | None
             settings.update(queries=sq)
             rows = eval_selection(model, cfg, tok, contexts, batches, queries=sq, batch_size=bs, device=dev,
                                   max_seq_len=limit)
+    elif task == "ruler":
+        hay = "text" if spec.haystack == "text" else "noise"  # random filler means RULER's noise sentences here
+        settings.update(haystack=hay, tasks=spec.ruler_tasks)
+        text = text_haystack(cfg, tok, 2 * max(contexts), seq_len=max(contexts)) if hay == "text" else None
+        rows = eval_ruler(model, tok, contexts, n, spec.ruler_tasks, seed=spec.seed, device=dev,
+                          batch_size=spec.batch_size, haystack=hay, text_tokens=text, max_seq_len=limit)
     else:
         layout = TaskLayout.for_vocab(min(cfg.model.vocab_size, tok.vocab_size), tok.eot_id)
         text = text_haystack(cfg, tok, 2 * max(contexts), seq_len=max(contexts)) if spec.haystack == "text" else None
@@ -113,4 +140,13 @@ def run_eval(path: str | Path, spec: EvalSpec, say: Callable[[str], None] | None
         else:
             rows = eval_mqar(model, layout, contexts, n, pairs=spec.pairs, queries=q, seed=spec.seed, device=dev,
                              batch_size=spec.batch_size, haystack=spec.haystack, text_tokens=text, max_seq_len=limit)
-    return build_payload(task, rows, run=run_dir_of(path), checkpoint=loaded.source, settings=settings)
+    return build_payload(task, rows, run=_run_of(path), checkpoint=loaded.source, settings=settings)
+
+
+def _run_of(path: str | Path) -> Path | None:
+    """The run directory the results belong to; for a Hugging Face export the run that holds it, else none (the
+    results are not written into an export that may travel)."""
+    if not is_hf_folder(path):
+        return run_dir_of(path)
+    parent = Path(path).resolve().parent
+    return parent if is_run_dir(parent) else None

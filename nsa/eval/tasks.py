@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import itertools
 import math
+import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,10 +26,18 @@ from nsa.data.loader import build_loader
 from nsa.data.retrieval import TaskLayout, mqar_episode, needle_episode
 from nsa.data.tokenizers import ByteTokenizer
 from nsa.errors import ConfigError
+from nsa.eval.ruler import (
+    RULER_HAYSTACKS,
+    RULER_TASKS,
+    check_ruler_tasks,
+    ruler_episode,
+    score_episodes,
+    summarise,
+)
 from nsa.model.documents import from_separators
 from nsa.rundir.records import SELECTION_FIELDS
 
-TASKS = ("needle", "mqar", "loss", "selection")
+TASKS = ("needle", "mqar", "loss", "selection", "ruler")
 HAYSTACKS = ("random", "text")
 TOKENS_PER_BATCH = 32768  # the automatic batch size keeps about this many tokens per forward
 NEEDLE_MIN_CONTEXT = 6
@@ -47,7 +56,8 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 def min_context(task: str, pairs: int | None = None, queries: int | None = None) -> int:
-    """The shortest context a task can use (needle: 6; mqar: ``2 * (pairs + queries)``; loss, selection: 2)."""
+    """The shortest context a task can use (needle: 6; mqar: ``2 * (pairs + queries)``; loss, selection: 2;
+    ruler: 256, each of its tasks more as it needs)."""
     if task == "needle":
         return NEEDLE_MIN_CONTEXT
     if task == "mqar":
@@ -55,6 +65,8 @@ def min_context(task: str, pairs: int | None = None, queries: int | None = None)
         return 2 * (p + (queries or p))
     if task in ("loss", "selection"):
         return 2
+    if task == "ruler":
+        return 256  # a question and its answer (each task checks its own length when it builds an episode)
     raise ConfigError(f"unknown task {task!r}", hint=f"use one of {', '.join(TASKS)}")
 
 
@@ -405,3 +417,42 @@ def text_haystack(run_cfg: Any, tokenizer: Any, tokens: int, seq_len: int | None
             parts.append(x[0])
             have += x.shape[1]
     return torch.cat(parts)[:tokens]
+
+
+def eval_ruler(
+    model: nn.Module,
+    tokenizer: Any,
+    contexts: Sequence[int],
+    samples: int,
+    tasks: Sequence[str] = RULER_TASKS,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    batch_size: int | None = None,
+    haystack: str = "noise",
+    text_tokens: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+) -> list[dict[str, Any]]:
+    """RULER-style tasks (:mod:`nsa.eval.ruler`): rows ``{"task", "context", "score", "n"}`` (``score``: the mean
+    share of an episode's answer values the model gets right; ``n`` episodes), contexts outer, then one
+    ``task = "mean"`` row per context. ``haystack``: ``noise`` (RULER's sentences) or ``text`` (``text_tokens``)."""
+    limit = max_seq_len if max_seq_len is not None else _model_max_seq_len(model)
+    ctxs = check_contexts(contexts, "ruler", limit)
+    names = check_ruler_tasks(tasks)
+    if samples < 1:
+        raise ConfigError(f"samples={samples} must be >= 1")
+    if haystack not in RULER_HAYSTACKS:
+        raise ConfigError(f"haystack {haystack!r} must be noise or text for the ruler task")
+    if haystack == "text":
+        _check_haystack("text", text_tokens, ctxs)
+    dev = _device_of(model, device)
+    rows: list[dict[str, Any]] = []
+    with _inference(model, dev):
+        for c in ctxs:
+            for task in names:
+                episodes = []
+                for i in range(samples):
+                    rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=_generator(seed, "ruler", task, c, i))))
+                    episodes.append(ruler_episode(task, tokenizer.encode, c, rng, haystack, text_tokens))
+                scores = score_episodes(model, episodes, dev, _batch_size(batch_size, c, len(episodes)))
+                rows.append({"task": task, "context": c, "score": sum(scores) / len(scores), "n": len(scores)})
+    return rows + summarise(rows)

@@ -60,7 +60,7 @@ from nsa.runs.verdict import (
 )
 
 DEFAULT_OUT = Path("Documentation") / "Reports"
-EVAL_TASKS = ("needle", "mqar", "loss", "selection")  # RUN/eval/<task>.json written by `nsa eval`, in report order
+EVAL_TASKS = ("needle", "mqar", "ruler", "loss", "selection")  # RUN/eval/<task>.json written by `nsa eval`, in report order
 
 
 @dataclass
@@ -571,6 +571,18 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_d
                   f"haystack {st.get('haystack')}; {source}.", "",
                   "| context | accuracy | keys asked |", "|---|---|---|"]
             L += [f"| {context_label(r.get('context'))} | {fmt_value(r.get('accuracy'), '.3f')} | {fmt_value(r.get('n'), ',')} |" for r in rows]
+            L.append("")
+        elif task == "ruler":
+            contexts = sorted({r.get("context") for r in rows if isinstance(r.get("context"), int)})
+            names = list(dict.fromkeys(str(r.get("task")) for r in rows))
+            score = {(str(r.get("task")), r.get("context")): r.get("score") for r in rows}
+            L += ["#### RULER-style suite", "",
+                  f"Share of answer values right (every token of a value predicted, reading the episode once); rows "
+                  f"= task, columns = context, `mean` = over the tasks. {st.get('samples')} episodes per cell, "
+                  f"haystack {st.get('haystack')}; {source}.", ""]
+            L.append("| task / context | " + " | ".join(context_label(c) for c in contexts) + " |")
+            L.append("|---|" + "---|" * len(contexts))
+            L += [f"| {n} | " + " | ".join(fmt_value(score.get((n, c)), ".2f") for c in contexts) + " |" for n in names]
             L.append("")
         elif task == "selection":
             L += ["#### Selection (nsa eval)", "",

@@ -1,5 +1,5 @@
-"""``nsa eval``: does a trained model retrieve (needle, MQAR), what is its held-out loss, and how well does an
-NSA model's selection find what dense attention reads (selection)?"""
+"""``nsa eval``: does a trained model retrieve (needle, MQAR, the RULER-style suite), what is its held-out loss, and
+how well does an NSA model's selection find what dense attention reads (selection)?"""
 
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ Examples:
   nsa eval artifacts/tiny --task mqar --contexts 128 --json | jq .results
 
   nsa eval artifacts/tiny --task selection --contexts 128,512 --samples 8
+
+  nsa eval artifacts/prod --task ruler --contexts 4k,16k,32k --samples 16
+
+  nsa eval artifacts/prod/hf --task ruler --contexts 4k --ruler-tasks niah_single,vt
+
+The ruler task (RULER's families, generated locally from --seed; nsa.eval.ruler): niah_single, niah_multikey,
+niah_multivalue, niah_multiquery (needles of 7-digit numbers under pseudo-word keys), vt (variable tracking
+through 4 hops), cwe (the 10 most common words of a numbered list), fwe (the 3 most frequent coded words). The
+haystack is RULER's noise sentences (--haystack random, the default) or the run's val split (--haystack text).
+A value is right when the model predicts every token of it reading the episode once; a cell scores the mean
+share of values right; the mean row averages the tasks. A Hugging Face export (nsa export --format hf) evaluates
+like its run.
 
 The selection task (NSA models) measures per layer, on the run's val split: recall (share of the dense
 attention mass, same q/k, inside the selected blocks; 1 = nothing lost), its ceiling (the mass in the best
@@ -81,7 +93,7 @@ def _selection_tables(payload: dict[str, Any]) -> list[tuple[str, Any]]:
     from nsa.eval.results import context_label
 
     rows, s = payload["results"], payload["settings"]
-    name = Path(str(payload["run"])).name
+    name = Path(str(payload["run"] or payload["checkpoint"])).name
     out = []
     for c in sorted({r["context"] for r in rows}):
         here = [r for r in rows if r["context"] == c]
@@ -121,7 +133,7 @@ def _table(payload: dict[str, Any]) -> tuple[str, Any]:
     from nsa.eval.results import context_label
 
     task, rows, s = payload["task"], payload["results"], payload["settings"]
-    name = Path(str(payload["run"])).name
+    name = Path(str(payload["run"] or payload["checkpoint"])).name
     if task == "needle":
         contexts = sorted({r["context"] for r in rows})
         depths = sorted({r["depth"] for r in rows})
@@ -134,6 +146,20 @@ def _table(payload: dict[str, Any]) -> tuple[str, Any]:
         for d in depths:
             cells = [acc.get((c, d)) for c in contexts]
             t.add_row(f"{d:g}", *("-" if v is None else f"[{_style(v)}]{v:.2f}[/]" for v in cells))
+        return heading, t
+    if task == "ruler":
+        contexts = sorted({r["context"] for r in rows})
+        tasks = list(dict.fromkeys(r["task"] for r in rows))
+        score = {(r["task"], r["context"]): r["score"] for r in rows}
+        heading = (f"RULER-style suite of {name} ({s['samples']} episodes per cell, haystack {s['haystack']}; "
+                   "score: the share of answer values right)")
+        t = Table()
+        t.add_column("task \\ context", justify="right")
+        for c in contexts:
+            t.add_column(context_label(c), justify="right")
+        for task_name in tasks:
+            cells = [score.get((task_name, c)) for c in contexts]
+            t.add_row(task_name, *("-" if v is None else f"[{_style(v)}]{v:.2f}[/]" for v in cells))
         return heading, t
     if task == "mqar":
         heading = f"MQAR accuracy of {name} ({s['pairs']} pairs, {s['queries']} queries, {s['samples']} samples)"
@@ -158,18 +184,20 @@ def _table(payload: dict[str, Any]) -> tuple[str, Any]:
 
 def eval_cmd(
     path: Annotated[Path, options.run_dir("Run directory, its export/ folder, a checkpoint folder or file.")],
-    task: Annotated[str, typer.Option("--task", help="needle, mqar, loss or selection (NSA models).")],
+    task: Annotated[str, typer.Option("--task", help="needle, mqar, ruler, loss or selection (NSA models).")],
     contexts: Annotated[str | None, typer.Option(
         "--contexts", help="Comma-separated context lengths (4k = 4096); default the run's train.seq_len.")] = None,
     depths: Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1] (0 = first token).")] = "0,0.25,0.5,0.75,1",
     samples: Annotated[int | None, typer.Option(
-        "--samples", min=1, help="Episodes per cell (needle 32, mqar 32) or val sequences per context (loss 16, "
-        "selection 8).")] = None,
+        "--samples", min=1, help="Episodes per cell (needle 32, mqar 32, ruler 16) or val sequences per context "
+        "(loss 16, selection 8).")] = None,
     pairs: Annotated[int, typer.Option("--pairs", min=1, help="MQAR key/value pairs per episode.")] = 8,
     queries: Annotated[int | None, typer.Option(
         "--queries", min=1, help="MQAR keys asked (default: --pairs); selection: query positions per layer (default 64).")] = None,
     haystack: Annotated[str, typer.Option(
-        "--haystack", help="random (uniform filler) or text (the run's val split).")] = "random",
+        "--haystack", help="random (uniform filler; ruler: RULER's noise sentences) or text (the run's val split).")] = "random",
+    ruler_tasks: Annotated[str | None, typer.Option(
+        "--ruler-tasks", help="The ruler task's families, comma-separated (default: all).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the episodes (results are reproducible).")] = 0,
     batch_size: Annotated[int | None, typer.Option(
         "--batch-size", min=1, help="Sequences per forward (default: about 32k tokens).")] = None,
@@ -193,6 +221,8 @@ def eval_cmd(
         spec = EvalSpec(task, contexts=_ints(contexts, "--contexts") if contexts is not None else None,
                         depths=_floats(depths, "--depths") if task == "needle" else [], samples=samples, pairs=pairs,
                         queries=queries, haystack=haystack, seed=seed, batch_size=batch_size, device=device)
+        if ruler_tasks is not None:
+            spec.ruler_tasks = [t for t in ruler_tasks.replace(" ", "").split(",") if t]
         to_stdout = as_json or str(json_out) == "-"
         console = render.console(stderr=to_stdout)
         payload = run_eval(path, spec, say=lambda line: typer.echo(line, err=True))

@@ -126,41 +126,41 @@ def _tables(payload: dict[str, Any]) -> list[tuple[str, Any]]:
     return [_table(payload)]
 
 
-def _table(payload: dict[str, Any]) -> tuple[str, Any]:
-    """A heading line and the Rich table of the results."""
+def _grid(rows: list[dict[str, Any]], key: str, value: str, labels: list[str], keys: list[Any]) -> Any:
+    """A Rich table of ``rows``' ``value`` (coloured): a row per ``key`` (``keys``, shown as ``labels``), a column
+    per context."""
     from rich.table import Table
 
     from nsa.eval.results import context_label
 
+    contexts = sorted({r["context"] for r in rows})
+    cell = {(r[key], r["context"]): r[value] for r in rows}
+    t = Table()
+    t.add_column(f"{key} \\ context", justify="right")
+    for c in contexts:
+        t.add_column(context_label(c), justify="right")
+    for label, k in zip(labels, keys, strict=True):
+        cells = [cell.get((k, c)) for c in contexts]
+        t.add_row(label, *("-" if v is None else f"[{_style(v)}]{v:.2f}[/]" for v in cells))
+    return t
+
+
+def _table(payload: dict[str, Any]) -> tuple[str, Any]:
+    """A heading line and the Rich table of the results."""
+    from rich.table import Table
+
+
     task, rows, s = payload["task"], payload["results"], payload["settings"]
     name = Path(str(payload["run"] or payload["checkpoint"])).name
     if task == "needle":
-        contexts = sorted({r["context"] for r in rows})
-        depths = sorted({r["depth"] for r in rows})
-        acc = {(r["context"], r["depth"]): r["accuracy"] for r in rows}
         heading = f"needle accuracy of {name} ({s['samples']} samples per cell, haystack {s['haystack']})"
-        t = Table()
-        t.add_column("depth \\ context", justify="right")
-        for c in contexts:
-            t.add_column(context_label(c), justify="right")
-        for d in depths:
-            cells = [acc.get((c, d)) for c in contexts]
-            t.add_row(f"{d:g}", *("-" if v is None else f"[{_style(v)}]{v:.2f}[/]" for v in cells))
-        return heading, t
+        depths = sorted({r["depth"] for r in rows})
+        return heading, _grid(rows, "depth", "accuracy", [f"{d:g}" for d in depths], depths)
     if task == "ruler":
-        contexts = sorted({r["context"] for r in rows})
-        tasks = list(dict.fromkeys(r["task"] for r in rows))
-        score = {(r["task"], r["context"]): r["score"] for r in rows}
         heading = (f"RULER-style suite of {name} ({s['samples']} episodes per cell, haystack {s['haystack']}; "
                    "score: the share of answer values right)")
-        t = Table()
-        t.add_column("task \\ context", justify="right")
-        for c in contexts:
-            t.add_column(context_label(c), justify="right")
-        for task_name in tasks:
-            cells = [score.get((task_name, c)) for c in contexts]
-            t.add_row(task_name, *("-" if v is None else f"[{_style(v)}]{v:.2f}[/]" for v in cells))
-        return heading, t
+        tasks = list(dict.fromkeys(r["task"] for r in rows))
+        return heading, _grid(rows, "task", "score", tasks, tasks)
     if task == "mqar":
         heading = f"MQAR accuracy of {name} ({s['pairs']} pairs, {s['queries']} queries, {s['samples']} samples)"
         t = Table()

@@ -47,13 +47,11 @@ def _word(rng: random.Random, syllables: int = 3) -> str:
 
 
 def _words(rng: random.Random, n: int, syllables: int = 3) -> list[str]:
-    """``n`` distinct pseudo-words."""
-    out: list[str] = []
+    """``n`` distinct pseudo-words, in the order drawn."""
+    out: dict[str, None] = {}
     while len(out) < n:
-        w = _word(rng, syllables)
-        if w not in out:
-            out.append(w)
-    return out
+        out.setdefault(_word(rng, syllables))
+    return list(out)
 
 
 def _number(rng: random.Random) -> str:
@@ -188,12 +186,11 @@ def _cwe(b: _Builder, rng: random.Random, n_common: int = 10) -> Episode:
     enc = b.encode
     q = (f"\nWhat are the {n_common} most common words in the numbered list above, in the order they first appear? "
          f"The {n_common} most common words in the list above are:")
-    words = _words(rng, 4 * n_common + 2000)
-    common, rare = words[:n_common], words[n_common:]
+    common = _words(rng, n_common)
     tail_len = len(enc(q)) + sum(len(enc(" " + w)) for w in common)
-    budget = b.context - tail_len
     per_item = _item_tokens(enc, common[0])
-    fit = budget // per_item
+    fit = (b.context - tail_len) // per_item
+    rare = [w for w in _words(rng, n_common + max(0, fit)) if w not in common]  # as many as the list can hold
     f_common = max(2, min(30, fit // (3 * n_common)))  # each common word this often, each other word once
     n_rare = min(len(rare), fit - n_common * f_common)
     if n_rare < 0:

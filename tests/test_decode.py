@@ -574,3 +574,22 @@ def test_decode_bench_notes_out_of_memory_and_raises_the_rest() -> None:
     with pytest.raises(ValueError), _noting_oom(row, "dense", torch.device("cpu")):
         raise ValueError("a real bug")
     assert row.notes == ["nsa: out of memory"]
+
+
+def test_bench_decode_model_rows_take_config_overrides(tmp_path) -> None:
+    """``--set`` reaches the model rows (a hybrid stack here: its row says so, and a step reads each block's keys:
+    the dense block's 65, the NSA block's 72 at t=64), and a bad override is one line."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from nsa_cli.app import app
+
+    out = tmp_path / "decode.json"
+    args = ["bench", "decode", "--tiny", "--mode", "model", "--batches", "1", "--json-out", str(out)]
+    res = CliRunner().invoke(app, [*args, "--set", "model.dense_layers=0"])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["notes"] == ["nsa model: nsa (blocks 0 dense)"] and row["nsa_reads"] == (65 + 72) / 2
+    res = CliRunner().invoke(app, [*args, "--set", "model.dense_layer=0"])
+    assert res.exit_code == 2 and "model.dense_layer" in res.output and len(res.output.strip().splitlines()) == 1

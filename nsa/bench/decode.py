@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from nsa.bench.timing import Timer, make_timer
-from nsa.config import load_named
+from nsa.config import load_run_config
 from nsa.model import build_model
 from nsa.model.dense import sdpa_gqa
 from nsa.ops.decode import compiled_nsa_decode, nsa_decode
@@ -192,6 +192,8 @@ def bench_model_step(
         cfg.model.attention = attention
         cfg.runtime.attn_backend = backend
         cfg.model.max_seq_len = max(cfg.model.max_seq_len, context + 1)
+        if cfg.model.dense_layers:  # the config's hybrid stack (m7c-125m's): its NSA model has dense blocks
+            row.notes.append(f"nsa model: {cfg.model.stack}")
         torch.manual_seed(seed)
         model = None
         with _noting_oom(row, attention, device):
@@ -234,8 +236,10 @@ def bench_decode(
     shapes: list[str] | None = None, model_config: str | None = None, model_contexts: list[int] | None = None,
     modes: tuple[str, ...] = ("attention", "model"), graphs: bool = True, warmup_ms: int = 25, rep_ms: int = 100,
     device: str | torch.device | None = None, backend: str = "auto", compile: bool = False,
+    sets: list[str] | None = None,
 ) -> list[DecodeRow]:
-    """All rows: attention-only steps over shapes x contexts x batches, then whole-model steps.
+    """All rows: attention-only steps over shapes x contexts x batches, then whole-model steps (the model of
+    ``model_config`` with ``sets``, ``section.key=value``, e.g. ``model.dense_layers=[]``).
 
     ``tiny``: CPU-sized (shape HQ=4,H=2,D=16, small NSA blocks, contexts 64/128, batches 1/2, the
     ``tiny`` config for the model rows). ``backend``: ``nsa_decode``'s (``auto``: fused Triton on CUDA).
@@ -266,7 +270,7 @@ def bench_decode(
                                                      compile=compile))
     if "model" in modes:
         name = model_config or ("tiny" if tiny else "m7c-125m")
-        cfg = load_named(name)
+        cfg = load_run_config(config=name, sets=sets or [], environ={}).config
         for b in bs:
             for c in model_contexts or ([64] if tiny else list(MODEL_CONTEXTS)):
                 rows.append(bench_model_step(cfg, c, b, name=name, device=dev, dtype=dtype, timer=timer,

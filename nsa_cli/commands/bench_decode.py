@@ -35,6 +35,7 @@ def decode(
     mode: Annotated[list[str] | None, typer.Option("--mode", help="attention and/or model; repeatable [default: both].")] = None,
     config: Annotated[str | None, typer.Option("--config", help=options.config_help("Config of the model rows [default: m7c-125m; --tiny: tiny]"))] = None,
     model_contexts: Annotated[str | None, typer.Option("--model-contexts", help="Contexts of the model rows [default: 2048,65536].")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override of the model rows' config, key=value (e.g. model.dense_layers=[] for every block NSA); repeatable.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="NSA decode path: auto (fused Triton step on CUDA), triton, or torch.")] = "auto",
     compile: Annotated[bool, typer.Option("--compile", help="NSA op / each block's decode step through torch.compile.")] = False,
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Also time CUDA-graph replays of each step.")] = True,
@@ -64,7 +65,7 @@ def decode(
             raise fail("no CUDA device for bench decode", hint="use --tiny on a CPU machine")
         rows = bench_decode(tiny=tiny, contexts=_ints(contexts, "--contexts"), batches=_ints(batches, "--batches"),
                             shapes=shape, model_config=config, model_contexts=_ints(model_contexts, "--model-contexts"),
-                            modes=modes, graphs=graphs, backend=backend, compile=compile)
+                            modes=modes, graphs=graphs, backend=backend, compile=compile, sets=set_)
         if not rows:
             raise fail("nothing to measure")
         how = backend + (", compiled" if compile else "")

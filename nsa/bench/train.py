@@ -170,9 +170,7 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
     scheduler = build_scheduler(optimizer, cfg.train.steps, cfg.schedule.warmup_steps, cfg.schedule.min_lr_ratio)
     stepper = Stepper(cfg, model, forward, optimizer, scheduler, autocast, dev, info, step_hooks(cfg, model, None),
                       lambda: (inputs, labels, None))
-
-    def step() -> None:
-        stepper.step()
+    step = stepper.step
 
     reset_fallback_counts()
     compile_s = None
@@ -214,7 +212,7 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
     return row
 
 
-def _timed_steps(step: Callable[[], None], steps: int, dev: torch.device) -> tuple[float, float | None]:
+def _timed_steps(step: Callable[[], object], steps: int, dev: torch.device) -> tuple[float, float | None]:
     """The median milliseconds of ``steps`` calls of ``step`` (CUDA events on a GPU) and the peak MiB allocated
     during them (None on a CPU)."""
     if dev.type == "cuda":
@@ -237,7 +235,7 @@ def _timed_steps(step: Callable[[], None], steps: int, dev: torch.device) -> tup
     return statistics.median(times), peak
 
 
-def _profile_step(step: Callable[[], None], dev: torch.device,
+def _profile_step(step: Callable[[], object], dev: torch.device,
                   top: int = 25) -> tuple[list[dict[str, Any]], int, dict[str, float]]:
     """One step's kernels by device time (the ``top`` largest), its kernel launches and its device time by part
     (:func:`nsa.bench.step_parts.parts_of`, every kernel); on a CPU, the operators by self CPU time and their

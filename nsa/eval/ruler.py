@@ -123,7 +123,8 @@ class _Builder:
         ids += tail
         return Episode(torch.tensor(ids, dtype=torch.long), [(base + a, base + b) for a, b in spans])
 
-    def listing(self, task: str, items: list[str], sep: str, tail: list[int], spans: list[tuple[int, int]]) -> Episode:
+    def listing(self, task: str, rng: random.Random, items: list[str], sep: str, tail: list[int],
+                spans: list[tuple[int, int]]) -> Episode:
         """``items`` joined by ``sep`` as the whole haystack (truncated nowhere: the caller sized it), padded in
         front with noise to the context, then ``tail``."""
         body = self.encode(sep.join(items) + " ")
@@ -131,7 +132,7 @@ class _Builder:
         if room < 0:
             raise ConfigError(f"context={self.context} is too short for the ruler task {task} "
                               f"(needs >= {self.context - room} tokens)", hint="evaluate longer contexts")
-        ids = self.filler(random.Random(0), room) + body
+        ids = self.filler(rng, room) + body
         base = len(ids)
         return Episode(torch.tensor(ids + tail, dtype=torch.long), [(base + a, base + b) for a, b in spans])
 
@@ -199,17 +200,15 @@ def _cwe(b: _Builder, rng: random.Random, n_common: int = 10) -> Episode:
     items = common * f_common + rare[:n_rare]
     rng.shuffle(items)
     first = [w for i, w in enumerate(items) if w in common and w not in items[:i]]
-    numbered = [f"{i + 1}. {w}" for i, w in enumerate(items)]
     tail, spans = _answer(enc, enc(q), first, " ")
-    while True:  # the list numbers may run longer than the estimate: drop rare words until it fits
-        try:
-            return b.listing("cwe", numbered, " ", tail, spans)
-        except ConfigError:
-            rare_at = [i for i, w in enumerate(items) if w not in common]
-            if not rare_at:
-                raise
-            del items[rare_at[-1]]
-            numbered = [f"{i + 1}. {w}" for i, w in enumerate(items)]
+    while True:  # the list numbers may run longer than the estimate: drop the last rare words until it fits
+        numbered = [f"{i + 1}. {w}" for i, w in enumerate(items)]
+        over = len(enc(" ".join(numbered) + " ")) - (b.context - len(tail))
+        rare_at = [i for i, w in enumerate(items) if w not in common]
+        if over <= 0 or not rare_at:
+            return b.listing("cwe", rng, numbered, " ", tail, spans)  # too short even without them: it says so
+        for i in reversed(rare_at[-(-over // per_item):]):
+            del items[i]
 
 
 def _fwe(b: _Builder, rng: random.Random, top: int = 3) -> Episode:
@@ -236,7 +235,7 @@ def _fwe(b: _Builder, rng: random.Random, top: int = 3) -> Episode:
     items = [w for w, c in zip(words, counts, strict=True) for _ in range(c)]
     rng.shuffle(items)
     tail, spans = _answer(enc, enc(q), words[:top], " ")
-    return b.listing("fwe", items, " ", tail, spans)
+    return b.listing("fwe", rng, items, " ", tail, spans)
 
 
 def ruler_episode(task: str, encode: Encode, context: int, rng: random.Random, haystack: str = "noise",

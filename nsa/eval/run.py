@@ -13,7 +13,7 @@ import torch
 
 from nsa.data.retrieval import TaskLayout
 from nsa.data.tokenizers import get_tokenizer
-from nsa.errors import ConfigError
+from nsa.errors import CheckpointError, ConfigError
 from nsa.eval.results import build_payload, run_dir_of
 from nsa.eval.ruler import RULER_TASKS, check_ruler_tasks
 from nsa.eval.tasks import (
@@ -83,7 +83,10 @@ def _load(path: str | Path, device: torch.device) -> LoadedModel:
         return load_model(path, device=device)
     state, cfg, weights = read_hf(path)
     model = build_model(cfg)
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:  # as load_model says it
+        raise CheckpointError(f"{weights} does not match its config: {exc}") from None
     return LoadedModel(model.to(device).eval(), cfg, weights)
 
 

@@ -119,11 +119,25 @@ def _batch_size(batch_size: int | None, context: int, count: int) -> int:
     return max(1, min(count, TOKENS_PER_BATCH // context))
 
 
-def _generator(seed: int, *parts: object) -> torch.Generator:
-    """A generator seeded from ``(seed, *parts)`` by a stable hash (the same on every machine)."""
+def _seed(seed: int, *parts: object) -> int:
+    """A seed from ``(seed, *parts)`` by a stable hash (the same on every machine)."""
     key = ":".join(str(p) for p in (seed, *parts)).encode()
-    value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
-    return torch.Generator().manual_seed(value)
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+def _generator(seed: int, *parts: object) -> torch.Generator:
+    """A torch generator seeded from ``(seed, *parts)`` (:func:`_seed`)."""
+    return torch.Generator().manual_seed(_seed(seed, *parts))
+
+
+def _episode_setup(model: nn.Module, task: str, contexts: Sequence[int], samples: int, max_seq_len: int | None,
+                   pairs: int | None = None, queries: int | None = None) -> list[int]:
+    """The checked contexts of an episode task (against ``max_seq_len``, default the model's); ``samples >= 1``."""
+    limit = max_seq_len if max_seq_len is not None else _model_max_seq_len(model)
+    ctxs = check_contexts(contexts, task, limit, pairs, queries)
+    if samples < 1:
+        raise ConfigError(f"samples={samples} must be >= 1")
+    return ctxs
 
 
 @contextlib.contextmanager
@@ -201,11 +215,8 @@ def eval_needle(
 ) -> list[dict[str, Any]]:
     """Needle in a haystack: rows ``{"context", "depth", "accuracy", "n"}`` (``n`` = episodes), one per
     (context, depth), contexts outer. ``max_seq_len`` defaults to the model's ``model_cfg.max_seq_len``."""
-    limit = max_seq_len if max_seq_len is not None else _model_max_seq_len(model)
-    ctxs = check_contexts(contexts, "needle", limit)
+    ctxs = _episode_setup(model, "needle", contexts, samples, max_seq_len)
     deps = check_depths(depths)
-    if samples < 1:
-        raise ConfigError(f"samples={samples} must be >= 1")
     _check_haystack(haystack, text_tokens, ctxs)
     dev = _device_of(model, device)
     rows: list[dict[str, Any]] = []
@@ -241,10 +252,7 @@ def eval_mqar(
     key (``n`` = keys asked = ``samples * queries``)."""
     q = pairs if queries is None else queries
     _check_mqar(layout, pairs, q)
-    limit = max_seq_len if max_seq_len is not None else _model_max_seq_len(model)
-    ctxs = check_contexts(contexts, "mqar", limit, pairs, q)
-    if samples < 1:
-        raise ConfigError(f"samples={samples} must be >= 1")
+    ctxs = _episode_setup(model, "mqar", contexts, samples, max_seq_len, pairs, q)
     _check_haystack(haystack, text_tokens, ctxs)
     dev = _device_of(model, device)
     rows: list[dict[str, Any]] = []
@@ -435,11 +443,8 @@ def eval_ruler(
     """RULER-style tasks (:mod:`nsa.eval.ruler`): rows ``{"task", "context", "score", "n"}`` (``score``: the mean
     share of an episode's answer values the model gets right; ``n`` episodes), contexts outer, then one
     ``task = "mean"`` row per context. ``haystack``: ``noise`` (RULER's sentences) or ``text`` (``text_tokens``)."""
-    limit = max_seq_len if max_seq_len is not None else _model_max_seq_len(model)
-    ctxs = check_contexts(contexts, "ruler", limit)
+    ctxs = _episode_setup(model, "ruler", contexts, samples, max_seq_len)
     names = check_ruler_tasks(tasks)
-    if samples < 1:
-        raise ConfigError(f"samples={samples} must be >= 1")
     if haystack not in RULER_HAYSTACKS:
         raise ConfigError(f"haystack {haystack!r} must be noise or text for the ruler task")
     if haystack == "text":
@@ -451,7 +456,7 @@ def eval_ruler(
             for task in names:
                 episodes = []
                 for i in range(samples):
-                    rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=_generator(seed, "ruler", task, c, i))))
+                    rng = random.Random(_seed(seed, "ruler", task, c, i))
                     episodes.append(ruler_episode(task, tokenizer.encode, c, rng, haystack, text_tokens))
                 scores = score_episodes(model, episodes, dev, _batch_size(batch_size, c, len(episodes)))
                 rows.append({"task": task, "context": c, "score": sum(scores) / len(scores), "n": len(scores)})

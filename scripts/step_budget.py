@@ -45,6 +45,9 @@ VARIANTS: dict[str, list[str]] = {  # nsa*: every block NSA; hybrid*: every othe
     "hybrid": ["model.attention=nsa", "model.dense_layers=even"],
     "hybrid-graphs": ["model.attention=nsa", "model.dense_layers=even", "runtime.compile_mode=reduce-overhead"],
 }
+for _v in ("nsa-graphs", "hybrid-graphs"):  # the projection's parts split and rotated unfused (before nsa::split_rotate)
+    VARIANTS[f"{_v}-unfused"] = VARIANTS[_v]
+UNFUSED = {"nsa-graphs-unfused", "hybrid-graphs-unfused"}
 TUNES: dict[str, dict[str, int | str]] = {  # tile overrides of a variant (nsa.ops.TUNE_KEYS)
     "nsa-selrow": {"sel_mode": "row"},
 }
@@ -57,6 +60,9 @@ def one(config: str, shape: str, sets: list[str], name: str, seq_len: int, batch
     from nsa.bench.timing import device_turn
     from nsa.bench.train import bench_train_step
     from nsa.config import load_run_config
+    from nsa.model import attention
+
+    attention.FUSED_PROJECTION = name not in UNFUSED
 
     cfg = load_run_config(config=config, sets=[*SHAPES[shape], *sets, *VARIANTS[name]]).config
     row = bench_train_step(cfg, attention=cfg.model.attention, seq_len=seq_len, batch_size=batch, steps=steps,

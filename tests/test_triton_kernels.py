@@ -207,6 +207,8 @@ def _interpreter_job() -> Job:
     calls += "print('messy block lists', flush=True); _messy_blocks_case()\n"
     calls += "print('chunked selection', flush=True); _chunked_case()\n"
     calls += "print('regroup copies', flush=True); from tests.test_cmp_sdpa import _regroup_case; _regroup_case()\n"
+    calls += ("from tests.test_rotary import _rotary_case\n"
+              "_rotary_case('cpu', torch.bfloat16, 1e-2); _rotary_case('cpu', torch.float32, 1e-5)\n")
     return Job("from tests.test_triton_kernels import _chunked_case, _cpu_case, _dispatcher_case, _messy_blocks_case\n"
                + checks + calls)
 

@@ -20,6 +20,11 @@ from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.decode_cache import NewToken
 from nsa.ops.indexing import num_cmp
+from nsa.ops.rotary import split_rotate
+
+# project() splits and rotates the fused projection with one operator (nsa.ops.rotary) where it can; False: the
+# unfused arithmetic everywhere (what the operator replaced; scripts/step_budget.py measures one against the other)
+FUSED_PROJECTION = True
 
 
 class Projected:
@@ -184,16 +189,20 @@ class NSAAttention(nn.Module):
         projection of every rank gathered in one collective, then RoPE'd at ``kv_positions`` (the whole
         sequence's: ``0 .. S - 1`` by default)."""
         B, S, _ = x.shape
-        q_lin, kv_lin, gate_pre, q_win_lin = self.in_proj(x)
-        ang = self.rope.angles(positions, q_lin)  # once for every tensor rotated at these positions
-        q = self.rope(q_lin.view(B, S, self.n_heads, self.d_k), positions, ang)
-        q_win = None if q_win_lin is None else self.rope(q_win_lin.view(B, S, self.n_heads, self.d_k), positions, ang)
-        if cp is not None:
-            kv_lin = cp.gather(kv_lin)
-            if kv_positions is None:
-                kv_positions = torch.arange(kv_lin.shape[1], device=x.device)
-        ks, vs = self.keys_values(kv_lin, positions if kv_positions is None else kv_positions,
-                                  ang if kv_positions is None else None)
+        if FUSED_PROJECTION and cp is None and kv_positions is None and B * S > 8:
+            q, ks, vs, gate_pre, q_win = self.project_rotated(x, positions)
+        else:
+            q_lin, kv_lin, gate_pre, q_win_lin = self.in_proj(x)
+            ang = self.rope.angles(positions, q_lin)  # once for every tensor rotated at these positions
+            q = self.rope(q_lin.view(B, S, self.n_heads, self.d_k), positions, ang)
+            q_win = (None if q_win_lin is None
+                     else self.rope(q_win_lin.view(B, S, self.n_heads, self.d_k), positions, ang))
+            if cp is not None:
+                kv_lin = cp.gather(kv_lin)
+                if kv_positions is None:
+                    kv_positions = torch.arange(kv_lin.shape[1], device=x.device)
+            ks, vs = self.keys_values(kv_lin, positions if kv_positions is None else kv_positions,
+                                      ang if kv_positions is None else None)
         if self.gates.fixed is not None:  # ablation: constant gates, the gate MLP unused
             gates = torch.tensor(self.gates.fixed, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads, 3)
         else:
@@ -203,6 +212,37 @@ class NSAAttention(nn.Module):
             q=q, k_cmp_raw=ks[0], v_cmp_raw=vs[0], k_sel=ks[1], v_sel=vs[1], k_win=ks[2], v_win=vs[2],
             gates=gates, q_win=q_win,
         )
+
+    def project_rotated(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[
+            torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+        """:meth:`in_proj`'s one GEMM split into its parts and the queries and keys RoPE'd by one operator
+        (:func:`nsa.ops.rotary.split_rotate`, whose backward writes the GEMM's output gradient part by part):
+        ``(q, keys, values, gate pre-activation, window queries)``, the same values as the unfused path."""
+        B, S, _ = x.shape
+        H, Dk, Dv, HQ = self.n_kv_groups, self.d_k, self.d_v, self.n_heads
+        fc1 = self.gate_mlp[0]
+        assert isinstance(fc1, nn.Linear)
+        gate = self.gates.fixed is None
+        qw = self.q_win_proj
+        ws = [self.q_proj.weight, self.kv_weight(), *([] if qw is None else [qw.weight]),
+              *([fc1.weight] if gate else [])]
+        y = F.linear(x, torch.cat(ws))
+        widths = [HQ * Dk] + [H * Dk, H * Dv] * self.n_kv_branches
+        rot = [True] + [True, False] * self.n_kv_branches
+        if qw is not None:
+            widths, rot = [*widths, HQ * Dk], [*rot, True]
+        if gate:
+            widths, rot = [*widths, fc1.out_features], [*rot, False]
+        cos, sin = self.rope.table(positions, y)
+        parts = split_rotate(y, cos, sin, widths, rot, Dk)
+        q = parts[0].view(B, S, HQ, Dk)
+        kv = parts[1 : 1 + 2 * self.n_kv_branches]
+        ks = [k.view(B, S, H, Dk) for k in kv[0::2]]
+        vs = [v.view(B, S, H, Dv) for v in kv[1::2]]
+        if self.shared_kv:
+            ks, vs = ks * 3, vs * 3
+        q_win = None if qw is None else parts[1 + 2 * self.n_kv_branches].view(B, S, HQ, Dk)
+        return q, ks, vs, parts[-1] if gate else None, q_win
 
     def scorer_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """``[q, k_cmp_raw, v_cmp_raw]`` of ``x`` as :meth:`project` gives them (same values), from one GEMM over

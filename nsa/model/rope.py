@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nsa.ops.rotary import rotate
+
 
 @torch.library.custom_op("nsa::rope_angles", mutates_args=())
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,25 +53,24 @@ class RotaryEmbedding(nn.Module):
         exps = torch.arange(0, self.head_dim, 2, dtype=dtype, device=device) / self.head_dim
         return self.theta ** (-exps)
 
-    def angles(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` at ``positions`` (``[S]`` or ``[B, S]``) as ``[1|B, S, 1, D/2]``, in float32 (float64 for
-        a float64 ``like``): compute them once and rotate several tensors at the same positions with them."""
+    def table(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` at ``positions`` (``[S]`` or ``[B, S]``) as ``[1|B, S, D/2]``, in float32 (float64 for a
+        float64 ``like``): the table :func:`nsa.ops.rotary.split_rotate` reads."""
         dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
         cos, sin = rope_angles(positions, self.inv_freq(like.device, dtype))
-        if cos.dim() == 2:
-            cos, sin = cos[None], sin[None]
+        return (cos[None], sin[None]) if cos.dim() == 2 else (cos, sin)
+
+    def angles(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`table` as ``[1|B, S, 1, D/2]``: compute it once and rotate several tensors at the same positions
+        with it."""
+        cos, sin = self.table(positions, like)
         return cos[:, :, None, :], sin[:, :, None, :]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x`` rotated at ``positions``; ``angles``: :meth:`angles` of them, already computed."""
         cos, sin = self.angles(positions, x) if angles is None else angles
-        dtype = cos.dtype
-        half = self.head_dim // 2
-        xf = x.to(dtype)
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-        return out.to(x.dtype)
+        return rotate(x, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}"

@@ -103,6 +103,28 @@ def test_backward_chunks_by_kv_heads() -> None:
         assert cmp_sdpa.bwd_heads(*paper_64k) == 4
 
 
+@pytest.mark.parametrize("q_start", [0, 24])
+def test_library_function_compiles(q_start: int) -> None:
+    """The library branch's ``autograd.Function`` traced whole by Dynamo (``fullgraph``) gives eager's output and
+    gradients (seed 3). At ``q_start = 0`` it returned one seed tensor twice, which broke Dynamo's saved-tensor wiring
+    (compiled training from 32k, where the branch takes cuDNN, failed with ``assert node in env``)."""
+    torch.manual_seed(3)
+    B, S, HQ, H, D, l, d = 1, 48, 4, 2, 8, 8, 4  # noqa: E741
+    N = num_cmp(q_start + S, l, d)
+    q = torch.randn(B, S, HQ, D, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        o, lse, *_ = cmp_sdpa._Library.apply(q, k, v, l, d, D**-0.5, "math", q_start)
+        return (o**2).sum() + lse[torch.isfinite(lse)].sum()
+
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(q, k, v), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["cudnn", "flash"])
 def test_backward_by_kv_heads_gpu(impl: str) -> None:

@@ -207,9 +207,11 @@ def _lib_bwd(impl: str, do: torch.Tensor, qv: torch.Tensor, k: torch.Tensor, v: 
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             do, qv, k, v, o, lse, seed, offset, None, None, None, N, NK, 0.0, causal, scale=scale)
         return dq, dk, dv
-    if impl == "flash":
+    if impl == "flash":  # FlashAttention's backward reads do, o and lse as dense rows: a slice of KV heads
+        # (bwd_heads) of a batch of several is not (its dq came out wrong: tests/test_cmp_sdpa.py)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, qv, k, v, o, lse, None, None, N, NK, 0.0, causal, seed, offset, scale=scale)
+            do.contiguous(), qv, k, v, o.contiguous(), lse.contiguous(), None, None, N, NK, 0.0, causal, seed,
+            offset, scale=scale)
         return dq, dk, dv
     # FlashAttention's backward in plain ops: P from the given lse, delta from the given o
     B, HR, _, D = qv.shape
@@ -251,8 +253,9 @@ class _Library(torch.autograd.Function):
         n0 = geometry(q.shape[1], l, d, q_start)[0]
         qv = to_virtual(q, k.shape[1], l, d, q_start=q_start)
         o, lse, seed, offset = _lib_fwd(impl, qv, k[:, :, n0:], v[:, :, n0:], True, scale)
-        if n0 == 0:
-            return o, lse, seed, offset, seed, offset
+        if n0 == 0:  # no rectangle part: its seeds are placeholders of their own (the same tensor twice among
+            # the outputs and saved tensors breaks Dynamo's saved-tensor wiring of the function under compile)
+            return o, lse, seed, offset, seed.new_empty(0), offset.new_empty(0)
         o_r, lse_r, seed_r, offset_r = _lib_fwd(impl, qv, k[:, :, :n0], v[:, :, :n0], False, scale)
         o, lse = _merge(o_r, lse_r, o, lse)
         return o, lse, seed, offset, seed_r, offset_r

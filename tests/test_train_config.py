@@ -162,3 +162,22 @@ def test_nproc_must_be_positive() -> None:
 def test_compile_mode_auto_uses_cuda_graphs_where_they_pay(sets: list[str], world: int, mode: str) -> None:
     cfg = load_run_config(config="tiny", sets=sets).config
     assert cfg.torch_compile_mode(world) == mode
+
+
+@pytest.mark.parametrize("scope, fsdp, blocks", [("auto", True, True), ("auto", False, False),
+                                                 ("model", True, False), ("blocks", False, True)])
+def test_compile_scope_wraps_the_blocks_or_the_model(scope: str, fsdp: bool, blocks: bool) -> None:
+    """``runtime.compile_scope``: each block compiled in place (auto under FSDP2), else one compiled model. A single
+    process here (nothing sharded), so only the choice and the wrapping are checked; compiling is lazy."""
+    from nsa.model import build_model
+    from nsa.train import distributed as D
+    from nsa.train import parallel
+
+    cfg = load_run_config(config="tiny", sets=[f"runtime.compile_scope={scope}"]).config
+    assert cfg.runtime.compiles_blocks(sharded=fsdp) is blocks
+    model = build_model(cfg)
+    out = parallel.wrap(model, cfg, D.DistInfo(), "fp32", "cpu", compiled=True)
+    if cfg.runtime.compiles_blocks(sharded=False):  # one process: nothing sharded
+        assert out is model and all(b._compiled_call_impl is not None for b in model.block_list())
+    else:
+        assert out is not model and all(b._compiled_call_impl is None for b in model.block_list())

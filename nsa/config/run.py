@@ -241,12 +241,20 @@ class RuntimeConfig(_Section):
         1, ge=1, description="ranks that share one sequence (each holds 1/N of its positions; the other factor of the "
         "world is data parallel)", json_schema_extra=exposed(env="NSA_CONTEXT_PARALLEL", flag="--context-parallel"))
     fsdp_cpu_offload: bool = Field(False, description="fsdp: keep the sharded parameters and optimizer state in host memory")
+    compile_scope: Literal["auto", "model", "blocks"] = Field(
+        "auto", description="what torch.compile wraps: the whole model (one graph), or each block (the "
+        "embedding, head and loss eager; FSDP2's gathers and reduce-scatters between the blocks' graphs); auto: "
+        "blocks under FSDP2, else the model")
     fsdp_reshard_after_forward: bool = Field(
         True, description="fsdp: free gathered parameters after each block's forward (less memory, one more gather)")
     deterministic: bool = Field(False, json_schema_extra=exposed(env="NSA_DETERMINISTIC"))
     tf32: bool = Field(True, json_schema_extra=exposed(env="NSA_TF32"))
     alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the run",
                                    json_schema_extra=exposed(env="NSA_ALLOC_CONF"))
+
+    def compiles_blocks(self, sharded: bool) -> bool:
+        """Whether ``torch.compile`` wraps each block rather than the whole model (``compile_scope``)."""
+        return self.compile_scope == "blocks" or (self.compile_scope == "auto" and sharded)
 
     def compiles(self, device_type: str) -> bool:
         """Whether the model runs under ``torch.compile`` on ``device_type`` (``auto``: on CUDA)."""

@@ -3,7 +3,8 @@ block: parameters, gradients and optimizer state sharded over the ranks; ``runti
 
 FSDP: bf16 parameters with fp32 gradient reduction when the run trains in bf16 (fp16 likewise), full
 precision otherwise; ``runtime.fsdp_cpu_offload`` keeps the sharded parameters and optimizer state in
-host memory. ``torch.compile`` wraps the sharded model. A sharded model's checkpoint state is a
+host memory. ``torch.compile`` wraps each block before it is sharded (``runtime.compile_scope``: the whole model
+instead), and the last block stays gathered after its forward (the backward needs it first). A sharded model's checkpoint state is a
 ``torch.distributed.checkpoint`` (DCP) state: every rank writes its own shards (:mod:`nsa.train.state`).
 """
 
@@ -35,8 +36,9 @@ def shard(model: Any, cfg: RunConfig, precision: str, device_type: str) -> None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     if cfg.runtime.fsdp_cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    for block in model.block_list():
-        fully_shard(block, **kw)
+    blocks = model.block_list()
+    for i, block in enumerate(blocks):  # the last block's parameters are gathered again at once by the backward
+        fully_shard(block, **{**kw, "reshard_after_forward": kw["reshard_after_forward"] and i < len(blocks) - 1})
     fully_shard(model, **kw)
 
 
@@ -46,19 +48,25 @@ def wrap(model: Any, cfg: RunConfig, dist: D.DistInfo, precision: str, device_ty
     DDP is compiled from the outside (``torch.compile(DDP(model))``, as PyTorch advises): Dynamo's DDP
     optimizer then splits the graph at the gradient buckets, so each bucket's all-reduce overlaps the rest of
     the backward (measured on 2x H200, m7c-125m at 2k: 1.95x one GPU against 1.91x the other way round)."""
+    per_block = compiled and cfg.runtime.compiles_blocks(sharded(cfg, dist))
+    if compiled:
+        # a fresh compile per training session: graphs left by an earlier session of this process (a length
+        # curriculum's short phase) would make this one's new sizes symbolic ("automatic dynamic"), which broke
+        # Inductor on the NSA operator (an AssertionError at the 8k phase of `nsa bench quality` curricula)
+        torch._dynamo.reset()
+    mode = cfg.torch_compile_mode(dist.world_size)
+    if per_block:  # before sharding, as torchtitan does: FSDP2's hooks then run between the blocks' graphs
+        for block in model.block_list():
+            block.compile(mode=mode)
     if sharded(cfg, dist):
         shard(model, cfg, precision, device_type)
     elif dist.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[dist.local_rank] if device_type == "cuda" else None)
-    if not compiled:
+    if not compiled or per_block:
         return model
-    # a fresh compile per training session: graphs left by an earlier session of this process (a length
-    # curriculum's short phase) would make this one's new sizes symbolic ("automatic dynamic"), which broke
-    # Inductor on the NSA operator (an AssertionError at the 8k phase of `nsa bench quality` curricula)
-    torch._dynamo.reset()
-    return torch.compile(model, mode=cfg.torch_compile_mode(dist.world_size))
+    return torch.compile(model, mode=mode)
 
 
 @contextlib.contextmanager

@@ -414,20 +414,22 @@ def num_blocks(S: int, l_sel: int, q_start: int = 0) -> int:
 
 
 # The FSA order's per-pair buffers (the forward's partial outputs, the backward's dq partials: one row of D per
-# query head and slot) of one sequence at most this large (the tile override ``sel_partial_mib``, MiB): a longer
-# sequence runs in chunks of query rows (each a launch at its offset, as context parallelism runs one), so they
-# stop growing with S (m7c at 64k: 1.6 GB each).
-PARTIAL_BYTES = 256 * 2**20
+# query head and slot) of one call at most this large (the tile override ``sel_partial_mib``, MiB): a larger call runs
+# each batch row in chunks of query rows (each a launch at its offset, as context parallelism runs one), so they
+# stop growing with B and S. Chunks cost time: at m7c 64k (1.6 GB each unchunked) chunks of 256 MiB took the op's
+# peak from 2,156 to 943 MiB and its fwd+bwd from 16.5 to 20.1 ms (128k: 4,306 -> 1,886 MiB, 46.7 -> 55.2 ms; H200,
+# docs/kernels.md), so the default keeps whole calls up to m7c 128k at batch 1 and bounds what is beyond.
+PARTIAL_BYTES = 4 * 2**30
 CHUNK_ROWS = 1024  # chunks are whole multiples of this many query rows (of every selection block length used)
 
 
 def query_chunks(B: int, S: int, HQ: int, n_sel: int, D: int, itemsize: int = 2) -> list[tuple[int, int, int]]:
     """``(batch row, first, end)`` query-row chunks of the FSA order's launches: ``[(-1, 0, S)]`` (the whole
-    call) while one sequence's per-pair buffers fit :data:`PARTIAL_BYTES`, else each batch row in chunks of a
+    call) while the call's per-pair buffers fit :data:`PARTIAL_BYTES`, else each batch row in chunks of a
     multiple of :data:`CHUNK_ROWS` rows that fit (shapes only: also under fake tensors)."""
     per_row = HQ * n_sel * D * itemsize
     budget = int(tuned("sel_partial_mib", 0)) * 2**20 or PARTIAL_BYTES
-    if S * per_row <= budget:
+    if B * S * per_row <= budget:
         return [(-1, 0, S)]
     rows = max(CHUNK_ROWS, budget // per_row // CHUNK_ROWS * CHUNK_ROWS)
     return [(b, a, min(S, a + rows)) for b in range(B) for a in range(0, S, rows)]

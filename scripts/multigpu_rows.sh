@@ -5,7 +5,10 @@
 #   ckpt   checkpoint save/load seconds of the trainer's code, 125M and ~1B, one process and FSDP2 (~2 min)
 #   cp     125M compiled, one GPU at 65536 and 131072 against context parallelism over two at 65536, 131072
 #          and 262144 (~6 min)
-# Usage: scripts/multigpu_rows.sh OUT_DIR fsdp|sizes|ckpt|cp ...   (JSON and logs into OUT_DIR)
+#   train  `nsa train` as users run it (issue 54): 125M at S=2048, one GPU, DDP and FSDP2 (each block compiled; the
+#          whole model compiled; no resharding after the forward), 80-100 steps each on local text; the CSVs of the
+#          log windows (~8 min; needs python -m nsa.data.corpus.packages /tmp/corpus first)
+# Usage: scripts/multigpu_rows.sh OUT_DIR fsdp|sizes|ckpt|cp|train ...   (JSON and logs into OUT_DIR)
 set -u
 out=${1:?out dir}; shift
 mkdir -p "$out"
@@ -46,6 +49,21 @@ for part in "$@"; do
         --nproc-per-node 2 --context-parallel 2 --json-out "$out/cp-two.json"
       run cp-two-256k $B --modes compiled --seq-lens 262144 --batch-sizes 1 --steps 3 --warmup 2 \
         --nproc-per-node 2 --context-parallel 2 --json-out "$out/cp-two-256k.json" ;;
-    *) echo "unknown part $part (fsdp, sizes, ckpt, cp)"; exit 2 ;;
+    train)
+      T=(python3 -m nsa_cli train --config m7c-125m --seq-len 2048 --batch-size 16 --dataset local
+         --data-path /tmp/corpus/text --tokenizer byte --set data.val_fraction=0.02 --set eval.every=0
+         --set checkpoint.every=0 --set logging.every=10)
+      for arm in one ddp fsdp-blocks fsdp-model fsdp-noreshard; do
+        case $arm in
+          one) x=(--steps 100) ;;
+          ddp) x=(--steps 80 --nproc-per-node 2) ;;
+          fsdp-blocks) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp) ;;
+          fsdp-model) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp --set runtime.compile_scope=model) ;;
+          fsdp-noreshard) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp
+                             --set runtime.fsdp_reshard_after_forward=false) ;;
+        esac
+        run "train-$arm" "${T[@]}" "${x[@]}" -o "/tmp/train-$arm" && cp "/tmp/train-$arm/training.csv" "$out/train-$arm.csv"
+      done ;;
+    *) echo "unknown part $part (fsdp, sizes, ckpt, cp, train)"; exit 2 ;;
   esac
 done

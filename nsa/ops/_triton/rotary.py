@@ -61,4 +61,5 @@ def move(src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor | None, sin: to
     br = max(1, 2048 // bh)
     _rotate_kernel[(triton.cdiv(rows, br), width // head_dim)](
         src, dst, cos, sin, src.stride(0), dst.stride(0), rows, S, S if cos.shape[0] > 1 else 0,
-        HALF=half, BH=bh, BR=br, SIGN=sign, num_warps=4)
+        HALF=half, BH=bh, BR=br, SIGN=sign, num_warps=4,
+        enable_fp_fusion=False)  # a product and a difference rounded apart, as PyTorch's rotation does (no FMA)

@@ -53,9 +53,10 @@ for part in "$@"; do
       T=(python3 -m nsa_cli train --config m7c-125m --seq-len 2048 --batch-size 16 --dataset local
          --data-path /tmp/corpus/text --tokenizer byte --set data.val_fraction=0.02 --set eval.every=0
          --set checkpoint.every=0 --set logging.every=10)
-      for arm in one ddp fsdp-blocks fsdp-model fsdp-noreshard; do
+      for arm in one one-nographs ddp fsdp-blocks fsdp-model fsdp-noreshard; do
         case $arm in
           one) x=(--steps 100) ;;
+          one-nographs) x=(--steps 100 --set runtime.compile_mode=default) ;;  # the two-GPU runs' compile mode
           ddp) x=(--steps 80 --nproc-per-node 2) ;;
           fsdp-blocks) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp) ;;
           fsdp-model) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp --set runtime.compile_scope=model) ;;

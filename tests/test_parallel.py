@@ -38,12 +38,13 @@ def _rows_of(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-RUNS = ("ddp", "fsdp", "resumed")
+RUNS = ("ddp", "fsdp", "resumed", "fsdp-compiled")
 
 
 def _train_runs() -> None:
     """The runs the slow tests read, made by a job beside the tests (it starts with the session): DDP and FSDP
-    side by side, then FSDP resumed from its step-3 checkpoint. Prints the folder that holds them."""
+    side by side, then FSDP resumed from its step-3 checkpoint, then FSDP compiled (each block before sharding:
+    ``runtime.compile_scope`` auto). Prints the folder that holds them."""
     root = Path(tempfile.mkdtemp(prefix="nsa-test-parallel-"))
     out = {name: root / name for name in RUNS}
     try:
@@ -51,6 +52,7 @@ def _train_runs() -> None:
                    cmd(*COMMON, "--out-dir", str(out["fsdp"]), "--set", "runtime.parallel=fsdp"))
         ckpt = out["fsdp"] / "checkpoints" / "step_00000003"
         run_ok(cmd(*COMMON, "--out-dir", str(out["resumed"]), "--set", "runtime.parallel=fsdp", "--resume", str(ckpt)))
+        run_ok(cmd(*COMMON, "--out-dir", str(out["fsdp-compiled"]), "--set", "runtime.parallel=fsdp", "--compile"))
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
@@ -71,6 +73,16 @@ def runs() -> Iterator[dict[str, Path]]:
 
 # the tests that read the runs: their job starts with the session, they keep their place
 beside_runs = pytest.mark.beside(RUNS_JOB, keep_place=True)
+
+
+@pytest.mark.slow
+@beside_runs
+def test_fsdp_compiled_block_by_block_trains_like_eager(runs: dict[str, Path]) -> None:
+    """FSDP2 with each block compiled before ``fully_shard`` (CPU Inductor, gloo) gives the eager FSDP run's losses."""
+    eager, compiled = _rows(runs["fsdp"]), _rows(runs["fsdp-compiled"])
+    assert [r["step"] for r in compiled] == [r["step"] for r in eager] == ["1", "2", "3", "4", "5", "6"]
+    for a, b in zip(eager, compiled, strict=True):
+        assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-3 * abs(float(a["loss"])), (a, b)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Kernels by CUDA time of one NSA op forward+backward (Triton backend), `torch.profiler`.
 
-Usage (repo root, GPU): python3 scripts/op_profile.py [--ops] paper:65536 m7c:32768 ...
+Usage (repo root, GPU): python3 scripts/op_profile.py [--ops] [--tune key=value ...] paper:65536 m7c:32768 ...
+(`--tune`: tile overrides, `nsa.ops.TUNE_KEYS`, e.g. `--tune sel_partial_mib=256` for the selection in query chunks)
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nsa.bench.attention import SHAPES
-from nsa.ops import NSAParams, compress_avg, nsa_attention
+from nsa.ops import NSAParams, compress_avg, nsa_attention, tile_overrides
 
 
 def profile_op(shape: str, S: int, p: NSAParams = NSAParams()) -> None:
@@ -56,8 +57,23 @@ def profile_op(shape: str, S: int, p: NSAParams = NSAParams()) -> None:
 
 OPS = "--ops" in sys.argv  # also the operator table (names and input shapes)
 
+
+def _args(argv: list[str]) -> tuple[list[str], dict[str, int | str]]:
+    """The ``shape:S`` arguments and the ``--tune key=value`` overrides (numbers as ints)."""
+    shapes, tune, it = [], {}, iter(argv)
+    for a in it:
+        if a == "--tune":
+            key, _, val = next(it).partition("=")
+            tune[key] = int(val) if val.lstrip("-").isdigit() else val
+        elif a != "--ops":
+            shapes.append(a)
+    return shapes or ["paper:65536"], tune
+
+
 if __name__ == "__main__":
-    for arg in [a for a in sys.argv[1:] if a != "--ops"] or ["paper:65536"]:
-        shape, S = arg.split(":")
-        profile_op(shape, int(S))
-        torch.cuda.empty_cache()
+    shapes, tune = _args(sys.argv[1:])
+    with tile_overrides(tune):
+        for arg in shapes:
+            shape, S = arg.split(":")
+            profile_op(shape, int(S))
+            torch.cuda.empty_cache()

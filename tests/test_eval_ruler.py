@@ -4,6 +4,7 @@ its Hugging Face export, and bad input as one line."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 
 from nsa.data.tokenizers import ByteTokenizer
 from nsa.errors import ConfigError
-from nsa.eval.ruler import NOISE, RULER_TASKS, ruler_episode, score_episodes
+from nsa.eval.ruler import NOISE, RULER_TASKS, grade_episodes, ruler_episode
 from nsa_cli.app import app
 
 runner = CliRunner()
@@ -84,10 +85,16 @@ class _Oracle(torch.nn.Module):
 def test_a_value_counts_only_when_every_token_is_right() -> None:
     ep = ruler_episode("niah_multivalue", TOK.encode, 512, random.Random(9))
     dev = torch.device("cpu")
-    assert score_episodes(_Oracle(), [ep], dev, 1) == [1.0]
+    ((right, nll_right),) = grade_episodes(_Oracle(), [ep], dev, 1)
+    assert right == 1.0
     a, b = ep.values[1]
-    assert score_episodes(_Oracle({b - 2}), [ep], dev, 1) == [0.75]  # one wrong digit of the second value
-    assert score_episodes(_Oracle({a - 3}), [ep], dev, 1) == [1.0]  # a wrong separator does not count
+    ((score, nll),) = grade_episodes(_Oracle({b - 2}), [ep], dev, 1)  # one wrong digit of the second value
+    assert score == 0.75 and nll > nll_right
+    n_tokens = sum(e - s for s, e in ep.values)  # the answer NLL: the wrong digit's share of the values' tokens
+    one = math.log(math.e + 255)  # the oracle's one-hot logits: -log p of the right token is log(e + 255) - 1
+    assert math.isclose(nll_right, one - 1, rel_tol=1e-6) and math.isclose(nll, one - 1 + 1 / n_tokens, rel_tol=1e-6)
+    ((score, nll),) = grade_episodes(_Oracle({a - 3}), [ep], dev, 1)  # a wrong separator does not count
+    assert score == 1.0 and math.isclose(nll, nll_right, rel_tol=1e-9)
 
 
 def test_too_short_contexts_name_the_task() -> None:
@@ -113,10 +120,10 @@ def test_cli_scores_a_run_and_its_hf_export_alike(run_with_hf: Path, tmp_path: P
     rows = payload["results"]
     assert [(r["task"], r["context"]) for r in rows] == [("niah_single", 512), ("vt", 512), ("niah_single", 600),
                                                           ("vt", 600), ("mean", 512), ("mean", 600)]
-    assert all(0.0 <= r["score"] <= 1.0 for r in rows)
+    assert all(0.0 <= r["score"] <= 1.0 and r["answer_nll"] > 0.0 for r in rows)
     assert payload["settings"]["haystack"] == "noise" and payload["settings"]["tasks"] == ["niah_single", "vt"]
     assert json.loads((run_with_hf / "eval" / "ruler.json").read_text())["results"] == rows
-    assert "RULER-style suite" in res.stderr and "niah_single" in res.stderr
+    assert "RULER-style suite" in res.stderr and "niah_single" in res.stderr and "answer nll" in res.stderr
     res = runner.invoke(app, ["eval", str(run_with_hf / "hf"), *args, "--no-save"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["results"] == rows  # the export is the same model

@@ -7,7 +7,9 @@ An episode is ``context`` tokens of the run's tokenizer: a haystack (RULER's noi
 text) with the task's facts inserted at random depths, then a question and its answer. The answer holds one or
 more *values* (a number, a variable name, a word); the model reads the whole episode once (teacher forcing) and
 gets a value right iff its argmax predicts every token of it. An episode scores the share of its values it gets
-right (RULER's ``string_match_all``); a cell (task, context) the mean over its episodes. Every episode has its own
+right (RULER's ``string_match_all``); a cell (task, context) the mean over its episodes. Beside the score, the mean
+negative log-likelihood of the answer values' tokens (``answer_nll``, nats per token, teacher-forced): a graded
+reading that still tells models apart while none of them gets a value right (an early checkpoint). Every episode has its own
 generator, seeded from ``(seed, "ruler", task, context, sample index)``, so a score does not depend on the batch
 size or on which other tasks and contexts run.
 """
@@ -273,21 +275,32 @@ def _values_right(logits: torch.Tensor, tokens: torch.Tensor, values: list[tuple
     return sum(right) / len(right)
 
 
-def score_episodes(model: nn.Module, episodes: list[Episode], device: torch.device, batch_size: int) -> list[float]:
-    """Each episode's share of values right (one forward per batch of equal-length episodes)."""
-    out: list[float] = []
+def _values_nll(logits: torch.Tensor, tokens: torch.Tensor, values: list[tuple[int, int]]) -> float:
+    """Mean negative log-likelihood (nats) of the values' tokens, each from the position before it."""
+    at = torch.cat([torch.arange(a - 1, b - 1, device=tokens.device) for a, b in values])
+    logp = torch.log_softmax(logits[at].float(), dim=-1)
+    return float(-logp.gather(-1, tokens[at + 1, None]).mean())
+
+
+def grade_episodes(model: nn.Module, episodes: list[Episode], device: torch.device,
+                   batch_size: int) -> list[tuple[float, float]]:
+    """Each episode's ``(share of values right, answer NLL)`` (one forward per batch of equal-length episodes)."""
+    out: list[tuple[float, float]] = []
     for i in range(0, len(episodes), batch_size):
         chunk = episodes[i:i + batch_size]
         x = torch.stack([e.tokens for e in chunk]).to(device)
         logits = model(x).logits
-        out += [_values_right(logits[j], x[j], e.values) for j, e in enumerate(chunk)]
+        out += [(_values_right(logits[j], x[j], e.values), _values_nll(logits[j], x[j], e.values))
+                for j, e in enumerate(chunk)]
     return out
 
 
+
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows of ``task = "mean"``: per context, the mean score over the tasks that ran there."""
+    """Rows of ``task = "mean"``: per context, the mean score (and answer NLL) over the tasks that ran there."""
     out = []
     for c in sorted({r["context"] for r in rows}):
-        here = [r["score"] for r in rows if r["context"] == c]
-        out.append({"task": "mean", "context": c, "score": sum(here) / len(here), "n": len(here)})
+        here = [r for r in rows if r["context"] == c]
+        out.append({"task": "mean", "context": c, "score": sum(r["score"] for r in here) / len(here),
+                    "answer_nll": sum(r["answer_nll"] for r in here) / len(here), "n": len(here)})
     return out

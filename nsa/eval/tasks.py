@@ -30,8 +30,8 @@ from nsa.eval.ruler import (
     RULER_HAYSTACKS,
     RULER_TASKS,
     check_ruler_tasks,
+    grade_episodes,
     ruler_episode,
-    score_episodes,
     summarise,
 )
 from nsa.model.documents import from_separators
@@ -440,8 +440,9 @@ def eval_ruler(
     text_tokens: torch.Tensor | None = None,
     max_seq_len: int | None = None,
 ) -> list[dict[str, Any]]:
-    """RULER-style tasks (:mod:`nsa.eval.ruler`): rows ``{"task", "context", "score", "n"}`` (``score``: the mean
-    share of an episode's answer values the model gets right; ``n`` episodes), contexts outer, then one
+    """RULER-style tasks (:mod:`nsa.eval.ruler`): rows ``{"task", "context", "score", "answer_nll", "n"}`` (``score``:
+    the mean share of an episode's answer values the model gets right; ``answer_nll``: the mean NLL of the answer
+    tokens, nats; ``n`` episodes), contexts outer, then one
     ``task = "mean"`` row per context. ``haystack``: ``noise`` (RULER's sentences) or ``text`` (``text_tokens``)."""
     ctxs = _episode_setup(model, "ruler", contexts, samples, max_seq_len)
     names = check_ruler_tasks(tasks)
@@ -458,6 +459,7 @@ def eval_ruler(
                 for i in range(samples):
                     rng = random.Random(_seed(seed, "ruler", task, c, i))
                     episodes.append(ruler_episode(task, tokenizer.encode, c, rng, haystack, text_tokens))
-                scores = score_episodes(model, episodes, dev, _batch_size(batch_size, c, len(episodes)))
-                rows.append({"task": task, "context": c, "score": sum(scores) / len(scores), "n": len(scores)})
+                graded = grade_episodes(model, episodes, dev, _batch_size(batch_size, c, len(episodes)))
+                rows.append({"task": task, "context": c, "score": sum(g[0] for g in graded) / len(graded),
+                             "answer_nll": sum(g[1] for g in graded) / len(graded), "n": len(graded)})
     return rows + summarise(rows)

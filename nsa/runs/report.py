@@ -583,6 +583,10 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_d
             L.append("| task / context | " + " | ".join(context_label(c) for c in contexts) + " |")
             L.append("|---|" + "---|" * len(contexts))
             L += [f"| {n} | " + " | ".join(fmt_value(score.get((n, c)), ".2f") for c in contexts) + " |" for n in names]
+            nll = {r.get("context"): r.get("answer_nll") for r in rows if r.get("task") == "mean"}
+            if any(v is not None for v in nll.values()):  # files from before the answer NLL have none
+                L.append("| answer NLL (nats per answer token, over the tasks) | "
+                         + " | ".join(fmt_value(nll.get(c), ".3f") for c in contexts) + " |")
             L.append("")
         elif task == "selection":
             L += ["#### Selection (nsa eval)", "",

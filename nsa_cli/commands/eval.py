@@ -158,9 +158,12 @@ def _table(payload: dict[str, Any]) -> tuple[str, Any]:
         return heading, _grid(rows, "depth", "accuracy", [f"{d:g}" for d in depths], depths)
     if task == "ruler":
         heading = (f"RULER-style suite of {name} ({s['samples']} episodes per cell, haystack {s['haystack']}; "
-                   "score: the share of answer values right)")
+                   "score: the share of answer values right; answer nll: nats per answer token, over the tasks)")
         tasks = list(dict.fromkeys(r["task"] for r in rows))
-        return heading, _grid(rows, "task", "score", tasks, tasks)
+        t = _grid(rows, "task", "score", tasks, tasks)
+        nll = {r["context"]: r.get("answer_nll") for r in rows if r["task"] == "mean"}
+        t.add_row("answer nll", *("-" if nll.get(c) is None else f"{nll[c]:.3f}" for c in sorted(nll)))
+        return heading, t
     if task == "mqar":
         heading = f"MQAR accuracy of {name} ({s['pairs']} pairs, {s['queries']} queries, {s['samples']} samples)"
         t = Table()

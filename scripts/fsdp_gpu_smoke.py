@@ -37,7 +37,8 @@ def train(sharded: bool, steps: int = 6) -> list[float]:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = forward(ids[:, :-1], labels=ids[:, 1:]).loss
         loss.backward()
-        norm = parallel.local_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(round(float(loss.detach()), 4))

@@ -227,3 +227,24 @@ def test_step_hooks_are_registered_by_the_config_and_split_their_totals() -> Non
     fields = hooks.log_fields([float(v) * 2 for v in sums])  # two ranks with the same answers
     assert list(fields) == ["answer_loss", "answer_acc"] and fields["answer_acc"] == 0.5
     assert fields["answer_loss"] == pytest.approx(float(sums[0]) / 2)
+
+
+def test_shard_clipping_matches_clip_grad_norm() -> None:
+    """FSDP2's clipping on the gradient shards (``parallel.sum_of_squares``, ``clip_shards``) scales as
+    ``clip_grad_norm_`` does over whole gradients: shards split like two ranks', squares summed (seed 4)."""
+    from nsa.train import parallel
+
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(7, 5, generator=g) * 3, torch.randn(11, generator=g), torch.randn(3, 3, 2, generator=g)]
+    whole = [torch.nn.Parameter(torch.zeros_like(x)) for x in grads]
+    for p, x in zip(whole, grads, strict=True):
+        p.grad = x.clone()
+    want = torch.nn.utils.clip_grad_norm_(whole, 1.0)
+    ranks = [[x.clone()[: len(x) // 2] for x in grads], [x.clone()[len(x) // 2:] for x in grads]]
+    total = sum(parallel.sum_of_squares(r, torch.device("cpu")) for r in ranks).sqrt()
+    torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+    for r in ranks:
+        parallel.clip_shards(r, total, 1.0)
+    for p, a, b in zip(whole, *ranks, strict=True):
+        torch.testing.assert_close(torch.cat([a, b]), p.grad, rtol=1e-6, atol=1e-7)
+    assert parallel.grad_shards(whole) is None  # plain parameters: clip_grad_norm_ serves them

@@ -4,6 +4,7 @@ one all-reduce of everything the ranks must agree on (the step's one host sync),
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -94,20 +95,26 @@ class Stepper:
             self.hooks.on_micro_batch(out, y)
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.cfg.optimizer.grad_clip
-        grad_norm = parallel.local_norm(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
-        halt = self.halt_request()
         dev = self.device
+        shards = parallel.grad_shards(params)  # FSDP2: this rank's shards; the norm is summed with the flags below
+        if shards is None:  # whole gradients, identical on all ranks after DDP's all-reduce
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).float()
+        else:
+            grad_norm = parallel.sum_of_squares(shards, dev)
+        halt = self.halt_request()
         flags = torch.stack([
             loss_sum, (~torch.isfinite(loss_sum)).float(), (~torch.isfinite(grad_norm)).float(),
             torch.tensor(float(halt is not None), device=dev), torch.tensor(float(self.save_requested()), device=dev),
-            grad_norm.float(),  # identical on all ranks after the gradient all-reduce (DDP) / reduce-scatter (FSDP)
+            grad_norm,  # DDP: the norm (the same on every rank); FSDP2: this rank's share of its square
             *self.hooks.step_sums(),
         ])
         D.all_reduce_sum(flags, self.dist)
+        if shards is not None and clip > 0:
+            parallel.clip_shards(shards, flags[5].sqrt(), clip)  # on the device, before the step's one sync
         loss_t, bad_loss, bad_grad, halt_any, save_any, norm_t, *hook_totals = flags.tolist()  # one sync
         n = self.dist.world_size
         return StepOutcome(
-            loss=loss_t / n, grad_norm=norm_t / n,
+            loss=loss_t / n, grad_norm=norm_t / n if shards is None else math.sqrt(norm_t),
             bad="nonfinite_loss" if bad_loss else "nonfinite_grad" if bad_grad else None,
             halt=halt, halt_any=bool(halt_any), save_now=bool(save_any),
             fields=self.hooks.log_fields(hook_totals),

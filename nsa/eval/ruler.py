@@ -295,7 +295,6 @@ def grade_episodes(model: nn.Module, episodes: list[Episode], device: torch.devi
     return out
 
 
-
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows of ``task = "mean"``: per context, the mean score (and answer NLL) over the tasks that ran there."""
     out = []

@@ -162,20 +162,26 @@ class NSAAttention(nn.Module):
             with torch.no_grad():
                 self.kv_proj.weight.div_(self.kv_gain.to(self.kv_proj.weight.dtype))
 
+    def fused_weights(self) -> list[torch.Tensor]:
+        """The weights of the one input GEMM, in its column order: ``q_proj``, ``kv_proj`` (:meth:`kv_weight`),
+        ``q_win_proj`` (with ``window_query``) and the gate MLP's first layer (unless the gates are fixed)."""
+        fc1 = self.gate_mlp[0]
+        assert isinstance(fc1, nn.Linear)
+        qw = self.q_win_proj
+        return [self.q_proj.weight, self.kv_weight(), *([] if qw is None else [qw.weight]),
+                *([fc1.weight] if self.gates.fixed is None else [])]
+
     def in_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(q, kv, gate pre-activation, window queries)`` of ``x``: one GEMM over the concatenated weights of
         ``q_proj``, ``kv_proj`` (:meth:`kv_weight`), ``q_win_proj`` and the gate MLP's first layer when ``x``
         has more than a few rows (one launch and one read of ``x`` instead of several), else the separate
         layers (a decode step)."""
-        fc1 = self.gate_mlp[0]
-        assert isinstance(fc1, nn.Linear)
         gate = self.gates.fixed is None
         qw = self.q_win_proj
         if x.shape[0] * x.shape[1] <= 8:  # a decode step: scale the few output rows, not the weight
             kv = self.kv_proj(x) if self.kv_gain is None else self.kv_proj(x) * self.kv_gain[:, 0].to(x.dtype)
             return self.q_proj(x), kv, None, None if qw is None else qw(x)
-        ws = [self.q_proj.weight, self.kv_weight(), *([] if qw is None else [qw.weight]),
-              *([fc1.weight] if gate else [])]
+        ws = self.fused_weights()
         y = F.linear(x, torch.cat(ws))
         parts = list(torch.split(y, [w.shape[0] for w in ws], dim=-1))
         q, kv = parts[0], parts[1]
@@ -220,19 +226,13 @@ class NSAAttention(nn.Module):
         ``(q, keys, values, gate pre-activation, window queries)``, the same values as the unfused path."""
         B, S, _ = x.shape
         H, Dk, Dv, HQ = self.n_kv_groups, self.d_k, self.d_v, self.n_heads
-        fc1 = self.gate_mlp[0]
-        assert isinstance(fc1, nn.Linear)
         gate = self.gates.fixed is None
         qw = self.q_win_proj
-        ws = [self.q_proj.weight, self.kv_weight(), *([] if qw is None else [qw.weight]),
-              *([fc1.weight] if gate else [])]
+        ws = self.fused_weights()
         y = F.linear(x, torch.cat(ws))
-        widths = [HQ * Dk] + [H * Dk, H * Dv] * self.n_kv_branches
-        rot = [True] + [True, False] * self.n_kv_branches
-        if qw is not None:
-            widths, rot = [*widths, HQ * Dk], [*rot, True]
-        if gate:
-            widths, rot = [*widths, fc1.out_features], [*rot, False]
+        # the parts in the GEMM's column order: q, each branch's K then V, the window's q, the gate input
+        rot = [True] + [True, False] * self.n_kv_branches + ([True] if qw is not None else []) + ([False] if gate else [])
+        widths = [HQ * Dk] + [H * Dk, H * Dv] * self.n_kv_branches + [w.shape[0] for w in ws[2:]]
         cos, sin = self.rope.table(positions, y)
         parts = split_rotate(y, cos, sin, widths, rot, Dk)
         q = parts[0].view(B, S, HQ, Dk)

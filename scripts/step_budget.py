@@ -44,6 +44,11 @@ VARIANTS: dict[str, list[str]] = {  # nsa*: every block NSA; hybrid*: every othe
     "nsa-graphs-sharedkv": [*ALL_NSA, "runtime.compile_mode=reduce-overhead", "nsa.shared_kv=true"],
     "hybrid": ["model.attention=nsa", "model.dense_layers=even"],
     "hybrid-graphs": ["model.attention=nsa", "model.dense_layers=even", "runtime.compile_mode=reduce-overhead"],
+    "hybrid-graphs-nsel8": ["model.attention=nsa", "model.dense_layers=even", "runtime.compile_mode=reduce-overhead",
+                            "nsa.n_sel=8"],
+    "thirds-graphs": ["model.attention=nsa", "model.dense_layers=thirds", "runtime.compile_mode=reduce-overhead"],
+    "thirds-graphs-nsel8": ["model.attention=nsa", "model.dense_layers=thirds", "runtime.compile_mode=reduce-overhead",
+                            "nsa.n_sel=8"],
 }
 for _v in ("nsa-graphs", "hybrid-graphs"):  # the projection's parts split and rotated unfused (before nsa::split_rotate)
     VARIANTS[f"{_v}-unfused"] = VARIANTS[_v]

@@ -125,7 +125,7 @@ def test_bench_train_rank_flags_that_cannot_work_are_one_line() -> None:
 
 def test_bench_train_tiny(tmp_path: Path) -> None:
     out = tmp_path / "train.json"
-    res = runner.invoke(app, ["bench", "train", "--tiny", "--profile-step", "--json-out", str(out)])
+    res = runner.invoke(app, ["bench", "train", "--tiny", "--trace-dir", str(tmp_path / "traces"), "--json-out", str(out)])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     rows = {r["attention"]: r for r in data["rows"]}
@@ -136,9 +136,11 @@ def test_bench_train_tiny(tmp_path: Path) -> None:
     assert data["nsa_over_dense"]["S=64 b=2 eager"] > 0
     assert all(r["compiled"] is False and r["error"] is None and r["flops_per_token"] > 0 for r in rows.values())
     assert "MFU: mfu = tokens_per_s" in res.output and "nsa eager S=64 b=2:" in res.output  # progress lines
-    # --profile-step: one more step profiled (on a CPU: operators by self time)
+    # --trace-dir (implies --profile-step): one more step profiled (on a CPU: operators by self time), its trace kept
     assert all(r["launches"] > 0 and r["kernels"] and r["kernels"][0]["ms"] >= 0 for r in rows.values())
     assert "profile (nsa eager, S=64)" in res.output
+    for att in ("nsa", "dense"):
+        assert json.loads((tmp_path / "traces" / f"{att}-S64-eager-rank0.json").read_text())["traceEvents"]
 
 
 def test_bench_flag_errors_are_one_line() -> None:

@@ -171,7 +171,8 @@ def test_a_dense_model_has_no_layer_list(tmp_path: Path) -> None:
     assert mc.dense_layers == [] and mc.nsa_layers == []
 
 
-@pytest.mark.parametrize(("word", "n_layers", "want"), [("even", 6, [0, 2, 4]), ("odd", 5, [1, 3]), ("even", 1, [0])])
+@pytest.mark.parametrize(("word", "n_layers", "want"), [("even", 6, [0, 2, 4]), ("odd", 5, [1, 3]), ("even", 1, [0]),
+                                                        ("thirds", 6, [0, 1, 3, 4]), ("thirds", 12, [0, 1, 3, 4, 6, 7, 9, 10])])
 def test_even_and_odd_name_every_other_block(word: str, n_layers: int, want: list[int]) -> None:
     assert ModelConfig(n_layers=n_layers, dense_layers=word).dense_layers == want
 

@@ -78,6 +78,7 @@ ARMS: dict[str, Arm] = {
     "nsa": Arm("nsa", ("model.attention=nsa",)),  # the config's stack (m7c-125m: the hybrid)
     "nsa-all": Arm("nsa-all", ("model.attention=nsa", "model.dense_layers=[]")),  # every block NSA
     "nsa-hybrid": Arm("nsa-hybrid", ("model.attention=nsa", "model.dense_layers=even")),  # every other block dense
+    "nsa-thirds": Arm("nsa-thirds", ("model.attention=nsa", "model.dense_layers=thirds")),  # NSA in every third block
     "nsa-half": Arm("nsa-half", ("model.attention=nsa", "nsa.gate_init=half")),
     "nsa-window": Arm("nsa-window", ("model.attention=nsa", "nsa.gate_init=window")),
     "nsa-uniform": Arm("nsa-uniform", ("model.attention=nsa", "nsa.gate_init=uniform")),

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,6 +100,7 @@ def bench_train_step(
     warmup: int = 3, device: str | torch.device | None = None, compiled: bool | None = None,
     tune: Mapping[str, int | str] | None = None, profile: bool = False,
     ranks: tuple[D.DistInfo, D.Layout] | None = None, hold: Callable[[], AbstractContextManager[Any]] | None = None,
+    trace_dir: Path | None = None,
 ) -> TrainRow:
     """Median step time of forward + backward + optimizer step for one model variant, with the selection losses
     of ``scorer`` (the alignment loss by default) as the trainer runs them.
@@ -106,7 +108,9 @@ def bench_train_step(
     With ``runtime.compile`` the model is wrapped in ``torch.compile`` (the warm-up steps absorb the
     compilation), for NSA and dense alike, so the ratio compares like with like; ``compiled`` overrides
     the config's ``runtime.compile``. A batch that does not fit gives a row with ``error="out of memory"``.
-    ``profile``: after the timed steps, one more step under ``torch.profiler`` fills ``kernels``/``launches``.
+    ``profile``: after the timed steps, one more step under ``torch.profiler`` fills ``kernels``/``launches``;
+    ``trace_dir`` (implies ``profile``): that step's Chrome trace is written there, one file per rank
+    (``<attention>-S<len>-<mode>-rank<r>.json``: the timeline, where the collectives overlap the kernels or not).
     ``hold``: a context entered after the first (compiling) step and held through the other warm-up steps, the
     timed ones and the profile (:func:`nsa.bench.timing.device_turn`: processes that compile side by side on one
     GPU take turns to time); the step is then the lowest median of three windows of ``steps`` (the first step of
@@ -120,8 +124,8 @@ def bench_train_step(
 
     try:
         with tile_overrides(tune):
-            return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile, profile, ranks,
-                               hold)
+            return _bench_step(cfg, attention, seq_len, batch_size, steps, warmup, dev, use_compile,
+                               profile or trace_dir is not None, ranks, hold, trace_dir)
     except torch.OutOfMemoryError:
         if ranks is not None and ranks[0].enabled:
             raise  # the other ranks wait in a collective: the job stops (the launcher says which rank)
@@ -137,7 +141,8 @@ def bench_train_step(
 def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, steps: int, warmup: int,
                 dev: torch.device, use_compile: bool, profile: bool = False,
                 ranks: tuple[D.DistInfo, D.Layout] | None = None,
-                hold: Callable[[], AbstractContextManager[Any]] | None = None) -> TrainRow:
+                hold: Callable[[], AbstractContextManager[Any]] | None = None,
+                trace_dir: Path | None = None) -> TrainRow:
 
     cfg.model.attention = attention  # type: ignore[assignment]
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq_len)
@@ -189,7 +194,9 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
         if hold is not None:  # others' compiling steps may still reach the GPU: the quietest of three windows
             for _ in range(2):
                 ms = min(ms, _timed_steps(step, steps, dev)[0])
-        kernels = _profile_step(step, dev) if profile else None
+        trace = None if trace_dir is None else (
+            trace_dir / f"{attention}-S{seq_len}-{'compiled' if use_compile else 'eager'}-rank{info.rank}.json")
+        kernels = _profile_step(step, dev, trace=trace) if profile else None
     if info.enabled:  # the slowest rank sets the step; the fullest rank the memory
         ms, peak_all = (max(v) for v in zip(*D.gather_objects((ms, peak or 0.0), info), strict=True))
         peak = peak_all if dev.type == "cuda" else None
@@ -235,20 +242,24 @@ def _timed_steps(step: Callable[[], object], steps: int, dev: torch.device) -> t
     return statistics.median(times), peak
 
 
-def _profile_step(step: Callable[[], object], dev: torch.device,
-                  top: int = 25) -> tuple[list[dict[str, Any]], int, dict[str, float]]:
+def _profile_step(step: Callable[[], object], dev: torch.device, top: int = 25,
+                  trace: Path | None = None) -> tuple[list[dict[str, Any]], int, dict[str, float]]:
     """One step's kernels by device time (the ``top`` largest), its kernel launches and its device time by part
     (:func:`nsa.bench.step_parts.parts_of`, every kernel); on a CPU, the operators by self CPU time and their
-    calls (no parts)."""
+    calls (no parts). ``trace``: the step's Chrome trace (host and device) written to that file."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.synchronize(dev)
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    acts = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+    with profile(activities=[ProfilerActivity.CPU, *acts] if trace is not None and cuda else acts) as prof:
         step()
         if cuda:
             torch.cuda.synchronize(dev)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
     per: dict[str, list[float]] = {}
     if cuda:
         for e in prof.events():
@@ -279,7 +290,7 @@ def bench_train(
     run_cfg: RunConfig, seq_lens: list[int], batch_sizes: list[int], *, attentions: tuple[str, ...] = ("nsa", "dense"),
     steps: int = 10, warmup: int = 3, device: str | None = None, modes: tuple[bool | None, ...] = (None,),
     on_row: Callable[[TrainRow], None] | None = None, tune: Mapping[str, int | str] | None = None,
-    profile: bool = False, ranks: tuple[D.DistInfo, D.Layout] | None = None,
+    profile: bool = False, ranks: tuple[D.DistInfo, D.Layout] | None = None, trace_dir: Path | None = None,
 ) -> list[TrainRow]:
     """Rows for each sequence length (with its batch size), each mode (``False`` eager, ``True`` compiled,
     ``None`` the config's ``runtime.compile``) and each attention variant; ``on_row`` sees each as it ends.
@@ -290,7 +301,7 @@ def bench_train(
             for att in attentions:
                 rows.append(bench_train_step(run_cfg, attention=att, seq_len=S, batch_size=bs, steps=steps,
                                              warmup=warmup, device=device, compiled=mode, tune=tune,
-                                             profile=profile, ranks=ranks))
+                                             profile=profile, ranks=ranks, trace_dir=trace_dir))
                 if on_row is not None:
                     on_row(rows[-1])
     return rows

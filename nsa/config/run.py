@@ -7,6 +7,7 @@ from so that ``nsa profiles show`` and the run directory can say it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import yaml
@@ -32,7 +33,11 @@ class _Section(ConfigSection):
     """A run-config section (see ``ConfigSection``: no booleans for int/float fields)."""
 
 
-LAYER_WORDS = {"even": 0, "odd": 1}  # model.dense_layers by name: every other block from block 0 / block 1
+LAYER_WORDS: dict[str, Callable[[int], list[int]]] = {  # model.dense_layers by name, for n_layers blocks
+    "even": lambda n: list(range(0, n, 2)),  # every other block dense from block 0: NSA in 1, 3, 5, ...
+    "odd": lambda n: list(range(1, n, 2)),  # every other block dense from block 1: NSA in 0, 2, 4, ...
+    "thirds": lambda n: [i for i in range(n) if i % 3 != 2],  # two of three dense: NSA in 2, 5, 8, ...
+}
 
 
 class ModelConfig(_Section):
@@ -54,14 +59,16 @@ class ModelConfig(_Section):
     dense_layers: list[int] = Field(
         default_factory=list,
         description="with attention nsa: the layers (0-based) that use dense attention instead (a hybrid stack; "
-                    "YAML list, '0 2 4', or even / odd: every other block from the first / second)")
+                    "YAML list, '0 2 4', or even / odd: every other block from the first / second; thirds: all but "
+                    "every third block, NSA in 2, 5, 8, ...)")
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
 
     @model_validator(mode="before")
     @classmethod
     def _layer_words(cls, data: Any) -> Any:
-        """``dense_layers: even`` (blocks 0, 2, 4, ...) or ``odd`` (1, 3, 5, ...) as the list for ``n_layers``;
+        """``dense_layers: even`` (blocks 0, 2, 4, ...), ``odd`` (1, 3, 5, ...) or ``thirds`` (all but 2, 5, 8, ...) as
+        the list for ``n_layers``;
         none for a dense model (``attention: dense``: a config's hybrid list does not stop a dense baseline)."""
         if not isinstance(data, dict):
             return data
@@ -69,7 +76,7 @@ class ModelConfig(_Section):
             return {**data, "dense_layers": []}  # every block of a dense model is dense: the list names nothing
         if isinstance(word := data.get("dense_layers"), str) and word.strip() in LAYER_WORDS:
             n = int(data.get("n_layers", cls.model_fields["n_layers"].default))
-            data = {**data, "dense_layers": list(range(LAYER_WORDS[word.strip()], n, 2))}
+            data = {**data, "dense_layers": LAYER_WORDS[word.strip()](n)}
         return data
 
     @field_validator("dense_layers", mode="before")
@@ -81,7 +88,8 @@ class ModelConfig(_Section):
             try:
                 return sorted(int(p) for p in parts)
             except ValueError:
-                raise ValueError(f"model.dense_layers={value!r} must be layer numbers ('0 2 4') or even or odd") from None
+                raise ValueError(f"model.dense_layers={value!r} must be layer numbers ('0 2 4') or "
+                                 f"{', '.join(LAYER_WORDS)}") from None
         if isinstance(value, int) and not isinstance(value, bool):
             return [value]
         return sorted(value) if isinstance(value, list | tuple) and all(isinstance(v, int) for v in value) else value

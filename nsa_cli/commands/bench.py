@@ -185,6 +185,8 @@ def train(
         "--modes", help="eager and/or compiled, comma-separated (default: both on CUDA, eager on CPU).")] = None,
     profile_step: Annotated[bool, typer.Option(
         "--profile-step", help="Profile one more step per row: kernels by time and launches (CPU: operators), in the JSON.")] = False,
+    trace_dir: Annotated[Path | None, typer.Option(
+        "--trace-dir", help="Also write that step's Chrome trace here, one file per row and rank (implies --profile-step).")] = None,
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1, help="Run on N ranks of this node through torchrun (DDP, or FSDP with --set runtime.parallel=fsdp).")] = None,
     context_parallel: Annotated[int, typer.Option("--context-parallel", min=1, help="Ranks that share each sequence (docs/training.md, 'Training longer than one GPU holds').")] = 1,
     as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
@@ -254,7 +256,8 @@ def train(
                 typer.echo(f"{r.attention} {r.mode} S={r.seq_len} b={r.batch_size}{where}: {what}", err=True)
 
         rows = bench_train(resolved.config, lens, bss, attentions=atts, steps=steps, warmup=warmup, device=device,
-                           modes=flags, on_row=progress, tune=tuned, profile=profile_step, ranks=ranks)
+                           modes=flags, on_row=progress, tune=tuned, profile=profile_step, ranks=ranks,
+                           trace_dir=trace_dir)
         if ranks is not None:
             from nsa.train.distributed import shutdown
 

@@ -5,8 +5,9 @@
 #   ckpt   checkpoint save/load seconds of the trainer's code, 125M and ~1B, one process and FSDP2 (~2 min)
 #   cp     125M compiled, one GPU at 65536 and 131072 against context parallelism over two at 65536, 131072
 #          and 262144 (~6 min)
-#   train  `nsa train` as users run it (issue 54): 125M at S=2048, one GPU, DDP and FSDP2 (each block compiled; the
-#          whole model compiled; no resharding after the forward), 80-100 steps each on local text; the CSVs of the
+#   train  `nsa train` as users run it (issue 54): 125M at S=2048, one GPU, DDP and FSDP2 (the whole model one unit,
+#          as auto picks at 125M; a unit per block; a unit per block without resharding after the forward), 80-100
+#          steps each on local text; the CSVs of the
 #          log windows (~8 min; needs python -m nsa.data.corpus.packages /tmp/corpus first)
 # Usage: scripts/multigpu_rows.sh OUT_DIR fsdp|sizes|ckpt|cp|train ...   (JSON and logs into OUT_DIR)
 set -u
@@ -53,14 +54,14 @@ for part in "$@"; do
       T=(python3 -m nsa_cli train --config m7c-125m --seq-len 2048 --batch-size 16 --dataset local
          --data-path /tmp/corpus/text --tokenizer byte --set data.val_fraction=0.02 --set eval.every=0
          --set checkpoint.every=0 --set logging.every=10)
-      for arm in one one-nographs ddp fsdp-blocks fsdp-model fsdp-noreshard; do
+      for arm in one one-nographs ddp fsdp fsdp-blocks fsdp-noreshard; do
         case $arm in
           one) x=(--steps 100) ;;
           one-nographs) x=(--steps 100 --set runtime.compile_mode=default) ;;  # the two-GPU runs' compile mode
           ddp) x=(--steps 80 --nproc-per-node 2) ;;
-          fsdp-blocks) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp) ;;
-          fsdp-model) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp --set runtime.compile_scope=model) ;;
-          fsdp-noreshard) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp
+          fsdp) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp) ;;  # 125M: one unit (auto)
+          fsdp-blocks) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp --set runtime.fsdp_unit_blocks=1) ;;
+          fsdp-noreshard) x=(--steps 80 --nproc-per-node 2 --set runtime.parallel=fsdp --set runtime.fsdp_unit_blocks=1
                              --set runtime.fsdp_reshard_after_forward=false) ;;
         esac
         run "train-$arm" "${T[@]}" "${x[@]}" -o "/tmp/train-$arm" && cp "/tmp/train-$arm/training.csv" "$out/train-$arm.csv"

@@ -38,20 +38,23 @@ def _rows_of(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-RUNS = ("ddp", "fsdp", "resumed", "fsdp-compiled")
+RUNS = ("ddp", "fsdp", "resumed", "fsdp-compiled", "fsdp-per-block")
 
 
 def _train_runs() -> None:
     """The runs the slow tests read, made by a job beside the tests (it starts with the session): DDP and FSDP
-    side by side, then FSDP resumed from its step-3 checkpoint, then FSDP compiled (each block before sharding:
-    ``runtime.compile_scope`` auto). Prints the folder that holds them."""
+    side by side (the tiny model one FSDP unit: ``runtime.fsdp_unit_blocks`` auto), then FSDP resumed from its
+    step-3 checkpoint beside FSDP with a unit per block (``runtime.fsdp_unit_blocks=1``), then FSDP compiled
+    (each block before sharding: ``runtime.compile_scope`` auto). Prints the folder that holds them."""
     root = Path(tempfile.mkdtemp(prefix="nsa-test-parallel-"))
     out = {name: root / name for name in RUNS}
     try:
         run_all_ok(cmd(*COMMON, "--out-dir", str(out["ddp"])),
                    cmd(*COMMON, "--out-dir", str(out["fsdp"]), "--set", "runtime.parallel=fsdp"))
         ckpt = out["fsdp"] / "checkpoints" / "step_00000003"
-        run_ok(cmd(*COMMON, "--out-dir", str(out["resumed"]), "--set", "runtime.parallel=fsdp", "--resume", str(ckpt)))
+        run_all_ok(cmd(*COMMON, "--out-dir", str(out["resumed"]), "--set", "runtime.parallel=fsdp", "--resume", str(ckpt)),
+                   cmd(*COMMON, "--out-dir", str(out["fsdp-per-block"]), "--set", "runtime.parallel=fsdp",
+                       "--set", "runtime.fsdp_unit_blocks=1"))
         run_ok(cmd(*COMMON, "--out-dir", str(out["fsdp-compiled"]), "--set", "runtime.parallel=fsdp", "--compile"))
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
@@ -91,6 +94,18 @@ def test_fsdp_trains_like_ddp(runs: dict[str, Path]) -> None:
     ddp, fsdp = _rows(runs["ddp"]), _rows(runs["fsdp"])
     assert [r["step"] for r in fsdp] == ["1", "2", "3", "4", "5", "6"]
     for a, b in zip(ddp, fsdp, strict=True):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-5), (a, b)
+        assert float(b["grad_norm"]) == pytest.approx(float(a["grad_norm"]), rel=1e-4), (a, b)
+
+
+@pytest.mark.slow
+@beside_runs
+def test_fsdp_units_do_not_change_the_arithmetic(runs: dict[str, Path]) -> None:
+    """The whole model as one FSDP2 unit (one gather, one reduce-scatter a step) gives the per-block units' losses
+    and gradient norms."""
+    whole, blocks = _rows(runs["fsdp"]), _rows(runs["fsdp-per-block"])
+    assert [r["step"] for r in whole] == [r["step"] for r in blocks]
+    for a, b in zip(blocks, whole, strict=True):
         assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-5), (a, b)
         assert float(b["grad_norm"]) == pytest.approx(float(a["grad_norm"]), rel=1e-4), (a, b)
 

@@ -181,3 +181,12 @@ def test_compile_scope_wraps_the_blocks_or_the_model(scope: str, fsdp: bool, blo
         assert out is model and all(b._compiled_call_impl is not None for b in model.block_list())
     else:
         assert out is not model and all(b._compiled_call_impl is None for b in model.block_list())
+
+
+@pytest.mark.parametrize("value, params, per_unit", [("auto", 108_000_000, 0), ("auto", 3_000_000_000, 1),
+                                                     ("0", 3_000_000_000, 0), ("2", 108_000_000, 2)])
+def test_fsdp_units_whole_model_up_to_a_billion_parameters(value: str, params: int, per_unit: int) -> None:
+    """``runtime.fsdp_unit_blocks``: auto shards a model of up to 1B parameters as one FSDP2 unit (per-block units'
+    host work is not hidden by small blocks), larger ones a block a unit; a number is taken as given."""
+    cfg = load_run_config(config="tiny", sets=[f"runtime.fsdp_unit_blocks={value}"]).config
+    assert cfg.runtime.fsdp_units(params) == per_unit

@@ -248,3 +248,13 @@ def test_shard_clipping_matches_clip_grad_norm() -> None:
     for p, a, b in zip(whole, *ranks, strict=True):
         torch.testing.assert_close(torch.cat([a, b]), p.grad, rtol=1e-6, atol=1e-7)
     assert parallel.grad_shards(whole) is None  # plain parameters: clip_grad_norm_ serves them
+
+
+def test_fsdp_units_group_consecutive_blocks() -> None:
+    """``runtime.fsdp_unit_blocks``: k consecutive blocks a unit (a list when k > 1), the last flagged; 0: none."""
+    from nsa.train.parallel import units
+
+    blocks = ["b0", "b1", "b2", "b3", "b4"]
+    assert units(blocks, 1) == [(False, "b0"), (False, "b1"), (False, "b2"), (False, "b3"), (True, "b4")]
+    assert units(blocks, 2) == [(False, ["b0", "b1"]), (False, ["b2", "b3"]), (True, "b4")]
+    assert units(blocks, 5) == [(True, blocks)] and units(blocks, 0) == []

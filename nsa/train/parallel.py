@@ -4,8 +4,9 @@ block: parameters, gradients and optimizer state sharded over the ranks; ``runti
 FSDP: bf16 parameters with fp32 gradient reduction when the run trains in bf16 (fp16 likewise), full
 precision otherwise; ``runtime.fsdp_cpu_offload`` keeps the sharded parameters and optimizer state in
 host memory. ``torch.compile`` wraps each block before it is sharded (``runtime.compile_scope``: the whole model
-instead), and the last block stays gathered after its forward (the backward needs it first). A sharded model's checkpoint state is a
-``torch.distributed.checkpoint`` (DCP) state: every rank writes its own shards (:mod:`nsa.train.state`).
+instead). The blocks are sharded in units of ``runtime.fsdp_unit_blocks`` (auto: the whole model one unit up to
+1B parameters, else one block a unit), and the last unit stays gathered after its forward (the backward needs it first). A sharded model's
+checkpoint state is a ``torch.distributed.checkpoint`` (DCP) state: every rank writes its own shards (:mod:`nsa.train.state`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def sharded(cfg: RunConfig, dist: D.DistInfo) -> bool:
 
 
 def shard(model: Any, cfg: RunConfig, precision: str, device_type: str) -> None:
-    """``fully_shard`` each block, then the root (embedding, final norm, head), in place."""
+    """``fully_shard`` each unit of ``runtime.fsdp_unit_blocks`` blocks, then the root (embedding, final norm, head),
+    in place."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -36,10 +38,21 @@ def shard(model: Any, cfg: RunConfig, precision: str, device_type: str) -> None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     if cfg.runtime.fsdp_cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    blocks = model.block_list()
-    for i, block in enumerate(blocks):  # the last block's parameters are gathered again at once by the backward
-        fully_shard(block, **{**kw, "reshard_after_forward": kw["reshard_after_forward"] and i < len(blocks) - 1})
-    fully_shard(model, **kw)
+    per_unit = cfg.runtime.fsdp_units(sum(p.numel() for p in model.parameters()))
+    for last, unit in units(model.block_list(), per_unit):
+        # the last unit's parameters are gathered again at once by the backward: kept
+        fully_shard(unit, **{**kw, "reshard_after_forward": kw["reshard_after_forward"] and not last})
+    fully_shard(model, **kw)  # the root: embedding, final norm, head (and every block when units are 0)
+
+
+def units(blocks: list[Any], per_unit: int) -> list[tuple[bool, Any]]:
+    """The ``fully_shard`` units of the blocks, ``per_unit`` consecutive blocks each (a block alone, or a list
+    that FSDP2 gathers and reduce-scatters as one), with whether each is the last; none for ``per_unit`` 0 (the
+    root unit holds every block)."""
+    if per_unit <= 0:
+        return []
+    groups = [blocks[i:i + per_unit] for i in range(0, len(blocks), per_unit)]
+    return [(j == len(groups) - 1, g[0] if len(g) == 1 else g) for j, g in enumerate(groups)]
 
 
 def wrap(model: Any, cfg: RunConfig, dist: D.DistInfo, precision: str, device_type: str, compiled: bool) -> Any:

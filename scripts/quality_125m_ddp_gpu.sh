@@ -5,7 +5,8 @@
 #   ARM dense: dense with the length curriculum (a quarter of the steps at 2k, four times the sequences, then 8k)
 #   ARM nsa:   the shipped hybrid at 8k;   ARM dense-wide: dense's curriculum with mlp_hidden 3328 (the hybrid's
 #   parameter count). Then `nsa eval` loss by window (512, 2k, 8k) and selection on held-out text, optionally LONG_STEPS
-#   at 32k and the RULER-style suite; everything lands in OUT_DIR/<arm>-s<seed>/ as it finishes.
+#   at 32k and the RULER-style suite; everything lands in OUT_DIR/<arm>-s<seed>.tgz (one file: a device call brings
+#   back at most 8), packed again after each phase so a call cut short keeps what finished.
 # Usage: ARM=nsa SEED=0 scripts/quality_125m_ddp_gpu.sh OUT_DIR   (env: TOKENS_M 300, LR (dense 6e-4, nsa 3e-4:
 #        issue 55's first stop), NPROC (the GPUs), BATCH 4 per GPU, LONG_STEPS 0, CORPUS /tmp/corpus, WORK /tmp/q125d;
 #        BASE m7c-125m and SEQ 8192 (a CPU dry run: BASE=tiny SEQ=256 NPROC=2 TOKENS_M=0.05))
@@ -22,8 +23,9 @@ case $arm in
 esac
 per_step=$((nproc * batch * seq))
 steps=$(python3 -c "print(max(4, round($tokens_m * 1e6 / $per_step)))")
-run="$work/$arm-s$seed"; dest="$out/$arm-s$seed"
-mkdir -p "$dest" "$work"
+run="$work/$arm-s$seed"; dest="$work/result-$arm-s$seed"
+mkdir -p "$dest" "$work" "$out"
+pack() { tar czf "$out/$arm-s$seed.tgz" -C "$work" "result-$arm-s$seed"; }
 if [ ! -f "$corpus/manifest.json" ]; then
   python3 -m nsa.data.corpus.packages "$corpus" --min-mb 300 --max-mb 320 --val-fraction 0.02 | tail -1 || exit 2
 fi
@@ -33,16 +35,17 @@ T=(python3 -m nsa_cli train --config "$config" --nproc-per-node "$nproc" --datas
 echo "$arm seed $seed: $steps steps of $per_step tokens on $nproc GPUs, lr $lr"
 rm -rf "$run"
 if [ "$warm" = 1 ]; then
-  "${T[@]}" --seq-len $((seq / 4)) --batch-size $((batch * 4)) --stop-at $((steps / 4)) > "$dest/train-warm.log" 2>&1 || exit 1
-  "${T[@]}" --seq-len "$seq" --batch-size "$batch" --resume auto > "$dest/train.log" 2>&1 || exit 1
+  "${T[@]}" --seq-len $((seq / 4)) --batch-size $((batch * 4)) --stop-at $((steps / 4)) > "$dest/train-warm.log" 2>&1 || { pack; exit 1; }
+  "${T[@]}" --seq-len "$seq" --batch-size "$batch" --resume auto > "$dest/train.log" 2>&1 || { pack; exit 1; }
 else
-  "${T[@]}" --seq-len "$seq" --batch-size "$batch" > "$dest/train.log" 2>&1 || exit 1
+  "${T[@]}" --seq-len "$seq" --batch-size "$batch" > "$dest/train.log" 2>&1 || { pack; exit 1; }
 fi
-cp "$run/training.csv" "$run/metrics.json" "$dest/"
+cp "$run/training.csv" "$run/metrics.json" "$dest/"; pack
 python3 -m nsa_cli eval "$run" --task loss --contexts $((seq / 16)),$((seq / 4)),$seq --samples 32 --json-out "$dest/loss.json" \
   > "$dest/eval.log" 2>&1
 [ "$arm" = nsa ] && python3 -m nsa_cli eval "$run" --task selection --contexts "$seq" --json-out "$dest/selection.json" \
   >> "$dest/eval.log" 2>&1
+pack
 if [ "$long" -gt 0 ]; then
   python3 -m nsa_cli train --config "$run/config.yaml" --nproc-per-node "$nproc" --set train.init_from="$run" \
     --seq-len 32768 --batch-size 1 --steps "$long" --set schedule.warmup_steps=20 --set optimizer.lr=3e-4 \
@@ -53,4 +56,5 @@ if [ "$long" -gt 0 ]; then
   python3 -m nsa_cli eval "$run-32k" --task needle --contexts 32768 --samples 16 --json-out "$dest/needle.json" \
     > "$dest/needle.log" 2>&1
 fi
-echo "done: $dest"
+pack
+echo "done: $out/$arm-s$seed.tgz"

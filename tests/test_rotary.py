@@ -66,6 +66,31 @@ def _rotary_case(device: str, dtype: torch.dtype, tol: float) -> None:
     print(f"split_rotate {device} {dtype}: ok", flush=True)
 
 
+def _one_launch_fallback_case() -> None:
+    """Where Triton cannot compile the one-launch kernel, the parts move a launch each: the same results, the
+    fallback counted once, and the one-launch kernel not tried again in the process."""
+    from triton.compiler.errors import CompilationError
+
+    from nsa.ops import fallback_counts, reset_fallback_counts, rotary
+    from nsa.ops._triton import rotary as kernels
+
+    tried = []
+
+    def refuse(*_args: object, **_kw: object) -> None:
+        tried.append(1)
+        raise CompilationError(None, None, "forced by the test")
+
+    saved = kernels.move_parts
+    kernels.move_parts, rotary._ONE_LAUNCH["ok"] = refuse, True
+    reset_fallback_counts()
+    try:
+        _rotary_case("cpu", torch.float32, 1e-5)
+        assert len(tried) == 1 and not rotary._ONE_LAUNCH["ok"]
+        assert fallback_counts() == {"split_rotate:one launch->a launch per part:CompilationError": 1}
+    finally:
+        kernels.move_parts, rotary._ONE_LAUNCH["ok"] = saved, True
+
+
 def test_split_rotate_matches_slices_float64() -> None:
     """seed 0: exactly the slice-by-slice rotation, forward and backward, on CPU."""
     _rotary_case("cpu", torch.float64, 0.0)

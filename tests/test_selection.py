@@ -807,6 +807,11 @@ def test_a_curriculum_arm_is_paired_with_dense_under_the_same_curriculum() -> No
     assert baseline_of("nsa-curriculum@lr=0.001", names) == "dense-curriculum@lr=0.001"
     assert baseline_of("dense@lr=0.001", names) is None
     assert baseline_of("nsa-curriculum-kl@lr=0.001", names) == "dense-curriculum@lr=0.001"
+    # no plain dense arm (issue 52's 8k judge): the one dense recipe that ran; two of them: none is guessed
+    judge = {"dense-curriculum@lr=0.001", "nsa@lr=0.001", "nsa@lr=0.002"}
+    assert baseline_of("nsa@lr=0.001", judge) == "dense-curriculum@lr=0.001"
+    assert baseline_of("nsa@lr=0.002", judge) is None and baseline_of("dense-curriculum@lr=0.001", judge) is None
+    assert baseline_of("nsa", {"dense-curriculum", "dense-wide", "nsa"}) is None
 
 
 def test_an_arm_can_extend_a_named_recipe() -> None:

@@ -126,6 +126,8 @@ CPU_TUNED_CASES = {
     "h2-row-strided": (CPU_CASES["h2-strided-views"], {"sel_mode": "row", "sel_tma": 1}),
     # dq partials from the dk/dv programs for a large group (the other way than its default)
     "h16-part-dq": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {"sel_dq": "part"}),
+    # the FSA order's work list by the PyTorch operators (the kernels are the default; forward and backward read it)
+    "h6-worklist-ops": (CPU_CASES["h6"], {"sel_wl": "ops"}),
 }
 
 
@@ -160,6 +162,45 @@ def _chunked_case() -> None:
         assert tuple(real[-1].shape) == (B * H, 0)
     finally:
         selection.PARTIAL_BYTES, selection.CHUNK_ROWS = saved
+
+
+def _work_list_case(device: str = "cpu") -> None:
+    """The work list by three Triton launches (the default) is the operators' list (``sel_wl=ops``) bit for bit:
+    random block lists with ``-1`` holes (seed 7), several segments, queries at an offset, a strided view, the
+    backward's item size; lists too long for its bins stay with the operators."""
+    from nsa.ops import tile_overrides
+    from nsa.ops._triton import selection, worklist
+
+    gen = torch.Generator().manual_seed(7)
+    for B, S, H, n, l_sel, q_start, backward in ((1, 40, 2, 3, 8, 0, False), (2, 300, 1, 5, 16, 0, False),
+                                                  (1, 260, 2, 4, 8, 24, True), (1, 8, 1, 2, 4, 0, False)):
+        nb = selection.num_blocks(S, l_sel, q_start)
+        idx = torch.randint(-1, nb, (B, H, S, n), generator=gen, dtype=torch.int32).permute(0, 2, 1, 3)
+        idx = idx.to(device)
+        with tile_overrides({"sel_wl": "ops"}):
+            want = selection.work_list(idx, l_sel, q_start, backward)
+        got = selection.work_list(idx, l_sel, q_start, backward)  # the default: the kernels
+        assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), (B, S, H, n, l_sel, q_start)
+    assert worklist.fits(255) and not worklist.fits(256)
+    if device != "cpu":
+        return
+    # a Triton that cannot compile the kernels: the operators' list, the fallback counted once
+    from triton.compiler.errors import CompilationError
+
+    from nsa.ops import fallback_counts, reset_fallback_counts
+
+    def refuse(*_args: object) -> None:
+        raise CompilationError(None, None, "forced by the test")
+
+    saved = worklist.build
+    worklist.build, worklist._OK["kernels"] = refuse, True
+    reset_fallback_counts()
+    try:
+        assert torch.equal(selection.work_list(idx, l_sel, q_start, backward), want)
+        assert torch.equal(selection.work_list(idx, l_sel, q_start, backward), want)
+        assert fallback_counts() == {"work_list:kernels->operators:CompilationError": 1}
+    finally:
+        worklist.build, worklist._OK["kernels"] = saved, True
 
 
 def _messy_blocks_case(device: str = "cpu") -> None:
@@ -206,9 +247,11 @@ def _interpreter_job() -> Job:
               "_dispatcher_case()\n")
     calls += "print('messy block lists', flush=True); _messy_blocks_case()\n"
     calls += "print('chunked selection', flush=True); _chunked_case()\n"
+    calls += "print('work list kernels', flush=True); from tests.test_triton_kernels import _work_list_case; _work_list_case()\n"
     calls += "print('regroup copies', flush=True); from tests.test_cmp_sdpa import _regroup_case; _regroup_case()\n"
-    calls += ("from tests.test_rotary import _rotary_case\n"
-              "_rotary_case('cpu', torch.bfloat16, 1e-2); _rotary_case('cpu', torch.float32, 1e-5)\n")
+    calls += ("from tests.test_rotary import _one_launch_fallback_case, _rotary_case\n"
+              "_rotary_case('cpu', torch.bfloat16, 1e-2); _rotary_case('cpu', torch.float32, 1e-5)\n"
+              "_one_launch_fallback_case()\n")
     return Job("from tests.test_triton_kernels import _chunked_case, _cpu_case, _dispatcher_case, _messy_blocks_case\n"
                + checks + calls)
 
@@ -281,6 +324,26 @@ def test_gpu_sel_dq_ways_match_torch_path(sel_dq: str, HQ: int, window_query: bo
     with tile_overrides({"sel_dq": sel_dq}):
         _check(1, 1500, HQ, 2 if HQ == 12 else 4, 64, 64, l=32, d=16, l_sel=64, n_sel=16, w=512,
                dtype=torch.bfloat16, device="cuda", tol=2e-2, oracle="torch", window_query=window_query)
+
+
+@pytest.mark.gpu
+def test_gpu_work_list_kernels_equal_the_operators() -> None:
+    """The work-list kernels on the GPU: the operators' list (``sel_wl=ops``) bit for bit (random lists, several segments, an offset), and at
+    m7c's 2k-16k shapes (h = 6, l_sel = 64, n_sel = 16) from real top-n block lists."""
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    from nsa.ops import tile_overrides
+    from nsa.ops._triton import selection
+
+    _work_list_case("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for B, S in ((16, 2048), (4, 8192), (1, 16320)):
+        nb = selection.num_blocks(S, 64)
+        idx = torch.randint(-1, nb, (B, S, 2, 16), device="cuda", dtype=torch.int32, generator=gen)
+        for backward in (False, True):
+            with tile_overrides({"sel_wl": "ops"}):
+                want = selection.work_list(idx, 64, 0, backward)
+            assert torch.equal(selection.work_list(idx, 64, 0, backward), want), (B, S, backward)
 
 
 @pytest.mark.gpu

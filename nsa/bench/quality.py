@@ -347,8 +347,9 @@ def relative_to_dense(rows: list[QualityRow]) -> dict[str, float | None]:
 
 def baseline_of(arm: str, names: set[str]) -> str | None:
     """The dense arm ``arm`` is compared with among ``names``: ``dense-<recipe>`` for ``nsa-<recipe>[-more]``
-    where both ran (a length curriculum against dense under the same curriculum), else ``dense``; at one learning
-    rate of a sweep, the baseline at the same rate. ``None`` when that arm did not run or ``arm`` is it."""
+    where both ran (a length curriculum against dense under the same curriculum), else ``dense``, else the one
+    other ``dense-*`` arm when just one ran; at one learning rate of a sweep, the baseline at the same rate.
+    ``None`` when no such arm ran or ``arm`` is it."""
     base, tag, lr = arm.partition(LR_TAG)
     suffix = tag + lr
     parts = base[4:].split("-") if base.startswith("nsa-") else []
@@ -357,7 +358,11 @@ def baseline_of(arm: str, names: set[str]) -> str | None:
         if twin in names:
             return twin
     choice = f"dense{suffix}"
-    return choice if choice in names and choice != arm else None
+    if choice in names:
+        return choice if choice != arm else None
+    # no plain dense arm: the one other dense recipe that ran (dense-curriculum, the 8k baseline), if just one did
+    others = [n for n in names if n != arm and n.startswith("dense") and n.partition(LR_TAG)[1:] == (tag, lr)]
+    return others[0] if len(others) == 1 else None
 
 
 def _is_baseline(arm: str, names: set[str]) -> bool:

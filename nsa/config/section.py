@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import types
-from typing import Any, Union, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
@@ -31,11 +31,13 @@ def exposed_as(info: FieldInfo, what: str) -> str | None:
 
 def numeric_kind(annotation: Any) -> str | None:
     """``"integer"`` or ``"number"`` when the annotation holds an int or float (also inside
-    ``X | None`` and tuples), else ``None``."""
+    ``X | None``, ``Annotated`` and tuples), else ``None``."""
     if annotation is int:
         return "integer"
     if annotation is float:
         return "number"
+    if get_origin(annotation) is Annotated:  # int with constraints, e.g. inside ``int | Literal["auto"]``
+        return numeric_kind(get_args(annotation)[0])
     if get_origin(annotation) in (Union, types.UnionType, tuple, list):
         kinds = {numeric_kind(a) for a in get_args(annotation) if a is not Ellipsis}
         return "number" if "number" in kinds else "integer" if "integer" in kinds else None

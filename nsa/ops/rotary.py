@@ -9,8 +9,9 @@ columns from its own pass (rotated back by minus the angle, or copied), so a com
 gradient of the concatenation as one pointwise kernel that picks every element's source through a chain of
 selects and evaluates the rotations' backward inside it (at m7c-125m, 2k: ~6x its bytes, 8 ms a step; docs/kernels.md).
 
-On CUDA (and under ``TRITON_INTERPRET=1``) the passes are Triton kernels (:mod:`nsa.ops._triton.rotary`); elsewhere
-the same arithmetic in PyTorch, identical to :func:`rotate`.
+On CUDA (and under ``TRITON_INTERPRET=1``) every part moves in one Triton launch each way (the forward's split, the
+backward's ``dy``; :mod:`nsa.ops._triton.rotary`), a launch per part where that kernel cannot compile; elsewhere the
+same arithmetic in PyTorch, identical to :func:`rotate`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from nsa.ops._triton import interpreting
+from nsa.ops.dispatch import record_fallback
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -56,6 +58,28 @@ def _move(src: torch.Tensor, dst: torch.Tensor, rot: bool, cos: torch.Tensor, si
         dst.copy_(src)
 
 
+_ONE_LAUNCH = {"ok": True}  # False once this process's Triton could not compile the one-launch kernel
+
+
+def _one_launch(srcs: list[torch.Tensor | None], dsts: list[torch.Tensor], rotate: Sequence[bool],
+                cos: torch.Tensor, sin: torch.Tensor, S: int, head_dim: int, sign: int) -> bool:
+    """Every part moved by one Triton launch (:func:`nsa.ops._triton.rotary.move_parts`); False, and a launch per
+    part from then on (counted in :func:`nsa.ops.fallback_counts`), where this Triton cannot compile it."""
+    if not _ONE_LAUNCH["ok"]:
+        return False
+    from triton.compiler.errors import CompilationError
+
+    from nsa.ops._triton import rotary as kernels
+
+    try:
+        kernels.move_parts(srcs, dsts, list(rotate), cos.contiguous(), sin.contiguous(), S, head_dim, sign)
+    except CompilationError as exc:
+        _ONE_LAUNCH["ok"] = False
+        record_fallback(f"split_rotate:one launch->a launch per part:{type(exc).__name__}")
+        return False
+    return True
+
+
 def _check(y: torch.Tensor, widths: Sequence[int], rotate_: Sequence[bool], head_dim: int) -> None:
     if len(widths) != len(rotate_) or sum(widths) != y.shape[-1]:
         raise ValueError(f"split_rotate: widths {list(widths)} (rotate {list(rotate_)}) do not make y's "
@@ -69,14 +93,25 @@ def split_rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, widths: 
                  rotate: Sequence[bool], head_dim: int) -> list[torch.Tensor]:
     """The parts of ``y [B, S, N]`` (module docstring), each a new contiguous ``[B, S, width]``."""
     _check(y, widths, rotate, head_dim)
-    B, S, _ = y.shape
-    outs, c = [], 0
-    for w, rot in zip(widths, rotate, strict=True):
-        out = y.new_empty(B, S, w)
-        _move(y[..., c : c + w], out, rot, cos, sin, head_dim, 1)
-        outs.append(out)
-        c += w
+    B, S, N = y.shape
+    outs = [y.new_empty(B, S, w) for w in widths]
+    if _fast(y) and y.stride(-1) == 1:
+        y2 = y.reshape(B * S, N)
+        if _one_launch([y2[:, c - w : c] for c, w in zip(_ends(widths), widths, strict=True)],
+                       [o.view(B * S, w) for o, w in zip(outs, widths, strict=True)], rotate, cos, sin, S, head_dim, 1):
+            return outs
+    for out, c, w, rot in zip(outs, _ends(widths), widths, rotate, strict=True):
+        _move(y[..., c - w : c], out, rot, cos, sin, head_dim, 1)
     return outs
+
+
+def _ends(widths: Sequence[int]) -> list[int]:
+    """Each part's end column."""
+    ends, c = [], 0
+    for w in widths:
+        c += w
+        ends.append(c)
+    return ends
 
 
 @split_rotate.register_fake
@@ -94,14 +129,19 @@ def split_rotate_backward(grads: Sequence[torch.Tensor | None], cos: torch.Tenso
     part's columns are zero)."""
     B, S, N = shape
     dy = torch.empty(B, S, N, dtype=dtype, device=cos.device)
-    c = 0
-    for g, w, rot in zip(grads, widths, rotate, strict=True):
-        if g is None:
-            dy[..., c : c + w].zero_()
+    parts = [None if g is None else g.view(B, S, w) if g.is_contiguous() else g.reshape(B, S, w)
+             for g, w in zip(grads, widths, strict=True)]
+    if _fast(dy) and all(p is None or p.stride(-1) == 1 for p in parts):
+        dy2 = dy.view(B * S, N)
+        if _one_launch([None if p is None else p.reshape(B * S, p.shape[-1]) for p in parts],
+                       [dy2[:, c - w : c] for c, w in zip(_ends(widths), widths, strict=True)], rotate, cos, sin, S,
+                       head_dim, -1):
+            return dy
+    for p, c, w, rot in zip(parts, _ends(widths), widths, rotate, strict=True):
+        if p is None:
+            dy[..., c - w : c].zero_()
         else:
-            _move(g.view(B, S, w) if g.is_contiguous() else g.reshape(B, S, w), dy[..., c : c + w], rot, cos, sin,
-                  head_dim, -1)
-        c += w
+            _move(p, dy[..., c - w : c], rot, cos, sin, head_dim, -1)
     return dy
 
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops._triton import cc_major, interpreting, next_pow2, tile_config, tuned
+from nsa.ops._triton import cc_major, interpreting, next_pow2, tile_config, tuned, worklist
 from nsa.ops._triton.range_attn import LOG2E
 
 try:  # Triton >= 3.4: host-side TMA descriptors
@@ -447,7 +447,9 @@ def work_shape(B: int, S: int, H: int, n_sel: int, l_sel: int, device: torch.dev
 
 
 def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = False) -> torch.Tensor:
-    """Pairs sorted by chosen block, and the programs' work items, in one int32 tensor (device ops only).
+    """Pairs sorted by chosen block, and the programs' work items, in one int32 tensor (device ops only): by three
+    Triton launches up to 255 blocks (:mod:`nsa.ops._triton.worklist`; tile key ``sel_wl=ops``: PyTorch operators
+    throughout, as the operators below compute it everywhere else).
 
     Row ``b*H + g``: ``S*n`` flat pair indices ``pos * n + slot`` ordered by block, then per work item
     ``(block, first, end)``: the pairs ``[first, end)`` of ``block``, at most ``CH`` of them (a block chosen by
@@ -458,6 +460,13 @@ def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = 
     ch = _pairs_per_program(idx.device, backward)
     NB = num_blocks(S, l_sel, q_start)
     rows, width = work_shape(B, S, H, n, l_sel, idx.device, q_start, backward)
+    how = str(tuned("sel_wl", "kernel"))
+    if how not in ("ops", "kernel"):
+        raise ValueError(f"sel_wl must be ops or kernel, got {how!r}")
+    if how == "kernel" and (idx.is_cuda or interpreting()) and worklist.fits(NB):
+        built = worklist.try_build(idx, NB, ch, width)
+        if built is not None:
+            return built
     sn = S * n
     nw = (width - sn) // 3
     keys = idx.permute(0, 2, 1, 3).reshape(rows, sn).to(torch.int32)

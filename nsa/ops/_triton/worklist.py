@@ -1,0 +1,156 @@
+"""The FSA order's work list built by three Triton launches instead of ~25 PyTorch operators.
+
+:func:`nsa.ops._triton.selection.work_list` sorts each row's ``(position, slot)`` pairs by chosen block (stable)
+and cuts every block's pairs into work items; on the device as PyTorch operators that is a permute, a cast, a
+``where``, a stable sort, a scatter-add, two cumulative sums, a search, three gathers, a stack and a concatenation:
+about 45 kernel launches and 1 ms of host time a call (m7c 2k, H200; docs/kernels.md), as long as the call's own
+kernels take at that size once no CUDA graph replays it. Here the same list, bit for bit, is a counting sort:
+
+1. ``_hist_kernel`` (a program per row and segment of ``SEG`` pairs): each segment's histogram of blocks;
+2. ``_scan_kernel`` (a program per row): each segment's first slot per block (prefix sums over the blocks, then
+   over the segments), and the work items ``(block, first, end)`` from the totals;
+3. ``_scatter_kernel`` (a program per row and segment): each pair to its slot, ties in pair order (a pair's rank
+   among its chunk's pairs of the same block, from a cumulative sum of the chunk's one-hot matrix).
+
+Blocks are counted in one-hot tiles of ``NBP`` bins (the block count plus one for "none", to a power of two), so
+this serves up to :data:`MAX_BINS` bins (``l_sel = 64``: 16k positions); longer lists stay with the operators, where
+the kernels' own time dwarfs the host's. The default (tile key ``sel_wl``: ``kernel``; ``ops`` for the operators);
+a Triton that cannot compile these kernels falls back to the operators once, counted.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa.ops._triton import next_pow2
+
+MAX_BINS = 256  # blocks + 1, to a power of two: one-hot tiles of C x NBP stay at 8,192 elements
+SEG = 1024  # pairs per segment (a program of the histogram and scatter passes)
+
+
+@triton.jit
+def _keys(IDX, b, g, p, m, s_b, s_s, s_h, s_n, NSEL: tl.constexpr, NB):
+    """Chosen block of pairs ``p`` (``pos * NSEL + slot``) of row ``(b, g)``; ``NB`` for none (``-1``)."""
+    pos = p // NSEL
+    v = tl.load(IDX + b * s_b + pos * s_s + g * s_h + (p % NSEL) * s_n, mask=m, other=0)
+    return tl.where(v < 0, NB, v)
+
+
+@triton.jit
+def _hist_kernel(IDX, HIST, s_b, s_s, s_h, s_n, H, SN, NB, NSEG,
+                 NSEL: tl.constexpr, SEG: tl.constexpr, C: tl.constexpr, NBP: tl.constexpr):
+    r = tl.program_id(0)
+    sg = tl.program_id(1)
+    b, g = r // H, r % H
+    bins = tl.arange(0, NBP)
+    acc = tl.zeros([NBP], dtype=tl.int32)
+    for c0 in range(0, SEG, C):
+        p = sg * SEG + c0 + tl.arange(0, C)
+        m = p < SN
+        k = _keys(IDX, b, g, p, m, s_b, s_s, s_h, s_n, NSEL, NB)
+        acc += tl.sum(((k[:, None] == bins[None, :]) & m[:, None]).to(tl.int32), axis=0)
+    tl.store(HIST + (r * NSEG + sg) * NBP + bins, acc)
+
+
+@triton.jit
+def _scan_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH,
+                 NBP: tl.constexpr, CW: tl.constexpr):
+    r = tl.program_id(0)
+    bins = tl.arange(0, NBP)
+    tot = tl.zeros([NBP], dtype=tl.int32)
+    for sg in range(0, NSEG):
+        tot += tl.load(HIST + (r * NSEG + sg) * NBP + bins)
+    starts = tl.cumsum(tot, 0) - tot  # every block's first slot ("none" last: the largest key)
+    run = starts
+    for sg in range(0, NSEG):  # each segment's first slot per block, in place of its histogram
+        h = tl.load(HIST + (r * NSEG + sg) * NBP + bins)
+        tl.store(HIST + (r * NSEG + sg) * NBP + bins, run)
+        run += h
+    valid = bins < NB
+    cnt = tl.where(valid, tot, 0)
+    nch = (cnt + CH - 1) // CH
+    cum = tl.cumsum(nch, 0)
+    excl = cum - nch
+    for w0 in range(0, NW, CW):
+        w = w0 + tl.arange(0, CW)
+        mw = w < NW
+        blk = tl.sum(((cum[None, :] <= w[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        wb = tl.minimum(blk, NB - 1)
+        sel = bins[None, :] == wb[:, None]
+        st = tl.sum(tl.where(sel, starts[None, :], 0), axis=1)
+        ex = tl.sum(tl.where(sel, excl[None, :], 0), axis=1)
+        ct = tl.sum(tl.where(sel, cnt[None, :], 0), axis=1)
+        first = st + (w - ex) * CH
+        end = tl.minimum(st + ct, first + CH)
+        base = OUT + r * W + SN + 3 * w
+        tl.store(base, blk, mask=mw)
+        tl.store(base + 1, first, mask=mw)
+        tl.store(base + 2, end, mask=mw)
+
+
+@triton.jit
+def _scatter_kernel(IDX, HIST, OUT, s_b, s_s, s_h, s_n, H, W, SN, NB, NSEG,
+                    NSEL: tl.constexpr, SEG: tl.constexpr, C: tl.constexpr, NBP: tl.constexpr):
+    r = tl.program_id(0)
+    sg = tl.program_id(1)
+    b, g = r // H, r % H
+    bins = tl.arange(0, NBP)
+    run = tl.load(HIST + (r * NSEG + sg) * NBP + bins)
+    for c0 in range(0, SEG, C):
+        p = sg * SEG + c0 + tl.arange(0, C)
+        m = p < SN
+        k = _keys(IDX, b, g, p, m, s_b, s_s, s_h, s_n, NSEL, NB)
+        oh = ((k[:, None] == bins[None, :]) & m[:, None]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(oh, 0) * oh, axis=1) - 1  # earlier pairs of this chunk with the same block
+        slot = tl.sum(oh * run[None, :], axis=1) + rank
+        tl.store(OUT + r * W + slot, p, mask=m)
+        run += tl.sum(oh, axis=0)
+
+
+def fits(n_blocks: int) -> bool:
+    """Whether these kernels serve a list of ``n_blocks`` blocks (plus "none")."""
+    return next_pow2(n_blocks + 1) <= MAX_BINS
+
+
+_OK = {"kernels": True}  # False once this process's Triton could not compile them
+
+
+def try_build(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int) -> torch.Tensor | None:
+    """:func:`build`, or None (and the operators from then on, counted in :func:`nsa.ops.fallback_counts`) where
+    this Triton cannot compile the kernels."""
+    if not _OK["kernels"]:
+        return None
+    from triton.compiler.errors import CompilationError
+
+    try:
+        return build(idx, n_blocks, pairs_per_item, width)
+    except CompilationError as exc:
+        from nsa.ops.dispatch import record_fallback
+
+        _OK["kernels"] = False
+        record_fallback(f"work_list:kernels->operators:{type(exc).__name__}")
+        return None
+
+
+def build(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int) -> torch.Tensor:
+    """:func:`nsa.ops._triton.selection.work_list`'s tensor ``[B*H, width]`` (int32) for the block lists ``idx``
+    ``[B, S, H, n]`` over ``n_blocks`` blocks, work items of at most ``pairs_per_item`` pairs."""
+    B, S, H, n = idx.shape
+    rows, sn = B * H, S * n
+    nbp = max(16, next_pow2(n_blocks + 1))
+    nseg = -(-sn // SEG)
+    c = max(16, 8192 // nbp)
+    hist = torch.empty(rows, nseg, nbp, device=idx.device, dtype=torch.int32)
+    out = torch.empty(rows, width, device=idx.device, dtype=torch.int32)
+    st = idx.stride()
+    if rows == 0 or sn == 0:
+        return out
+    _hist_kernel[(rows, nseg)](idx, hist, *st[:3], st[3], H, sn, n_blocks, nseg, NSEL=n, SEG=SEG, C=c, NBP=nbp)
+    nw = (width - sn) // 3
+    _scan_kernel[(rows,)](hist, out, width, sn, n_blocks, nseg, nw, pairs_per_item, NBP=nbp,
+                          CW=max(16, min(128, 8192 // nbp)))
+    _scatter_kernel[(rows, nseg)](idx, hist, out, *st[:3], st[3], H, width, sn, n_blocks, nseg, NSEL=n, SEG=SEG,
+                                  C=c, NBP=nbp)
+    return out

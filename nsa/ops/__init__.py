@@ -20,14 +20,12 @@ from nsa.ops._triton import TUNE_KEYS, tile_overrides
 from nsa.ops.dispatch import (
     BACKENDS,
     available_backends,
-    fallback_counts,
     pick,
-    record_fallback,
     requested_backend,
-    reset_fallback_counts,
     set_default_backend,
     use_backend,
 )
+from nsa.ops.fallbacks import fallback_counts, record_fallback, reset_fallback_counts
 from nsa.ops.indexing import with_window_query
 from nsa.params import NSAParams
 

@@ -16,7 +16,6 @@ torch path and increments ``fallback_counts()[reason]`` (host-side counters, no 
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from nsa.ops import reference, torch_path
+from nsa.ops.fallbacks import record_fallback
 
 try:  # the Triton backend is optional: without triton, every call runs the torch path
     from nsa.ops import triton_path as _triton_path
@@ -35,7 +35,6 @@ BACKENDS = ("reference", "torch", "triton")
 # the ``use_backend`` blocks open now, innermost last: a plain module global (not a ContextVar, which
 # ``torch.compile(fullgraph=True)`` cannot trace), so a compiled caller guards on it and recompiles if it changes
 _override: list[str] = []
-_fallbacks: Counter[str] = Counter()
 _default = "auto"
 
 
@@ -59,20 +58,6 @@ def use_backend(name: str) -> Iterator[None]:
         yield
     finally:
         _override.pop()
-
-
-def fallback_counts() -> dict[str, int]:
-    """How often a requested backend could not serve a call, by reason."""
-    return dict(_fallbacks)
-
-
-def reset_fallback_counts() -> None:
-    _fallbacks.clear()
-
-
-def record_fallback(reason: str) -> None:
-    """Count one call that a requested backend could not serve (``op:from->to:why``)."""
-    _fallbacks[reason] += 1
 
 
 # imported once with this module, so ``pick`` is a dict lookup that torch.compile traces without a break

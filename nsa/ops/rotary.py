@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from nsa.ops._triton import interpreting
-from nsa.ops.dispatch import record_fallback
+from nsa.ops.fallbacks import record_fallback
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

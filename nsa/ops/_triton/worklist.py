@@ -127,7 +127,7 @@ def try_build(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int)
     try:
         return build(idx, n_blocks, pairs_per_item, width)
     except CompilationError as exc:
-        from nsa.ops.dispatch import record_fallback
+        from nsa.ops.fallbacks import record_fallback
 
         _OK["kernels"] = False
         record_fallback(f"work_list:kernels->operators:{type(exc).__name__}")

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Issue 55 at the tokens it asks for: one 125M arm per call, data parallel over every GPU of the machine, as a user
-# runs `nsa train` (docs/benchmarks/quality-125m.md). At ~1M tokens/s over 4x H200 (DDP, m7c-125m at 8k), 300 M
-# tokens take ~5 minutes; a call holds one arm (a second fits at 150 M tokens).
+# runs `nsa train` (docs/benchmarks/quality-125m.md). 300 M tokens over 4x H200 at one 8k sequence per GPU a step
+# (the bracketed runs' 32,768 tokens) are expected to take 6-8 minutes (not measured yet): a call holds one arm.
 #   ARM dense: dense with the length curriculum (a quarter of the steps at 2k, four times the sequences, then 8k)
 #   ARM nsa:   the shipped hybrid at 8k;   ARM dense-wide: dense's curriculum with mlp_hidden 3328 (the hybrid's
 #   parameter count). Then `nsa eval` loss by window (512, 2k, 8k) and selection on held-out text, optionally LONG_STEPS
 #   at 32k and the RULER-style suite; everything lands in OUT_DIR/<arm>-s<seed>.tgz (one file: a device call brings
 #   back at most 8), packed again after each phase so a call cut short keeps what finished.
 # Usage: ARM=nsa SEED=0 scripts/quality_125m_ddp_gpu.sh OUT_DIR   (env: TOKENS_M 300, LR (dense 6e-4, nsa 3e-4:
-#        issue 55's first stop), NPROC (the GPUs), BATCH 4 per GPU, LONG_STEPS 0, CORPUS /tmp/corpus, WORK /tmp/q125d;
+#        issue 55's first stop, bracketed at 32,768 tokens a step), NPROC (the GPUs), BATCH per GPU (default: TOKENS_STEP
+#        32768 over the GPUs, at least 1), LONG_STEPS 0, CORPUS /tmp/corpus, WORK /tmp/q125d;
 #        BASE m7c-125m and SEQ 8192 (a CPU dry run: BASE=tiny SEQ=256 NPROC=2 TOKENS_M=0.05))
 set -u
 out=${1:?out dir}
-arm=${ARM:?ARM=dense|nsa|dense-wide}; seed=${SEED:-0}; tokens_m=${TOKENS_M:-300}; batch=${BATCH:-4}
+arm=${ARM:?ARM=dense|nsa|dense-wide}; seed=${SEED:-0}; tokens_m=${TOKENS_M:-300}
 nproc=${NPROC:-$(nvidia-smi -L | wc -l)}; long=${LONG_STEPS:-0}; config=${BASE:-m7c-125m}; seq=${SEQ:-8192}
+# the step of the runs whose rates were bracketed (32,768 tokens), whatever the number of GPUs: the rates stay valid
+batch=${BATCH:-$(( ${TOKENS_STEP:-32768} / (nproc * seq) > 0 ? ${TOKENS_STEP:-32768} / (nproc * seq) : 1 ))}
 corpus=${CORPUS:-/tmp/corpus}; work=${WORK:-/tmp/q125d}
 case $arm in
   dense) lr=${LR:-6e-4}; sets=(--attention dense); warm=1 ;;

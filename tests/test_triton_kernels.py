@@ -193,14 +193,14 @@ def _work_list_case(device: str = "cpu") -> None:
         raise CompilationError(None, None, "forced by the test")
 
     saved = worklist.build
-    worklist.build, worklist._OK["kernels"] = refuse, True
+    worklist.build, worklist._OK["kernels"] = refuse, None
     reset_fallback_counts()
     try:
         assert torch.equal(selection.work_list(idx, l_sel, q_start, backward), want)
         assert torch.equal(selection.work_list(idx, l_sel, q_start, backward), want)
         assert fallback_counts() == {"work_list:kernels->operators:CompilationError": 1}
     finally:
-        worklist.build, worklist._OK["kernels"] = saved, True
+        worklist.build, worklist._OK["kernels"] = saved, None
 
 
 def _messy_blocks_case(device: str = "cpu") -> None:

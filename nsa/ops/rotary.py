@@ -58,25 +58,32 @@ def _move(src: torch.Tensor, dst: torch.Tensor, rot: bool, cos: torch.Tensor, si
         dst.copy_(src)
 
 
-_ONE_LAUNCH = {"ok": True}  # False once this process's Triton could not compile the one-launch kernel
+# None until the process's first one-launch move: True once it ran, False if this Triton could not compile it
+_ONE_LAUNCH: dict[str, bool | None] = {"ok": None}
 
 
 def _one_launch(srcs: list[torch.Tensor | None], dsts: list[torch.Tensor], rotate: Sequence[bool],
                 cos: torch.Tensor, sin: torch.Tensor, S: int, head_dim: int, sign: int) -> bool:
     """Every part moved by one Triton launch (:func:`nsa.ops._triton.rotary.move_parts`); False, and a launch per
-    part from then on (counted in :func:`nsa.ops.fallback_counts`), where this Triton cannot compile it."""
-    if not _ONE_LAUNCH["ok"]:
+    part from then on (counted in :func:`nsa.ops.fallback_counts`), where this Triton cannot compile it (the
+    process's first call is guarded, later ones fail loudly)."""
+    if _ONE_LAUNCH["ok"] is False:
         return False
-    from triton.compiler.errors import CompilationError
-
     from nsa.ops._triton import rotary as kernels
 
+    args = (srcs, dsts, list(rotate), cos.contiguous(), sin.contiguous(), S, head_dim, sign)
+    if _ONE_LAUNCH["ok"]:
+        kernels.move_parts(*args)
+        return True
+    from triton.compiler.errors import CompilationError
+
     try:
-        kernels.move_parts(srcs, dsts, list(rotate), cos.contiguous(), sin.contiguous(), S, head_dim, sign)
-    except CompilationError as exc:
+        kernels.move_parts(*args)
+    except (CompilationError, RuntimeError) as exc:
         _ONE_LAUNCH["ok"] = False
         record_fallback(f"split_rotate:one launch->a launch per part:{type(exc).__name__}")
         return False
+    _ONE_LAUNCH["ok"] = True
     return True
 
 

@@ -9,7 +9,10 @@
 #          as auto picks at 125M; a unit per block; a unit per block without resharding after the forward), 80-100
 #          steps each on local text; the CSVs of the
 #          log windows (~8 min; needs python -m nsa.data.corpus.packages /tmp/corpus first)
-# Usage: scripts/multigpu_rows.sh OUT_DIR fsdp|sizes|ckpt|cp|train ...   (JSON and logs into OUT_DIR)
+#   host   the NSA op's host-time cuts (the work list in three Triton launches, split_rotate in one launch each way)
+#          on and off (`--tune sel_wl=ops --tune rot_launch=parts`): `nsa bench train` 125M at S=2048 on one GPU, DDP
+#          and FSDP2 over two, and DDP with CUDA graphs on two ranks (`runtime.compile_mode=reduce-overhead`) (~6 min)
+# Usage: scripts/multigpu_rows.sh OUT_DIR fsdp|sizes|ckpt|cp|train|host ...   (JSON and logs into OUT_DIR)
 set -u
 out=${1:?out dir}; shift
 mkdir -p "$out"
@@ -66,6 +69,21 @@ for part in "$@"; do
         esac
         run "train-$arm" "${T[@]}" "${x[@]}" -o "/tmp/train-$arm" && cp "/tmp/train-$arm/training.csv" "$out/train-$arm.csv"
       done ;;
-    *) echo "unknown part $part (fsdp, sizes, ckpt, cp, train)"; exit 2 ;;
+    host)
+      H=($B --modes compiled --seq-lens 2048 --batch-sizes 16 --steps 20 --warmup 5)
+      OLD=(--tune sel_wl=ops --tune rot_launch=parts)
+      for arm in one one-old ddp ddp-old fsdp fsdp-old ddp-graphs; do
+        case $arm in
+          one) x=() ;;
+          one-old) x=("${OLD[@]}") ;;
+          ddp) x=(--nproc-per-node 2) ;;
+          ddp-old) x=(--nproc-per-node 2 "${OLD[@]}") ;;
+          fsdp) x=("${FSDP[@]}") ;;
+          fsdp-old) x=("${FSDP[@]}" "${OLD[@]}") ;;
+          ddp-graphs) x=(--nproc-per-node 2 --set runtime.compile_mode=reduce-overhead) ;;
+        esac
+        run "host-$arm" "${H[@]}" "${x[@]}" --json-out "$out/host-$arm.json"
+      done ;;
+    *) echo "unknown part $part (fsdp, sizes, ckpt, cp, train, host)"; exit 2 ;;
   esac
 done

@@ -251,7 +251,9 @@ def _interpreter_job() -> Job:
     calls += "print('regroup copies', flush=True); from tests.test_cmp_sdpa import _regroup_case; _regroup_case()\n"
     calls += ("from tests.test_rotary import _one_launch_fallback_case, _rotary_case\n"
               "_rotary_case('cpu', torch.bfloat16, 1e-2); _rotary_case('cpu', torch.float32, 1e-5)\n"
-              "_one_launch_fallback_case()\n")
+              "_one_launch_fallback_case()\n"
+              "from nsa.ops import tile_overrides\n"
+              "with tile_overrides({'rot_launch': 'parts'}): _rotary_case('cpu', torch.float32, 1e-5)\n")
     return Job("from tests.test_triton_kernels import _chunked_case, _cpu_case, _dispatcher_case, _messy_blocks_case\n"
                + checks + calls)
 

@@ -10,7 +10,8 @@ gradient of the concatenation as one pointwise kernel that picks every element's
 selects and evaluates the rotations' backward inside it (at m7c-125m, 2k: ~6x its bytes, 8 ms a step; docs/kernels.md).
 
 On CUDA (and under ``TRITON_INTERPRET=1``) every part moves in one Triton launch each way (the forward's split, the
-backward's ``dy``; :mod:`nsa.ops._triton.rotary`), a launch per part where that kernel cannot compile; elsewhere the
+backward's ``dy``; :mod:`nsa.ops._triton.rotary`), a launch per part where that kernel cannot compile (or with the
+tile key ``rot_launch=parts``); elsewhere the
 same arithmetic in PyTorch, identical to :func:`rotate`.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nsa.ops._triton import interpreting
+from nsa.ops._triton import interpreting, tuned
 from nsa.ops.fallbacks import record_fallback
 
 
@@ -67,7 +68,7 @@ def _one_launch(srcs: list[torch.Tensor | None], dsts: list[torch.Tensor], rotat
     """Every part moved by one Triton launch (:func:`nsa.ops._triton.rotary.move_parts`); False, and a launch per
     part from then on (counted in :func:`nsa.ops.fallback_counts`), where this Triton cannot compile it (the
     process's first call is guarded, later ones fail loudly)."""
-    if _ONE_LAUNCH["ok"] is False:
+    if _ONE_LAUNCH["ok"] is False or str(tuned("rot_launch", "one")) == "parts":
         return False
     from nsa.ops._triton import rotary as kernels
 

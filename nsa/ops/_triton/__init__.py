@@ -80,7 +80,7 @@ class TileConfig:
 TILE_KINDS = ("cmp", "cmpdq", "cmpdkdv", "win", "windq", "windkdv", "sel", "seldq", "seldkdv", "score")
 TUNE_KEYS = frozenset(
     [f"{k}_{x}" for k in TILE_KINDS for x in ("bm", "bn", "warps", "stages")]
-    + ["sel_mode", "sel_dq", "sel_ch", "selbwd_ch", "sel_partial_mib", "sel_wl", "cmp_copy", "cmp_bwd_mib", "o3_slots", "sel_tma", "cmp_qch", "score_prec", "score_slab", "score_reshape", "score_pad", "topn_elems", "topn_warps", "dec_waves", "dec_cmp_min_tiles",
+    + ["sel_mode", "sel_dq", "sel_ch", "selbwd_ch", "sel_partial_mib", "sel_wl", "rot_launch", "cmp_copy", "cmp_bwd_mib", "o3_slots", "sel_tma", "cmp_qch", "score_prec", "score_slab", "score_reshape", "score_pad", "topn_elems", "topn_warps", "dec_waves", "dec_cmp_min_tiles",
        "dec_win_min_tiles", "dec_part_prec", "dec_cmp_warps", "dec_cmp_stages", "dec_score_cols",
        "dec_rank_block", "dec_score_warps", "dec_sel_min_tiles", "dec_sel_warps", "dec_sel_stages",
        "dec_combine_cols", "dec_combine_warps"]

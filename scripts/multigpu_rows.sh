@@ -11,7 +11,8 @@
 #          log windows (~8 min; needs python -m nsa.data.corpus.packages /tmp/corpus first)
 #   host   the NSA op's host-time cuts (the work list in three Triton launches, split_rotate in one launch each way)
 #          on and off (`--tune sel_wl=ops --tune rot_launch=parts`): `nsa bench train` 125M at S=2048 on one GPU, DDP
-#          and FSDP2 over two, and DDP with CUDA graphs on two ranks (`runtime.compile_mode=reduce-overhead`) (~6 min)
+#          and FSDP2 over two, and DDP and FSDP2 with CUDA graphs on two ranks (`runtime.compile_mode=reduce-overhead`)
+#          (~7 min)
 # Usage: scripts/multigpu_rows.sh OUT_DIR fsdp|sizes|ckpt|cp|train|host ...   (JSON and logs into OUT_DIR)
 set -u
 out=${1:?out dir}; shift
@@ -72,7 +73,7 @@ for part in "$@"; do
     host)
       H=($B --modes compiled --seq-lens 2048 --batch-sizes 16 --steps 20 --warmup 5)
       OLD=(--tune sel_wl=ops --tune rot_launch=parts)
-      for arm in one one-old ddp ddp-old fsdp fsdp-old ddp-graphs; do
+      for arm in one one-old ddp ddp-old fsdp fsdp-old ddp-graphs fsdp-graphs; do
         case $arm in
           one) x=() ;;
           one-old) x=("${OLD[@]}") ;;
@@ -81,6 +82,7 @@ for part in "$@"; do
           fsdp) x=("${FSDP[@]}") ;;
           fsdp-old) x=("${FSDP[@]}" "${OLD[@]}") ;;
           ddp-graphs) x=(--nproc-per-node 2 --set runtime.compile_mode=reduce-overhead) ;;
+          fsdp-graphs) x=("${FSDP[@]}" --set runtime.compile_mode=reduce-overhead) ;;  # each block's graphs
         esac
         run "host-$arm" "${H[@]}" "${x[@]}" --json-out "$out/host-$arm.json"
       done ;;

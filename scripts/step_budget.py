@@ -53,8 +53,14 @@ VARIANTS: dict[str, list[str]] = {  # nsa*: every block NSA; hybrid*: every othe
 for _v in ("nsa-graphs", "hybrid-graphs"):  # the projection's parts split and rotated unfused (before nsa::split_rotate)
     VARIANTS[f"{_v}-unfused"] = VARIANTS[_v]
 UNFUSED = {"nsa-graphs-unfused", "hybrid-graphs-unfused"}
+# the op's former host paths (the work list by PyTorch operators, split_rotate a launch per part): the fourth stop's
+# host-time cuts measured against them
+VARIANTS["hybrid-graphs-oldhost"] = VARIANTS["hybrid-graphs"]
+VARIANTS["hybrid-oldhost"] = VARIANTS["hybrid"]
 TUNES: dict[str, dict[str, int | str]] = {  # tile overrides of a variant (nsa.ops.TUNE_KEYS)
     "nsa-selrow": {"sel_mode": "row"},
+    "hybrid-graphs-oldhost": {"sel_wl": "ops", "rot_launch": "parts"},
+    "hybrid-oldhost": {"sel_wl": "ops", "rot_launch": "parts"},
 }
 
 

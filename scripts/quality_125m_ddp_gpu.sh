@@ -58,6 +58,8 @@ if [ "$long" -gt 0 ]; then
     > "$dest/ruler.log" 2>&1
   python3 -m nsa_cli eval "$run-32k" --task needle --contexts 32768 --samples 16 --json-out "$dest/needle.json" \
     > "$dest/needle.log" 2>&1
+  [ "$arm" = nsa ] && python3 -m nsa_cli eval "$run-32k" --task selection --contexts 32768 \
+    --json-out "$dest/selection-32k.json" >> "$dest/eval.log" 2>&1  # issue 55's recall row at 32k
 fi
 pack
 echo "done: $out/$arm-s$seed.tgz"

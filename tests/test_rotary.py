@@ -81,14 +81,14 @@ def _one_launch_fallback_case() -> None:
         raise CompilationError(None, None, "forced by the test")
 
     saved = kernels.move_parts
-    kernels.move_parts, rotary._ONE_LAUNCH["ok"] = refuse, None
+    kernels.move_parts, rotary._ONE_LAUNCH.ok = refuse, None
     reset_fallback_counts()
     try:
         _rotary_case("cpu", torch.float32, 1e-5)
-        assert len(tried) == 1 and rotary._ONE_LAUNCH["ok"] is False
+        assert len(tried) == 1 and rotary._ONE_LAUNCH.ok is False
         assert fallback_counts() == {"split_rotate:one launch->a launch per part:CompilationError": 1}
     finally:
-        kernels.move_parts, rotary._ONE_LAUNCH["ok"] = saved, None
+        kernels.move_parts, rotary._ONE_LAUNCH.ok = saved, None
 
 
 def test_split_rotate_matches_slices_float64() -> None:

@@ -193,14 +193,14 @@ def _work_list_case(device: str = "cpu") -> None:
         raise CompilationError(None, None, "forced by the test")
 
     saved = worklist.build
-    worklist.build, worklist._OK["kernels"] = refuse, None
+    worklist.build, worklist.FIRST_BUILD.ok = refuse, None
     reset_fallback_counts()
     try:
         assert torch.equal(selection.work_list(idx, l_sel, q_start, backward), want)
         assert torch.equal(selection.work_list(idx, l_sel, q_start, backward), want)
         assert fallback_counts() == {"work_list:kernels->operators:CompilationError": 1}
     finally:
-        worklist.build, worklist._OK["kernels"] = saved, None
+        worklist.build, worklist.FIRST_BUILD.ok = saved, None
 
 
 def _messy_blocks_case(device: str = "cpu") -> None:
@@ -332,8 +332,6 @@ def test_gpu_sel_dq_ways_match_torch_path(sel_dq: str, HQ: int, window_query: bo
 def test_gpu_work_list_kernels_equal_the_operators() -> None:
     """The work-list kernels on the GPU: the operators' list (``sel_wl=ops``) bit for bit (random lists, several segments, an offset), and at
     m7c's 2k-16k shapes (h = 6, l_sel = 64, n_sel = 16) from real top-n block lists."""
-    if not HAS_CUDA:
-        pytest.skip("needs CUDA")
     from nsa.ops import tile_overrides
     from nsa.ops._triton import selection
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from nsa.ops._triton import interpreting, tuned
-from nsa.ops.fallbacks import record_fallback
+from nsa.ops.fallbacks import FirstLaunch
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,33 +59,23 @@ def _move(src: torch.Tensor, dst: torch.Tensor, rot: bool, cos: torch.Tensor, si
         dst.copy_(src)
 
 
-# None until the process's first one-launch move: True once it ran, False if this Triton could not compile it
-_ONE_LAUNCH: dict[str, bool | None] = {"ok": None}
+# the first one-launch move of the process is guarded: where this Triton cannot compile it, a launch per part
+_ONE_LAUNCH = FirstLaunch("split_rotate:one launch->a launch per part")
 
 
 def _one_launch(srcs: list[torch.Tensor | None], dsts: list[torch.Tensor], rotate: Sequence[bool],
                 cos: torch.Tensor, sin: torch.Tensor, S: int, head_dim: int, sign: int) -> bool:
-    """Every part moved by one Triton launch (:func:`nsa.ops._triton.rotary.move_parts`); False, and a launch per
-    part from then on (counted in :func:`nsa.ops.fallback_counts`), where this Triton cannot compile it (the
-    process's first call is guarded, later ones fail loudly)."""
-    if _ONE_LAUNCH["ok"] is False or str(tuned("rot_launch", "one")) == "parts":
+    """Every part moved by one Triton launch (:func:`nsa.ops._triton.rotary.move_parts`); False where the caller
+    moves them a launch each (tile key ``rot_launch=parts``, or a Triton that cannot compile it: ``_ONE_LAUNCH``)."""
+    if str(tuned("rot_launch", "one")) == "parts":
         return False
     from nsa.ops._triton import rotary as kernels
 
-    args = (srcs, dsts, list(rotate), cos.contiguous(), sin.contiguous(), S, head_dim, sign)
-    if _ONE_LAUNCH["ok"]:
-        kernels.move_parts(*args)
+    def launch() -> bool:
+        kernels.move_parts(srcs, dsts, list(rotate), cos.contiguous(), sin.contiguous(), S, head_dim, sign)
         return True
-    from triton.compiler.errors import CompilationError
 
-    try:
-        kernels.move_parts(*args)
-    except (CompilationError, RuntimeError) as exc:
-        _ONE_LAUNCH["ok"] = False
-        record_fallback(f"split_rotate:one launch->a launch per part:{type(exc).__name__}")
-        return False
-    _ONE_LAUNCH["ok"] = True
-    return True
+    return _ONE_LAUNCH.run(launch) is not None
 
 
 def _check(y: torch.Tensor, widths: Sequence[int], rotate_: Sequence[bool], head_dim: int) -> None:

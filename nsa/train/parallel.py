@@ -5,8 +5,9 @@ FSDP: bf16 parameters with fp32 gradient reduction when the run trains in bf16 (
 precision otherwise; ``runtime.fsdp_cpu_offload`` keeps the sharded parameters and optimizer state in
 host memory. ``torch.compile`` wraps each block before it is sharded (``runtime.compile_scope``: the whole model
 instead). The blocks are sharded in units of ``runtime.fsdp_unit_blocks`` (auto: the whole model one unit up to
-1B parameters, else one block a unit), and the last unit stays gathered after its forward (the backward needs it first). A sharded model's
-checkpoint state is a ``torch.distributed.checkpoint`` (DCP) state: every rank writes its own shards (:mod:`nsa.train.state`).
+1B parameters, else one block a unit), and the last unit stays gathered after its forward (the backward needs it
+first). A sharded model's checkpoint state is a ``torch.distributed.checkpoint`` (DCP) state: every rank writes its
+own shards (:mod:`nsa.train.state`).
 """
 
 from __future__ import annotations

@@ -464,7 +464,7 @@ def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = 
     if how not in ("ops", "kernel"):
         raise ValueError(f"sel_wl must be ops or kernel, got {how!r}")
     if how == "kernel" and (idx.is_cuda or interpreting()) and worklist.fits(NB):
-        built = worklist.try_build(idx, NB, ch, width)
+        built = worklist.FIRST_BUILD.run(lambda: worklist.build(idx, NB, ch, width))
         if built is not None:
             return built
     sn = S * n

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from nsa.ops._triton import next_pow2
+from nsa.ops.fallbacks import FirstLaunch
 
 MAX_BINS = 256  # blocks + 1, to a power of two: one-hot tiles of C x NBP stay at 8,192 elements
 SEG = 1024  # pairs per segment (a program of the histogram and scatter passes)
@@ -114,28 +115,8 @@ def fits(n_blocks: int) -> bool:
     return next_pow2(n_blocks + 1) <= MAX_BINS
 
 
-_OK: dict[str, bool | None] = {"kernels": None}  # None until the first build: True once it ran, False if it failed
-
-
-def try_build(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int) -> torch.Tensor | None:
-    """:func:`build`, or None (and the operators from then on, counted in :func:`nsa.ops.fallback_counts`) where
-    this Triton cannot compile the kernels: the process's first build is guarded, later ones fail loudly."""
-    if _OK["kernels"] is False:
-        return None
-    if _OK["kernels"]:
-        return build(idx, n_blocks, pairs_per_item, width)
-    from triton.compiler.errors import CompilationError
-
-    try:
-        out = build(idx, n_blocks, pairs_per_item, width)
-    except (CompilationError, RuntimeError) as exc:
-        from nsa.ops.fallbacks import record_fallback
-
-        _OK["kernels"] = False
-        record_fallback(f"work_list:kernels->operators:{type(exc).__name__}")
-        return None
-    _OK["kernels"] = True
-    return out
+# the first build of the process is guarded: a Triton that cannot compile these kernels leaves the operators in charge
+FIRST_BUILD = FirstLaunch("work_list:kernels->operators")
 
 
 def build(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import itertools
 import json
 import os
@@ -258,3 +259,62 @@ def test_fsdp_units_group_consecutive_blocks() -> None:
     assert units(blocks, 1) == [(False, "b0"), (False, "b1"), (False, "b2"), (False, "b3"), (True, "b4")]
     assert units(blocks, 2) == [(False, ["b0", "b1"]), (False, ["b2", "b3"]), (True, "b4")]
     assert units(blocks, 5) == [(True, blocks)] and units(blocks, 0) == []
+
+
+def test_shard_adamw_steps_fsdp2_shards_as_adamw_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``parallel.ShardAdamW`` on FSDP2's DTensor parameters (one gloo rank in this process) gives AdamW's
+    parameters and moments exactly over three steps (weight decay on one group), and the update it launches sees
+    plain tensors (no DTensor dispatch); ``build_optimizer`` picks it for sharded parameters only."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from nsa.config import load_run_config
+    from nsa.train import parallel
+    from nsa.train.step import build_optimizer
+
+    adam_module = importlib.import_module("torch.optim.adam")  # the module (torch.optim.adam is the class's name)
+    seen: list[bool] = []
+    real_adam = adam_module.adam
+
+    def spy(params: list[torch.Tensor], *a: object, **kw: object) -> None:
+        seen.append(any(isinstance(t, DTensor) for t in params))
+        real_adam(params, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adam_module, "adam", spy)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        sharded = copy.deepcopy(ref)
+        fully_shard(sharded)
+
+        def groups(m: torch.nn.Module) -> list[dict[str, object]]:
+            ps = list(m.parameters())
+            return [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+                    {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+
+        opt_ref = torch.optim.AdamW(groups(ref), lr=1e-2, betas=(0.9, 0.95))
+        opt = parallel.ShardAdamW(groups(sharded), lr=1e-2, betas=(0.9, 0.95))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(5, 8, generator=g)
+            for m, o in ((ref, opt_ref), (sharded, opt)):
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+        for (name, a), b in zip(ref.named_parameters(), sharded.parameters(), strict=True):
+            assert isinstance(b, DTensor)
+            assert torch.equal(a, b.full_tensor()), name
+            st_a, st_b = opt_ref.state[a], opt.state[b]
+            assert isinstance(st_b["exp_avg"], DTensor)  # checkpoints (DCP) see the same state as before
+            assert torch.equal(st_a["exp_avg_sq"], st_b["exp_avg_sq"].full_tensor()), name
+        assert seen == [False] * 12  # 3 steps x 2 groups x 2 optimizers: plain tensors, the shards for ShardAdamW
+
+        cfg = load_run_config("tiny", environ={}).config
+        assert type(build_optimizer(sharded, cfg, "cpu")) is parallel.ShardAdamW
+        assert type(build_optimizer(ref, cfg, "cpu")) is torch.optim.AdamW
+    finally:
+        dist.destroy_process_group()

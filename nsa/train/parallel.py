@@ -13,7 +13,7 @@ own shards (:mod:`nsa.train.state`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +43,9 @@ def shard(model: Any, cfg: RunConfig, precision: str, device_type: str) -> None:
     for last, unit in units(model.block_list(), per_unit):
         # the last unit's parameters are gathered again at once by the backward: kept
         fully_shard(unit, **{**kw, "reshard_after_forward": kw["reshard_after_forward"] and not last})
-    fully_shard(model, **kw)  # the root: embedding, final norm, head (and every block when units are 0)
+    # the root (embedding, final norm, head; every block when units are 0) is the backward's first unit too: kept
+    # gathered (resharding it cost a second whole-model gather a step at 125M: 5 ms of host time on 2x H200)
+    fully_shard(model, **{**kw, "reshard_after_forward": False})
 
 
 def units(blocks: list[Any], per_unit: int) -> list[tuple[bool, Any]]:
@@ -106,9 +108,37 @@ def grad_shards(params: list[torch.Tensor]) -> list[torch.Tensor] | None:
     are FSDP2's DTensors, else None. Every element of a sharded gradient lives on exactly one rank."""
     from torch.distributed.tensor import DTensor
 
-    if not any(isinstance(p, DTensor) for p in params):
+    if not any_dtensor(params):
         return None
     return [g.to_local() for p in params if isinstance(g := p.grad, DTensor)]
+
+
+def any_dtensor(params: Sequence[torch.Tensor]) -> bool:
+    """Some of ``params`` are DTensors (FSDP2 sharded them)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in params)
+
+
+class ShardAdamW(torch.optim.AdamW):
+    """AdamW whose update runs on this rank's shards of FSDP2's DTensor parameters, gradients and moments as plain
+    tensors: AdamW is elementwise, so the arithmetic is the same, and the fused kernel launches without DTensor's
+    dispatch (m7c-125m on 2x H200: 6.2 ms of host time a step against 1.0 for DDP's whole tensors). The state
+    stays DTensors, so checkpoints (DCP) are unchanged."""
+
+    def _init_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                    *lists_and_steps: Any) -> Any:
+        has_complex = super()._init_group(group, params, grads, *lists_and_steps)  # type: ignore[misc]
+        for tensors in (params, grads, *[x for x in lists_and_steps if isinstance(x, list)]):
+            tensors[:] = [local(t) for t in tensors]
+        return has_complex
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage: updating it updates the DTensor), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def sum_of_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:

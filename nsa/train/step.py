@@ -37,7 +37,7 @@ class StepOutcome:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str) -> torch.optim.Optimizer:
-    """AdamW, weight decay on matrices only, fused on CUDA."""
+    """AdamW, weight decay on matrices only, fused on CUDA; on FSDP2's shards (:class:`parallel.ShardAdamW`)."""
     opt = cfg.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -45,7 +45,8 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str) ->
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     extra = {"fused": True} if device_type == "cuda" else {}
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), **extra)
+    kind = parallel.ShardAdamW if parallel.any_dtensor(params) else torch.optim.AdamW
+    return kind(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), **extra)
 
 
 def _no_halt() -> HaltRequest | None:

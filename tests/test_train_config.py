@@ -151,7 +151,9 @@ def test_nproc_must_be_positive() -> None:
 @pytest.mark.parametrize("sets, world, mode", [
     ([], 1, "reduce-overhead"),  # an NSA model on one rank: CUDA graphs (its step waits on the host)
     (["model.attention=dense"], 1, "default"),  # dense gains nothing from them
-    ([], 2, "default"),  # several ranks: the collectives stay outside graphs
+    ([], 2, "reduce-overhead"),  # DDP ranks: graphs too (the all-reduce buckets split them)
+    (["runtime.parallel=fsdp"], 2, "default"),  # FSDP2's hooks re-record the graphs every step
+    (["runtime.context_parallel=2"], 2, "default"),
     (["train.accum=2"], 1, "default"),
     (["runtime.gradient_checkpointing=true"], 1, "default"),
     (["data.document_mask=true"], 1, "default"),

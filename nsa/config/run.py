@@ -241,8 +241,8 @@ class RuntimeConfig(_Section):
         json_schema_extra=exposed(env="NSA_COMPILE", flag="--compile"))
     compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
         "auto", description="torch.compile mode; reduce-overhead replays each step as CUDA graphs; auto: "
-        "reduce-overhead for an NSA model on one rank with one micro-batch a step, up to 16k tokens, no gradient "
-        "checkpointing and no document mask (its step waits on the host's launches), else default",
+        "reduce-overhead for an NSA model on one rank or DDP ranks with one micro-batch a step, up to 16k tokens, no "
+        "gradient checkpointing and no document mask (its step waits on the host's launches), else default",
         json_schema_extra=exposed(env="NSA_COMPILE_MODE"))
     gradient_checkpointing: bool = Field(False, description="gradient checkpointing",
                                          json_schema_extra=exposed(env="NSA_GRAD_CKPT"))
@@ -319,12 +319,15 @@ class RunConfig(_Section):
         """The ``torch.compile`` mode of a run on ``world_size`` ranks: ``runtime.compile_mode``, and for ``auto``
         CUDA graphs (``reduce-overhead``) where they were measured to pay and to run (docs/benchmarks/equal-time-h200.md:
         the NSA step 1.4x faster at the 6-layer quality shape, 1.04x at m7c-125m; dense attention gains nothing):
-        an NSA model on one rank, one micro-batch a step, without gradient checkpointing or a document mask, up to
-        :data:`GRAPHS_MAX_SEQ_LEN` tokens (longer steps are bound by the GPU, and graphs hold their memory)."""
+        an NSA model on one rank or DDP ranks (1.04x at m7c-125m on 2x H200, docs/benchmarks/multigpu-h200.md; under
+        FSDP2 each step re-recorded: 4x slower), one micro-batch a step, without gradient checkpointing or a document
+        mask, up to :data:`GRAPHS_MAX_SEQ_LEN` tokens (longer steps are bound by the GPU, and graphs hold their
+        memory)."""
         mode = self.runtime.compile_mode
         if mode != "auto":
             return mode
-        graphs = (self.model.attention == "nsa" and world_size == 1 and self.train.accum == 1
+        ranks_ok = world_size == 1 or (self.runtime.parallel == "ddp" and self.runtime.context_parallel == 1)
+        graphs = (self.model.attention == "nsa" and ranks_ok and self.train.accum == 1
                   and self.train.seq_len <= GRAPHS_MAX_SEQ_LEN
                   and not self.runtime.gradient_checkpointing and not self.data.document_mask)
         return "reduce-overhead" if graphs else "default"

@@ -365,3 +365,15 @@ def test_corpus_harvest_writes_documents(tmp_path, rng: random.Random) -> None:
     assert write_corpus(docs, out, max_chars=10_000) == 2
     with gzip.open(out, "rt", encoding="utf-8") as fh:
         assert sorted(json.loads(line)["text"] for line in fh) == sorted(d["text"] for d in docs)
+
+
+def test_byte_tokenizer_array_equals_its_list() -> None:
+    """``ByteTokenizer.encode_array`` (what the loader packs from) gives ``encode``'s ids as int64, NUL removed,
+    on random text of ASCII, multi-byte characters and NULs (seed 7)."""
+    rng = random.Random(7)
+    tok = get_tokenizer("byte")
+    alphabet = "ab \n\x00é中🙂\t"
+    for n in (0, 1, 17, 1000):
+        text = "".join(rng.choice(alphabet) for _ in range(n))
+        arr = tok.encode_array(text)  # type: ignore[attr-defined]
+        assert arr.dtype == np.int64 and arr.tolist() == tok.encode(text)

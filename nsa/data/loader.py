@@ -57,7 +57,8 @@ class Loader:
         )
         label = f"split {split} of {source.name} on rank {rank}/{world_size}"
         self._stream = DocumentStream(
-            source, tokenizer.encode, tokenizer.eot_id, keep, data_cfg.max_doc_chars, label
+            source, getattr(tokenizer, "encode_array", tokenizer.encode), tokenizer.eot_id, keep, data_cfg.max_doc_chars,
+            label
         )
         self._packer = SequencePacker(self._stream, seq_len)
         mask_fn = getattr(source, "target_mask", None)

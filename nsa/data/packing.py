@@ -46,7 +46,7 @@ class DocumentStream:
     def __init__(
         self,
         source: Source,
-        encode: Callable[[str], list[int]],
+        encode: Callable[[str], list[int] | np.ndarray],
         eot_id: int,
         keep: Callable[[int], bool],
         max_doc_chars: int,

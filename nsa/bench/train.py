@@ -9,7 +9,6 @@ over the device's bf16 datasheet peak).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -35,7 +34,7 @@ from nsa.train.telemetry import peak_flops
 
 @dataclass
 class TrainRow:
-    """One model at one sequence length; ``step_ms`` is the median over the timed steps."""
+    """One model at one sequence length; ``step_ms`` is the timed steps' whole time over their number."""
 
     attention: str
     seq_len: int
@@ -57,7 +56,7 @@ class TrainRow:
     launches: int | None = None  # GPU kernel launches of the profiled step
     parts: dict[str, float] | None = None  # the profiled step's device ms by part (nsa.bench.step_parts)
     # several ranks (``nsa bench train --nproc-per-node N``): tokens/s count each sequence once over all ranks,
-    # ``step_ms`` is the slowest rank's median and ``peak_mib`` the largest rank's peak
+    # ``step_ms`` is the slowest rank's mean step and ``peak_mib`` the largest rank's peak
     world_size: int = 1
     context_parallel: int = 1  # ranks that share each sequence
     parallel: str = "none"  # ddp, fsdp or none (one rank)
@@ -113,7 +112,7 @@ def bench_train_step(
     (``<attention>-S<len>-<mode>-rank<r>.json``: the timeline, where the collectives overlap the kernels or not).
     ``hold``: a context entered after the first (compiling) step and held through the other warm-up steps, the
     timed ones and the profile (:func:`nsa.bench.timing.device_turn`: processes that compile side by side on one
-    GPU take turns to time); the step is then the lowest median of three windows of ``steps`` (the first step of
+    GPU take turns to time); the step is then the lowest of three windows of ``steps`` (the first step of
     a process still compiling outside its turn may reach the GPU during one of them).
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -220,26 +219,23 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
 
 
 def _timed_steps(step: Callable[[], object], steps: int, dev: torch.device) -> tuple[float, float | None]:
-    """The median milliseconds of ``steps`` calls of ``step`` (CUDA events on a GPU) and the peak MiB allocated
-    during them (None on a CPU)."""
+    """The milliseconds a step takes over ``steps`` calls in a row (their whole time over their number, as
+    ``nsa train`` counts its tokens/s: any pause between steps included; CUDA events on a GPU) and the peak MiB
+    allocated during them (None on a CPU)."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    times = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / steps, torch.cuda.max_memory_allocated(dev) / 2**20
+    t0 = time.perf_counter()
     for _ in range(steps):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
-    return statistics.median(times), peak
+        step()
+    return (time.perf_counter() - t0) * 1e3 / steps, None
 
 
 def _profile_step(step: Callable[[], object], dev: torch.device, top: int = 25,

@@ -23,6 +23,7 @@ MODELING = "modeling_nsa.py"
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
+WEIGHTS_SHA256 = "nsa_weights_sha256"  # config.json's record of model.safetensors' SHA-256 (read_hf checks it)
 REQUIRED_FILES = (CONFIG_JSON, WEIGHTS, MODELING, TOKENIZER_JSON, TOKENIZER_CONFIG)
 MODEL_TYPE = "nsa"
 AUTO_MAP = {

@@ -17,6 +17,7 @@ from nsa.model.lm import NSALM, build_model
 from nsa.rundir.checkpoints import (
     STATE_FILE,
     check_state_format,
+    check_weights,
     newest_verified,
     step_of,
     strip_prefixes,
@@ -98,8 +99,10 @@ def _with_tied(state: dict[str, torch.Tensor], cfg: RunConfig) -> dict[str, torc
 
 
 def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
-    """``(state dict on the CPU, its run config, its file)`` for anything :func:`find_weights` takes."""
+    """``(state dict on the CPU, its run config, its file)`` for anything :func:`find_weights` takes; the file
+    must match the SHA-256 its checkpoint manifest or ``export.json`` records (``CheckpointError``)."""
     weights, cfg_path = find_weights(path)
+    check_weights(weights)  # against its manifest.json or export.json (hashed once: verify() did it already)
     if weights.suffix == ".safetensors":
         assert cfg_path is not None
         cfg = _read_config(cfg_path)

@@ -48,11 +48,20 @@ def step_of(path: Path) -> int:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    """The SHA-256 of a file (streamed), remembered for this process by path, inode, size and modification
+    time: a file checked when loaded and recorded by ``nsa eval`` right after is read once."""
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple[str, int, int, int], str] = {}
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
@@ -135,28 +144,66 @@ def newest_verified(run_dir: Path) -> tuple[Path | None, list[Verdict]]:
     return None, skipped
 
 
-def weights_identity(weights: Path) -> tuple[int | None, str | None]:
-    """``(step, sha256)`` of a weights file: a checkpoint's ``state.pt`` (its manifest's step and checksum), an
-    export's ``model.safetensors`` (its ``export.json``), else the step of a ``step_*`` folder name and the
-    file's checksum computed here (``None`` each when unknown)."""
+def _export_info(folder: Path) -> dict[str, Any] | None:
+    info: Any = None
+    with contextlib.suppress(OSError, ValueError):
+        info = json.loads((folder / EXPORT_INFO).read_text())
+    return info if isinstance(info, dict) else None
+
+
+def recorded_sha256(weights: Path) -> tuple[str | None, Path | None]:
+    """``(SHA-256, the file that records it)`` of a weights file: a checkpoint's ``manifest.json`` for its
+    files, an export's ``export.json`` for its ``model.safetensors``; ``(None, None)`` when none is recorded."""
     weights = Path(weights)
     manifest = read_manifest(weights.parent)
     if manifest is not None:
         sums = manifest.get("sha256")
+        want = sums.get(weights.name) if isinstance(sums, dict) else None
+        return (want, weights.parent / MANIFEST_FILE) if isinstance(want, str) else (None, None)
+    info = _export_info(weights.parent)
+    if info is not None and isinstance(info.get("sha256"), str):
+        return info["sha256"], weights.parent / EXPORT_INFO
+    return None, None
+
+
+def check_sha256(weights: Path, want: str | None, where: Path | str | None, hint: str | None = None) -> str:
+    """The SHA-256 of ``weights`` computed from the file; a ``CheckpointError`` naming both when ``want`` (the
+    digest ``where`` records) differs from it."""
+    try:
+        got = sha256_file(weights)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {weights}: {exc.strerror or exc}") from None
+    if want is not None and got != want:
+        raise CheckpointError(
+            f"{weights} does not match the SHA-256 recorded in {where} (file {got[:12]}..., recorded "
+            f"{want[:12]}...): corrupted on disk or changed since it was written",
+            hint=hint or "restore the file, or give a checkpoint of the run that verifies")
+    return got
+
+
+def check_weights(weights: Path) -> str:
+    """:func:`check_sha256` of a weights file against what its folder records (:func:`recorded_sha256`)."""
+    want, where = recorded_sha256(weights)
+    return check_sha256(weights, want, where)
+
+
+def weights_identity(weights: Path) -> tuple[int | None, str | None]:
+    """``(step, sha256)`` of a weights file: the step its checkpoint manifest or ``export.json`` records (else
+    that of a ``step_*`` folder name), and the SHA-256 computed from the file (``None`` each when unknown)."""
+    weights = Path(weights)
+    step: Any = None
+    manifest = read_manifest(weights.parent)
+    if manifest is not None:
         step = manifest.get("step")
-        return (step if isinstance(step, int) else step_of(weights.parent),
-                sums.get(weights.name) if isinstance(sums, dict) else None)
-    info: Any = None
-    with contextlib.suppress(OSError, ValueError):
-        info = json.loads((weights.parent / EXPORT_INFO).read_text())
-    if isinstance(info, dict) and isinstance(info.get("sha256"), str):
-        return (info["step"] if isinstance(info.get("step"), int) else None), info["sha256"]
-    step = step_of(weights.parent)
+    elif (info := _export_info(weights.parent)) is not None:
+        step = info.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        step = step_of(weights.parent) if step_of(weights.parent) >= 0 else None
     try:
         digest: str | None = sha256_file(weights)
     except OSError:
         digest = None
-    return (step if step >= 0 else None), digest
+    return step, digest
 
 
 def check_state_format(state: dict[str, Any], source: Path) -> None:

@@ -60,6 +60,8 @@ def watchdog_rule(reason: str) -> str | None:
 
 
 RUN_MARKERS = (CONFIG_FILE, ENV_FILE, TRAIN_CSV, METRICS_FILE)
+# the folders a run keeps its records in (a writer from outside, such as `nsa export OUT`, never replaces one)
+RUN_PARTS = (CHECKPOINTS_DIR, EXPORT_DIR, EVAL_DIR, ANOMALIES_DIR, HALTS_DIR, TENSORBOARD_DIR)
 
 
 def is_run_dir(path: str | Path) -> bool:

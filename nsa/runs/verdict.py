@@ -15,7 +15,8 @@ from nsa.config.monitor import MonitorConfig
 from nsa.config.profiles import load_profile
 from nsa.errors import ConfigError
 from nsa.rundir import RunDir
-from nsa.rundir.layout import WATCHDOG_PREFIX, watchdog_rule
+from nsa.rundir.checkpoints import recorded_sha256, sha256_file
+from nsa.rundir.layout import EXPORT_DIR, EXPORT_INFO, EXPORT_WEIGHTS, WATCHDOG_PREFIX, watchdog_rule
 from nsa.rundir.records import HaltFile
 from nsa.runs.alarms import KeptAlarm
 from nsa.runs.reader import halt_record
@@ -419,21 +420,65 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
                        missing="no needle/mqar results in eval/")
         stale = [f"eval/{task}.json {why}" for task, data in evals if task in RETRIEVAL_TASKS and data is not None
                  and (why := eval_staleness(data, s.steps_done))]
-        if stale and check.result == "PASS":
-            check.result, check.why = "WARN", f"{stale[0]}: re-run nsa eval"
         if stale:
             check.figure += f" (STALE: {'; '.join(stale)})"
         out.append(check)
+    out.append(_eval_freshness_check(evals, s.steps_done))
+    out.append(weights_check(s.run_dir))
     return out
 
 
 def eval_staleness(data: dict[str, Any], steps_done: int) -> str | None:
     """Why an ``nsa eval`` result is not of the model as it is now: it evaluated the weights of an earlier
-    step (``is of step 20; the run is at step 40``); None when current (or its step was not recorded)."""
+    step (``is of step 20; the run is at step 40``) or other bytes than its weights file holds now (their
+    SHA-256 differs); None when current (or neither was recorded)."""
     step = data.get("step")
     if isinstance(step, int) and not isinstance(step, bool) and step < steps_done:
         return f"is of step {step}; the run is at step {steps_done}"
+    weights = data.get("weights")
+    path, want = (weights.get("path"), weights.get("sha256")) if isinstance(weights, dict) else (None, None)
+    if isinstance(path, str) and isinstance(want, str):
+        try:
+            got = sha256_file(Path(path))
+        except OSError:  # the file is gone (pruned): nothing to compare
+            return None
+        if got != want:
+            return f"evaluated weights of SHA-256 {want[:12]}...; {path} now holds {got[:12]}..."
     return None
+
+
+def _eval_freshness_check(evals: Sequence[tuple[str, dict[str, Any] | None]], steps_done: int) -> Check:
+    """WARN for each ``nsa eval`` result that is not of the model as it is now (:func:`eval_staleness`)."""
+    limit = "of the run's last step and its weights as they are"
+    found = [(task, data) for task, data in evals if data is not None]
+    if not found:
+        return Check("eval freshness", "no results in eval/", limit, "n/a")
+    stale = [f"eval/{task}.json {why}" for task, data in found if (why := eval_staleness(data, steps_done))]
+    if stale:
+        return Check("eval freshness", "STALE: " + "; ".join(stale), limit, "WARN", f"{stale[0]}: re-run nsa eval")
+    return Check("eval freshness", ", ".join(f"eval/{task}.json" for task, _ in found) + " current", limit, "PASS")
+
+
+def weights_check(run_dir: str | Path) -> Check:
+    """FAIL when ``export/model.safetensors`` does not match the SHA-256 that ``export.json`` records (computed
+    from the file: bytes corrupted on disk or changed since the run wrote them)."""
+    weights = RunDir(run_dir).export / EXPORT_WEIGHTS
+    limit = f"the SHA-256 recorded in {EXPORT_DIR}/{EXPORT_INFO}"
+    if not weights.is_file():
+        return Check("export weights", f"no {EXPORT_DIR}/{EXPORT_WEIGHTS}", limit, "n/a")
+    want, _ = recorded_sha256(weights)
+    if want is None:
+        return Check("export weights", f"no SHA-256 recorded for {EXPORT_DIR}/{EXPORT_WEIGHTS}", limit, "n/a")
+    try:
+        got = sha256_file(weights)
+    except OSError as exc:
+        return Check("export weights", f"unreadable: {exc.strerror or exc}", limit, "FAIL",
+                     f"{EXPORT_DIR}/{EXPORT_WEIGHTS} cannot be read: {exc.strerror or exc}")
+    if got != want:
+        return Check("export weights", f"SHA-256 {got[:12]}... (recorded {want[:12]}...)", limit, "FAIL",
+                     f"{EXPORT_DIR}/{EXPORT_WEIGHTS} does not match the SHA-256 in {EXPORT_INFO} (corrupted on disk "
+                     f"or changed since the run wrote it)")
+    return Check("export weights", f"SHA-256 {got[:12]}... matches", limit, "PASS")
 
 
 def _alarms_check(alarms: Sequence[KeptAlarm]) -> Check:

@@ -132,6 +132,7 @@ def export_model(files: RunDir, model: Any, resolved: ResolvedConfig, tokenizer:
         tmp.mkdir()
         save_model(model, str(tmp / EXPORT_WEIGHTS))
         (tmp / CONFIG_FILE).write_text(resolved.config.to_yaml())
+        os.chmod(tmp / EXPORT_WEIGHTS, (tmp / CONFIG_FILE).stat().st_mode & 0o777)  # safetensors writes 0600
         tok = {
             "name": getattr(tokenizer, "name", None),
             "vocab_size": getattr(tokenizer, "vocab_size", None),

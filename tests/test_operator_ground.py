@@ -223,3 +223,69 @@ def test_6_a_stale_evaluation_warns_without_any_limit_set(tmp_path: Path) -> Non
     assert "WARN: eval/loss.json is of step 40; the run is at step 50: re-run nsa eval" in text
     assert ("| eval freshness | STALE: eval/loss.json is of step 40; the run is at step 50 | of the run's last step "
             "and its weights as they are | **WARN** |") in text
+
+
+# 7. over-long values: one line, exit 2 ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--set", "train.seed=" + "9" * 5000], "--set train.seed='999"),
+    (["--seed", "9" * 100], "train.seed=999"),
+    (["--set", "data.path=" + "a" * 100_000], "data.path='aaa"),
+    (["--out-dir", "b/" * 3000], "train.out_dir='b/b/"),
+    (["--lr", "inf"], "optimizer.lr=inf: Input should be a finite number"),
+    (["--set", "optimizer.lr=.nan"], "optimizer.lr=nan: Input should be a finite number"),
+])
+def test_7_over_long_and_non_finite_values_are_one_short_line(tmp_path: Path, args: list[str], says: str) -> None:
+    res = runner.invoke(app, ["train", "--config", "tiny", "--steps", "1", "--out-dir", str(tmp_path / "run"), *args],
+                        env={})
+    line = _one_line_error(res, says)
+    assert len(line) < 400, line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "b").exists()
+
+
+def test_7_an_over_long_number_in_a_config_file_or_variable_is_one_line(tmp_path: Path) -> None:
+    from nsa.config import load_run_config
+    from nsa.errors import ConfigError
+
+    config = tmp_path / "long.yaml"
+    config.write_text("train:\n  seed: " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="Exceeds the limit"):
+        load_run_config(str(config), environ={})
+    with pytest.raises(ConfigError, match=r"NSA_SEED='9+\.\.\. \(5,000 characters\)") as err:
+        load_run_config("tiny", environ={"NSA_SEED": "9" * 5000})
+    assert len(err.value.one_line()) < 400
+
+
+# also rough: two operators halting at once both stay on record ----------------------------------------------
+
+
+def test_concurrent_halt_requests_keep_every_reason(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import threading
+
+    from nsa.rundir.layout import read_halt
+    from nsa.runs.halt import write_halt
+    from tests.conftest import clean_env, write_run
+
+    run = write_run(tmp_path / "run", steps=10, end=None, seed=57)
+    procs = [subprocess.Popen([sys.executable, "-m", "nsa_cli", "halt", str(run), "--reason", reason],
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for reason in ("node maintenance", "preempted by the scheduler")]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    record = read_halt(run)
+    assert record is not None
+    assert sorted(r["reason"] for r in record["requests"]) == ["node maintenance", "preempted by the scheduler"]
+    assert sorted(record["reason"].split("; ")) == ["node maintenance", "preempted by the scheduler"]
+    # many writers at once (threads: each its own lock holder): none lost
+    (run / ".HALT").unlink()
+    threads = [threading.Thread(target=write_halt, args=(run, f"reason {i}")) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    record = read_halt(run)
+    assert record is not None and sorted(r["reason"] for r in record["requests"]) == [f"reason {i}" for i in range(8)]

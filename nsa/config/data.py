@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from nsa.config.section import ConfigSection, exposed
+from nsa.config.section import ConfigSection, check_path, exposed
 
 
 class DataConfig(ConfigSection):
@@ -46,6 +46,8 @@ class DataConfig(ConfigSection):
     max_doc_chars: int = Field(1_000_000, ge=1, description="longer documents are skipped and counted")
     document_mask: bool = Field(
         False, description="attention stays inside each packed document (boundaries after every separator)")
+
+    _paths = field_validator("path", "tokenizer_path")(check_path)
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

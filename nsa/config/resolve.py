@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from nsa.config.fields import key_flags
-from nsa.config.files import format_validation_error, read_yaml
+from nsa.config.files import format_validation_error, read_yaml, shorten
 from nsa.config.legacy import CONFIG_VAR, translate_old_keys
 from nsa.config.profiles import load_profile
 from nsa.config.run import CONFIG_DIR, RunConfig
@@ -112,6 +112,9 @@ def parse_set(item: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ConfigError(f"--set {key}={shorten(raw.strip())}: {str(exc).split(';')[0]}",
+                          hint="give a shorter value") from None
     return key, value
 
 

@@ -56,11 +56,28 @@ def reject_bool(value: Any, annotation: Any) -> Any:
     return value
 
 
-class ConfigSection(BaseModel):
-    """Base of the run-config sections: unknown keys rejected, assignments validated, and no boolean
-    accepted for an int/float field."""
+PATH_MAX, NAME_MAX = 4096, 255  # Linux's limits: bytes of a path, and of each name in it
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+def check_path(value: str | None) -> str | None:
+    """``value`` unchanged when a filesystem can take it as a path, else a ``ValueError`` (pydantic reports
+    it as the field's one line) instead of ``File name too long`` from the first call that touches it."""
+    if value is None:
+        return value
+    size = len(value.encode("utf-8", "surrogateescape"))
+    if size > PATH_MAX:
+        raise ValueError(f"a path of {size:,} bytes; paths hold at most {PATH_MAX:,}")
+    longest = max((len(part.encode("utf-8", "surrogateescape")) for part in value.split("/")), default=0)
+    if longest > NAME_MAX:
+        raise ValueError(f"a name of {longest:,} bytes in the path; names hold at most {NAME_MAX}")
+    return value
+
+
+class ConfigSection(BaseModel):
+    """Base of the run-config sections: unknown keys rejected, assignments validated, no boolean accepted for
+    an int/float field, and no infinite or NaN float."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

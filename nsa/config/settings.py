@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, ValidationInfo, create_model, field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from nsa.config.fields import config_fields, env_keys
+from nsa.config.files import shorten
 from nsa.config.legacy import CONFIG_VAR, legacy_hint, removed_hint
 from nsa.config.legacy import LEGACY_VARS as LEGACY_VARS  # re-exported: the older system's knobs
 from nsa.config.section import reject_bool
@@ -130,7 +131,7 @@ def read_settings(environ: dict[str, str] | None = None) -> SettingsBase:
         err = exc.errors()[0]
         name = PREFIX + str(err["loc"][0]).upper()
         raise ConfigError(
-            f"{name}={err.get('input')!r}: {err['msg']}", hint=f"fix or unset {name}"
+            f"{name}={shorten(err.get('input'))}: {err['msg']}", hint=f"fix or unset {name}"
         ) from None
 
 

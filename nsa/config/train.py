@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from nsa.config.section import ConfigSection, exposed
+from nsa.config.section import ConfigSection, check_path, exposed
 
 
 class TrainConfig(ConfigSection):
@@ -24,8 +24,8 @@ class TrainConfig(ConfigSection):
                             json_schema_extra=exposed(env="NSA_BATCH_SIZE", flag="--batch-size"))
     accum: int = Field(1, ge=1, description="micro-batches per optimizer step",
                        json_schema_extra=exposed(env="NSA_ACCUM", flag="--accum"))
-    seed: int = Field(1337, description="seed of model init and data order",
-                      json_schema_extra=exposed(env="NSA_SEED", flag="--seed"))
+    seed: int = Field(1337, ge=-(2**63), le=2**64 - 1, description="seed of model init and data order (what "
+                      "torch.manual_seed takes)", json_schema_extra=exposed(env="NSA_SEED", flag="--seed"))
     out_dir: str = Field("artifacts/run", description="the run directory",
                          json_schema_extra=exposed(env="NSA_OUT_DIR", flag="--out-dir"))
     resume: str | None = Field(None, description="'auto', a checkpoint path, or null",
@@ -41,6 +41,8 @@ class TrainConfig(ConfigSection):
         json_schema_extra=exposed(flag="--stop-at"),
     )
     run_name: str | None = Field(None, description="name in reports; default: the out_dir folder name")
+
+    _paths = field_validator("out_dir", "resume", "init_from")(check_path)
 
 
 class OptimizerConfig(ConfigSection):

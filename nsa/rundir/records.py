@@ -301,6 +301,7 @@ class HaltFile(TypedDict, total=False):
     who: str
     rule: str  # the watchdog's rule (nsa watch --halt-on)
     evidence: dict[str, Any]
+    requests: list[dict[str, Any]]  # each request while one was pending (their reasons joined in ``reason``)
 
 
 class Lock(TypedDict, total=False):

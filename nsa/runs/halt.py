@@ -4,18 +4,20 @@ trainer acknowledges (``halt`` event, final checkpoint) or a timeout."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import getpass
 import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from nsa.errors import NSAError
 from nsa.rundir import RunDir
-from nsa.rundir.layout import HALT_FILE, WATCHDOG_PREFIX
+from nsa.rundir.layout import HALT_FILE, WATCHDOG_PREFIX, read_halt
 from nsa.rundir.records import HaltEvent, HaltFile
 from nsa.runs.reader import DEFAULT_STALE_S, RunReader, check_run_dir
 
@@ -28,6 +30,23 @@ def who_am_i(tool: str = "nsa halt") -> str:
     return f"{user}@{socket.gethostname()} ({tool}, pid {os.getpid()})"
 
 
+@contextlib.contextmanager
+def _halt_lock(run: Path) -> Iterator[None]:
+    """Writers of one run's ``.HALT`` one at a time (``flock`` on the run directory; where the filesystem
+    has no locks, none)."""
+    try:
+        fd = os.open(run, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def write_halt(
     run_dir: str | Path,
     reason: str,
@@ -38,7 +57,9 @@ def write_halt(
 ) -> HaltFile:
     """Write ``RUN_DIR/.HALT`` (JSON) atomically: a temporary file renamed over the target.
 
-    Raises ``NSAError`` naming the directory when it cannot be written (read-only, no permission)."""
+    A request still pending (a ``.HALT`` the trainer has not acted on yet) is kept: the file then holds every
+    request under ``requests`` and their reasons joined by ``; `` (two operators halting at once both stay on
+    record; writers take turns). Raises ``NSAError`` naming the directory when it cannot be written."""
     run = Path(run_dir)
     record: HaltFile = {"reason": reason, "time": time.time(), "who": who or who_am_i()}
     if rule is not None:
@@ -47,8 +68,10 @@ def write_halt(
         record["evidence"] = evidence
     tmp = run / f".HALT.tmp-{os.getpid()}-{time.time_ns()}"
     try:
-        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        os.replace(tmp, RunDir(run).halt)
+        with _halt_lock(run):
+            merged = _merge(read_halt(run), record)
+            tmp.write_text(json.dumps(merged, indent=2, default=str) + "\n")
+            os.replace(tmp, RunDir(run).halt)
     except OSError as exc:
         raise NSAError(
             f"could not write {HALT_FILE} in {run}: {exc.strerror or exc}",
@@ -57,7 +80,24 @@ def write_halt(
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-    return record
+    return merged
+
+
+def _merge(pending: HaltFile | None, record: HaltFile) -> HaltFile:
+    """``record`` after the ``pending`` request(s): all under ``requests``, the reasons joined, the first
+    watchdog rule (and its evidence) kept."""
+    if pending is None:
+        return record
+    earlier = pending.get("requests") or [{k: v for k, v in pending.items() if k != "requests"}]
+    requests = [*earlier, record]
+    merged: HaltFile = {**record, "reason": "; ".join(str(r.get("reason") or "") for r in requests),
+                        "requests": requests}  # type: ignore[typeddict-item]
+    ruled = next((r for r in requests if isinstance(r.get("rule"), str)), None)
+    if ruled is not None:
+        merged["rule"] = ruled["rule"]
+        if "evidence" in ruled:
+            merged["evidence"] = ruled["evidence"]
+    return merged
 
 
 @dataclass

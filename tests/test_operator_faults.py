@@ -129,19 +129,39 @@ def test_1_every_write_of_a_run_names_its_file_and_the_free_space(tmp_path: Path
 
 
 def _ctrl_c_during_save(monkeypatch: pytest.MonkeyPatch, at_step: int, times: int) -> None:
-    """``torch.save`` of the checkpoint of ``at_step`` gets ``times`` SIGINTs before it writes (the operator
-    pressing Ctrl-C while the checkpoint is being written)."""
+    """While ``torch.save`` writes the checkpoint of ``at_step`` (inside its third write of bytes: an interrupt
+    there comes out of ``torch.save`` as ``RuntimeError: [enforce fail at inline_container.cc] ...``) the
+    operator presses Ctrl-C ``times`` times, 0.1 s apart (each a request of its own: copies of one signal are
+    those within ``SAME_REQUEST_S``, set to 0.05 s here)."""
+    import time
+
     import nsa.train.checkpoint as ckpt
+    import nsa.train.signals as signals
 
-    real_save = ckpt.torch.save
+    monkeypatch.setattr(signals, "SAME_REQUEST_S", 0.05)
+    real_write = ckpt._HashingWriter.write
+    step: dict[str, int | None] = {"saving": None, "writes": 0}
+    real_save = ckpt.save_checkpoint
 
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        if obj.get("train_state", {}).get("step") == at_step:
+    def save_checkpoint(run_dir: Path, n: int, *args: Any, **kwargs: Any) -> Path:
+        step["saving"] = n
+        try:
+            return real_save(run_dir, n, *args, **kwargs)
+        finally:
+            step["saving"] = None
+
+    def write(self: Any, data: Any) -> int:
+        if step["saving"] == at_step:
+            step["writes"] = (step["writes"] or 0) + 1
+        if step["saving"] == at_step and step["writes"] == 3:
+            step["saving"] = None  # once
             for _ in range(times):
                 os.kill(os.getpid(), signal.SIGINT)
-        real_save(obj, f, *args, **kwargs)
+                time.sleep(0.1)
+        return int(real_write(self, data))
 
-    monkeypatch.setattr(ckpt.torch, "save", save)
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(ckpt._HashingWriter, "write", write)
 
 
 def test_2_ctrl_c_twice_during_a_checkpoint_write_finishes_it_and_records_interrupted(
@@ -180,7 +200,9 @@ def test_2_a_third_ctrl_c_drops_the_partial_checkpoint(tmp_path: Path, monkeypat
     assert "dropping the partial checkpoint" in res.output
     assert res.output.strip().splitlines()[-1].endswith("resume from step_00000002 with --resume auto")
     assert not list((run / "checkpoints").glob(".tmp-*")) and not (run / "checkpoints" / "step_00000004").exists()
-    assert events(run)[-1]["status"] == "interrupted"
+    end = events(run)[-1]
+    assert end["status"] == "interrupted" and end["error"] == "interrupted: SIGINT received twice (Ctrl-C)", end
+    assert json.loads((run / "metrics.json").read_text())["status"] == "interrupted"
     assert _train_cli(run, 8, "--resume", "auto").exit_code == 0
 
 

@@ -176,6 +176,33 @@ def test_signal_flags_set_by_handlers() -> None:
     assert signal.getsignal(signal.SIGTERM) is not flags._on_halt
 
 
+def test_the_same_signal_again_within_the_window_is_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 57: a signal to a process group reaches the trainer twice under ``uv run`` (its copy 200 ms later
+    for SIGINT). A copy is no second request; the same signal after the window is; the handlers absorb a late
+    copy while they wait out the window at uninstall."""
+    import time
+
+    import nsa.train.signals as signals
+
+    monkeypatch.setattr(signals, "SAME_REQUEST_S", 0.3)
+    flags = SignalFlags()
+    flags.install(None)
+    try:
+        signal.raise_signal(signal.SIGINT)
+        assert flags.halt_source == "SIGINT"
+        signal.raise_signal(signal.SIGINT)  # uv's copy: no KeyboardInterrupt
+        assert flags.said[-1].startswith("SIGINT again within 0.3 s: the same request")
+        time.sleep(0.35)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # the operator's second Ctrl-C
+        t0 = time.monotonic()
+    finally:
+        flags.uninstall()
+    assert time.monotonic() - t0 >= 0.25  # the window after the last signal, waited out before restoring
+    assert signals.is_copy(2, (2, 10.0), 10.2) and not signals.is_copy(15, (2, 10.0), 10.2)
+    assert not signals.is_copy(2, (2, 10.0), 10.4) and not signals.is_copy(2, None, 10.0)
+
+
 def test_cuda_random_state_is_this_ranks_device_and_restores_on_fewer_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 32: a 2-GPU run resumed on one GPU crashed in ``torch.cuda.set_rng_state_all`` (every rank saved
     one state per visible GPU). Now a rank saves its own device's state and restores it to its own device;
@@ -318,3 +345,24 @@ def test_shard_adamw_steps_fsdp2_shards_as_adamw_does(tmp_path: Path, monkeypatc
         assert type(build_optimizer(ref, cfg, "cpu")) is torch.optim.AdamW
     finally:
         dist.destroy_process_group()
+
+
+def test_the_launcher_reads_a_clean_halt_of_every_rank(tmp_path: Path) -> None:
+    """``nsa.train.launch._halted``: every rank's session booted after the launch ended ``halted`` (then a torchrun
+    that exited non-zero after a signal still makes ``nsa train`` exit 0); an earlier session, a rank missing or
+    one that failed does not count."""
+    import time
+
+    from nsa.train.launch import _halted
+    from tests.conftest import write_run
+
+    t0 = time.time() - 100
+    run = write_run(tmp_path / "run", steps=10, ranks=2, end="halted", halt_reason="SIGTERM received", ts0=t0 + 1,
+                    seed=1)
+    assert _halted(run, t0)
+    assert not _halted(run, t0 + 50)  # booted before the launch: another session
+    hb1 = run / "heartbeat_rank1.jsonl"
+    hb1.write_text(hb1.read_text().replace('"status": "halted"', '"status": "failed"'))
+    assert not _halted(run, t0)
+    hb1.unlink()
+    assert not _halted(run, t0)  # world_size 2, one rank's record

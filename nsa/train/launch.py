@@ -16,7 +16,8 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 from nsa.errors import ConfigError
@@ -73,34 +74,52 @@ def torchrun_argv(nproc: int, program: Sequence[str], rdzv: Rendezvous | None = 
             f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--nproc-per-node={nproc}", *program]
 
 
+EXIT_INTERRUPTED = 130  # a second signal stopped the ranks at once (as Ctrl-C twice does one rank)
 _FAILED = re.compile(r"torch/distributed/elastic/multiprocessing/api\.py.*\bfailed \(exitcode: (-?\d+)\)")
 
 
-def _relay(stream: IO[str], say: Callable[[str], None], codes: list[int]) -> None:
+@dataclass
+class _Relay:
+    """What the relay of torchrun's standard error saw: the failed rank's exit codes, and torchrun's own
+    traceback once the ranks were asked to halt (held back: the launcher prints it only when the ranks did
+    not halt cleanly)."""
+
+    codes: list[int] = field(default_factory=list)
+    halting: bool = False
+    held: list[str] = field(default_factory=list)
+
+
+def _relay(stream: IO[str], say: Callable[[str], None], seen: _Relay) -> None:
     """Copy torchrun's standard error (its own and the ranks') line by line, except torchrun's failure
     report (a traceback and a summary block after a rank failed): the rank has said what went wrong in
-    one line already. The failed rank's exit code goes to ``codes``."""
+    one line already. The failed rank's exit code goes to ``seen.codes``; after a halt request, a traceback
+    of torchrun's (its ``SignalException`` when stopped) to ``seen.held``."""
     quiet = False
     for line in stream:
         m = _FAILED.search(line)
         if m:
             quiet = True
-            codes.append(int(m.group(1)))
-        if not quiet:
+            seen.codes.append(int(m.group(1)))
+        if seen.halting and (seen.held or line.startswith("Traceback (most recent call last):")):
+            seen.held.append(line)
+        elif not quiet:
             sys.stderr.write(line)
             sys.stderr.flush()
-    if codes:
-        say(f"error: a rank exited with code {codes[0]}; its own message is above (torchrun's report omitted)")
+    if seen.codes:
+        say(f"error: a rank exited with code {seen.codes[0]}; its own message is above (torchrun's report omitted)")
 
 
-def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None) -> int:
+def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None, run_dir: str | Path | None = None) -> int:
     """Run torchrun (``argv``) as a child; SIGTERM/SIGINT here halt the ranks gracefully; its exit code.
 
     The first signal is passed as SIGTERM to the rank processes only (each checkpoints and exits 0, so
-    torchrun exits 0); a second one terminates torchrun itself. torchrun runs in its own session so
-    that Ctrl-C on the terminal reaches this launcher only. ``notice`` receives one line per forwarded
-    signal (default: standard error). When a rank fails, its exit code is returned (2 for a user error,
-    which it reported in one line) and torchrun's own traceback is left out.
+    torchrun exits 0); a second one terminates torchrun itself. The same signal again within
+    ``SAME_REQUEST_S`` is a copy of the first (a signal to the process group reaches this launcher and ``uv
+    run``, which forwards it once more), not a second request. torchrun runs in its own session so that
+    Ctrl-C on the terminal reaches this launcher only. ``notice`` receives one line per forwarded signal
+    (default: standard error). When a rank fails, its exit code is returned (2 for a user error, which it
+    reported in one line) and torchrun's own traceback is left out. When every rank of ``run_dir`` halted
+    cleanly after a signal, the exit code is 0 whatever torchrun exited with, and its traceback is left out.
     """
     import signal
     import subprocess
@@ -108,19 +127,28 @@ def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None) -> 
 
     import psutil
 
+    from nsa.train.signals import SAME_REQUEST_S, is_copy
+
     say = notice or (lambda line: print(line, file=sys.stderr, flush=True))
     sys.stdout.flush()
     sys.stderr.flush()
+    started = time.time()
     proc = subprocess.Popen(list(argv), start_new_session=True, stderr=subprocess.PIPE, text=True, bufsize=1,
                             errors="replace")
     assert proc.stderr is not None
-    codes: list[int] = []
-    relay = threading.Thread(target=_relay, args=(proc.stderr, say, codes), daemon=True)
+    seen = _Relay()
+    relay = threading.Thread(target=_relay, args=(proc.stderr, say, seen), daemon=True)
     relay.start()
     received: list[str] = []
+    last: list[tuple[int, float]] = []
 
     def forward(signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if is_copy(signum, last[-1] if last else None, now):
+            return  # one request, delivered twice
+        last.append((signum, now))
         received.append(signal.Signals(signum).name)
+        seen.halting = True
         if len(received) > 1:
             proc.terminate()
             return
@@ -139,9 +167,39 @@ def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None) -> 
         # the relay may still be reading torchrun's last lines (a loaded machine, or a rank that still holds
         # the pipe): after a failure, wait for the rank's exit code a while longer than for the output
         deadline = time.monotonic() + (60.0 if code else 10.0)
-        while relay.is_alive() and not (code and codes) and time.monotonic() < deadline:
+        while relay.is_alive() and not (code and seen.codes) and time.monotonic() < deadline:
             relay.join(timeout=0.2)
-        return codes[0] if code and codes and codes[0] > 0 else code
+        if code and received and run_dir is not None and _halted(run_dir, started):
+            say(f"torchrun exited {code} after every rank halted cleanly: exit 0")
+            return 0
+        if code and len(received) > 1:  # the operator's second request: torchrun stopped, its traceback omitted
+            say(f"stopped at once: {received[1]} again terminated torchrun before every rank had halted")
+            return EXIT_INTERRUPTED
+        sys.stderr.writelines(seen.held)
+        return seen.codes[0] if code and seen.codes and seen.codes[0] > 0 else code
     finally:
+        if last:  # a copy of the last signal still on its way is absorbed here, not by the default handler
+            time.sleep(max(0.0, last[-1][1] + SAME_REQUEST_S - time.monotonic()))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _halted(run_dir: str | Path, since: float) -> bool:
+    """Every rank of the session booted after ``since`` ended ``halted`` (their heartbeats' last sessions)."""
+    import json
+
+    from nsa.rundir import RunDir
+
+    ends: dict[int, str | None] = {}
+    world = None
+    for path in RunDir(run_dir).heartbeats():
+        with contextlib.suppress(OSError):
+            for line in path.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+                    ev = json.loads(line)
+                    rank, ts = int(ev["rank"]), float(ev["ts"])
+                    if ev.get("event") == "boot" and ts >= since:
+                        ends[rank], world = None, ev.get("world_size")
+                    elif ev.get("event") == "end" and rank in ends:
+                        ends[rank] = ev.get("status")
+    return bool(ends) and len(ends) == world and all(status == "halted" for status in ends.values())

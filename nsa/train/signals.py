@@ -3,8 +3,14 @@
 SIGTERM / SIGINT: halt gracefully (checkpoint, ``halt`` event, exit 0), said at once on stderr. A second
 SIGINT (Ctrl-C twice) stops at once (``KeyboardInterrupt``; the run is recorded ``interrupted``), except
 inside a checkpoint write (:meth:`SignalFlags.critical`): that write is finished first and the stop comes
-right after it; a third Ctrl-C stops at once and the partial checkpoint is dropped. Repeated SIGTERMs do
-not stop at once (a scheduler and torchrun may both send one).
+right after it; a third Ctrl-C stops at once and the partial checkpoint is dropped (the write's own error,
+``torch.save``'s ``RuntimeError`` around the interrupt, becomes that ``KeyboardInterrupt``). Repeated SIGTERMs
+do not stop at once (a scheduler and torchrun may both send one).
+One request is one signal: the same signal again within :data:`SAME_REQUEST_S` seconds is a copy, not a
+second request. A signal sent to a process group reaches the trainer and its parent, and ``uv run`` forwards
+it once more (SIGTERM at once, SIGINT 200 ms later): without this, one SIGINT from a scheduler read as
+Ctrl-C twice. For the same reason the handlers stay a moment after the run ends (:meth:`SignalFlags.uninstall`),
+so a copy still on its way does not kill a process that halted cleanly.
 SIGUSR1: append the stacks of all threads to ``stackdump_rank{r}.txt``. The C-level signal handler
 writes the signal number to a wakeup pipe (``signal.set_wakeup_fd``) and a dumper thread formats
 ``sys._current_frames()`` under the GIL, so the dump works while the main thread is blocked inside C
@@ -29,6 +35,13 @@ from types import FrameType
 from typing import IO
 
 INTERRUPTED = "SIGINT received twice (Ctrl-C)"  # the KeyboardInterrupt's text: the operator's abort
+SAME_REQUEST_S = 1.0  # the same signal again within this many seconds is a copy of the first (uv run: 200 ms)
+
+
+def is_copy(signum: int, last: tuple[int, float] | None, now: float) -> bool:
+    """A signal ``signum`` at ``now`` (monotonic seconds) repeats ``last`` (its number and time) within
+    :data:`SAME_REQUEST_S`: one request delivered twice."""
+    return last is not None and last[0] == signum and now - last[1] < SAME_REQUEST_S
 
 
 class SignalFlags:
@@ -40,6 +53,9 @@ class SignalFlags:
         self.abort_pending = False  # Ctrl-C twice inside a checkpoint write: stop when it is complete
         self.said: list[str] = []  # what the handlers said on stderr (the trainer copies it to its log)
         self._critical = 0
+        self._last: tuple[int, float] | None = None  # the last signal acted on: number, monotonic time
+        self._dropping = False  # a third Ctrl-C cut a checkpoint write
+        self._closing = False
         self._previous: dict[int, object] = {}
         self._dump_file: IO[str] | None = None
         self._pipe: tuple[int, int] | None = None
@@ -49,6 +65,14 @@ class SignalFlags:
     # -- handlers ---------------------------------------------------------------------------------
     def _on_halt(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self._closing:  # the run is over; a copy of its last signal is no new request
+            return
+        if is_copy(signum, self._last, now):
+            self._say(f"{name} again within {SAME_REQUEST_S:g} s: the same request (a copy, e.g. forwarded by "
+                      f"uv run), not a second one")
+            return
+        self._last = (signum, now)
         if self.halt_source is not None and signum == signal.SIGINT:  # Ctrl-C twice: stop now
             if self._critical and not self.abort_pending:
                 self.abort_pending = True
@@ -56,6 +80,7 @@ class SignalFlags:
                           "(Ctrl-C once more drops it)")
                 return
             self._say("Ctrl-C again: stopping now" + (", dropping the partial checkpoint" if self._critical else ""))
+            self._dropping = bool(self._critical)
             raise KeyboardInterrupt(INTERRUPTED)
         if self.halt_source is None:  # repeated SIGTERMs (scheduler + torchrun) keep the graceful halt
             self.halt_source = name
@@ -81,6 +106,10 @@ class SignalFlags:
         self._critical += 1
         try:
             yield
+        except BaseException as exc:
+            if self._dropping and not isinstance(exc, KeyboardInterrupt):  # torch.save's RuntimeError around it
+                raise KeyboardInterrupt(INTERRUPTED) from None
+            raise
         finally:
             self._critical -= 1
         if not self._critical and self.abort_pending:
@@ -94,6 +123,7 @@ class SignalFlags:
         """Install handlers (main thread only; elsewhere this is a no-op)."""
         if threading.current_thread() is not threading.main_thread():
             return
+        self._closing = False
         for sig, handler in (
             (signal.SIGTERM, self._on_halt),
             (signal.SIGINT, self._on_halt),
@@ -129,6 +159,11 @@ class SignalFlags:
                     return
 
     def uninstall(self) -> None:
+        """Restore the previous handlers, first waiting out :data:`SAME_REQUEST_S` after the last signal (a
+        copy of it still on its way is absorbed here, not by a default handler that would kill the process)."""
+        self._closing = True
+        if self._last is not None and self._previous:
+            time.sleep(max(0.0, self._last[1] + SAME_REQUEST_S - time.monotonic()))
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)  # type: ignore[arg-type]
         self._previous.clear()

@@ -23,7 +23,9 @@ OUT then loads offline with transformers (trust_remote_code: the folder carries 
 AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True), AutoTokenizer.from_pretrained(OUT).
 With the nsa package installed it decodes with nsa's kernels and caches; without it, with a standalone torch
 implementation (slow). train.init_from=OUT starts a new run from it. Exit code 0 when written, 2 on bad input
-(no weights at RUN, OUT not empty without --overwrite, a tokenizer whose files are not on this machine).
+(no weights at RUN, weights that do not match their recorded SHA-256, OUT not empty without --overwrite, OUT
+that holds the run or any run directory or is not an earlier export, OUT that cannot be written, a tokenizer
+whose files are not on this machine).
 """
 
 
@@ -31,7 +33,7 @@ def export(
     path: Annotated[Path, options.run_dir("Run directory, its export/ folder, a checkpoint folder or file.")],
     out: Annotated[Path, typer.Argument(help="Folder to write (created; must be empty unless --overwrite).")],
     fmt: Annotated[str, typer.Option("--format", help=f"Output format: {', '.join(FORMATS)} (Hugging Face).")] = "hf",
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it is not empty.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export at OUT.")] = False,
     as_json: Annotated[bool, options.json_flag("what was written")] = False,
 ) -> None:
     """Write a trained model (its export/ or newest verified checkpoint) to OUT in another format."""

@@ -148,7 +148,7 @@ def train(
             typer.echo(f"launching: {' '.join(argv[1:])}", err=True)
             from nsa.train.launch import launch
 
-            code = launch(argv)
+            code = launch(argv, run_dir=trainer.run_dir)
             if code:
                 raise typer.Exit(code)
             from nsa.runs.halt import halted_by_watchdog

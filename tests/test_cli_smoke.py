@@ -44,9 +44,18 @@ def test_verdict_criteria(tmp_path) -> None:
     assert statuses(write_run(tmp_path / "f"), smoke, "failed")["run-completed"] == Status.FAIL
 
 
-def test_parity_checks_every_backend_on_cpu() -> None:
-    checks = parity_checks("cpu", seed=int(time.time()) % 1000)
-    assert checks and all(c.status is Status.PASS for c in checks), [c.reason for c in checks]
+@pytest.mark.parametrize("seed", [0, 7])
+def test_parity_checks_every_backend_on_cpu(seed: int) -> None:
+    """One check per backend this CPU serves (the reference aside), each over every shape, all PASS."""
+    from nsa.checks.smoke import SHAPES
+    from nsa.ops.dispatch import available_backends
+
+    checks = parity_checks("cpu", seed=seed)
+    backends = [b for b in available_backends("cpu") if b != "reference"]
+    assert backends and [c.name for c in checks] == [f"parity-{b}-float32" for b in backends]
+    assert all(c.status is Status.PASS for c in checks), [c.reason for c in checks]
+    for c in checks:
+        assert [r["shape"] for r in c.details["results"]] == list(SHAPES), c.details
     import torch
 
     if not torch.cuda.is_available():

@@ -101,13 +101,33 @@ def test_recency_model_wins_needle_but_not_mqar() -> None:
 
 
 def test_window_only_nsa_model_scores_near_chance() -> None:
+    """A model that attends only through its window (gates fixed to (0, 0, 1), w=8) cannot see a needle 32 or 62
+    tokens back: its logits at the question are the same whatever value the needle holds, so it scores near
+    chance. The same model with its compressed and selected branches on (gates (1, 1, 1)) does see the needle:
+    its logits there change with the needle's value (an untrained model scores 0 either way, so the accuracy
+    alone would not tell)."""
     cfg = load_named("tiny")
-    nsa_cfg = cfg.nsa.model_copy(update={"fixed_gates": (0.0, 0.0, 1.0), "w": 8})
-    torch.manual_seed(0)
-    model = NSALM(cfg.model, nsa_cfg, backend="torch").train()
-    rows = eval_needle(model, LAYOUT, [64], [0, 0.5], samples=16, seed=0, device=CPU, batch_size=8)
+    models = {}
+    for name, gates in (("window", (0.0, 0.0, 1.0)), ("all", (1.0, 1.0, 1.0))):
+        torch.manual_seed(0)
+        models[name] = NSALM(cfg.model, cfg.nsa.model_copy(update={"fixed_gates": gates, "w": 8}),
+                             backend="torch").train()
+    rows = eval_needle(models["window"], LAYOUT, [64], [0, 0.5], samples=16, seed=0, device=CPU, batch_size=8)
     assert all(r["accuracy"] <= 0.25 for r in rows), rows  # chance is 1/32
-    assert model.training  # the caller's mode is restored
+    assert models["window"].training  # the caller's mode is restored
+    probe = Oracle()
+    eval_needle(probe, LAYOUT, [64], [0, 0.5], samples=4, seed=0, device=CPU, batch_size=8)
+    episodes = torch.cat(probe.seen)
+    keys = torch.tensor(LAYOUT.keys)
+    needle = torch.isin(episodes, keys).int().argmax(1) + 1  # the value after the first key
+    assert sorted(set((needle - 1).tolist())) == [0, 30]  # depths 0 and 0.5 of 64 tokens: 62 and 32 back
+    other = episodes.clone()
+    rows_ = torch.arange(len(episodes))
+    other[rows_, needle] = torch.where(episodes[rows_, needle] == LAYOUT.values[0], LAYOUT.values[1], LAYOUT.values[0])
+    with torch.no_grad():
+        question = {name: (m.eval()(episodes).logits[:, 62], m(other).logits[:, 62]) for name, m in models.items()}
+    assert torch.equal(*question["window"])
+    assert not torch.allclose(*question["all"])
 
 
 @pytest.mark.parametrize(("depth", "where"), [(0.0, 0), (0.5, 14), (1.0, 28)])

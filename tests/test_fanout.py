@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,8 +26,26 @@ def _fails_holding_a_module(x: int) -> int:
     raise ValueError(f"run {x} went wrong", os)  # a module among the arguments: the error itself does not pickle
 
 
-def test_results_come_back_in_job_order() -> None:
-    assert fanout.spread(_square, [(3,), (1,), (2,)], 2) == [9, 1, 4]
+def _square_when(x: int, wait_for: str | None, then_create: str | None) -> int:
+    """``x * x``, returned once the file ``wait_for`` exists (at most 120 s), after creating ``then_create``."""
+    deadline = time.monotonic() + 120
+    while wait_for is not None and not os.path.exists(wait_for):
+        if time.monotonic() > deadline:
+            raise TimeoutError(wait_for)
+        time.sleep(0.01)
+    if then_create is not None:
+        open(then_create, "w").close()
+    return x * x
+
+
+def test_results_come_back_in_job_order(tmp_path: Path) -> None:
+    """The first job ends last (it waits for the file the third one creates; two workers): the jobs finish in
+    the order 1, 2, 0, and the results still come back in job order."""
+    flag = str(tmp_path / "third-done")
+    done: list[int] = []
+    jobs = [(3, flag, None), (1, None, None), (2, None, flag)]
+    assert fanout.spread(_square_when, jobs, 2, on_done=lambda i, r: done.append(i)) == [9, 1, 4]
+    assert done == [1, 2, 0]
 
 
 def test_an_error_that_does_not_pickle_reaches_the_parent_as_text() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -362,11 +363,22 @@ def test_6_text_that_is_not_utf8_names_the_file_and_encoding_and_creates_nothing
 
 
 def test_6_mostly_utf8_text_with_a_few_bad_paragraphs_still_trains(tmp_path: Path) -> None:
+    """Three latin-1 paragraphs among the first six of 33: the check lets the file through, the run trains its
+    3 steps to the end (seed 0) and counts the three it skipped as invalid_utf8."""
     from nsa.data.sources import _check_local_path
 
     path = tmp_path / "mixed.txt"
-    path.write_bytes(("a good paragraph of text\n\n" * 30).encode() + "caf\u00e9\n\n".encode("latin-1") * 3)
+    good, bad = b"a good paragraph of text\n\n", "caf\u00e9 au lait\n\n".encode("latin-1")
+    path.write_bytes(b"".join([good, bad] * 3 + [good] * 27))
     assert _check_local_path(str(path))[0] == "text"
+    run = tmp_path / "run"
+    res = _train_cli(run, 3, "--dataset", "local", "--data-path", str(path), "--seed", "0")
+    assert res.exit_code == 0, res.output
+    assert "3 record(s) skipped" in res.output
+    progress = [e for e in events(run) if e["event"] == "progress"]
+    assert [e["step"] for e in progress] == [1, 2, 3] and all(math.isfinite(e["loss"]) for e in progress)
+    assert progress[-1]["data_skipped"] == {"invalid_utf8": 3, "total": 3}
+    assert events(run)[-1]["status"] == "completed"
 
 
 # 7. bench quality names its runs by arm and seed ----------------------------------------------------------

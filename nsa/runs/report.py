@@ -548,7 +548,7 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_d
         step = data.get("step")
         source = (f"weights `{ckpt}` (step {step if isinstance(step, int) else 'not recorded'}), {when}, "
                   f"seed {st.get('seed')}")
-        stale = eval_staleness(data, steps_done)
+        stale = eval_staleness(data, steps_done, run_dir)
         if stale:
             L += [f"**STALE** `eval/{task}.json`: {stale}.", ""]
         if task == "needle":

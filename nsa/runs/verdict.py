@@ -419,27 +419,30 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
                        f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
                        missing="no needle/mqar results in eval/")
         stale = [f"eval/{task}.json {why}" for task, data in evals if task in RETRIEVAL_TASKS and data is not None
-                 and (why := eval_staleness(data, s.steps_done))]
+                 and (why := eval_staleness(data, s.steps_done, s.run_dir))]
         if stale:
             check.figure += f" (STALE: {'; '.join(stale)})"
         out.append(check)
-    out.append(_eval_freshness_check(evals, s.steps_done))
+    out.append(_eval_freshness_check(evals, s.steps_done, s.run_dir))
     out.append(weights_check(s.run_dir))
     return out
 
 
-def eval_staleness(data: dict[str, Any], steps_done: int) -> str | None:
+def eval_staleness(data: dict[str, Any], steps_done: int, run_dir: str | Path | None = None) -> str | None:
     """Why an ``nsa eval`` result is not of the model as it is now: it evaluated the weights of an earlier
-    step (``is of step 20; the run is at step 40``) or other bytes than its weights file holds now (their
-    SHA-256 differs); None when current (or neither was recorded)."""
+    step (``is of step 20; the run is at step 40``) or other bytes than its weights file, a file of
+    ``run_dir``, holds now (their SHA-256 differs); None when current (or neither was recorded)."""
     step = data.get("step")
     if isinstance(step, int) and not isinstance(step, bool) and step < steps_done:
         return f"is of step {step}; the run is at step {steps_done}"
     weights = data.get("weights")
     path, want = (weights.get("path"), weights.get("sha256")) if isinstance(weights, dict) else (None, None)
-    if isinstance(path, str) and isinstance(want, str):
+    if isinstance(path, str) and isinstance(want, str) and run_dir is not None:
         try:
-            got = sha256_file(Path(path))
+            file = Path(path).resolve()
+            if Path(run_dir).resolve() not in file.parents:  # recorded relative to another directory, or not ours
+                return None
+            got = sha256_file(file)
         except OSError:  # the file is gone (pruned): nothing to compare
             return None
         if got != want:
@@ -447,13 +450,14 @@ def eval_staleness(data: dict[str, Any], steps_done: int) -> str | None:
     return None
 
 
-def _eval_freshness_check(evals: Sequence[tuple[str, dict[str, Any] | None]], steps_done: int) -> Check:
+def _eval_freshness_check(evals: Sequence[tuple[str, dict[str, Any] | None]], steps_done: int,
+                          run_dir: str | Path) -> Check:
     """WARN for each ``nsa eval`` result that is not of the model as it is now (:func:`eval_staleness`)."""
     limit = "of the run's last step and its weights as they are"
     found = [(task, data) for task, data in evals if data is not None]
     if not found:
         return Check("eval freshness", "no results in eval/", limit, "n/a")
-    stale = [f"eval/{task}.json {why}" for task, data in found if (why := eval_staleness(data, steps_done))]
+    stale = [f"eval/{task}.json {why}" for task, data in found if (why := eval_staleness(data, steps_done, run_dir))]
     if stale:
         return Check("eval freshness", "STALE: " + "; ".join(stale), limit, "WARN", f"{stale[0]}: re-run nsa eval")
     return Check("eval freshness", ", ".join(f"eval/{task}.json" for task, _ in found) + " current", limit, "PASS")

@@ -14,6 +14,7 @@ stderr: ``warning: ... is deprecated ...: use ...``. The commands declare only t
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any, ClassVar
 
 import typer
@@ -57,20 +58,27 @@ class Command(TyperCommand):
         return room
 
     def upgrade(self, args: list[str]) -> tuple[list[str], list[str]]:
-        """``args`` with deprecated spellings replaced by today's, and one warning line per replacement."""
+        """``args`` with deprecated spellings replaced by today's, and one warning line per replacement. An
+        option's value and everything after ``--`` are kept as given (``--prompt -p``: the prompt is ``-p``)."""
+        takes = self._takes_value()
         lines: list[str] = []
         out: list[str] = []
-        for tok in args:
+        it = iter(args)
+        for tok in it:
             if tok == "--":
-                out.append(tok)
-                continue
+                out += [tok, *it]
+                break
             short = tok[:2]
             if short in self.short_aliases and (tok == short or not tok.startswith("--")):
                 long, why = self.short_aliases[short]
                 lines.append(deprecation(short, long, why))
                 out += [long, tok[2:]] if len(tok) > 2 else [long]
+                if len(tok) == 2 and long in takes:
+                    out.extend(islice(it, 1))
                 continue
             out.append(tok)
+            if tok in takes:
+                out.extend(islice(it, 1))
         if self.json_path:
             out = self._json_path(out, lines)
         return out, lines

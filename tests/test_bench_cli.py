@@ -144,15 +144,17 @@ def test_bench_train_tiny(tmp_path: Path) -> None:
 
 
 def test_bench_flag_errors_are_one_line() -> None:
-    for args in (["bench", "attention", "--tiny", "--seq-lens", "abc"],
-                 ["bench", "attention", "--tiny", "--shape", "5,2,16"],
-                 ["bench", "attention", "--tiny", "--tune", "sel_bm"],
-                 ["bench", "attention", "--tiny", "--tune", "sel_bmx=16"],
-                 ["bench", "train", "--tiny", "--modes", "fast"],
-                 ["bench", "train", "--tiny", "--attention", "sparse"]):
+    """Each bad value is refused in one line that names its flag (exit 2)."""
+    for args, flag in ((["bench", "attention", "--tiny", "--seq-lens", "abc"], "--seq-lens"),
+                       (["bench", "attention", "--tiny", "--shape", "5,2,16"], "--shape"),
+                       (["bench", "attention", "--tiny", "--tune", "sel_bm"], "--tune"),
+                       (["bench", "attention", "--tiny", "--tune", "sel_bmx=16"], "--tune sel_bmx"),
+                       (["bench", "train", "--tiny", "--modes", "fast"], "--modes"),
+                       (["bench", "train", "--tiny", "--attention", "sparse"], "--attention")):
         res = runner.invoke(app, args)
         assert res.exit_code == 2, (args, res.output)
-        assert "error:" in res.output
+        lines = res.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and flag in lines[0], (args, res.output)
 
 
 def test_bench_retrieval_writes_curves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

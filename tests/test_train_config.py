@@ -145,7 +145,7 @@ def test_existing_run_needs_resume(tmp_path: Path) -> None:
 
 def test_nproc_must_be_positive() -> None:
     res = runner.invoke(app, ["train", "--config", "tiny", "--nproc-per-node", "0"])
-    assert res.exit_code == 2
+    assert res.exit_code == 2 and "--nproc-per-node" in res.stderr and "Traceback" not in res.output
 
 
 @pytest.mark.parametrize("sets, world, mode", [

@@ -156,17 +156,19 @@ NO_RETRIEVAL_GATES: dict[str, str] = {
     "window": "learned it in none of 4 seeds at S=128-512 where dense attention and the slow gates did",
 }
 RETRIEVAL_KV_SPEED = 3.0
+PAPER = NSAParams()  # the paper's hyper-parameters: the defaults of the nsa section
 GRAPHS_MAX_SEQ_LEN = 16384  # runtime.compile_mode=auto: CUDA graphs for NSA up to this train.seq_len
 
 
 class NSAConfig(_Section):
-    """NSA hyper-parameters (paper defaults) and module options."""
+    """NSA hyper-parameters (the paper's defaults, owned by :class:`nsa.params.NSAParams`) and module options
+    (the gate defaults are these fields', which :class:`nsa.model.gates.GateParams` takes)."""
 
-    l: int = Field(32, ge=1, description="compression block length")  # noqa: E741
-    d: int = Field(16, ge=1, description="compression stride")
-    l_sel: int = Field(64, ge=1, description="selection block length (paper l')")
-    n_sel: int = Field(16, ge=1, description="selected blocks per query, forced blocks included")
-    w: int = Field(512, ge=1, description="sliding window")
+    l: int = Field(PAPER.l, ge=1, description="compression block length")  # noqa: E741
+    d: int = Field(PAPER.d, ge=1, description="compression stride")
+    l_sel: int = Field(PAPER.l_sel, ge=1, description="selection block length (paper l')")
+    n_sel: int = Field(PAPER.n_sel, ge=1, description="selected blocks per query, forced blocks included")
+    w: int = Field(PAPER.w, ge=1, description="sliding window")
     phi: Literal["avg", "mlp"] = "avg"
     gate: Literal["sigmoid", "softmax"] = "sigmoid"
     shared_kv: bool = False

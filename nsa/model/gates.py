@@ -9,6 +9,7 @@ from typing import Any
 from nsa.config import NSAConfig
 
 Triple = tuple[float, float, float]
+_DEFAULT = NSAConfig()  # the gate defaults are the config's (one owner: nsa.config.run.NSAConfig)
 
 
 def _triple(values: Any) -> Triple:
@@ -23,12 +24,12 @@ class GateParams:
     ``fixed``: constant gates instead (ablations, the MLP unused); ``collapse_threshold``: the share above
     which a gate counts as collapsed in the statistics. Order (cmp, sel, win); docs/design.md, "Gates"."""
 
-    kind: str = "sigmoid"
-    hidden: int | None = None
-    bias: Triple = (-2.0, -2.0, 2.0)
-    scale: float = 0.1
-    fixed: Triple | None = None
-    collapse_threshold: float = 0.9
+    kind: str = _DEFAULT.gate
+    hidden: int | None = _DEFAULT.gate_hidden
+    bias: Triple = _DEFAULT.gate_bias
+    scale: float = _DEFAULT.gate_scale
+    fixed: Triple | None = _DEFAULT.fixed_gates
+    collapse_threshold: float = _DEFAULT.collapse_threshold
 
     def __post_init__(self) -> None:
         if self.kind not in ("sigmoid", "softmax"):
@@ -44,9 +45,10 @@ class GateParams:
                    collapse_threshold=n.collapse_threshold)
 
     @classmethod
-    def of_keywords(cls, gate: str = "sigmoid", gate_hidden: int | None = None, gate_bias: Triple = (-2.0, -2.0, 2.0),
-                    gate_scale: float = 0.1, fixed_gates: Triple | None = None,
-                    collapse_threshold: float = 0.9) -> GateParams:
+    def of_keywords(cls, gate: str = _DEFAULT.gate, gate_hidden: int | None = _DEFAULT.gate_hidden,
+                    gate_bias: Triple = _DEFAULT.gate_bias, gate_scale: float = _DEFAULT.gate_scale,
+                    fixed_gates: Triple | None = _DEFAULT.fixed_gates,
+                    collapse_threshold: float = _DEFAULT.collapse_threshold) -> GateParams:
         """The layer's loose keywords of before issue 34, which the ``modeling_nsa.py`` of earlier Hugging Face
         exports still passes (:class:`nsa.model.attention.NSAAttention`)."""
         return cls(kind=gate, hidden=gate_hidden, bias=gate_bias, scale=gate_scale, fixed=fixed_gates,

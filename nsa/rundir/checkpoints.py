@@ -41,9 +41,10 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def step_of(path: Path) -> int:
-    """The step number of a ``step_*`` folder name (``-1`` for anything else)."""
-    m = _NAME.match(path.name)
+def step_of(path: str | Path) -> int:
+    """The step number of a ``step_*`` folder name (``-1`` for anything else; a path as text is read too: a
+    heartbeat's ``resumed_from``)."""
+    m = _NAME.match(Path(path).name)
     return int(m.group(1)) if m else -1
 
 

@@ -33,6 +33,7 @@ from typing import Any
 from nsa.errors import NSAError, RunDirError
 from nsa.fileio import free_space, write_atomic
 from nsa.rundir import RunDir
+from nsa.rundir.checkpoints import step_of
 from nsa.rundir.env import REDACTED, is_secret
 from nsa.rundir.layout import CHECKPOINTS_DIR
 from nsa.rundir.records import EVAL_SCHEMA, newer_schema, schema_note
@@ -220,9 +221,8 @@ def _steps(events: Sequence[Mapping[str, Any]]) -> list[float]:
 
 def resume_step(boot: dict[str, Any]) -> int | None:
     """The step a session resumed at: its checkpoint's ``step_NNNNNNNN`` (a ``boot`` is written at step 0)."""
-    m = re.search(r"step_(\d+)", str(boot.get("resumed_from") or ""))
-    if m:
-        return int(m.group(1))
+    if (at := step_of(str(boot.get("resumed_from") or ""))) >= 0:
+        return at
     step = boot.get("step")
     return step if isinstance(step, int) and step > 0 else None
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from nsa.rundir import RunDir
+from nsa.rundir.checkpoints import step_of
 
 CLEAN = ("completed", "halted")  # how a session ends when nothing went wrong
 
@@ -56,11 +56,6 @@ class Session:
         return {**asdict(self), "how": self.how(), "clean": self.clean}
 
 
-def _step_of(resumed_from: Any) -> int:
-    m = re.search(r"step_(\d+)", str(resumed_from or ""))
-    return int(m.group(1)) if m else 0
-
-
 def read_sessions(run_dir: str | Path, current_status: str | None = None) -> list[Session]:
     """The sessions of rank 0's heartbeat, oldest first. ``current_status``: the run's status now (``running``,
     ``stale``, ``crashed``, ... from :meth:`nsa.runs.reader.RunState.status`), for the last session when it has
@@ -81,7 +76,7 @@ def read_sessions(run_dir: str | Path, current_status: str | None = None) -> lis
             ts = float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else None
             if kind == "boot":
                 resumed = ev.get("resumed_from")
-                first = _step_of(resumed)
+                first = max(0, step_of(str(resumed or "")))
                 out.append(Session(len(out) + 1, ts, None, "", first, first, str(resumed) if resumed else None,
                                    pid=ev.get("pid") if isinstance(ev.get("pid"), int) else None,
                                    host=str(ev["host"]) if ev.get("host") else None))

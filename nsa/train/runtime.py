@@ -88,10 +88,6 @@ def check_training_config(cfg: RunConfig) -> None:
     if tr.stop_at is not None and tr.stop_at > tr.steps:
         raise ConfigError(f"train.stop_at={tr.stop_at} is beyond train.steps={tr.steps}",
                           hint="stop at a step up to train.steps, or leave train.stop_at unset")
-    if cfg.model.max_seq_len < tr.seq_len:
-        raise ConfigError(f"train.seq_len={tr.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    if cfg.model.attention == "nsa" and tr.seq_len < 2:
-        raise ConfigError(f"train.seq_len={tr.seq_len} is too short")
     data = cfg.data
     if data.loss_on == "answers" and (data.source != "synthetic" or data.synthetic_task == "random"):
         raise ConfigError(

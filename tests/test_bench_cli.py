@@ -161,11 +161,13 @@ def test_bench_retrieval_writes_curves(tmp_path: Path, monkeypatch: pytest.Monke
     """A few steps of the retrieval benchmark on the CPU: the table, and one curve per variant in JSON; the NSA
     model trains with the config's selection losses (the default alignment loss), the window control without."""
     from nsa.bench import retrieval as bench_retrieval
+    from nsa.model.diagnostics import ScorerParams
     from nsa.model.lm import NSALM
 
-    configured: list[tuple[object, ...]] = []
-    real = NSALM.configure_scorer
-    monkeypatch.setattr(NSALM, "configure_scorer", lambda self, *a: (configured.append(a), real(self, *a))[1])
+    configured: list[object] = []
+    real = NSALM.__init__
+    monkeypatch.setattr(NSALM, "__init__", lambda self, *a, **k: (configured.append(k.get("scorer")),
+                                                                   real(self, *a, **k))[1])
     variants: list[str] = []
     learn = bench_retrieval.learn_retrieval
     monkeypatch.setattr(bench_retrieval, "learn_retrieval",
@@ -174,7 +176,7 @@ def test_bench_retrieval_writes_curves(tmp_path: Path, monkeypatch: pytest.Monke
     res = runner.invoke(app, ["bench", "retrieval", "--config", "tiny", "--seq-len", "64", "--gap", "20", "--steps", "4",
                               "--eval-every", "2", "--eval-samples", "8", "--variants", "nsa,window", "--json-out", str(out)])
     assert res.exit_code == 0, res.output
-    assert variants == ["nsa", "window"] and configured == [(64, 0.0, "query_and_keys", 0.1)]  # nsa's only
+    assert variants == ["nsa", "window"] and configured == [ScorerParams(64, 0.0, "query_and_keys", 0.1), None]  # nsa's only
     assert json.loads(out.read_text())["scorer"]["align"] == 0.1
     assert "retrieval at S=64" in res.output
     data = json.loads(out.read_text())
@@ -199,16 +201,18 @@ def test_bench_train_runs_the_trainers_selection_losses(monkeypatch: pytest.Monk
     (the default recipe's alignment loss on; both weights per micro-batch under ``train.accum``)."""
     from nsa.bench.train import bench_train_step
     from nsa.config import load_run_config
+    from nsa.model.diagnostics import ScorerParams
     from nsa.model.lm import NSALM
 
-    seen: list[tuple[object, ...]] = []
-    real = NSALM.configure_scorer
-    monkeypatch.setattr(NSALM, "configure_scorer", lambda self, *a: (seen.append(a), real(self, *a))[1])
+    seen: list[object] = []
+    real = NSALM.__init__
+    monkeypatch.setattr(NSALM, "__init__", lambda self, *a, **k: (seen.append(k.get("scorer")), real(self, *a, **k))[1])
     cfg = load_run_config("tiny", environ={}, sets=["scorer.weight=0.2", "train.accum=4"]).config
-    assert cfg.scorer.model_args(4) == (64, 0.05, "query_and_keys", 0.025)
-    assert cfg.scorer.model_copy(update={"weight": 0.0, "align": 0.0}).model_args() == (0, 0.0, "query_and_keys", 0.0)
+    assert ScorerParams.of_config(cfg.scorer, 4) == ScorerParams(64, 0.05, "query_and_keys", 0.025)
+    off = cfg.scorer.model_copy(update={"weight": 0.0, "align": 0.0})
+    assert ScorerParams.of_config(off) == ScorerParams(0, 0.0, "query_and_keys", 0.0)
     row = bench_train_step(cfg, attention="nsa", seq_len=64, batch_size=2, steps=1, warmup=0, device="cpu")
-    assert row.error is None and seen == [(64, 0.2, "query_and_keys", 0.1)]  # one step is one micro-batch
+    assert row.error is None and seen == [ScorerParams(64, 0.2, "query_and_keys", 0.1)]  # one step is one micro-batch
 
 
 def test_bench_train_pairs_each_variant_in_its_own_compile_mode() -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nsa.model.diagnostics import ScorerParams
 from nsa.config import ModelConfig, NSAConfig
 from nsa.model.context import ContextParallel, in_position_order
 from nsa.model.lm import NSALM
@@ -121,7 +122,7 @@ def test_alignment_loss_in_chunks_is_the_whole_models(cu: torch.Tensor | None) -
     for align in (0.5, 0.0):
         for m in (whole, split):
             m.zero_grad()
-            m.configure_scorer(16, 0.0, "query_and_keys", align)
+            m.set_scorer(ScorerParams(16, 0.0, "query_and_keys", align))
         _split_is_whole(whole, split, cp, ids, labels, cu)
         grads.append([p.grad.clone() for p in whole.parameters() if p.grad is not None])
         if align:  # the running means of the loss, as training telemetry reads them
@@ -158,7 +159,7 @@ def _worker(rank: int, size: int, port: int, attentions: list[str], out: Any) ->
     try:
         for attention, cu, align in _cases(attentions):
             _, split = _models(attention)
-            split.configure_scorer(16, 0.0, "query_and_keys", align)
+            split.set_scorer(ScorerParams(16, 0.0, "query_and_keys", align))
             ids, labels = _data(11)
             cp = ContextParallel(dist.group.WORLD, rank, size)
             split.set_context_parallel(cp)
@@ -192,7 +193,7 @@ def test_split_over_gloo_ranks_is_the_whole_model(size: int, attentions: list[st
     for attention, cu, align in _cases(attentions):
         documents = cu is not None
         whole, _ = _models(attention)
-        whole.configure_scorer(16, 0.0, "query_and_keys", align)
+        whole.set_scorer(ScorerParams(16, 0.0, "query_and_keys", align))
         ids, labels = _data(11)
         ref = whole(ids, labels, cu_seqlens=cu)
         assert ref.loss is not None

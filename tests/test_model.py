@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from nsa.model.diagnostics import ScorerParams
 from nsa.config import ModelConfig, NSAConfig, load_named
 from nsa.model import NSALM, DenseAttention, LMOutput, NSAAttention, RMSNorm, build_model
 from nsa.model.gates import GateParams
@@ -435,7 +436,7 @@ def test_diagnostics_follow_the_layer_and_stay_out_of_its_state() -> None:
     to ``state_dict`` or the module's buffers."""
     m = _attn(2)
     keys = set(m.state_dict())
-    m.diag.configure_scorer(4, 0.25)
+    m.diag.set_scorer(ScorerParams(4, 0.25))
     m.double()
     assert set(m.state_dict()) == keys and [n for n, _ in m.named_buffers()] == ["gate_offset"]
     assert m.diag.acc.dtype == torch.float64 and m.diag.scorer_weight.dtype == torch.float64

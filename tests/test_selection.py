@@ -13,6 +13,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from nsa.model.diagnostics import ScorerParams
 from nsa.config import GATE_PRESETS, ModelConfig, NSAConfig, load_run_config
 from nsa.errors import CheckpointError, NSAError
 from nsa.model.lm import NSALM
@@ -176,7 +177,7 @@ def test_scorer_loss_reaches_the_scorer_and_not_the_reported_loss() -> None:
 
     def grads(queries: int, weight: float, into: str = "query_and_keys") -> tuple[float, torch.Tensor, torch.Tensor]:
         m.zero_grad()
-        m.configure_scorer(queries, weight, into)
+        m.set_scorer(ScorerParams(queries, weight, into))
         out = m(x, labels=x)
         assert out.loss is not None
         out.loss.backward()
@@ -241,7 +242,7 @@ def test_align_loss_trains_the_attention_and_not_the_reported_loss() -> None:
 
     def grads(weight: float, align: float) -> tuple[float, dict[str, torch.Tensor]]:
         m.zero_grad()
-        m.configure_scorer(16, weight, "query_and_keys", align)
+        m.set_scorer(ScorerParams(16, weight, "query_and_keys", align))
         out = m(x, labels=x)
         assert out.loss is not None
         out.loss.backward()
@@ -276,7 +277,7 @@ def test_auxiliary_losses_split_over_micro_batches_as_the_trainer_scales_them() 
         out = []
         for on in (1.0, 0.0):
             m.zero_grad()
-            m.configure_scorer(16, 0.1 * on * scale, "query_and_keys", 0.1 * on * scale)
+            m.set_scorer(ScorerParams(16, 0.1 * on * scale, "query_and_keys", 0.1 * on * scale))
             for b in batches:
                 loss = m(b, labels=b).loss
                 assert loss is not None
@@ -295,11 +296,11 @@ def test_align_loss_over_packed_documents_and_under_checkpointing() -> None:
     """Seed 22: with ``data.document_mask`` each long enough document gets its own alignment loss, and
     gradient checkpointing gives the same gradients as without."""
     m, x, cu = _model_and_batch(22, 59, True)
-    m.configure_scorer(16, 0.0, "query_and_keys", 1.0)
+    m.set_scorer(ScorerParams(16, 0.0, "query_and_keys", 1.0))
 
     def run(checkpointing: bool, align: float) -> list[torch.Tensor]:
         m.zero_grad()
-        m.configure_scorer(16, 0.0, "query_and_keys", align)
+        m.set_scorer(ScorerParams(16, 0.0, "query_and_keys", align))
         m.set_gradient_checkpointing(checkpointing)
         loss = m(x, labels=x, cu_seqlens=cu).loss
         assert loss is not None
@@ -335,7 +336,7 @@ def test_scorer_into_weights_trains_the_layers_weights_and_nothing_before(packed
 
     def grads(weight: float, into: str) -> tuple[float, dict[str, torch.Tensor]]:
         m.zero_grad()
-        m.configure_scorer(16, weight, into)
+        m.set_scorer(ScorerParams(16, weight, into))
         out = m(x, labels=x, cu_seqlens=cu)
         assert out.loss is not None
         out.loss.backward()
@@ -378,7 +379,7 @@ def test_scorer_loss_over_packed_documents_is_each_documents_weighted_by_length(
         out = []
         for weight in (1.0, 0.0):
             m.zero_grad()
-            m.configure_scorer(16, weight)
+            m.set_scorer(ScorerParams(16, weight))
             loss = m(ids, labels=ids, cu_seqlens=cu_seqlens).loss
             assert loss is not None
             loss.backward()
@@ -403,7 +404,7 @@ def test_scorer_loss_under_gradient_checkpointing_equals_without(packed: bool, i
     inputs (``scorer.into=weights``). Before, the recompute skipped the scorer loss, saved fewer tensors than
     the forward and the backward failed (``CheckpointError``)."""
     m, x, cu = _model_and_batch(18, 39, packed)
-    m.configure_scorer(16, 1.0, into)
+    m.set_scorer(ScorerParams(16, 1.0, into))
 
     def run(checkpointing: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         m.zero_grad()

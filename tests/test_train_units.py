@@ -240,7 +240,7 @@ def test_step_hooks_are_registered_by_the_config_and_split_their_totals() -> Non
     cfg = load_named("tiny")
     assert step_hooks(cfg, None, None).hooks == []
     calls: list[tuple[int, float]] = []
-    model = SimpleNamespace(configure_scorer=lambda q, w: calls.append((q, w)))
+    model = SimpleNamespace(set_scorer=lambda p: calls.append((p.queries, p.weight)))
     on = cfg.model_copy(update={"scorer": cfg.scorer.model_copy(update={"weight": 0.5, "until": 2})})
     hooks = step_hooks(on, model, torch.tensor([False, True, True]))
     assert [type(h) for h in hooks.hooks] == [ScorerWarmup, AnswerMetrics]

@@ -20,6 +20,7 @@ import torch
 
 from nsa.config import ModelConfig, NSAConfig, ScorerConfig
 from nsa.data.retrieval import RetrievalTask
+from nsa.model.diagnostics import ScorerParams
 from nsa.model.lm import NSALM
 
 VARIANTS = ("dense", "nsa", "window")
@@ -87,11 +88,11 @@ def learn_retrieval(
     if variant == "window":
         nsa_cfg = nsa_cfg.model_copy(update={"fixed_gates": (0.0, 0.0, 1.0)})
     torch.manual_seed(seed)
-    model = NSALM(cfg, nsa_cfg, backend=backend).to(dev)
-    scorer_until: int | None = None
-    if scorer is not None and scorer.active and variant == "nsa":  # the window control has no selection to train
-        model.configure_scorer(*scorer.model_args())
-        scorer_until = scorer.until
+    # the window control has no selection to train
+    training = scorer is not None and scorer.active and variant == "nsa"
+    model = NSALM(cfg, nsa_cfg, backend=backend,
+                  scorer=ScorerParams.of_config(scorer) if training and scorer is not None else None).to(dev)
+    scorer_until = scorer.until if training and scorer is not None else None
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=0.0)
     train_gen = torch.Generator().manual_seed(1234 + seed)
@@ -104,7 +105,7 @@ def learn_retrieval(
     t0 = time.perf_counter()
     for step in range(1, r.steps + 1):
         if scorer_until is not None and step > scorer_until:  # the scorer's warm-up is over
-            model.configure_scorer(0, 0.0)
+            model.set_scorer(ScorerParams())
             scorer_until = None
         for group in opt.param_groups:
             group["lr"] = r.lr * min(1.0, step / max(1, r.warmup))

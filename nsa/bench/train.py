@@ -23,6 +23,7 @@ from nsa.config import RunConfig
 from nsa.errors import ConfigError
 from nsa.model import build_model
 from nsa.model.context import ContextParallel
+from nsa.model.diagnostics import ScorerParams
 from nsa.ops import fallback_counts, reset_fallback_counts, tile_overrides
 from nsa.train import distributed as D
 from nsa.train import parallel
@@ -151,8 +152,8 @@ def _bench_step(cfg: RunConfig, attention: str, seq_len: int, batch_size: int, s
         cfg.runtime.attn_backend = "triton"  # explicit, so a fallback to torch is counted
     info, grid = ranks or (D.DistInfo(), D.Layout())
     torch.manual_seed(0)
-    model = build_model(cfg).to(dev)
-    model.configure_scorer(*cfg.scorer.model_args())  # the selection losses (scorer.*), as the trainer's
+    # the selection losses (scorer.*) as the trainer's, one step being one micro-batch
+    model = build_model(cfg, ScorerParams.of_config(cfg.scorer)).to(dev)
     model.train()
     if use_compile:
         torch._dynamo.reset()  # a fresh graph per row: shapes differ, never the recompile limit

@@ -120,9 +120,3 @@ class ScorerConfig(ConfigSection):
     def active(self) -> bool:
         """Whether either loss is on (the scorer's query positions are computed)."""
         return self.weight > 0 or self.align > 0
-
-    def model_args(self, accum: int = 1) -> tuple[int, float, str, float]:
-        """``NSALM.configure_scorer``'s arguments as the trainer applies them: query positions (0 when both losses
-        are off), and each weight divided by the micro-batches of a step (``accum``; each micro-batch's losses are
-        means, so the step's add up to the whole batch's, as the language loss does)."""
-        return (self.queries if self.active else 0, self.weight / accum, self.into, self.align / accum)

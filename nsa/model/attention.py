@@ -12,7 +12,7 @@ from nsa.model import documents
 from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
 from nsa.model.compress import Compressor
 from nsa.model.context import ContextParallel
-from nsa.model.diagnostics import LayerDiagnostics
+from nsa.model.diagnostics import LayerDiagnostics, ScorerParams
 from nsa.model.gates import GateParams
 from nsa.model.rope import RotaryEmbedding
 from nsa.model.selection import first_choice, probe_range
@@ -68,8 +68,9 @@ class NSAAttention(nn.Module):
       paper's layer; the config's (``nsa.window_query``, ``nsa.kv_speed``) are the measured recipe.
 
     What the layer measures besides its output (gate and selection statistics, the selection probe, the
-    scorer loss) lives in ``diag`` (:class:`nsa.model.diagnostics.LayerDiagnostics`); the forward hands it the
-    tensors it needs. ``legacy``: the loose gate keywords of before issue 34 (``gate``, ``gate_hidden``,
+    scorer and alignment losses, whose options ``scorer`` are a frozen
+    :class:`nsa.model.diagnostics.ScorerParams`) lives in ``diag`` (:class:`nsa.model.diagnostics.LayerDiagnostics`);
+    the forward hands it the tensors it needs. ``legacy``: the loose gate keywords of before issue 34 (``gate``, ``gate_hidden``,
     ``gate_bias``, ``gate_scale``, ``fixed_gates``, ``collapse_threshold``) instead of ``gates``, as the
     ``modeling_nsa.py`` of earlier Hugging Face exports passes them.
     """
@@ -79,7 +80,8 @@ class NSAAttention(nn.Module):
     def __init__(
         self, dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, hp: NSAParams,
         gates: GateParams | None = None, *, phi: str = "avg", shared_kv: bool = False, rope_theta: float = 10000.0,
-        backend: str | None = None, window_query: bool = False, kv_speed: float = 1.0, **legacy: Any,
+        backend: str | None = None, window_query: bool = False, kv_speed: float = 1.0,
+        scorer: ScorerParams | None = None, **legacy: Any,
     ) -> None:
         super().__init__()
         if n_heads % n_kv_groups:
@@ -109,7 +111,7 @@ class NSAAttention(nn.Module):
         self.register_buffer("kv_gain", gain, persistent=False)
         self.rope = RotaryEmbedding(d_k, rope_theta)
         self.context: ContextParallel | None = None  # set by NSALM.set_context_parallel
-        self.diag = LayerDiagnostics(hp, self.scale, gates.collapse_threshold)
+        self.diag = LayerDiagnostics(hp, self.scale, gates.collapse_threshold, scorer)
 
     @property
     def gate_bias(self) -> tuple[float, float, float]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +34,30 @@ from nsa.model.selection import (
 from nsa.model.stats import ALIGN, N_FIELDS, SCORER, gate_sums, loss_sums, selection_sums, summarise
 from nsa.ops import NSAParams
 
+if TYPE_CHECKING:
+    from nsa.config import ScorerConfig
+
+
+@dataclass(frozen=True)
+class ScorerParams:
+    """The scorer and alignment losses of an NSA layer as one frozen object (like
+    :class:`nsa.model.gates.GateParams`), given to the layer at construction: ``queries`` positions per training
+    forward (0: off, nothing computed), the scorer loss's ``weight``, what it trains (``into``:
+    ``query_and_keys``; ``keys``, the compressed keys alone; ``weights``, the layer's own weights from its detached
+    input) and the alignment loss's weight ``align`` (0: off). The default: both off."""
+
+    queries: int = 0
+    weight: float = 0.0
+    into: str = "query_and_keys"
+    align: float = 0.0
+
+    @classmethod
+    def of_config(cls, scorer: ScorerConfig, accum: int = 1) -> ScorerParams:
+        """The losses of a ``scorer`` config section as a training step runs them: query positions (0 when both
+        losses are off), each weight divided by the micro-batches of a step (``accum``; each micro-batch's losses
+        are means, so the step's add up to the whole batch's, as the language loss does)."""
+        return cls(scorer.queries if scorer.active else 0, scorer.weight / accum, scorer.into, scorer.align / accum)
+
 
 class LayerDiagnostics:
     """Statistics, probe and scorer loss of one NSA layer (``hp``, softmax ``scale``, ``collapse_threshold``:
@@ -49,16 +74,14 @@ class LayerDiagnostics:
       :func:`nsa.model.selection.align_loss` (dense attention drawn into the selected blocks) times it.
     """
 
-    def __init__(self, hp: NSAParams, scale: float, collapse_threshold: float) -> None:
+    def __init__(self, hp: NSAParams, scale: float, collapse_threshold: float,
+                 scorer: ScorerParams | None = None) -> None:
         self.hp, self.scale, self.collapse_threshold = hp, scale, collapse_threshold
         self.acc = torch.zeros(N_FIELDS, dtype=torch.float64)  # nsa.model.stats.FIELDS
         self.suppressed = False
-        self.scorer_queries = 0
-        self._weight = 0.0  # scorer_weight's value on the host: a move rebuilds the tensor from it
-        self.scorer_weight = torch.tensor(self._weight)
-        self.scorer_into = "query_and_keys"  # what the scorer loss trains (ScorerConfig.into)
-        self._align = 0.0  # align_weight's value on the host (ScorerConfig.align)
-        self.align_weight = torch.tensor(self._align)
+        self.scorer_weight = torch.tensor(0.0)
+        self.align_weight = torch.tensor(0.0)
+        self.set_scorer(scorer or ScorerParams())
         self.probe_queries = 0  # > 0 once armed: the next forward records layer_report in probe_out
         self.probe_out: dict[str, Any] | None = None
         self._parts: list[tuple[dict[str, Any], int]] = []  # a packed forward's reports per document, and lengths
@@ -199,12 +222,13 @@ class LayerDiagnostics:
     # ------------------------------------------------------------------------------------------
     # the language model drives these
 
-    def configure_scorer(self, queries: int, weight: float, into: str = "query_and_keys", align: float = 0.0) -> None:
-        """``queries`` positions per training forward (0: off, nothing computed), the scorer loss's ``weight``
-        and what it trains (``into``: ``query_and_keys``; ``keys``, the compressed keys alone; ``weights``, the
-        layer's own weights from its detached input), the alignment loss's weight ``align`` (0: off)."""
-        self.scorer_queries, self._weight, self.scorer_into = int(queries), float(weight), into
-        self._align = float(align)
+    def set_scorer(self, scorer: ScorerParams) -> None:
+        """The losses of :class:`ScorerParams` from now on (the layer's, given at construction; a schedule
+        switches them off: ``scorer.until``)."""
+        self.scorer = scorer
+        self.scorer_queries, self.scorer_into = int(scorer.queries), scorer.into
+        self._weight = float(scorer.weight)  # scorer_weight's value on the host: a move rebuilds the tensor from it
+        self._align = float(scorer.align)  # align_weight's value on the host
         self.scorer_weight.fill_(self._weight)
         self.align_weight.fill_(self._align)
 

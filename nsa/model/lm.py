@@ -17,6 +17,7 @@ from nsa.model.block import Block
 from nsa.model.cache import ModelCache
 from nsa.model.compress import BlockMLP
 from nsa.model.context import ContextParallel
+from nsa.model.diagnostics import ScorerParams
 from nsa.model.generate import generate
 from nsa.model.norm import RMSNorm
 from nsa.model.stats import N_FIELDS, summarise
@@ -53,14 +54,15 @@ class NSALM(nn.Module):
     ``-100`` ignored.
     """
 
-    def __init__(self, model_cfg: ModelConfig, nsa_cfg: NSAConfig | None = None, backend: str | None = None) -> None:
+    def __init__(self, model_cfg: ModelConfig, nsa_cfg: NSAConfig | None = None, backend: str | None = None,
+                 scorer: ScorerParams | None = None) -> None:
         super().__init__()
         self.model_cfg = model_cfg
         self.nsa_cfg = nsa_cfg or NSAConfig()
         self.backend = backend
         m = model_cfg
         self.tok_emb = nn.Embedding(m.vocab_size, m.dim)
-        self.blocks = nn.ModuleList(Block(m, self.nsa_cfg, backend, i) for i in range(m.n_layers))
+        self.blocks = nn.ModuleList(Block(m, self.nsa_cfg, backend, i, scorer) for i in range(m.n_layers))
         self.norm = RMSNorm(m.dim, m.norm_eps)
         self.head = nn.Linear(m.dim, m.vocab_size, bias=False)
         if m.tie_embeddings:
@@ -154,13 +156,12 @@ class NSALM(nn.Module):
             self.train(was_training)
         return reports
 
-    def configure_scorer(self, queries: int, weight: float, into: str = "query_and_keys", align: float = 0.0) -> None:
-        """The scorer and alignment losses in every NSA layer: ``queries`` positions per forward (0: off, nothing
-        computed), the scorer's ``weight``, what it trains (``into``) and the alignment loss's weight ``align``
-        (:class:`nsa.config.ScorerConfig`)."""
+    def set_scorer(self, scorer: ScorerParams) -> None:
+        """The scorer and alignment losses of every NSA layer from now on (given at construction; a schedule
+        switches them off: ``scorer.until``)."""
         for block in self.block_list():
             if isinstance(block.attn, NSAAttention):
-                block.attn.diag.configure_scorer(queries, weight, into, align)
+                block.attn.diag.set_scorer(scorer)
 
     # ------------------------------------------------------------------------------------------
     # sizes
@@ -278,8 +279,9 @@ def _init_weights(module: nn.Module, std: float) -> None:
         module.scale_fast_kv_init()
 
 
-def build_model(run_cfg: RunConfig) -> NSALM:
+def build_model(run_cfg: RunConfig, scorer: ScorerParams | None = None) -> NSALM:
     """The model of a run config: NSA or dense (``model.attention``), ops backend from
-    ``runtime.attn_backend`` (``auto`` -> the dispatcher decides per call)."""
+    ``runtime.attn_backend`` (``auto`` -> the dispatcher decides per call); ``scorer``: the selection losses
+    its NSA layers train with (:meth:`ScorerParams.of_config`; default off: evaluation, decoding, export)."""
     backend = run_cfg.runtime.attn_backend
-    return NSALM(run_cfg.model, run_cfg.nsa, backend=None if backend == "auto" else backend)
+    return NSALM(run_cfg.model, run_cfg.nsa, backend=None if backend == "auto" else backend, scorer=scorer)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from nsa.config import RunConfig
+from nsa.model.diagnostics import ScorerParams
 
 
 class StepHook:
@@ -44,7 +45,7 @@ class ScorerWarmup(StepHook):
 
     def on_step_start(self, step: int) -> None:
         if self.until is not None and step > self.until:  # the scorer's warm-up is over
-            self.model.configure_scorer(0, 0.0)
+            self.model.set_scorer(ScorerParams())
             self.until = None
 
 

@@ -24,6 +24,7 @@ from nsa.data.loader import build_loader, slowest_position
 from nsa.errors import ConfigError, RunDirError
 from nsa.model import build_model
 from nsa.model.context import ContextParallel
+from nsa.model.diagnostics import ScorerParams
 from nsa.model.documents import from_separators
 from nsa.rundir import RunDir
 from nsa.rundir.records import TRAIN_CSV_HEADER, VAL_CSV_HEADER
@@ -266,7 +267,7 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
     """Model, wrappers, optimizer, schedule, loaders, restored state, first batch, files, signals."""
 
     cfg, tr, rt = plan.cfg, plan.cfg.train, plan.rt
-    model: Any = build_model(cfg)
+    model: Any = build_model(cfg, ScorerParams.of_config(cfg.scorer, cfg.train.accum))
     if plan.init_state is not None:
         model.load_state_dict(plan.init_state, strict=not plan.init_fresh)
         plan.init_state = None  # the weights now live in the model
@@ -274,7 +275,6 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
         if plan.init_fresh:
             out.message(f"dense warm-start: key/value projections copied into every NSA branch; "
                         f"{len(plan.init_fresh)} NSA-only tensors (gates, compression) freshly initialised")
-    model.configure_scorer(*cfg.scorer.model_args(cfg.train.accum))
     model = model.to(rt.device)
     grid = D.layout(dist, cfg.runtime.context_parallel, rt.device_type)
     context = (ContextParallel(grid.context_group, grid.context_rank, grid.context_size)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from nsa.bench.profile import profile_kernels
 from nsa.ops import NSAParams
 
 SHAPES = (("paper", 64, 4, 128), ("m7c", 12, 2, 64))
@@ -26,19 +25,9 @@ HP = NSAParams()  # the paper's hyper-parameters
 
 
 def kernels(fn: Callable[[], Any], reps: int = 10) -> dict[str, float]:
-    """Device microseconds per call, by kernel name, heaviest first."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    acc: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            acc[ev.name[:90]] += ev.device_time / reps
-    return dict(sorted(acc.items(), key=lambda kv: -kv[1]))
+    """Device microseconds per call, by kernel name, heaviest first (:func:`nsa.bench.profile.profile_kernels`)."""
+    prof = profile_kernels(fn, "cuda", reps=reps, warmup=3)
+    return {k["name"]: k["ms"] * 1e3 for k in prof.kernels}
 
 
 def step_args(HQ: int, H: int, D: int, B: int, T: int = 65537) -> tuple[torch.Tensor, ...]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU run of the Triton NSA kernels: correctness tests, per-stage breakdown, then `nsa bench attention`.
 # Usage on the device machine (repo root): bash scripts/device_kernels.sh [stage ...]
-# stages: test, breakdown, attention, train (default: test breakdown attention). Logs/JSON go to $OUT.
+# stages: test, breakdown, sweep, profile, attention, train (default: test breakdown attention). Logs/JSON go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -46,60 +46,11 @@ for shape, S, HQ, H, D in [("paper", 65536, 64, 4, 128), ("m7c", 32768, 12, 2, 6
         torch.cuda.empty_cache()
 PY
       ;;
-    profile)
-      timeout 300 python3 - <<'PY' 2>&1 | tee "$OUT/profile.log"
-import torch
-from torch.profiler import profile, ProfilerActivity
-from nsa.bench.attention import bench_one
-from nsa.ops import NSAParams
-from nsa.config import load_named
-from nsa.model import build_model
-from nsa.ops import compress_avg, nsa_attention
-
-def top(prof, title, n=22):
-    print("=" * 20, title)
-    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA or getattr(e, "self_device_time_total", 0) > 0]
-    ev.sort(key=lambda e: -e.self_device_time_total)
-    tot = sum(e.self_device_time_total for e in ev)
-    print(f"total device ms {tot/1e3:.2f}")
-    for e in ev[:n]:
-        print(f"{e.self_device_time_total/1e3:9.3f} ms {e.count:5d}x  {e.key[:90]}")
-
-# 1) NSA op at paper 64k, fwd+bwd
-p = NSAParams()
-dev = "cuda"
-S, HQ, H, D = 65536, 64, 4, 128
-g = torch.Generator(device=dev).manual_seed(0)
-r = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_(True)
-q = r(1, S, HQ, D); kr, vr, ks, vs, kw, vw = (r(1, S, H, D) for _ in range(6))
-gates = torch.rand(1, S, HQ, 3, generator=g, device=dev, dtype=torch.bfloat16).requires_grad_(True)
-do = torch.randn(1, S, HQ, D, generator=g, device=dev, dtype=torch.bfloat16)
-def step():
-    o = nsa_attention(q, compress_avg(kr, p), compress_avg(vr, p), ks, vs, kw, vw, gates, p, backend="triton")
-    o.backward(do)
-step(); torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    step(); torch.cuda.synchronize()
-top(prof, "paper 64k nsa fwd+bwd")
-del q, kr, vr, ks, vs, kw, vw, gates, do
-torch.cuda.empty_cache()
-# 2) training step, 125M, S=2048, batch 16
-cfg = load_named("m7c-125m")
-cfg.runtime.attn_backend = "triton"
-model = build_model(cfg).cuda().train()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-ids = torch.randint(0, 256, (16, 2049), device="cuda")
-def tstep():
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = model(ids[:, :-1], ids[:, 1:]).loss
-    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
-for _ in range(3): tstep()
-torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    tstep(); torch.cuda.synchronize()
-top(prof, "train step m7c S=2048 B=16", 30)
-PY
-      ;;
+    profile)  # kernels by device time (nsa.bench.profile): the op at paper 64k, then a training step of m7c-125m
+      timeout 300 python3 -m nsa_cli bench attention --shape paper --seq-lens 65536 --no-dense --no-peer \
+        --profile-step --json-out "$OUT/profile_op.json" 2>&1 | tee "$OUT/profile.log"
+      timeout 400 python3 -m nsa_cli bench train --config m7c-125m --seq-lens 2048 --batch-sizes 16 --attention nsa \
+        --modes eager --profile-step --json-out "$OUT/profile_train.json" 2>&1 | tee -a "$OUT/profile.log" ;;
     attention)
       timeout 400 python3 -m nsa_cli bench attention --shape paper --seq-lens ${SEQS:-2048,8192,16384,32768,65536} $ATTN_TUNE --json-out "$OUT/attn_paper.json" 2>&1 | tee "$OUT/attn_paper.log"
       timeout 200 python3 -m nsa_cli bench attention --shape m7c --seq-lens ${SEQS_M7C:-2048,8192,32768} $ATTN_TUNE --json-out "$OUT/attn_m7c.json" 2>&1 | tee "$OUT/attn_m7c.log" ;;

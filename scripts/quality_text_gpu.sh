@@ -2,13 +2,17 @@
 # Issue 24's real-text quality runs on one GPU: every arm/seed in its own process, concurrently
 # (compilation is CPU-bound; the small model leaves the GPU room). Corpus: the Python standard library's
 # .py files as .txt documents (byte tokenizer). Usage: scripts/quality_text_gpu.sh OUT_DIR ARM:SEED ...
-# GATE_VARIANT=NAME:PARAM runs every arm with that learning-dynamics variant (scripts/gate_variants.py);
-# EXTRA="--set k=v ..." adds overrides to every arm.
+# EXTRA="--set k=v ..." adds overrides to every arm (the layer's learning dynamics: nsa.window_query, nsa.kv_speed;
+# the GATE_VARIANT patches of scripts/gate_variants.py are gone, and a GATE_VARIANT set is refused).
 # Without ARM:SEED arguments, SWEEP="--arms ... --seeds ... --lrs ..." runs one `nsa bench quality` over all of
 # them, PARALLEL runs at a time dealt over the GPUs (e.g. PARALLEL=8 on four GPUs), into OUT_DIR/sweep.json
 # and its curves into OUT_DIR/sweep.png.
 set -u
 out=${1:?out dir}; shift
+if [ -n "${GATE_VARIANT:-}" ]; then
+  echo "GATE_VARIANT is gone (scripts/gate_variants.py): use EXTRA='--set nsa.window_query=... --set nsa.kv_speed=...'" >&2
+  exit 2
+fi
 corpus=/tmp/pystd
 if [ ! -d "$corpus" ]; then  # built aside and moved in whole: two of these scripts may start together
   part=$(mktemp -d /tmp/pystd.XXXXXX)
@@ -31,10 +35,7 @@ fi
 for spec in "$@"; do
   arm=${spec%%:*}; seed=${spec##*:}
   tag=$(printf %s "$arm" | tr -c "a-zA-Z0-9-" "_")-s$seed
-  # a variant patches the paper's layer (one query, every K/V at the same speed)
-  if [ -n "${GATE_VARIANT:-}" ]; then cli=(scripts/gate_variants.py "$GATE_VARIANT" --); paper=(--set nsa.window_query=false --set nsa.kv_speed=1)
-  else cli=(-m nsa_cli); paper=(); fi
-  python3 "${cli[@]}" bench quality --config m7c-125m "${SETS[@]}" "${paper[@]}" --arms "$arm" --seeds "$seed" \
+  python3 -m nsa_cli bench quality --config m7c-125m "${SETS[@]}" --arms "$arm" --seeds "$seed" \
     --steps ${STEPS:-1200} -o /tmp/quality --json-out "$out/$tag.json" > "$out/$tag.log" 2>&1 &
 done
 wait

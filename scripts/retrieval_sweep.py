@@ -8,8 +8,9 @@ SPEC: {"shapes": ["test", ...], "seeds": [0, 1, 2, 3], "steps": 1000, "eval_ever
                       {"name": "slow", "nsa": {"gate_init": "slow"}},
                       {"name": "scorer", "nsa": {...}, "scorer": {"weight": 0.1, "queries": 16}}]}
 
-A candidate may also carry "model" overrides, "recipe" fields and a "patch": a learning-dynamics variant
-of the layer from scripts/gate_variants.py (e.g. "fastkv:7.3"), installed in its worker process.
+A candidate may also carry "model" overrides and "recipe" fields. (The learning-dynamics variants a candidate
+once patched into the layer, "patch", are gone: the layer's own nsa.window_query and nsa.kv_speed are the
+measured recipe, docs/benchmarks/gates-h200.md; a candidate sets them under "nsa".)
 Shapes: ``test`` is tests/test_retrieval_learning.py's (2 layers, dim 32, S=128, gap 48, w=16);
 ``s256`` a wider 2-layer model at S=256 (gap 96, w=32, the tiny config's NSA block sizes); ``needle2k``
 ``w64``/``w128`` the test's model with
@@ -54,16 +55,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     from nsa.data.retrieval import RetrievalTask
 
     sh, cand = SHAPES[job["shape"]], job["candidate"]
-    import gate_variants  # a candidate's learning-dynamics variant of the layer, or the shipped layer
-
     if cand.get("patch"):
-        gate_variants.install(cand["patch"])
-    else:
-        gate_variants.reset()
+        raise SystemExit(f"candidate {cand['name']}: \"patch\" is gone; set nsa.window_query / nsa.kv_speed under "
+                         "\"nsa\" instead")
     model = ModelConfig(**{**sh["model"], **cand.get("model", {})})
-    # a variant patches the paper's layer (one query, every K/V at the same speed)
-    paper = {"window_query": False, "kv_speed": 1.0} if cand.get("patch") else {}
-    nsa = NSAConfig(**{**sh["nsa"], **paper, **cand.get("nsa", {})})
+    nsa = NSAConfig(**{**sh["nsa"], **cand.get("nsa", {})})
     task = RetrievalTask(**sh["task"])
     recipe = RetrievalRecipe(steps=job["steps"], batch_size=sh["batch"], eval_every=job["eval_every"],
                              eval_samples=job.get("eval_samples", 128), target=job["target"], stop_at_target=True,

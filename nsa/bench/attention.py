@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from nsa.bench.profile import profile_kernels
 from nsa.bench.timing import make_timer, noise_note
 from nsa.ops import NSAParams, compress_avg, nsa_attention, tile_overrides, use_backend
 
@@ -57,6 +58,10 @@ class AttentionRow:
     dense_fwd_gflop: float = 0.0
     notes: list[str] = field(default_factory=list)
     noisy: list[str] = field(default_factory=list)  # timings whose repetitions spread too much to be read
+    # ``profile=True``: one NSA forward+backward under the profiler (nsa.bench.profile): kernels by device time
+    kernels: list[dict[str, Any]] | None = None
+    launches: int | None = None
+    parts: dict[str, float] | None = None
 
     @property
     def speedup_fwd(self) -> float | None:
@@ -72,6 +77,9 @@ class AttentionRow:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        if self.kernels is None:  # not profiled: the row as before --profile-step
+            for key in ("kernels", "launches", "parts"):
+                out.pop(key)
         out.update(speedup_fwd=self.speedup_fwd, speedup_fwdbwd=self.speedup_fwdbwd,
                    vs_peer_fwdbwd=self.vs_peer_fwdbwd,
                    nsa_fwd_tflops=_rate(self.nsa_fwd_gflop, self.nsa_fwd_ms),
@@ -180,11 +188,12 @@ def bench_one(
     shape: str, S: int, HQ: int, H: int, D: int, *, batch: int = 1, params: NSAParams | None = None,
     device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
     peer: bool = True, dense: bool = True, warmup_ms: int = 25, rep_ms: int = 100, seed: int = 0,
-    cuda_graph: bool = False, progress: Callable[[str], None] | None = None,
+    cuda_graph: bool = False, progress: Callable[[str], None] | None = None, profile: bool = False,
 ) -> AttentionRow:
     """Time NSA and dense attention on the same random inputs of one shape (``cuda_graph``: every side,
     NSA, dense and peer alike, timed as replays of a captured CUDA graph; CUDA only; ``progress``:
-    called with a line before each side is timed)."""
+    called with a line before each side is timed; ``profile``: one more NSA forward+backward under the
+    profiler fills ``kernels``, ``launches`` and ``parts``, :func:`nsa.bench.profile.profile_kernels`)."""
     import torch.nn.functional as F
 
     say = progress or (lambda _msg: None)
@@ -228,6 +237,10 @@ def bench_one(
     row.nsa_fwdbwd_ms = timer(_fwdbwd(nsa, grad, leaves), what="NSA forward+backward")
     row.nsa_peak_mib = _peak_mib(dev, _fwdbwd(nsa, grad, leaves))
     row.nsa_saved_mib = saved_mib(nsa, leaves)
+    if profile:
+        say(f"{shape} S={S}: NSA forward+backward under the profiler")
+        prof = profile_kernels(_fwdbwd(nsa, grad, leaves), dev, warmup=1)
+        row.kernels, row.launches, row.parts = prof.top(25), prof.launches, prof.parts
 
     if dense:
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k_sel, v_sel))
@@ -296,7 +309,7 @@ def bench_attention(
         # the first measurement of a process pays for the CUDA context, cuBLAS/cuDNN handles and the
         # autotuners: run the first row once untimed, so it does not read slow (4.0 ms against 2.7 ms seen)
         name, HQ, H, D = shapes[0]
-        warm = {**kwargs, "warmup_ms": 1, "rep_ms": 1, "progress": None}
+        warm = {**kwargs, "warmup_ms": 1, "rep_ms": 1, "progress": None, "profile": False}
         with tile_overrides(tune):
             bench_one(name, min(seq_lens), HQ, H, D, **warm)
     for name, HQ, H, D in shapes:

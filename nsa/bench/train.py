@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nsa.bench.step_parts import parts_of
+from nsa.bench.profile import profile_kernels
 from nsa.config import RunConfig
 from nsa.errors import ConfigError
 from nsa.model import build_model
@@ -242,35 +242,10 @@ def _timed_steps(step: Callable[[], object], steps: int, dev: torch.device) -> t
 def _profile_step(step: Callable[[], object], dev: torch.device, top: int = 25,
                   trace: Path | None = None) -> tuple[list[dict[str, Any]], int, dict[str, float]]:
     """One step's kernels by device time (the ``top`` largest), its kernel launches and its device time by part
-    (:func:`nsa.bench.step_parts.parts_of`, every kernel); on a CPU, the operators by self CPU time and their
-    calls (no parts). ``trace``: the step's Chrome trace (host and device) written to that file."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = dev.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(dev)
-    acts = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
-    with profile(activities=[ProfilerActivity.CPU, *acts] if trace is not None and cuda else acts) as prof:
-        step()
-        if cuda:
-            torch.cuda.synchronize(dev)
-    if trace is not None:
-        trace.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace))
-    per: dict[str, list[float]] = {}
-    if cuda:
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                acc = per.setdefault(e.name.split("(")[0][:90], [0.0, 0.0])
-                acc[0] += e.device_time_total / 1e3
-                acc[1] += 1
-    else:
-        for avg in prof.key_averages():
-            per[avg.key[:90]] = [avg.self_cpu_time_total / 1e3, float(avg.count)]
-    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])
-    kernels = [{"name": k, "ms": round(v[0], 4), "launches": int(v[1])} for k, v in ranked[:top]]
-    parts = parts_of([(k, v[0], int(v[1])) for k, v in per.items()]) if cuda else {}
-    return kernels, int(sum(v[1] for v in per.values())), parts
+    (:func:`nsa.bench.profile.profile_kernels`); on a CPU, the operators by self CPU time and their calls (no
+    parts). ``trace``: the step's Chrome trace (host and device) written to that file."""
+    prof = profile_kernels(step, dev, trace=trace)
+    return prof.top(top), prof.launches, prof.parts
 
 
 def join_ranks(context: int, device_type: str) -> tuple[D.DistInfo, D.Layout]:

@@ -64,6 +64,7 @@ def attention(
     stages: Annotated[bool, typer.Option("--stages", help="Also time each Triton stage alone, against its roofline (FLOPs at --peak-tflops, bytes at --peak-tbps).")] = False,
     peak_tflops: Annotated[float, typer.Option("--peak-tflops", min=1.0, help="Matrix-product rate of the stage table's roofline.")] = 750.0,
     peak_tbps: Annotated[float, typer.Option("--peak-tbps", min=0.1, help="Memory bandwidth (TB/s) of the stage table's roofline.")] = 3.0,
+    profile_step: Annotated[bool, typer.Option("--profile-step", help="Profile one more NSA forward+backward per row: kernels by time and launches (CPU: operators), in the JSON.")] = False,
     as_json: Annotated[bool, options.json_flag("rows and environment")] = False,
     json_out: Annotated[Path | None, options.json_out("rows and environment")] = None,
 ) -> None:
@@ -111,7 +112,7 @@ def attention(
 
         rows = bench_attention(shapes, lens, tiny=tiny, batch=batch, backend=backend, peer=peer, dense=dense,
                                warmup_ms=warmup_ms, rep_ms=rep_ms, cuda_graph=cuda_graph, tune=tuned,
-                               progress=progress)
+                               progress=progress, profile=profile_step)
         graphed = ", CUDA graphs" if rows[0].cuda_graph else ""
         table = Table(title=f"NSA vs dense attention ({rows[0].device}, {rows[0].dtype}, batch {batch}{graphed})")
         for col in ("shape", "S", "nsa fwd ms", "dense fwd ms", "fwd x", "nsa f+b ms", "dense f+b ms", "f+b x",
@@ -131,6 +132,9 @@ def attention(
                 typer.echo(f"note ({r.shape}, S={r.seq_len}): {note}", err=as_json)
             for note in r.noisy:
                 typer.echo(f"warning ({r.shape}, S={r.seq_len}): {note}", err=True)
+            if r.kernels:
+                top = ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms" for k in r.kernels[:5])
+                typer.echo(f"profile ({r.shape}, S={r.seq_len}): {r.launches} launches; {top}", err=as_json)
         stage_list = _stage_table(shapes, lens, batch, tuned, warmup_ms, rep_ms, peak_tflops, peak_tbps,
                                   progress, as_json) if stages else []
         render.json_outputs({"command": "bench attention", "environment": environment(), "tune": tuned,

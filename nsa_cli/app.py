@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 
 from nsa import __version__
 from nsa.errors import NSAError
+from nsa_cli import render
 from nsa_cli.commands import (
     ack,
     bench,
@@ -52,13 +53,13 @@ class Group(TyperGroup):
         except click.ClickException as exc:
             if not standalone_mode:
                 raise
-            typer.echo(usage_line(exc) if isinstance(exc, click.UsageError) else f"error: {exc.format_message()}",
-                       err=True)
+            render.echo(usage_line(exc) if isinstance(exc, click.UsageError) else f"error: {exc.format_message()}",
+                        err=True)
             sys.exit(exc.exit_code)
         except typer.Abort:
             if not standalone_mode:
                 raise
-            typer.echo("interrupted", err=True)
+            render.echo("interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)
         if standalone_mode:
             code = rv if isinstance(rv, int) else 0
@@ -95,7 +96,7 @@ COMMAND_MODULES = (preflight, smoke, train, watch, ack, halt, dump, report, samp
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"nsa {__version__}")
+        render.echo(f"nsa {__version__}")
         raise typer.Exit()
 
 
@@ -126,5 +127,5 @@ def main() -> None:
             import traceback
 
             traceback.print_exc()
-        typer.echo(f"error: {exc.one_line()}", err=True)
+        render.echo(f"error: {exc.one_line()}", err=True)
         sys.exit(2)

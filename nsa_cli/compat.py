@@ -10,6 +10,10 @@
 Each old spelling is rewritten to today's before the command parses its arguments, with one line on
 stderr: ``warning: ... is deprecated ...: use ...``. The commands declare only today's options, so
 ``--help`` and the option table of every command show one meaning per flag.
+
+:class:`Command` also completes its options when they are first read (parsing or help, never at import nor for
+``nsa --help``): the shipped config names in ``--config``'s help, and a subclass's derived options
+(``nsa train``'s flags, from the config's metadata).
 """
 
 from __future__ import annotations
@@ -17,15 +21,18 @@ from __future__ import annotations
 from itertools import islice
 from typing import Any, ClassVar
 
-import typer
 from typer.core import TyperCommand
 
-from nsa.deprecation import READ_UNTIL
+from nsa_cli import render
+
+CONFIG_NAMES = "{configs}"  # in an option's help: the shipped config names, filled in when the options are read
 
 
 def deprecation(old: str, new: str, why: str = "") -> str:
-    """The one stderr line of a deprecated spelling."""
-    return f"warning: {old} is deprecated ({READ_UNTIL}): use {new}" + (f"; {why}" if why else "")
+    """The one stderr line of a deprecated spelling (the date is the library's: ``nsa.config.legacy``)."""
+    from nsa.config.legacy import deprecated_spelling
+
+    return deprecated_spelling(old, new, why)
 
 
 class Command(TyperCommand):
@@ -34,12 +41,35 @@ class Command(TyperCommand):
 
     short_aliases: ClassVar[dict[str, tuple[str, str]]] = {}  # "-p" -> ("--prompt", why)
     json_path: ClassVar[bool] = False  # --json PATH (old) -> --json-out PATH
+    _params: list[Any]
+    _complete = False
+
+    @property  # type: ignore[override]
+    def params(self) -> list[Any]:
+        if not self._complete:
+            self._complete = True
+            self._params = self.complete(self._params)
+        return self._params
+
+    @params.setter
+    def params(self, value: list[Any]) -> None:
+        self._params, self._complete = value, False
+
+    def complete(self, params: list[Any]) -> list[Any]:
+        """The options as the command reads them: ``{configs}`` in a help replaced by the shipped names."""
+        if any(CONFIG_NAMES in (getattr(p, "help", None) or "") for p in params):
+            from nsa.config import named_configs
+
+            for p in params:
+                if CONFIG_NAMES in (getattr(p, "help", None) or ""):
+                    p.help = p.help.replace(CONFIG_NAMES, ", ".join(named_configs()))
+        return params
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         new, lines = self.upgrade(list(args))
         if not ctx.resilient_parsing:
             for line in lines:
-                typer.echo(line, err=True)
+                render.echo(line, err=True)
         return super().parse_args(ctx, new)
 
     # -- the rewrite --------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Turning library errors into one line and an exit code."""
+"""Turning library errors into one line (through the output sink, :mod:`nsa_cli.render`) and an exit code."""
 
 from __future__ import annotations
 
@@ -11,21 +11,19 @@ from typing import Any
 import typer
 
 from nsa.errors import NSAError
+from nsa_cli import render
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_WATCHDOG = 3  # the watchdog halted the run (nsa.rundir.layout.EXIT_WATCHDOG; kept light: no import here)
 EXIT_INTERRUPTED = 130  # the operator's Ctrl-C (128 + SIGINT, as shells report it)
+
+# process-wide CLI state: ``--debug`` (set by the app's callback) shows tracebacks instead of one line
+STATE = {"debug": False}
 
 
 def fail(message: str, hint: str | None = None, code: int = EXIT_USAGE) -> typer.Exit:
     """Print ``error: message (hint: ...)`` to stderr and return the Exit to raise."""
-    text = f"error: {message}" + (f" (hint: {hint})" if hint else "")
-    typer.echo(text, err=True)
+    render.error(message, hint)
     return typer.Exit(code)
-
-
-# process-wide CLI state: ``--debug`` (set by the app's callback) shows tracebacks instead of one line
-STATE = {"debug": False}
 
 
 @contextlib.contextmanager
@@ -35,14 +33,14 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except NSAError as exc:
-        _debug_traceback()
+        debug_traceback()
         raise fail(exc.message, exc.hint) from None
     except FileNotFoundError as exc:
-        _debug_traceback()
+        debug_traceback()
         raise fail(f"file not found: {exc.filename}") from None
 
 
-def _debug_traceback() -> None:
+def debug_traceback() -> None:
     """With ``--debug``: the traceback of the exception being handled, on stderr."""
     if STATE["debug"]:
         traceback.print_exc(file=sys.stderr)

@@ -63,8 +63,8 @@ def test_every_variable_is_a_field_derived_from_the_config_metadata() -> None:
 
 
 def test_every_config_flag_of_nsa_train_comes_from_the_metadata() -> None:
+    from nsa.config.fields import flag_values as flags_to_keys
     from nsa_cli.app import app
-    from nsa_cli.commands.train import flags_to_keys
 
     train = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
     options = {o.opts[0]: o for o in train.params if o.param_type_name == "option"}

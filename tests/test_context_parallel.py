@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nsa.model.diagnostics import ScorerParams
 from nsa.config import ModelConfig, NSAConfig
 from nsa.model.context import ContextParallel, in_position_order
+from nsa.model.diagnostics import ScorerParams
 from nsa.model.lm import NSALM
 from tests.conftest import free_port
 from tests.test_train_process import _env, cmd, run_all_ok, run_ok

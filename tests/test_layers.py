@@ -2,8 +2,8 @@
 module-level or inside a function, of every module under ``nsa/`` and ``nsa_cli/``:
 
 - ``nsa.ops`` (kernels and their references) knows nothing of config, model, training, runs or the CLI;
-- ``nsa.config`` imports nothing of ``nsa`` above it (only ``nsa.errors``, ``nsa.fileio``, ``nsa.params`` and the
-  list of shipped configs, ``nsa.configs``);
+- ``nsa.config`` imports nothing of ``nsa`` above it (only ``nsa.errors``, ``nsa.fileio``, ``nsa.params``, the
+  result and view types ``nsa.view`` and the list of shipped configs, ``nsa.configs``);
 - ``nsa.model`` knows nothing of training, checks, benchmarks, evaluation or the CLI;
 - the library (``nsa``) never imports the CLI (``nsa_cli``) nor Rich: it returns results and emits
   structured events (``nsa.train.events``), the CLI renders them;
@@ -80,7 +80,7 @@ _ALL_ABOVE_OPS = ("nsa.config", "nsa.model", "nsa.train", "nsa.runs", "nsa.rundi
 CONTRACTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("nsa.ops", _ALL_ABOVE_OPS, ()),
     ("nsa.config", ("nsa", "nsa_cli"),
-     ("nsa.config", "nsa.configs", "nsa.deprecation", "nsa.errors", "nsa.fileio", "nsa.params")),
+     ("nsa.config", "nsa.configs", "nsa.deprecation", "nsa.errors", "nsa.fileio", "nsa.params", "nsa.view")),
     ("nsa.model", ("nsa.train", "nsa.checks", "nsa.bench", "nsa.eval", "nsa.runs", "nsa.hf", "nsa_cli", "nsa.__init__"),
      ()),
     # the Hugging Face format sits above the model (it reads weights) and below the trainer and the CLI

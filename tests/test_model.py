@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from nsa.model.diagnostics import ScorerParams
 from nsa.config import ModelConfig, NSAConfig, load_named
 from nsa.model import NSALM, DenseAttention, LMOutput, NSAAttention, RMSNorm, build_model
+from nsa.model.diagnostics import ScorerParams
 from nsa.model.gates import GateParams
 from nsa.ops import NSAParams
 

@@ -28,7 +28,7 @@ from nsa.runs.reader import RunReader, read_run
 from nsa.runs.rules import AlarmLog, RuleHit, evaluate, monitor_config, notify, parse_rules
 from nsa.runs.summary import summarize
 from nsa_cli.app import app
-from nsa_cli.commands.watch import dashboard
+from nsa_cli.render.watch import dashboard
 from tests.conftest import dead_pid, write_run
 
 runner = CliRunner()

@@ -94,7 +94,7 @@ def test_hints_for_older_knobs_depend_on_the_value() -> None:
 
 
 def test_origin_names_the_flag_as_typed() -> None:
-    from nsa_cli.commands.train import flags_as_typed
+    from nsa.config.fields import flags_as_typed
 
     r = load_run_config("tiny", environ={}, flags={"data.source": "embedded", "runtime.compile": False,
                                                    "data.path": "x"})  # the flags of the config's metadata

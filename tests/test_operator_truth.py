@@ -31,7 +31,7 @@ from nsa.runs.rules import evaluate, parse_rules
 from nsa.runs.summary import summarize
 from nsa.runs.watchdog import Watchdog
 from nsa_cli.app import app
-from nsa_cli.commands.watch import dashboard
+from nsa_cli.render.watch import dashboard
 from tests.conftest import write_run
 
 runner = CliRunner()

@@ -13,9 +13,9 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from nsa.model.diagnostics import ScorerParams
 from nsa.config import GATE_PRESETS, ModelConfig, NSAConfig, load_run_config
 from nsa.errors import CheckpointError, NSAError
+from nsa.model.diagnostics import ScorerParams
 from nsa.model.lm import NSALM
 from nsa.model.load import read_init_weights
 from nsa.model.selection import (
@@ -734,7 +734,7 @@ def test_bench_quality_lr_sweep_end_to_end(tmp_path: Path) -> None:
     """Four runs, two at a time (``--parallel 2``: spawned processes, on CPU each a share of the cores): the
     rows in the order of the runs, each equal to the same run made alone in this process."""
     from nsa.bench.quality import ARMS, run_text_arm
-    from nsa_cli.commands.bench_quality import TINY_SETS
+    from nsa.bench.quality_view import TINY_SETS
 
     out = tmp_path / "q.json"
     res = runner.invoke(app, ["bench", "quality", "--tiny", "--arms", "dense,nsa-half", "--lrs", "1e-3,3e-3",

@@ -18,7 +18,7 @@ from nsa.train.events import Event, Output, PlainReporter
 from nsa.train.metrics import Clock
 from nsa.train.schedule import build_scheduler, schedule_lrs
 from nsa.train.state import Checkpointable, OptimizerLR, PerRank, RandomStreams, TrainState
-from nsa_cli.train_view import RichReporter
+from nsa_cli.render.train import RichReporter
 
 
 def _one_rank() -> DistInfo:

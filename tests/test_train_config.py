@@ -9,8 +9,9 @@ import torch
 from typer.testing import CliRunner
 
 from nsa.config import load_run_config
+from nsa.config.fields import flag_values as flags_to_keys
+from nsa.train.launch import strip_launch_options, torchrun_argv
 from nsa_cli.app import app
-from nsa_cli.commands.train import flags_to_keys, strip_nproc, torchrun_argv
 
 runner = CliRunner()
 
@@ -60,8 +61,8 @@ def test_flag_mapping_covers_every_documented_flag() -> None:
 
 def test_torchrun_argv_drops_nproc() -> None:
     argv = ["train", "--config", "tiny", "--nproc-per-node", "2", "--steps", "3", "--nproc-per-node=4"]
-    assert strip_nproc(argv) == ["train", "--config", "tiny", "--steps", "3"]
-    cmd = torchrun_argv(2, argv)
+    assert strip_launch_options(argv) == ["train", "--config", "tiny", "--steps", "3"]
+    cmd = torchrun_argv(2, ["-m", "nsa_cli", *strip_launch_options(argv)])
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in cmd
     assert cmd[-7:] == ["-m", "nsa_cli", "train", "--config", "tiny", "--steps", "3"]
 

@@ -19,7 +19,9 @@ import torch
 
 from nsa.bench.profile import profile_kernels
 from nsa.bench.timing import make_timer, noise_note
+from nsa.errors import ConfigError
 from nsa.ops import NSAParams, compress_avg, nsa_attention, tile_overrides, use_backend
+from nsa.view import Block, Line, Payload, Table, fig
 
 SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
 DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)  # 128k: issue 53's row
@@ -489,3 +491,126 @@ def stage_costs(S: int, HQ: int, H: int, Dk: int, Dv: int, params: NSAParams | N
         "sel_bwd": (bwd(sel_keys), float(grads + 2 * kv_raw + 2 * lse_b + idx_b)),
         "win_bwd": (bwd(win_keys), float(grads + 2 * kv_raw + 2 * lse_b)),
     }
+
+
+@dataclass
+class AttentionRequest:
+    """``nsa bench attention``: ``shapes`` (``paper``, ``m7c``, ``tiny`` or ``HQ,H,D``; default paper and m7c, or
+    tiny), ``seq_lens`` (default :data:`DEFAULT_SEQ_LENS`, or :data:`TINY_SEQ_LENS`), the options of
+    :func:`bench_one`, ``tune`` items (``key=value``), and ``stages``: each Triton stage alone against the roofline
+    of ``peak_tflops``/``peak_tbps``."""
+
+    seq_lens: list[int] | None = None
+    shapes: list[str] | None = None
+    batch: int = 1
+    backend: str = "auto"
+    peer: bool = True
+    dense: bool = True
+    warmup_ms: int = 25
+    rep_ms: int = 100
+    tiny: bool = False
+    tune: list[str] | None = None
+    cuda_graph: bool = False
+    stages: bool = False
+    peak_tflops: float = PEAK_TFLOPS
+    peak_tbps: float = PEAK_TBPS
+    profile: bool = False
+
+    def shape_list(self) -> list[tuple[str, int, int, int]]:
+        out: list[tuple[str, int, int, int]] = []
+        for s in self.shapes or (["tiny"] if self.tiny else ["paper", "m7c"]):
+            if s in SHAPES:
+                out.append((s, *SHAPES[s]))
+            elif s == "tiny":
+                out.append(("tiny", 4, 2, 16))
+            else:
+                try:
+                    hq, h, d = (int(x) for x in s.replace(" ", "").split(","))
+                except ValueError:
+                    hq = h = d = 0
+                if min(hq, h, d) < 1 or hq % h:
+                    raise ConfigError(f"--shape {s!r} must be paper, m7c or HQ,H,D with H dividing HQ")
+                out.append((f"{hq}x{h}x{d}", hq, h, d))
+        return out
+
+
+def attention_command(req: AttentionRequest, say: Callable[[str], None] | None = None) -> Payload:
+    """``nsa bench attention``: the request checked, its rows (and stages), their tables and notes, and the JSON
+    payload; ``say`` hears each measurement before it starts (with the seconds since the start)."""
+    import time
+
+    from nsa.bench.timing import parse_tune
+    from nsa.envinfo import environment
+
+    tuned = parse_tune(req.tune)
+    if req.backend not in ("auto", "triton", "torch", "reference"):
+        raise ConfigError(f"--backend {req.backend!r} is not one of auto, triton, torch, reference")
+    shapes = req.shape_list()
+    lens = req.seq_lens or list(TINY_SEQ_LENS if req.tiny else DEFAULT_SEQ_LENS)
+    if not req.tiny and not torch.cuda.is_available():
+        raise ConfigError("no CUDA device for bench attention", hint="use --tiny on a CPU machine")
+    if req.stages and (req.tiny or req.backend in ("torch", "reference")):
+        raise ConfigError("--stages times the Triton kernels on a CUDA device",
+                          hint="leave out --tiny and --backend torch/reference, or --stages")
+    t0 = time.monotonic()
+
+    def progress(msg: str) -> None:
+        if say is not None:
+            say(f"[{time.monotonic() - t0:6.1f}s] {msg}")
+
+    rows = bench_attention(shapes, lens, tiny=req.tiny, batch=req.batch, backend=req.backend, peer=req.peer,
+                           dense=req.dense, warmup_ms=req.warmup_ms, rep_ms=req.rep_ms, cuda_graph=req.cuda_graph,
+                           tune=tuned, progress=progress, profile=req.profile)
+    blocks: list[Block] = [_rows_table(rows, req.batch)]
+    for r in rows:
+        blocks += [Line(f"note ({r.shape}, S={r.seq_len}): {n}", wrap=False) for n in r.notes]
+        blocks += [Line(f"warning ({r.shape}, S={r.seq_len}): {n}", err=True, wrap=False) for n in r.noisy]
+        if r.kernels:
+            top = ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms" for k in r.kernels[:5])
+            blocks.append(Line(f"profile ({r.shape}, S={r.seq_len}): {r.launches} launches; {top}", wrap=False))
+    payload: dict[str, Any] = {"command": "bench attention", "environment": environment(), "tune": tuned,
+                               "rows": [r.to_dict() for r in rows]}
+    if req.stages:
+        stages = _stages(shapes, lens, req, tuned, progress)
+        blocks.append(_stage_table(stages, req.peak_tflops, req.peak_tbps))
+        payload.update(stages=[r.to_dict() for r in stages],
+                       roofline={"peak_tflops": req.peak_tflops, "peak_tbps": req.peak_tbps})
+    return Payload(payload, blocks)
+
+
+def _rows_table(rows: list[AttentionRow], batch: int) -> Table:
+    graphed = ", CUDA graphs" if rows[0].cuda_graph else ""
+    t = Table.of(f"NSA vs dense attention ({rows[0].device}, {rows[0].dtype}, batch {batch}{graphed})",
+                 ("shape", "S", "nsa fwd ms", "dense fwd ms", "fwd x", "nsa f+b ms", "dense f+b ms", "f+b x",
+                  "peer f+b ms", "vs peer", "nsa TFLOP/s", "nsa MiB", "dense MiB", "nsa saved MiB", "dense saved MiB"))
+    for r in rows:
+        t.add(r.shape, str(r.seq_len), fig(r.nsa_fwd_ms), fig(r.dense_fwd_ms), fig(r.speedup_fwd, ".2f"),
+              fig(r.nsa_fwdbwd_ms), fig(r.dense_fwdbwd_ms), fig(r.speedup_fwdbwd, ".2f"), fig(r.peer_fwdbwd_ms),
+              fig(r.vs_peer_fwdbwd, ".2f"), fig(r.to_dict()["nsa_fwd_tflops"]), fig(r.nsa_peak_mib, ".0f"),
+              fig(r.dense_peak_mib, ".0f"), fig(r.nsa_saved_mib, ".1f"), fig(r.dense_saved_mib, ".1f"))
+    return t
+
+
+def _stages(shapes: list[tuple[str, int, int, int]], lens: list[int], req: AttentionRequest,
+            tuned: Mapping[str, int | str], progress: Callable[[str], None]) -> list[StageRow]:
+    """Each Triton stage timed alone per shape and length."""
+    out = []
+    for name, HQ, H, D in shapes:
+        for S in lens:
+            progress(f"{name} S={S}: each Triton stage alone")
+            path = stage_cmp_path(S, HQ, H, D)
+            times = kernel_breakdown(S, HQ, H, D, batch=req.batch, warmup_ms=req.warmup_ms, rep_ms=req.rep_ms,
+                                     tune=tuned, cmp_path=path)
+            out.extend(stage_rows(name, S, HQ, H, D, times, batch=req.batch, peak_tflops=req.peak_tflops,
+                                  peak_tbps=req.peak_tbps, cmp_path=path))
+    return out
+
+
+def _stage_table(rows: list[StageRow], peak_tflops: float, peak_tbps: float) -> Table:
+    t = Table.of(f"NSA stages against the roofline ({peak_tflops:g} TFLOP/s, {peak_tbps:g} TB/s)",
+                 ("shape", "S", "stage", "ms", "TFLOP/s", "GB/s", "roofline ms", "bound", "of roofline"))
+    for r in rows:
+        t.add(r.shape, str(r.seq_len), r.stage + (f" ({r.path})" if r.path not in ("", "kernel") else ""),
+              f"{r.ms:.3f}", f"{r.tflops:.0f}", f"{r.mbytes / r.ms:.0f}" if r.ms > 0 else "-", f"{r.roofline_ms:.3f}",
+              r.bound, f"{r.of_roofline:.0%}")
+    return t

@@ -25,11 +25,13 @@ import torch
 
 from nsa.bench.timing import Timer, make_timer
 from nsa.config import load_run_config
+from nsa.errors import ConfigError
 from nsa.model import build_model
 from nsa.model.dense import sdpa_gqa
 from nsa.ops.decode import compiled_nsa_decode, nsa_decode
 from nsa.ops.indexing import cmp_block_table, num_cmp
 from nsa.params import NSAParams
+from nsa.view import Line, Payload, Table, fig
 
 SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
 TINY_SHAPES: dict[str, tuple[int, int, int]] = {"tiny": (4, 2, 16)}
@@ -276,3 +278,35 @@ def bench_decode(
                 rows.append(bench_model_step(cfg, c, b, name=name, device=dev, dtype=dtype, timer=timer,
                                              graphs=graphs, backend=backend, compile=compile))
     return rows
+
+
+def decode_command(*, tiny: bool = False, shapes: list[str] | None = None, modes: tuple[str, ...] = ("attention", "model"),
+                   backend: str = "auto", compile: bool = False, **kwargs: Any) -> Payload:
+    """``nsa bench decode``: the options checked, :func:`bench_decode`'s rows, their table and notes, and the
+    JSON payload (``kwargs``: the rest of :func:`bench_decode`'s)."""
+    from nsa.envinfo import environment
+
+    if any(m not in ("attention", "model") for m in modes):
+        raise ConfigError(f"--mode {list(modes)} must be attention and/or model")
+    known = TINY_SHAPES if tiny else SHAPES
+    if shapes and any(s not in known for s in shapes):
+        raise ConfigError(f"--shape {shapes} must be among: {', '.join(known)}")
+    if backend not in ("auto", "torch", "triton"):
+        raise ConfigError(f"--backend {backend!r} must be auto, torch or triton")
+    if not tiny and not torch.cuda.is_available():
+        raise ConfigError("no CUDA device for bench decode", hint="use --tiny on a CPU machine")
+    rows = bench_decode(tiny=tiny, shapes=shapes, modes=modes, backend=backend, compile=compile, **kwargs)
+    if not rows:
+        raise ConfigError("nothing to measure")
+    how = backend + (", compiled" if compile else "")
+    table = Table.of(f"decode step: NSA ({how}) vs dense ({rows[0].device}, {rows[0].dtype})",
+                     ("mode", "shape", "context", "batch", "nsa ms", "dense ms", "nsa graph ms", "dense graph ms",
+                      "speed-up", "reads nsa", "reads dense", "reads x"))
+    for r in rows:
+        table.add(r.mode, r.shape, str(r.context), str(r.batch), fig(r.nsa_ms), fig(r.dense_ms), fig(r.nsa_graph_ms),
+                  fig(r.dense_graph_ms), fig(r.speedup, ".2f"), fig(r.nsa_reads, ".0f"), fig(r.dense_reads, ".0f"),
+                  fig(r.reads_ratio, ".1f"))
+    notes = [Line(f"note ({r.mode} {r.shape}, context {r.context}, batch {r.batch}): {n}", wrap=False)
+             for r in rows for n in r.notes]
+    payload = {"command": "bench decode", "environment": environment(), "rows": [r.to_dict() for r in rows]}
+    return Payload(payload, [table, *notes])

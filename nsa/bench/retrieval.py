@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
 from nsa.config import ModelConfig, NSAConfig, ScorerConfig
 from nsa.data.retrieval import RetrievalTask
+from nsa.errors import ConfigError
 from nsa.model.diagnostics import ScorerParams
 from nsa.model.lm import NSALM
+from nsa.view import Payload, Table
 
 VARIANTS = ("dense", "nsa", "window")
 
@@ -148,3 +150,53 @@ def _accuracy(model: torch.nn.Module, evals: list[tuple[torch.Tensor, torch.Tens
     finally:
         model.train()
     return hits / max(1, total)
+
+
+# --tiny: the CPU setting of the CI regression test (tests/test_retrieval_learning.py)
+TINY_SEQ_LEN, TINY_GAP, TINY_STEPS, TINY_EVAL_EVERY = 128, 48, 1200, 50
+TINY_SETS = ["model.dim=32", "model.n_heads=4", "model.d_k=8", "model.d_v=8", "model.n_layers=2",
+             "model.mlp_hidden=128", "nsa.l=8", "nsa.d=4", "nsa.l_sel=16", "nsa.n_sel=4", "nsa.w=16"]
+
+
+def retrieval_command(config: str, sets: list[str], variants: list[str], seeds: list[int], *, seq_len: int, gap: int,
+                      recipe: RetrievalRecipe, tiny: bool = False, say: Callable[[str], None] | None = None) -> Payload:
+    """``nsa bench retrieval``: every variant trained from scratch once per seed on key/value retrieval ``gap``
+    positions back in ``seq_len`` (``tiny``: the CI test's CPU setting); ``say`` hears each evaluation's line.
+    The curves, their table and the JSON payload."""
+    from nsa.bench.progress import Eta
+    from nsa.config import load_run_config
+    from nsa.envinfo import environment
+
+    if not variants or any(v not in VARIANTS for v in variants):
+        raise ConfigError(f"--variants {','.join(variants)!r} must list {', '.join(VARIANTS)}",
+                          hint="e.g. --variants dense,nsa")
+    if tiny:
+        seq_len, gap, sets = TINY_SEQ_LEN, TINY_GAP, [*TINY_SETS, *sets]
+        recipe = replace(recipe, steps=TINY_STEPS, eval_every=TINY_EVAL_EVERY)
+    cfg = load_run_config(config=config, sets=sets).config
+    task = RetrievalTask(seq_len, gap, vocab_size=cfg.model.vocab_size)
+    device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
+    curves: list[RetrievalCurve] = []
+    eta = Eta(len(seeds) * len(variants) * recipe.steps)  # every run's steps: the ETA of the whole benchmark
+    for seed in seeds:
+        for v in variants:
+            def show(p: RetrievalPoint, v: str = v, seed: int = seed, before: int = len(curves) * recipe.steps) -> None:
+                if say is not None:
+                    say(f"{v} seed {seed} step {p.step}: loss {p.loss:.3f} acc {p.accuracy:.3f} gates {p.gates} | "
+                        f"{eta.line(before + p.step)}")
+
+            curves.append(learn_retrieval(cfg.model, cfg.nsa, task, v, recipe=recipe, seed=seed, device=device,
+                                          backend="torch" if device == "cpu" else None, on_point=show,
+                                          scorer=cfg.scorer))
+    table = Table.of(f"retrieval at S={seq_len}, gap >= {gap} ({device}, config {config}, {recipe.steps} steps)",
+                     ("variant", "seed", f"steps to {recipe.target:g}", "final acc", "final loss",
+                      "gates (cmp, sel, win)"))
+    for c in curves:
+        last = c.points[-1]
+        table.add(c.variant, str(c.seed), "-" if c.steps_to_target is None else str(c.steps_to_target),
+                  f"{c.final_accuracy:.3f}", f"{last.loss:.3f}", str(last.gates or "-"))
+    payload = {"command": "bench retrieval", "config": config, "sets": sets, "seq_len": seq_len, "gap": gap,
+               "recipe": recipe.__dict__, "nsa": cfg.nsa.model_dump(mode="json"),
+               "scorer": cfg.scorer.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
+               "environment": environment(), "curves": [c.to_dict() for c in curves]}
+    return Payload(payload, [table], indent=1)

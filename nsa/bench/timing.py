@@ -70,3 +70,20 @@ def device_turn(tag: str = "nsa-bench") -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def parse_tune(items: list[str] | None) -> dict[str, int | str]:
+    """``--tune key=value`` overrides of the Triton block shapes (tuning sweeps), checked against
+    :data:`nsa.ops.TUNE_KEYS` (numbers as ints); passed to a benchmark, nothing global is changed."""
+    from nsa.errors import ConfigError
+    from nsa.ops import TUNE_KEYS
+
+    out: dict[str, int | str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--tune {item!r} must be key=value", hint="e.g. --tune sel_bm=16")
+        if key not in TUNE_KEYS:
+            raise ConfigError(f"--tune {key} is not a tile setting", hint=f"one of {', '.join(sorted(TUNE_KEYS))}")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out

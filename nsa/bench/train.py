@@ -31,6 +31,7 @@ from nsa.train.hooks import step_hooks
 from nsa.train.schedule import build_scheduler
 from nsa.train.step import Stepper, build_optimizer
 from nsa.train.telemetry import peak_flops
+from nsa.view import Block, Line, Payload, Table, fig
 
 
 @dataclass
@@ -287,3 +288,107 @@ def speedups(rows: list[TrainRow]) -> dict[str, float]:
             compiled = "compiled" if r.compiled else "eager"  # each variant in the compile mode it runs best in
             by.setdefault(f"S={r.seq_len} b={r.batch_size} {compiled}", {})[r.attention] = r.tokens_per_s
     return {k: v["nsa"] / v["dense"] for k, v in by.items() if "nsa" in v and "dense" in v}
+
+
+@dataclass
+class TrainBenchRequest:
+    """``nsa bench train``: ``config`` (with ``sets``) at each ``seq_lens`` with its ``batch_sizes``, the
+    ``attentions``, ``modes`` (eager and/or compiled; default both on CUDA), ``steps`` after ``warmup``, ``tune``
+    items, a profiled step (``profile``, ``trace_dir``), and the ranks: ``nproc_per_node`` through torchrun,
+    ``context_parallel`` of them per sequence. ``tiny``: config tiny, S=64, batch 2, 2 steps on the CPU."""
+
+    config: str = "m7c-125m"
+    seq_lens: list[int] = field(default_factory=lambda: [2048, 16384])
+    batch_sizes: list[int] = field(default_factory=lambda: [16, 2])
+    attentions: tuple[str, ...] = ("nsa", "dense")
+    steps: int = 10
+    warmup: int = 3
+    sets: list[str] | None = None
+    tiny: bool = False
+    tune: list[str] | None = None
+    modes: str | None = None
+    profile: bool = False
+    trace_dir: Path | None = None
+    nproc_per_node: int | None = None
+    context_parallel: int = 1
+
+
+def train_command(req: TrainBenchRequest, *, argv: list[str], program: list[str],
+                  say: Callable[[str], None] | None = None) -> Payload:
+    """``nsa bench train``: the request checked, then either launched on ``nproc_per_node`` ranks through torchrun
+    (``python <program> <argv>`` on each; the launcher's result is its exit code alone) or run here (a rank of
+    such a launch: only rank 0 reports). ``say`` hears each row as it is measured. The rows, their table and lines,
+    and the JSON payload."""
+    from nsa.bench.timing import parse_tune
+    from nsa.config import load_run_config
+    from nsa.envinfo import environment
+    from nsa.train.launch import relaunch
+    from nsa.train.telemetry import MFU_FORMULA
+
+    cp, nproc, under_torchrun = req.context_parallel, req.nproc_per_node, D.launched_by_torchrun()
+    if cp > 1 and nproc is None and not under_torchrun:
+        raise ConfigError(f"--context-parallel {cp} needs ranks to share the sequence", hint=f"add --nproc-per-node {cp}")
+    if nproc is not None and nproc % cp:
+        raise ConfigError(f"--context-parallel {cp} must divide --nproc-per-node {nproc}")
+    tuned = parse_tune(req.tune)
+    if any(a not in ("nsa", "dense") for a in req.attentions):
+        raise ConfigError(f"--attention {list(req.attentions)} must be nsa and/or dense")
+    config, lens, bss, steps, warmup = req.config, req.seq_lens, req.batch_sizes, req.steps, req.warmup
+    if req.tiny:
+        config, lens, bss, steps, warmup = "tiny", [64], [2], 2, 1
+    elif len(lens) != len(bss):
+        raise ConfigError("--batch-sizes needs one value per --seq-lens value")
+    resolved = load_run_config(config=config, sets=req.sets)
+    device = "cpu" if req.tiny or not torch.cuda.is_available() else "cuda"
+    names = [m.strip() for m in (req.modes or ("eager,compiled" if device == "cuda" else "eager")).split(",")
+             if m.strip()]
+    if not names or any(m not in ("eager", "compiled") for m in names):
+        raise ConfigError(f"--modes {req.modes!r} must be eager and/or compiled")
+    if cp > 1 and (bad := [n for n in lens if n % (2 * cp)]):
+        raise ConfigError(f"--seq-lens {','.join(map(str, bad))}: each must split into {2 * cp} equal chunks for "
+                          f"--context-parallel {cp}")
+    if nproc is not None and not under_torchrun:
+        return Payload(None, code=relaunch(nproc, program, argv, say=say))
+    ranks = join_ranks(cp, device) if under_torchrun else None
+    main = ranks is None or ranks[0].is_main
+
+    def progress(r: TrainRow) -> None:
+        what = r.error or f"{r.tokens_per_s:,.0f} tokens/s, {r.step_ms:.1f} ms/step, peak {fig(r.peak_mib, '.0f')} MiB"
+        if main and say is not None:
+            say(f"{r.attention} {r.mode} S={r.seq_len} b={r.batch_size}"
+                f"{f' ranks {r.ranks}' if r.world_size > 1 else ''}: {what}")
+
+    rows = bench_train(resolved.config, lens, bss, attentions=req.attentions, steps=steps, warmup=warmup,
+                       device=device, modes=tuple(m == "compiled" for m in dict.fromkeys(names)), on_row=progress,
+                       tune=tuned, profile=req.profile, ranks=ranks, trace_dir=req.trace_dir)
+    if ranks is not None:
+        D.shutdown()
+    if not main:
+        return Payload(None)
+    ratio = speedups(rows)
+    blocks: list[Block] = [_train_table(rows, config), Line(f"MFU: {MFU_FORMULA} (world_size {rows[0].world_size})",
+                                                              wrap=False)]
+    blocks += [Line(f"{key}: NSA/dense tokens/s = {x:.2f}", wrap=False) for key, x in ratio.items()]
+    for r in rows:
+        if r.fallbacks:
+            blocks.append(Line(f"fallbacks ({r.attention}, S={r.seq_len}): {r.fallbacks}", wrap=False))
+        if r.kernels:
+            top = ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms" for k in r.kernels[:5])
+            blocks.append(Line(f"profile ({r.attention} {r.mode}, S={r.seq_len}): {r.launches} launches; {top}",
+                               wrap=False))
+    return Payload({"command": "bench train", "config": config, "environment": environment(), "tune": tuned,
+                    "rows": [r.to_dict() for r in rows], "nsa_over_dense": ratio}, blocks)
+
+
+def _train_table(rows: list[TrainRow], config: str) -> Table:
+    t = Table.of(f"training step ({rows[0].device}, config {config}, ranks {rows[0].ranks}; path: the attention path "
+                 "that ran; batch: per data rank)", ("attention", "path", "mode", "S", "batch", "params M", "step ms",
+                                                     "tokens/s", "tok/s/GPU", "MFU", "peak MiB", "compile s"))
+    for r in rows:
+        if r.error:
+            t.add(r.attention, r.path, r.mode, str(r.seq_len), str(r.batch_size), "", r.error, "", "", "", "", "")
+            continue
+        t.add(r.attention, r.path, r.mode, str(r.seq_len), str(r.batch_size), f"{r.params_m:.1f}", f"{r.step_ms:.1f}",
+              f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s_per_gpu:,.0f}", fig(r.mfu, ".1%") if r.mfu else "-",
+              fig(r.peak_mib, ".0f"), fig(r.compile_s, ".0f") if r.compile_s else "-")
+    return t

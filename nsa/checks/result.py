@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from nsa.view import Block, Column, Line, Result, Table
+
 
 class Status(StrEnum):
     PASS = "PASS"
@@ -45,7 +47,7 @@ def failed(name: str, reason: str, hint: str = "", **details: Any) -> Check:
 
 
 @dataclass
-class CheckReport:
+class CheckReport(Result):
     """An ordered list of checks plus facts shared by the report (git snapshot, versions)."""
 
     kind: str
@@ -89,3 +91,25 @@ class CheckReport:
             "checks": [c.to_dict() for c in self.checks],
             "facts": self.facts,
         }
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def title(self) -> str:
+        f = self.facts
+        if self.kind == "smoke":
+            return (f"nsa smoke (profile {f.get('profile')}, config {f.get('config')}, {f.get('steps')} steps, "
+                    f"run {f.get('run_dir')})")
+        return f"nsa {self.kind} (profile {f.get('profile') or 'none'}, device {f.get('device')})"
+
+    def view(self) -> list[Block]:
+        """The checks as a table (status, check, reason, hint), then the verdict and the counts."""
+        table = Table(self.title(), [Column("status", "left", no_wrap=True), Column("check", "left", no_wrap=True),
+                                     Column("reason", "left"), Column("hint", "left", "dim")], title_left=True)
+        for c in self.checks:
+            table.add((c.status.value, c.status.value), c.name, c.reason, c.hint)
+        n = self.counts()
+        verdict = "FAIL" if n["FAIL"] else "PASS"
+        line = f"{verdict}: {n['PASS']} passed, {n['WARN']} warning(s), {n['FAIL']} failed"
+        return [table, Line(line, verdict, lead=len(verdict))]

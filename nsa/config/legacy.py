@@ -18,6 +18,13 @@ from typing import Any
 from nsa.deprecation import READ_UNTIL
 from nsa.errors import ConfigError
 
+
+def deprecated_spelling(old: str, new: str, why: str = "") -> str:
+    """The one stderr line of one of this toolkit's deprecated command-line spellings (``-p`` for ``--prompt``,
+    ``--json PATH``), read until the same date as its moved keys."""
+    return f"warning: {old} is deprecated ({READ_UNTIL}): use {new}" + (f"; {why}" if why else "")
+
+
 CONFIG_VAR = "CONFIG"  # the older system's config path variable (CONFIG=configs/x.yaml python train.py)
 
 Change = tuple[dict[str, Any], str]  # ({today's dotted key: value}, one-line note)

@@ -83,3 +83,20 @@ class Sampler:
         rest = text[len(printed):] if text.startswith(printed) else "\n" + text
         if rest:
             yield rest
+
+
+@dataclass
+class Sampling:
+    """``nsa sample``: where the model came from (``header``) and the continuation's pieces as generated."""
+
+    header: str
+    pieces: Iterator[str]
+
+
+def sample_text(path: str | Path, prompt: str, max_new_tokens: int, *, device: str = "auto", **stream: Any) -> Sampling:
+    """Open the model at ``path`` on ``device`` and start continuing ``prompt`` (``stream``: the sampling options
+    of :meth:`Sampler.stream`); the request is checked before the first piece."""
+    sampler = Sampler.open(path, device)
+    ids = sampler.encode(prompt, max_new_tokens)
+    return Sampling(f"[{sampler.source}, {sampler.device}, {len(ids)} prompt tokens]",
+                    sampler.stream(ids, max_new_tokens, **stream))

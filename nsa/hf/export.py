@@ -44,6 +44,7 @@ from nsa.model.lm import NSALM
 from nsa.model.load import fit_init_weights, read_state
 from nsa.rundir.checkpoints import check_sha256, sha256_file
 from nsa.rundir.layout import RUN_PARTS, is_run_dir
+from nsa.view import Block, Line, Result
 
 MODELING_SOURCE = Path(__file__).with_name(MODELING)
 
@@ -66,7 +67,7 @@ torch implementation (slow). `train.init_from={name}` starts an `nsa train` run 
 
 
 @dataclass
-class HFExport:
+class HFExport(Result):
     """What an export wrote."""
 
     out: Path
@@ -82,6 +83,11 @@ class HFExport:
         d = asdict(self)
         d["out"], d["source"] = str(self.out), str(self.source)
         return d
+
+    def view(self) -> list[Block]:
+        return [Line(f"exported {self.out} (Hugging Face format, version {self.format_version}): {self.parameters:,} "
+                     f"parameters ({self.dtype}), tokenizer {self.tokenizer}, from {self.source}", "good", lead=8),
+                Line(f"  load it: AutoModelForCausalLM.from_pretrained({str(self.out)!r}, trust_remote_code=True)")]
 
 
 def _inside(path: Path, folder: Path) -> bool:

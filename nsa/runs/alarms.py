@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nsa.errors import ConfigError
-from nsa.fileio import json_safe
+from nsa.errors import ConfigError, NSAError
+from nsa.fileio import json_safe, write_failure
 from nsa.rundir import RunDir
 from nsa.rundir.records import ALARMS_SCHEMA, Alarm
 from nsa.runs.sessions import Session, read_sessions
+from nsa.view import Block, Line, Result
 
 OPEN, RESOLVED, SUPERSEDED, ACKNOWLEDGED = "open", "resolved", "superseded", "acknowledged"
 
@@ -140,9 +141,26 @@ def acknowledge(run_dir: str | Path, reason: str, by: str, rules: list[str] | No
     return pending
 
 
-def ack_run(run_dir: str | Path, reason: str, rules: list[str] | None = None, by: str | None = None) -> list[KeptAlarm]:
+@dataclass
+class Acknowledged(Result):
+    """What ``nsa ack`` acknowledged in ``run_dir`` (nothing when no alarm was open)."""
+
+    run_dir: str
+    alarms: list[KeptAlarm]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_dir": self.run_dir, "acknowledged": [
+            {"rule": a.rule, "step": a.step, "session": a.session, "message": a.message, "note": a.note}
+            for a in self.alarms]}
+
+    def view(self) -> list[Block]:
+        return [Line(f"acknowledged {a.describe()}") for a in self.alarms] or [Line(f"no open alarm in {self.run_dir}")]
+
+
+def ack_run(run_dir: str | Path, reason: str, rules: list[str] | None = None, by: str | None = None) -> Acknowledged:
     """``nsa ack``: :func:`acknowledge` the open alarms of a run directory (checked), judged against its
-    sessions; ``by`` defaults to ``user@host (nsa ack, pid N)``."""
+    sessions; ``by`` defaults to ``user@host (nsa ack, pid N)``. A run directory that cannot be written: one
+    ``NSAError``."""
     from nsa.runs.halt import who_am_i
     from nsa.runs.reader import RunReader, check_run_dir
     from nsa.runs.rules import canonical
@@ -151,7 +169,11 @@ def ack_run(run_dir: str | Path, reason: str, rules: list[str] | None = None, by
     rules = [canonical(r) for r in rules] if rules else None
     st = RunReader(path).poll(final=True)
     sessions = read_sessions(path, st.status(time.time()))
-    return acknowledge(path, reason, by or who_am_i("nsa ack"), rules, sessions)
+    try:
+        return Acknowledged(str(run_dir), acknowledge(path, reason, by or who_am_i("nsa ack"), rules, sessions))
+    except OSError as exc:
+        raise NSAError(write_failure(exc, Path(run_dir) / "alarms.jsonl"),
+                       hint="make the run directory writable") from None
 
 
 class AlarmFile:

@@ -15,10 +15,11 @@ from typing import Any
 from nsa.errors import RunDirError
 from nsa.rundir.layout import LOCK_FILE, STACKDUMP, read_lock
 from nsa.runs.reader import RunReader, check_run_dir, pid_alive
+from nsa.view import Block, Line, Result
 
 
 @dataclass
-class DumpOutcome:
+class DumpOutcome(Result):
     """``ok``: a dump appeared; ``message`` says what happened; ``text`` is what rank 0's file gained."""
 
     ok: bool
@@ -30,6 +31,16 @@ class DumpOutcome:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def view(self) -> list[Block]:
+        """The stacks, then what happened (an error line on stderr when no dump appeared)."""
+        stacks = [Line(self.text.rstrip(), wrap=False)] if self.text else []
+        return [*stacks, Line(self.message, wrap=False) if self.ok else Line(f"error: {self.message}", err=True,
+                                                                              wrap=False)]
 
 
 def _holds_lock(pid: int, lock: Path) -> bool | None:

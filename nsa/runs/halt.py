@@ -20,6 +20,7 @@ from nsa.rundir import RunDir
 from nsa.rundir.layout import HALT_FILE, WATCHDOG_PREFIX, read_halt
 from nsa.rundir.records import HaltEvent, HaltFile
 from nsa.runs.reader import DEFAULT_STALE_S, RunReader, check_run_dir
+from nsa.view import Block, Line, Result
 
 
 def who_am_i(tool: str = "nsa halt") -> str:
@@ -101,7 +102,7 @@ def _merge(pending: HaltFile | None, record: HaltFile) -> HaltFile:
 
 
 @dataclass
-class HaltOutcome:
+class HaltOutcome(Result):
     """What happened after asking: ``acknowledged``, ``ended`` (finished another way), ``crashed``,
     ``timeout``, ``written`` (no wait) or ``already-ended`` (nothing written)."""
 
@@ -120,6 +121,13 @@ class HaltOutcome:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def view(self) -> list[Block]:
+        return [Line(f"{self.outcome}: {self.message}", self.outcome, lead=len(self.outcome))]
 
 
 def wait_for_ack(

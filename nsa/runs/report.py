@@ -59,13 +59,14 @@ from nsa.runs.verdict import (
     run_limits,
     verdict,
 )
+from nsa.view import Block, Line, Result
 
 DEFAULT_OUT = Path("Documentation") / "Reports"
 EVAL_TASKS = ("needle", "mqar", "ruler", "loss", "selection")  # RUN/eval/<task>.json written by `nsa eval`, in report order
 
 
 @dataclass
-class ReportResult:
+class ReportResult(Result):
     path: Path
     runs: list[RunSummary]
     verdicts: list[tuple[str, str]]
@@ -83,6 +84,16 @@ class ReportResult:
     @property
     def failed(self) -> bool:
         return self.overall == "FAIL"
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+    def view(self) -> list[Block]:
+        """Each run's verdict and why, then where the report is."""
+        lines = [Line(f"{v}  {s.run_name}: {why}", v, lead=len(v)) for s, (v, why) in zip(self.runs, self.verdicts,
+                                                                                           strict=True)]
+        return [*lines, Line(f"report: {self.path}")]
 
     def to_dict(self) -> dict[str, Any]:
         runs = []
@@ -713,14 +724,16 @@ def build_report(
     force: bool = False,
     limits: str | Path | None = None,
     notes: Sequence[str] = (),
+    note_files: Sequence[str | Path] = (),
 ) -> ReportResult:
     """Write the report and its charts; returns the path and each run's verdict.
 
     ``out_dir`` is a folder (versioned file name inside), or the report file itself when it ends in
     ``.md`` or names an existing file; an existing report file is replaced only with ``force``. A path
     that cannot be written raises ``NSAError`` and leaves no partial report behind. ``limits`` names a
-    hardware profile whose ``monitor:`` block overrides each run's saved limits; ``notes`` fill the
-    "Engineer's notes and deviations" section (:func:`read_notes`)."""
+    hardware profile whose ``monitor:`` block overrides each run's saved limits; ``notes`` and the texts of
+    ``note_files`` fill the "Engineer's notes and deviations" section (:func:`read_notes`)."""
+    notes = read_notes(notes, note_files)
     dirs = [Path(p) for p in run_dirs] if run_dirs else [newest_run(artifacts_root)]
     now = time.time() if now is None else now
     override = profile_limits(limits) if limits is not None else None

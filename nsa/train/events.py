@@ -33,6 +33,11 @@ class Event:
     tone: Tone = "plain"
     row: dict[str, Any] | None = None
 
+    def figures(self) -> dict[str, str]:
+        """A log step's figures as a progress bar shows them: ``loss``, ``tps`` (tokens/s), ``eta``."""
+        row = self.row or {}
+        return {"loss": f"{row['loss']:.4f}", "tps": rate_text(row.get("tokens_per_s")), "eta": eta_text(row.get("eta_s"))}
+
 
 Reporter = Callable[[Event], None]
 

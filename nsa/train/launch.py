@@ -203,3 +203,24 @@ def _halted(run_dir: str | Path, since: float) -> bool:
                     elif ev.get("event") == "end" and rank in ends:
                         ends[rank] = ev.get("status")
     return bool(ends) and len(ends) == world and all(status == "halted" for status in ends.values())
+# the launcher's own options: what a rank's command line leaves out
+LAUNCH_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id")
+
+
+def strip_launch_options(argv: Sequence[str]) -> list[str]:
+    """``argv`` without the launcher's own options (``--nproc-per-node N``, ``--nnodes=N``, ...)."""
+    out = list(argv)
+    for option in LAUNCH_OPTIONS:
+        out = strip_option(out, option)
+    return out
+
+
+def relaunch(nproc: int, program: Sequence[str], argv: Sequence[str], rdzv: Rendezvous | None = None,
+             say: Callable[[str], None] | None = None, run_dir: str | Path | None = None) -> int:
+    """Run a command again on ``nproc`` ranks of this node through torchrun: ``python <program> <argv>``
+    (``program``: e.g. ``["-m", "nsa_cli"]``, ``argv`` this process's arguments, the launcher's own options
+    left out); ``say`` hears the launch line; ``run_dir``: the run the ranks write (a clean halt of all of them
+    is exit 0, :func:`launch`). torchrun's exit code."""
+    cmd = torchrun_argv(nproc, [*program, *strip_launch_options(argv)], rdzv)
+    (say or (lambda line: print(line, file=sys.stderr, flush=True)))(f"launching: {' '.join(cmd[1:])}")
+    return launch(cmd, run_dir=run_dir)

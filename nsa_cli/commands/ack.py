@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from nsa_cli import options
-from nsa_cli.errors import fail, user_errors
+from nsa_cli.errors import user_errors
+from nsa_cli.render import Output
 
 EPILOG = """\
 Examples:
@@ -27,33 +28,18 @@ rule with no open alarm, or when RUN_DIR is not a run directory or cannot be wri
 
 def ack(
     run_dir: Annotated[Path, options.run_dir()],
-    reason: Annotated[str, typer.Option("--reason", help="Why the alarm needs no further action (required; kept in the run).")],
-    rule: Annotated[list[str] | None, typer.Option("--rule", help="Only this rule's alarms (repeatable; default every open alarm).")] = None,
+    reason: Annotated[str, typer.Option(
+        "--reason", help="Why the alarm needs no further action (required; kept in the run).")],
+    rule: Annotated[list[str] | None, typer.Option(
+        "--rule", help="Only this rule's alarms (repeatable; default every open alarm).")] = None,
     as_json: Annotated[bool, options.json_flag("the alarms acknowledged")] = False,
 ) -> None:
     """Acknowledge the open alarms of RUN_DIR (all, or --rule's), with a reason kept in RUN/alarms.jsonl."""
-    from nsa_cli import render
-
     with user_errors():
         from nsa.runs.alarms import ack_run
 
-        try:
-            done = ack_run(run_dir, reason, rule or None)
-        except OSError as exc:
-            from nsa.fileio import write_failure
-
-            raise fail(write_failure(exc, Path(run_dir) / "alarms.jsonl"), hint="make the run directory writable") from None
-    out = render.Output(as_json)
-
-    def human() -> None:
-        if not done:
-            out.say(f"no open alarm in {run_dir}")
-        for a in done:
-            out.say(f"acknowledged {a.describe()}")
-
-    out.result({"run_dir": str(run_dir), "acknowledged": [
-        {"rule": a.rule, "step": a.step, "session": a.session, "message": a.message, "note": a.note} for a in done]},
-        human)
+        done = ack_run(run_dir, reason, rule or None)
+    raise typer.Exit(Output(as_json).result(done))
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from nsa_cli import options
-from nsa_cli.errors import EXIT_FAILED, user_errors
+from nsa_cli.errors import user_errors
+from nsa_cli.render import Output
 
 EPILOG = """\
 Examples:
@@ -32,20 +33,11 @@ def dump(
 ) -> None:
     """Send SIGUSR1 to the run's trainer (PID from RUN/.lock): it appends every thread's stack to
     stackdump_rank{r}.txt, even while blocked in a collective or a read; print what it wrote."""
-    from nsa_cli import render
-
     with user_errors():
         from nsa.runs.dump import dump_stacks
 
-        out = dump_stacks(run_dir, timeout_s=timeout)
-    if as_json:
-        render.print_json(out.to_dict())
-    else:
-        if out.text:
-            typer.echo(out.text.rstrip())
-        typer.echo(("" if out.ok else "error: ") + out.message, err=not out.ok)
-    if not out.ok:
-        raise typer.Exit(EXIT_FAILED)
+        outcome = dump_stacks(run_dir, timeout_s=timeout)
+    raise typer.Exit(Output(as_json).result(outcome))
 
 
 def register(app: typer.Typer) -> None:

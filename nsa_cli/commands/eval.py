@@ -4,13 +4,14 @@ how well does an NSA model's selection find what dense attention reads (selectio
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from nsa_cli import options
 from nsa_cli.compat import command_class
 from nsa_cli.errors import fail, user_errors
+from nsa_cli.render import Output
 
 EPILOG = """\
 Examples:
@@ -52,21 +53,6 @@ Exit code 0 on success, 2 for bad input (unknown task, a context above model.max
 short for the task, a depth outside [0, 1], a path without weights, the selection task on a dense model).
 """
 
-def _ints(text: str, flag: str) -> list[int]:
-    out = []
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        scale = 1024 if part[-1] in "kK" else 1
-        try:
-            out.append(int(part[:-1] if scale > 1 else part) * scale)
-        except ValueError:
-            raise fail(f"{flag} {text!r} must be comma-separated integers", hint="e.g. 4096,16384 or 4k,16k") from None
-    if not out:
-        raise fail(f"{flag} {text!r} lists nothing", hint="e.g. 4096,16384")
-    return out
-
-
 def _floats(text: str, flag: str) -> list[float]:
     try:
         out = [float(p) for p in text.replace(" ", "").split(",") if p]
@@ -75,114 +61,6 @@ def _floats(text: str, flag: str) -> list[float]:
     if not out:
         raise fail(f"{flag} {text!r} lists nothing", hint="e.g. 0,0.5,1")
     return out
-
-
-def _each_document(settings: dict[str, Any]) -> str:
-    """What a heading adds for a run trained with ``data.document_mask`` (read document by document)."""
-    return ", each document on its own: data.document_mask" if settings.get("documents") else ""
-
-
-def _style(acc: float) -> str:
-    return "green" if acc >= 0.9 else "yellow" if acc >= 0.5 else "red"
-
-
-def _selection_tables(payload: dict[str, Any]) -> list[tuple[str, Any]]:
-    """One heading and table per context: layer, recall, its ceiling, compressed entropy, KL, gates."""
-    from rich.table import Table
-
-    from nsa.eval.results import context_label
-
-    rows, s = payload["results"], payload["settings"]
-    name = Path(str(payload["run"] or payload["checkpoint"])).name
-    out = []
-    for c in sorted({r["context"] for r in rows}):
-        here = [r for r in rows if r["context"] == c]
-        heading = (f"selection of {name} at context {context_label(c)} ({here[0]['n']} val sequences, "
-                   f"{s['queries']} query positions per layer{_each_document(s)})")
-        short = any(r.get("recall") is None for r in here)
-        t = Table(caption="–: all blocks selected at this length" if short else None)
-        for col in ("layer", "recall", "recall ceiling", "forced blocks", "compressed entropy", "KL", "gates cmp/sel/win"):
-            t.add_column(col, justify="right")
-        for r in here:
-            gates = "/".join(f"{g:.2f}" for g in r["gates"]) if r.get("gates") else "n/a"
-            if r.get("recall") is None:
-                t.add_row(str(r["layer"]), "–", "–", "–", "–", "–", gates)
-                continue
-            rec = r["recall"]
-            t.add_row(str(r["layer"]), f"[{_style(rec)}]{rec:.3f}[/]", _num(r.get("recall_best")),
-                      _num(r.get("recall_forced")), _num(r.get("cmp_entropy")), _num(r.get("kl")), gates)
-        out.append((heading, t))
-    return out
-
-
-def _num(v: Any) -> str:
-    return "n/a" if v is None else f"{v:.3f}"
-
-
-def _tables(payload: dict[str, Any]) -> list[tuple[str, Any]]:
-    """Heading lines and Rich tables of the results (one per context for the selection task)."""
-    if payload["task"] == "selection":
-        return _selection_tables(payload)
-    return [_table(payload)]
-
-
-def _grid(rows: list[dict[str, Any]], key: str, value: str, labels: list[str], keys: list[Any]) -> Any:
-    """A Rich table of ``rows``' ``value`` (coloured): a row per ``key`` (``keys``, shown as ``labels``), a column
-    per context."""
-    from rich.table import Table
-
-    from nsa.eval.results import context_label
-
-    contexts = sorted({r["context"] for r in rows})
-    cell = {(r[key], r["context"]): r[value] for r in rows}
-    t = Table()
-    t.add_column(f"{key} \\ context", justify="right")
-    for c in contexts:
-        t.add_column(context_label(c), justify="right")
-    for label, k in zip(labels, keys, strict=True):
-        cells = [cell.get((k, c)) for c in contexts]
-        t.add_row(label, *("-" if v is None else f"[{_style(v)}]{v:.2f}[/]" for v in cells))
-    return t
-
-
-def _table(payload: dict[str, Any]) -> tuple[str, Any]:
-    """A heading line and the Rich table of the results."""
-    from rich.table import Table
-
-
-    task, rows, s = payload["task"], payload["results"], payload["settings"]
-    name = Path(str(payload["run"] or payload["checkpoint"])).name
-    if task == "needle":
-        heading = f"needle accuracy of {name} ({s['samples']} samples per cell, haystack {s['haystack']})"
-        depths = sorted({r["depth"] for r in rows})
-        return heading, _grid(rows, "depth", "accuracy", [f"{d:g}" for d in depths], depths)
-    if task == "ruler":
-        heading = (f"RULER-style suite of {name} ({s['samples']} episodes per cell, haystack {s['haystack']}; "
-                   "score: the share of answer values right; answer nll: nats per answer token, over the tasks)")
-        tasks = list(dict.fromkeys(r["task"] for r in rows))
-        t = _grid(rows, "task", "score", tasks, tasks)
-        nll = {r["context"]: r.get("answer_nll") for r in rows if r["task"] == "mean"}
-        t.add_row("answer nll", *("-" if nll.get(c) is None else f"{nll[c]:.3f}" for c in sorted(nll)))
-        return heading, t
-    if task == "mqar":
-        heading = f"MQAR accuracy of {name} ({s['pairs']} pairs, {s['queries']} queries, {s['samples']} samples)"
-        t = Table()
-        for col in ("context", "accuracy", "keys asked"):
-            t.add_column(col, justify="right")
-        for r in rows:
-            t.add_row(str(r["context"]), f"[{_style(r['accuracy'])}]{r['accuracy']:.3f}[/]", str(r["n"]))
-        return heading, t
-    heading = f"held-out loss of {name} on the val split ({s['samples']} sequences per context{_each_document(s)})"
-    t = Table()
-    for col in ("context", "loss", "bits/byte", "tokens"):
-        t.add_column(col, justify="right")
-    t.add_column("loss by position in the window", justify="left")
-    for r in rows:
-        loss, bpb = r["loss"], r["bits_per_byte"]
-        by_pos = "  ".join(f"{b['start']}-{b['end']}: {b['loss']:.3f}" for b in r.get("by_position", []))
-        t.add_row(str(r["context"]), "n/a" if loss is None else f"{loss:.4f}", "n/a" if bpb is None else f"{bpb:.4f}",
-                  f"{r['n']:,}", by_pos)
-    return heading, t
 
 
 def eval_cmd(
@@ -214,39 +92,20 @@ def eval_cmd(
 
     Example: nsa eval artifacts/tiny --task needle --contexts 64,128 --depths 0,0.5,1 --samples 16
     """
-    from nsa_cli import render
-
+    out = Output(as_json or str(json_out) == "-", always_human=True)
     with user_errors():
-        from nsa.errors import NSAError
-        from nsa.eval.results import save_results, to_json, write_json
-        from nsa.eval.run import EvalSpec, run_eval
+        from nsa.eval.run import EvalSpec
+        from nsa.eval.view import evaluate
 
-        spec = EvalSpec(task, contexts=_ints(contexts, "--contexts") if contexts is not None else None,
+        spec = EvalSpec(task, contexts=options.ints(contexts, "--contexts", "4096,16384 or 4k,16k", kilo=True),
                         depths=_floats(depths, "--depths") if task == "needle" else [], samples=samples, pairs=pairs,
                         queries=queries, haystack=haystack, seed=seed, batch_size=batch_size, device=device)
         if ruler_tasks is not None:
             spec.ruler_tasks = [t for t in ruler_tasks.replace(" ", "").split(",") if t]
-        to_stdout = as_json or str(json_out) == "-"
-        console = render.console(stderr=to_stdout)
-        payload = run_eval(path, spec, say=lambda line: typer.echo(line, err=True))
-        for heading, table in _tables(payload):
-            console.print(heading, highlight=False)
-            console.print(table)
-        written: list[Path] = []
-        if not no_save:
-            try:
-                written = save_results(payload["run"], payload)
-            except NSAError as exc:
-                typer.echo(f"warning: results not saved in the run directory: {exc.one_line()}", err=True)
-        if json_out is not None and str(json_out) != "-":
-            try:
-                written.append(write_json(json_out, payload))
-            except OSError as exc:
-                raise fail(f"cannot write --json-out {json_out}: {exc.strerror or exc}", hint="choose a writable path") from None
-        if to_stdout:
-            typer.echo(to_json(payload), nl=False)
-        for p in written:
-            console.print(f"saved {p}", highlight=False)
+        json_file = None if json_out is None or str(json_out) == "-" else json_out
+        result = evaluate(path, spec, save=not no_save, json_out=json_file,
+                          say=lambda line: out.say(line, err=True, wrap=False))
+    raise typer.Exit(out.result(result))
 
 
 def register(app: typer.Typer) -> None:

@@ -9,6 +9,7 @@ import typer
 
 from nsa_cli import options
 from nsa_cli.errors import fail, user_errors
+from nsa_cli.render import Output
 
 FORMATS = ("hf",)
 
@@ -37,21 +38,13 @@ def export(
     as_json: Annotated[bool, options.json_flag("what was written")] = False,
 ) -> None:
     """Write a trained model (its export/ or newest verified checkpoint) to OUT in another format."""
-    from nsa_cli import render
-
     if fmt not in FORMATS:
         raise fail(f"--format {fmt} is not a known format", hint=f"use one of: {', '.join(FORMATS)}")
     with user_errors():
         from nsa.hf import export_hf
 
         result = export_hf(path, out, overwrite=overwrite)
-    if as_json:
-        render.print_json(result.to_dict())
-        return
-    con = render.console()
-    con.print(f"[bold green]exported[/] {result.out} (Hugging Face format, version {result.format_version}): "
-              f"{result.parameters:,} parameters ({result.dtype}), tokenizer {result.tokenizer}, from {result.source}")
-    con.print(f"  load it: AutoModelForCausalLM.from_pretrained({str(result.out)!r}, trust_remote_code=True)")
+    raise typer.Exit(Output(as_json).result(result))
 
 
 def register(app: typer.Typer) -> None:

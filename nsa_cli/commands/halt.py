@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from nsa_cli import options
-from nsa_cli.errors import EXIT_FAILED, user_errors
+from nsa_cli.errors import user_errors
+from nsa_cli.render import Output
 
 EPILOG = """\
 Examples:
@@ -27,26 +28,21 @@ RUN_DIR is not a run directory or .HALT cannot be written there (read-only, no p
 
 def halt(
     run_dir: Annotated[Path, options.run_dir()],
-    reason: Annotated[str, typer.Option("--reason", "-r", help="Why (recorded in .HALT and the heartbeat).")] = "operator request",
+    reason: Annotated[str, typer.Option(
+        "--reason", "-r", help="Why (recorded in .HALT and the heartbeat).")] = "operator request",
     wait: Annotated[bool, typer.Option("--wait", help="Follow the heartbeat until the trainer acknowledges.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait with --wait.", min=0.1)] = 600.0,
     as_json: Annotated[bool, options.json_flag("the outcome")] = False,
 ) -> None:
     """Write RUN_DIR/.HALT atomically (reason, time, who); with --wait, report the final checkpoint."""
-    from nsa_cli import render
-
-    sink = render.Output(as_json)
+    out = Output(as_json)
     with user_errors():
         from nsa.runs.halt import halt_run
 
         if wait:
-            sink.say(f"writing .HALT in {run_dir}, then waiting up to {timeout:g} s for the trainer to acknowledge...")
-        out = halt_run(run_dir, reason, wait=wait, timeout_s=timeout)
-    text = render.styled(out.outcome)
-    text.append(f": {out.message}")
-    sink.result(out.to_dict(), lambda: sink.show(text))
-    if not out.ok:
-        raise typer.Exit(EXIT_FAILED)
+            out.say(f"writing .HALT in {run_dir}, then waiting up to {timeout:g} s for the trainer to acknowledge...")
+        outcome = halt_run(run_dir, reason, wait=wait, timeout_s=timeout)
+    raise typer.Exit(out.result(outcome))
 
 
 def register(app: typer.Typer) -> None:

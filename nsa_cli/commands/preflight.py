@@ -8,7 +8,9 @@ from typing import Annotated
 import typer
 
 from nsa_cli import options
-from nsa_cli.errors import EXIT_FAILED, user_errors
+from nsa_cli.compat import Command
+from nsa_cli.errors import user_errors
+from nsa_cli.render import Output
 
 EPILOG = """\
 Examples:
@@ -24,31 +26,23 @@ Exit code 0 when nothing FAILs (WARNs are fine), 1 on any FAIL, 2 on a usage err
 
 
 def preflight(
-    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile name or YAML path.")] = None,
-    config: Annotated[str | None, typer.Option("--config", "-c", help=options.config_help())] = None,
-    out_dir: Annotated[Path | None, typer.Option("--out-dir", "-o", help="Where the run will write (disk check); default train.out_dir.")] = None,
-    sets: Annotated[list[str] | None, typer.Option("--set", help="Config override section.key=value (repeatable).")] = None,
-    data_timeout: Annotated[float, typer.Option("--data-timeout", help="Dataset probe timeout, seconds.", min=0.1)] = 10.0,
+    profile: Annotated[str | None, options.profile()] = None,
+    config: Annotated[str | None, options.config()] = None,
+    out_dir: Annotated[Path | None, options.out_dir(
+        "Where the run will write (disk check); default train.out_dir.")] = None,
+    sets: Annotated[list[str] | None, options.sets()] = None,
+    data_timeout: Annotated[float, typer.Option("--data-timeout", help="Dataset probe timeout, seconds.",
+                                                min=0.1)] = 10.0,
     as_json: Annotated[bool, options.json_flag("the checks")] = False,
 ) -> None:
     """Check Python, torch, Triton, flash-attn, GPUs (NVML), bf16, an NSA forward+backward against the
     reference, disk, RAM, dataset, tokenizer, config and git: PASS / WARN / FAIL with a fix hint each."""
-    from nsa_cli import render
-
     with user_errors():
         from nsa.checks.preflight import run_preflight
 
         report = run_preflight(profile, config, out_dir=out_dir, data_timeout_s=data_timeout, sets=sets)
-    if as_json:
-        render.print_json(report.to_dict())
-    else:
-        con = render.console()
-        title = f"nsa preflight (profile {report.facts.get('profile') or 'none'}, device {report.facts.get('device')})"
-        con.print(render.checks_table(report, title))
-        con.print(render.counts_line(report))
-    if not report.ok:
-        raise typer.Exit(EXIT_FAILED)
+    raise typer.Exit(Output(as_json).result(report))
 
 
 def register(app: typer.Typer) -> None:
-    app.command("preflight", epilog=EPILOG)(preflight)
+    app.command("preflight", epilog=EPILOG, cls=Command)(preflight)

@@ -9,7 +9,8 @@ import typer
 
 from nsa_cli import options
 from nsa_cli.compat import command_class
-from nsa_cli.errors import EXIT_FAILED, user_errors
+from nsa_cli.errors import user_errors
+from nsa_cli.render import Output
 
 EPILOG = """\
 Examples:
@@ -59,26 +60,14 @@ def report(
     (NSA_*, CUDA_*, NCCL_*, PYTORCH_*; secrets redacted), config, tokens/s trend, charts (loss with
     validation points and checkpoint/halt/resume markers, tokens/s, memory, gates, fetch, lr/grad norm),
     gate health, counters, evaluation, anomalies/halts/resumes, notes and links to artifacts."""
-    from nsa_cli import render
-
     with user_errors():
-        from nsa.runs.report import build_report, read_notes
+        from nsa.runs.report import build_report
 
-        notes = read_notes(note or [], note_file or [])
         res = build_report(run_dirs or None, out, artifacts_root=artifacts, title=title, charts=not no_charts,
-                           force=force, limits=limits, notes=notes)
-    if as_json:
-        render.print_json(res.to_dict())
-    else:
-        con = render.console()
-        for s, (v, why) in zip(res.runs, res.verdicts, strict=True):
-            text = render.styled(v)
-            text.append(f"  {s.run_name}: {why}")
-            con.print(text)
-        con.print(f"report: {res.path}")
-    if res.failed:
-        raise typer.Exit(EXIT_FAILED)
+                           force=force, limits=limits, notes=note or [], note_files=note_file or [])
+    raise typer.Exit(Output(as_json).result(res))
 
 
 def register(app: typer.Typer) -> None:
-    app.command("report", epilog=EPILOG, cls=command_class(short={"-o": ("--out", "-o means --out-dir in every command")}))(report)
+    app.command("report", epilog=EPILOG, cls=command_class(
+        short={"-o": ("--out", "-o means --out-dir in every command")}))(report)

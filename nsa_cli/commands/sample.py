@@ -10,6 +10,7 @@ import typer
 from nsa_cli import options
 from nsa_cli.compat import command_class
 from nsa_cli.errors import user_errors
+from nsa_cli.render import Output
 
 
 def sample(
@@ -30,16 +31,16 @@ def sample(
 
     Example: nsa sample artifacts/tiny --prompt "Once upon a time" --max-new-tokens 100 --seed 1
     """
+    out = Output()
     with user_errors():
-        from nsa.eval.sampler import Sampler
+        from nsa.eval.sampler import sample_text
 
-        sampler = Sampler.open(path, device)
-        ids = sampler.encode(prompt, max_new_tokens)
-        typer.echo(f"[{sampler.source}, {sampler.device}, {len(ids)} prompt tokens]", err=True)
-        for piece in sampler.stream(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    seed=seed, stop_at_eot=stop_at_eot, cuda_graph=cuda_graph):
-            typer.echo(piece, nl=False)
-        typer.echo("")
+        sampling = sample_text(path, prompt, max_new_tokens, device=device, temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=seed, stop_at_eot=stop_at_eot, cuda_graph=cuda_graph)
+        out.say(sampling.header, err=True, wrap=False)
+        for piece in sampling.pieces:
+            out.stream(piece)
+        out.stream("\n")
 
 
 def register(app: typer.Typer) -> None:

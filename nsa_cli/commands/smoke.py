@@ -8,7 +8,9 @@ from typing import Annotated
 import typer
 
 from nsa_cli import options
-from nsa_cli.errors import EXIT_FAILED, user_errors
+from nsa_cli.compat import Command
+from nsa_cli.errors import user_errors
+from nsa_cli.render import Output
 
 # How long the CPU smoke takes (the README says the same; tests/test_cli_help.py holds them together).
 CPU_DURATION = "under a minute"
@@ -28,39 +30,28 @@ p95 under its limit, gate health, fallback counters at zero, heartbeat fresh. Ex
 
 
 def smoke(
-    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile (default: detected; cpu without CUDA).")] = None,
-    steps: Annotated[int | None, typer.Option("--steps", help="Training steps (default: the profile's smoke.steps).", min=2)] = None,
-    config: Annotated[str | None, typer.Option("--config", "-c", help=options.config_help("Run config (default: the profile's smoke.config)"))] = None,
-    out_dir: Annotated[Path | None, typer.Option("--out-dir", "-o", help="Run directory (default artifacts/smoke-<profile>-<time>).")] = None,
-    skip_preflight: Annotated[bool, typer.Option("--skip-preflight", help="Go straight to parity and training.")] = False,
+    profile: Annotated[str | None, options.profile("Hardware profile (default: detected; cpu without CUDA).")] = None,
+    steps: Annotated[int | None, typer.Option(
+        "--steps", help="Training steps (default: the profile's smoke.steps).", min=2)] = None,
+    config: Annotated[str | None, options.config("Run config (default: the profile's smoke.config)")] = None,
+    out_dir: Annotated[Path | None, options.out_dir(
+        "Run directory (default artifacts/smoke-<profile>-<time>).")] = None,
+    skip_preflight: Annotated[bool, typer.Option(
+        "--skip-preflight", help="Go straight to parity and training.")] = False,
     as_json: Annotated[bool, options.json_flag("the result")] = False,
 ) -> None:
     """Preflight, parity of every fast path on this device against the reference, a short training run,
     then a verdict against explicit criteria."""
-    from nsa_cli import render
-
-    con = render.console(stderr=as_json)
-
-    def stage(name: str, report: object) -> None:
-        if not as_json:
-            con.print(f"[dim]smoke: {name} done[/]")
-
+    out = Output(as_json)
     with user_errors():
         from nsa.checks.smoke import run_smoke
-        from nsa_cli.train_view import RichReporter
+        from nsa_cli.render.train import RichReporter
 
         report = run_smoke(profile, steps, config=config, out_dir=out_dir, skip_preflight=skip_preflight,
-                           reporter=RichReporter(con), on_stage=stage)
-    if as_json:
-        render.print_json(report.to_dict())
-    else:
-        f = report.facts
-        title = f"nsa smoke (profile {f.get('profile')}, config {f.get('config')}, {f.get('steps')} steps, run {f.get('run_dir')})"
-        con.print(render.checks_table(report, title))
-        con.print(render.counts_line(report))
-    if not report.ok:
-        raise typer.Exit(EXIT_FAILED)
+                           reporter=RichReporter(out.console),
+                           on_stage=lambda name, _: None if as_json else out.say(f"smoke: {name} done", "dim"))
+    raise typer.Exit(out.result(report))
 
 
 def register(app: typer.Typer) -> None:
-    app.command("smoke", epilog=EPILOG)(smoke)
+    app.command("smoke", epilog=EPILOG, cls=Command)(smoke)

@@ -1,4 +1,5 @@
-"""The trainer's events on a console: a Rich progress bar on a terminal, plain log lines otherwise."""
+"""The trainer's events (``nsa.train.events.Event``) on a console: a Rich progress bar on a terminal, plain log
+lines otherwise."""
 
 from __future__ import annotations
 
@@ -8,20 +9,18 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from nsa.train.events import Event, eta_text, rate_text
-
 TONE_STYLE = {"plain": "", "headline": "bold cyan", "good": "bold green", "caution": "bold yellow", "bad": "bold red"}
 
 
 class RichReporter:
-    """Renders :class:`nsa.train.events.Event` (texts printed verbatim: never read as markup)."""
+    """Renders the trainer's events (texts printed verbatim: never read as markup)."""
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console()
         self._progress: Progress | None = None
         self._task: Any = None
 
-    def __call__(self, event: Event) -> None:
+    def __call__(self, event: Any) -> None:
         kind = event.kind
         if kind == "start" and self.console.is_terminal:
             self._progress = Progress(
@@ -37,10 +36,8 @@ class RichReporter:
         elif kind == "warning":
             self.console.print(Text.assemble(("WARNING", "bold red"), " ", event.text), soft_wrap=True)
         elif kind == "step" and self._progress is not None:
-            row = event.row
-            if row is not None:
-                self._progress.update(self._task, completed=event.step, loss=f"{row['loss']:.4f}",
-                                      tps=rate_text(row.get("tokens_per_s")), eta=eta_text(row.get("eta_s")))
+            if event.row is not None:
+                self._progress.update(self._task, completed=event.step, **event.figures())
             else:
                 self._progress.update(self._task, completed=event.step)
         elif kind == "log" and self._progress is None:

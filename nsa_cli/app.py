@@ -40,8 +40,9 @@ class Group(TyperGroup):
     """The ``nsa`` group: a usage error (``--steps abc``, an unknown option) is one ``error:`` line with a
     hint and exit code 2, not a box; Ctrl-C outside a command's own handling exits 130 with one line."""
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,
+             **extra: Any) -> Any:
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False,
                               windows_expand_args=windows_expand_args, **extra)
@@ -53,8 +54,8 @@ class Group(TyperGroup):
         except click.ClickException as exc:
             if not standalone_mode:
                 raise
-            render.echo(usage_line(exc) if isinstance(exc, click.UsageError) else f"error: {exc.format_message()}",
-                        err=True)
+            render.echo(usage_line(exc) if isinstance(exc, click.UsageError)
+                        else f"error: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
         except typer.Abort:
             if not standalone_mode:
@@ -70,10 +71,10 @@ class Group(TyperGroup):
 
 
 def _rank_exit(code: int) -> None:
-    """A torchrun rank refused its input (said in one line, its files closed, its process group destroyed): exit
-    now, without the interpreter's teardown, where the distributed runtime's threads can outlive the store
-    another node's launcher has closed and abort the process ("terminate called without an active exception",
-    exit -6 instead of 2)."""
+    """A torchrun rank refused its input (said in one line, its files closed, its process group destroyed):
+    exit now, without the interpreter's teardown, where the distributed runtime's threads can outlive the
+    store another node's launcher has closed and abort the process ("terminate called without an active
+    exception", exit -6 instead of 2)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -90,8 +91,8 @@ app = typer.Typer(
 )
 
 # Each module exposes ``register(app)``; order is the order of ``nsa --help``.
-COMMAND_MODULES = (preflight, smoke, train, watch, ack, halt, dump, report, sample, eval_command, export, profiles,
-                   bench)
+COMMAND_MODULES = (preflight, smoke, train, watch, ack, halt, dump, report, sample, eval_command, export,
+                   profiles, bench)
 
 
 def _version(value: bool) -> None:

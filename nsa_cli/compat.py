@@ -19,13 +19,16 @@ stderr: ``warning: ... is deprecated ...: use ...``. The commands declare only t
 from __future__ import annotations
 
 from itertools import islice
+import functools
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from typer.core import TyperCommand
 
 from nsa_cli import render
 
-CONFIG_NAMES = "{configs}"  # in an option's help: the shipped config names, filled in when the options are read
+# in an option's help: the shipped config names, filled in when the options are read
+CONFIG_NAMES = "{configs}"
 
 
 def deprecation(old: str, new: str, why: str = "") -> str:
@@ -41,8 +44,21 @@ class Command(TyperCommand):
 
     short_aliases: ClassVar[dict[str, tuple[str, str]]] = {}  # "-p" -> ("--prompt", why)
     json_path: ClassVar[bool] = False  # --json PATH (old) -> --json-out PATH
+    # the library's texts a help shows ({"{rules}": ...}), read when it is shown (so nsa --help stays light)
+    texts: ClassVar[Callable[[], dict[str, str]] | None] = None
     _params: list[Any]
     _complete = False
+    _epilog: str | None = None
+
+    @property  # type: ignore[override]
+    def epilog(self) -> str | None:
+        if self._epilog and self.texts is not None:
+            return functools.reduce(lambda text, kv: text.replace(*kv), self.texts().items(), self._epilog)
+        return self._epilog
+
+    @epilog.setter
+    def epilog(self, value: str | None) -> None:
+        self._epilog = value
 
     @property  # type: ignore[override]
     def params(self) -> list[Any]:
@@ -76,7 +92,8 @@ class Command(TyperCommand):
     def _takes_value(self) -> set[str]:
         names: set[str] = set()
         for p in self.params:
-            if p.param_type_name == "option" and not getattr(p, "is_flag", False) and not getattr(p, "count", False):
+            if p.param_type_name == "option" and not getattr(p, "is_flag", False) and not getattr(p, "count",
+                False):
                 names.update(p.opts)
         return names
 
@@ -124,7 +141,8 @@ class Command(TyperCommand):
             if tok == "--":
                 positionals += len(args) - i - 1
                 break
-            if tok == "--json" and i + 1 < len(args) and (args[i + 1] == "-" or not args[i + 1].startswith("-")):
+            if tok == "--json" and i + 1 < len(args) and (args[i + 1] == "-"
+                                                          or not args[i + 1].startswith("-")):
                 candidate = i
                 positionals += 1
                 i += 2
@@ -154,7 +172,9 @@ class Command(TyperCommand):
         return deprecation("--json PATH", "--json-out PATH", "--json alone prints the JSON to stdout")
 
 
-def command_class(*, json_path: bool = False, short: dict[str, tuple[str, str]] | None = None) -> type[Command]:
+def command_class(*, json_path: bool = False, short: dict[str, tuple[str, str]] | None = None,
+                  texts: Callable[[], dict[str, str]] | None = None) -> type[Command]:
     """A :class:`Command` subclass that reads ``--json PATH`` (``json_path``) and the short flags ``short``
-    (``{"-p": ("--prompt", why)}``) as their deprecated spellings."""
-    return type("Command", (Command,), {"json_path": json_path, "short_aliases": dict(short or {})})
+    (``{"-p": ("--prompt", why)}``) as their deprecated spellings, and fills ``texts()`` into its epilog."""
+    return type("Command", (Command,), {"json_path": json_path, "short_aliases": dict(short or {}),
+                                        "texts": staticmethod(texts) if texts else None})

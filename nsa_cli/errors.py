@@ -47,7 +47,8 @@ def debug_traceback() -> None:
 
 
 def usage_line(exc: Any) -> str:
-    """A click usage error as one line: ``error: Invalid value for '--steps': ... (hint: nsa train --help)``."""
+    """A click usage error as one line: ``error: Invalid value for '--steps': ... (hint: nsa train
+    --help)``."""
     text = " ".join(str(exc.format_message()).split())
     ctx = getattr(exc, "ctx", None)
     where = f"{ctx.command_path} --help" if ctx is not None else "nsa --help"

@@ -1,7 +1,7 @@
 """Options shared by the commands, declared once so that they read the same everywhere: ``--json`` (JSON on
 stdout), ``--json-out PATH`` (JSON to a file), ``--config`` (the shipped config names, filled in by
-:class:`nsa_cli.compat.Command` from ``nsa.config.named_configs``), ``--set``, ``--profile``, ``--out-dir`` and the
-run-directory argument (a ``Path`` in every command); and the parsing of comma-separated lists."""
+:class:`nsa_cli.compat.Command` from ``nsa.config.named_configs``), ``--set``, ``--profile``, ``--out-dir``
+and the run-directory argument (a ``Path`` in every command); and the parsing of comma-separated lists."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def ints(text: str | None, flag: str, example: str = "2048,8192", kilo: bool = F
         try:
             out += [int(part[:-1] if scale > 1 else part) * scale] if part else []
         except ValueError:
-            raise fail(f"{flag} {text!r} must be comma-separated integers", hint=f"e.g. {flag} {example}") from None
+            raise fail(f"{flag} {text!r} must be comma-separated integers",
+                       hint=f"e.g. {flag} {example}") from None
     if not out or (not zero and any(v < 1 for v in out)):
         raise fail(f"{flag} {text!r} must list positive integers", hint=f"e.g. {flag} {example}")
     return out

@@ -35,6 +35,21 @@ from nsa.model import build_model
 from nsa.model.load import LoadedModel, load_model
 from nsa.rundir.layout import is_run_dir
 
+# what the ruler and selection tasks measure (``nsa eval --help`` shows it)
+TASK_NOTES = """\
+The ruler task (RULER's families, generated locally from --seed; nsa.eval.ruler): niah_single, niah_multikey,
+niah_multivalue, niah_multiquery (needles of 7-digit numbers under pseudo-word keys), vt (variable tracking
+through 4 hops), cwe (the 10 most common words of a numbered list), fwe (the 3 most frequent coded words). The
+haystack is RULER's noise sentences (--haystack random, the default) or the run's val split (--haystack text).
+A value is right when the model predicts every token of it reading the episode once; a cell scores the mean
+share of values right; the mean row averages the tasks. A Hugging Face export (nsa export --format hf) evaluates
+like its run.
+
+The selection task (NSA models) measures per layer, on the run's val split: recall (share of the dense
+attention mass, same q/k, inside the selected blocks; 1 = nothing lost), its ceiling (the mass in the best
+blocks selection could choose: below 1 when dense attention spreads over more blocks than it keeps),
+compressed entropy (1 = uniform), the scorer KL and the mean gates; averaged over --samples sequences at --queries positions
+per layer (default 64). At a context <= n_sel * l_sel every block is selected and recall is not measured."""
 DEFAULT_SAMPLES = {"needle": 32, "mqar": 32, "loss": 16, "selection": 8, "ruler": 16}
 SELECTION_QUERIES = 64  # query positions per layer of the selection task
 

@@ -14,7 +14,7 @@ from nsa_cli.render import Output
 EPILOG = """\
 Examples:
 
-  nsa dump artifacts/m7c-125m                 # stacks of every thread, printed and kept in stackdump_rank0.txt
+  nsa dump artifacts/m7c-125m           # stacks of every thread, printed and kept in stackdump_rank0.txt
 
   nsa dump artifacts/m7c-125m --json
 
@@ -28,7 +28,8 @@ Exit code 0 when a dump appeared, 1 when the trainer is not running or no dump a
 
 def dump(
     run_dir: Annotated[Path, options.run_dir()],
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the dump.", min=0.1)] = 10.0,
+    timeout: Annotated[float,
+                       typer.Option("--timeout", help="Seconds to wait for the dump.", min=0.1)] = 10.0,
     as_json: Annotated[bool, options.json_flag("the outcome (the stacks in 'text')")] = False,
 ) -> None:
     """Send SIGUSR1 to the run's trainer (PID from RUN/.lock): it appends every thread's stack to

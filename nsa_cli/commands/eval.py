@@ -1,5 +1,5 @@
-"""``nsa eval``: does a trained model retrieve (needle, MQAR, the RULER-style suite), what is its held-out loss, and
-how well does an NSA model's selection find what dense attention reads (selection)?"""
+"""``nsa eval``: does a trained model retrieve (needle, MQAR, the RULER-style suite), what is its held-out
+loss, and how well does an NSA model's selection find what dense attention reads (selection)?"""
 
 from __future__ import annotations
 
@@ -32,19 +32,7 @@ Examples:
 
   nsa eval artifacts/prod/hf --task ruler --contexts 4k --ruler-tasks niah_single,vt
 
-The ruler task (RULER's families, generated locally from --seed; nsa.eval.ruler): niah_single, niah_multikey,
-niah_multivalue, niah_multiquery (needles of 7-digit numbers under pseudo-word keys), vt (variable tracking
-through 4 hops), cwe (the 10 most common words of a numbered list), fwe (the 3 most frequent coded words). The
-haystack is RULER's noise sentences (--haystack random, the default) or the run's val split (--haystack text).
-A value is right when the model predicts every token of it reading the episode once; a cell scores the mean
-share of values right; the mean row averages the tasks. A Hugging Face export (nsa export --format hf) evaluates
-like its run.
-
-The selection task (NSA models) measures per layer, on the run's val split: recall (share of the dense
-attention mass, same q/k, inside the selected blocks; 1 = nothing lost), its ceiling (the mass in the best
-blocks selection could choose: below 1 when dense attention spreads over more blocks than it keeps),
-compressed entropy (1 = uniform), the scorer KL and the mean gates; averaged over --samples sequences at --queries positions
-per layer (default 64). At a context <= n_sel * l_sel every block is selected and recall is not measured.
+{tasks}
 
 Results go to RUN/eval/<task>.json (and RUN/eval/needle.png, a depth x context heat map) unless
 --no-save; `nsa report RUN` shows them. --json prints the same payload on stdout (the table goes to
@@ -57,7 +45,8 @@ def _floats(text: str, flag: str) -> list[float]:
     try:
         out = [float(p) for p in text.replace(" ", "").split(",") if p]
     except ValueError:
-        raise fail(f"{flag} {text!r} must be comma-separated numbers", hint="e.g. 0,0.25,0.5,0.75,1") from None
+        raise fail(f"{flag} {text!r} must be comma-separated numbers",
+                   hint="e.g. 0,0.25,0.5,0.75,1") from None
     if not out:
         raise fail(f"{flag} {text!r} lists nothing", hint="e.g. 0,0.5,1")
     return out
@@ -67,16 +56,24 @@ def eval_cmd(
     path: Annotated[Path, options.run_dir("Run directory, its export/ folder, a checkpoint folder or file.")],
     task: Annotated[str, typer.Option("--task", help="needle, mqar, ruler, loss or selection (NSA models).")],
     contexts: Annotated[str | None, typer.Option(
-        "--contexts", help="Comma-separated context lengths (4k = 4096); default the run's train.seq_len.")] = None,
-    depths: Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1] (0 = first token).")] = "0,0.25,0.5,0.75,1",
+        "--contexts",
+                                                 help="Comma-separated context lengths (4k = 4096); default "
+                                                      "the run's train.seq_len.")] = None,
+    depths: Annotated[str,
+                      typer.Option("--depths",
+                                   help="Needle depths in [0, 1] (0 = first token).")] = "0,0.25,0.5,0.75,1",
     samples: Annotated[int | None, typer.Option(
-        "--samples", min=1, help="Episodes per cell (needle 32, mqar 32, ruler 16) or val sequences per context "
-        "(loss 16, selection 8).")] = None,
+        "--samples", min=1, help="Episodes per cell (needle 32, mqar 32, ruler 16) or val sequences per "
+        "context (loss 16, selection 8).")] = None,
     pairs: Annotated[int, typer.Option("--pairs", min=1, help="MQAR key/value pairs per episode.")] = 8,
     queries: Annotated[int | None, typer.Option(
-        "--queries", min=1, help="MQAR keys asked (default: --pairs); selection: query positions per layer (default 64).")] = None,
+        "--queries", min=1,
+                                                help="MQAR keys asked (default: --pairs); selection: query "
+                                                     "positions per layer (default 64).")] = None,
     haystack: Annotated[str, typer.Option(
-        "--haystack", help="random (uniform filler; ruler: RULER's noise sentences) or text (the run's val split).")] = "random",
+        "--haystack",
+                                          help="random (uniform filler; ruler: RULER's noise sentences) or "
+                                               "text (the run's val split).")] = "random",
     ruler_tasks: Annotated[str | None, typer.Option(
         "--ruler-tasks", help="The ruler task's families, comma-separated (default: all).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the episodes (results are reproducible).")] = 0,
@@ -85,10 +82,12 @@ def eval_cmd(
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     as_json: Annotated[bool, options.json_flag("the results")] = False,
     json_out: Annotated[Path | None, options.json_out("the results")] = None,
-    no_save: Annotated[bool, typer.Option("--no-save", help="Do not write RUN/eval/<task>.json (and needle.png).")] = False,
+    no_save: Annotated[bool,
+                       typer.Option("--no-save",
+                                    help="Do not write RUN/eval/<task>.json (and needle.png).")] = False,
 ) -> None:
-    """Score a trained model on needle retrieval or MQAR at chosen contexts, its held-out loss, or (NSA models)
-    its selection recall, compressed entropy, scorer KL and gates per layer.
+    """Score a trained model on needle retrieval or MQAR at chosen contexts, its held-out loss, or (NSA
+    models) its selection recall, compressed entropy, scorer KL and gates per layer.
 
     Example: nsa eval artifacts/tiny --task needle --contexts 64,128 --depths 0,0.5,1 --samples 16
     """
@@ -97,9 +96,11 @@ def eval_cmd(
         from nsa.eval.run import EvalSpec
         from nsa.eval.view import evaluate
 
-        spec = EvalSpec(task, contexts=options.ints(contexts, "--contexts", "4096,16384 or 4k,16k", kilo=True),
-                        depths=_floats(depths, "--depths") if task == "needle" else [], samples=samples, pairs=pairs,
-                        queries=queries, haystack=haystack, seed=seed, batch_size=batch_size, device=device)
+        spec = EvalSpec(task,
+                        contexts=options.ints(contexts, "--contexts", "4096,16384 or 4k,16k", kilo=True),
+                        depths=_floats(depths, "--depths") if task == "needle" else [], samples=samples,
+                        pairs=pairs, queries=queries, haystack=haystack, seed=seed, batch_size=batch_size,
+                        device=device)
         if ruler_tasks is not None:
             spec.ruler_tasks = [t for t in ruler_tasks.replace(" ", "").split(",") if t]
         json_file = None if json_out is None or str(json_out) == "-" else json_out
@@ -108,5 +109,11 @@ def eval_cmd(
     raise typer.Exit(out.result(result))
 
 
+def _tasks() -> dict[str, str]:
+    from nsa.eval.run import TASK_NOTES
+
+    return {"{tasks}": TASK_NOTES}
+
+
 def register(app: typer.Typer) -> None:
-    app.command("eval", epilog=EPILOG, cls=command_class(json_path=True))(eval_cmd)
+    app.command("eval", epilog=EPILOG, cls=command_class(json_path=True, texts=_tasks))(eval_cmd)

@@ -30,8 +30,11 @@ def halt(
     run_dir: Annotated[Path, options.run_dir()],
     reason: Annotated[str, typer.Option(
         "--reason", "-r", help="Why (recorded in .HALT and the heartbeat).")] = "operator request",
-    wait: Annotated[bool, typer.Option("--wait", help="Follow the heartbeat until the trainer acknowledges.")] = False,
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait with --wait.", min=0.1)] = 600.0,
+    wait: Annotated[bool,
+                    typer.Option("--wait",
+                                 help="Follow the heartbeat until the trainer acknowledges.")] = False,
+    timeout: Annotated[float,
+                       typer.Option("--timeout", help="Seconds to wait with --wait.", min=0.1)] = 600.0,
     as_json: Annotated[bool, options.json_flag("the outcome")] = False,
 ) -> None:
     """Write RUN_DIR/.HALT atomically (reason, time, who); with --wait, report the final checkpoint."""
@@ -40,7 +43,8 @@ def halt(
         from nsa.runs.halt import halt_run
 
         if wait:
-            out.say(f"writing .HALT in {run_dir}, then waiting up to {timeout:g} s for the trainer to acknowledge...")
+            out.say(f"writing .HALT in {run_dir}, then waiting up to {timeout:g} s for the trainer to "
+                    "acknowledge...")
         outcome = halt_run(run_dir, reason, wait=wait, timeout_s=timeout)
     raise typer.Exit(out.result(outcome))
 

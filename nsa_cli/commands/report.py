@@ -41,15 +41,21 @@ output path that cannot be written.
 
 
 def report(
-    run_dirs: Annotated[list[Path] | None, typer.Argument(help="Run directories (default: newest under artifacts/).")] = None,
+    run_dirs: Annotated[list[Path] | None,
+                        typer.Argument(help="Run directories (default: newest under artifacts/).")] = None,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Report folder (default Documentation/Reports), or a .md file to write.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the --out file if it exists.")] = False,
-    title: Annotated[str | None, typer.Option("--title", help="Name used in the title and file name.")] = None,
-    artifacts: Annotated[Path, typer.Option("--artifacts", help="Where to look for the newest run.")] = Path("artifacts"),
+    title: Annotated[str | None,
+                     typer.Option("--title", help="Name used in the title and file name.")] = None,
+    artifacts: Annotated[Path,
+                         typer.Option("--artifacts",
+                                      help="Where to look for the newest run.")] = Path("artifacts"),
     no_charts: Annotated[bool, typer.Option("--no-charts", help="Skip the PNG charts.")] = False,
     limits: Annotated[str | None, typer.Option(
-        "--limits", help="Profile name or YAML path whose monitor: block overrides the runs' saved limits.")] = None,
+        "--limits",
+                                               help="Profile name or YAML path whose monitor: block "
+                                                    "overrides the runs' saved limits.")] = None,
     note: Annotated[list[str] | None, typer.Option(
         "--note", help="Engineer's note or deviation for the report; repeatable.")] = None,
     note_file: Annotated[list[str] | None, typer.Option(

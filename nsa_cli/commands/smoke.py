@@ -30,7 +30,8 @@ p95 under its limit, gate health, fallback counters at zero, heartbeat fresh. Ex
 
 
 def smoke(
-    profile: Annotated[str | None, options.profile("Hardware profile (default: detected; cpu without CUDA).")] = None,
+    profile: Annotated[str | None,
+                       options.profile("Hardware profile (default: detected; cpu without CUDA).")] = None,
     steps: Annotated[int | None, typer.Option(
         "--steps", help="Training steps (default: the profile's smoke.steps).", min=2)] = None,
     config: Annotated[str | None, options.config("Run config (default: the profile's smoke.config)")] = None,
@@ -49,7 +50,8 @@ def smoke(
 
         report = run_smoke(profile, steps, config=config, out_dir=out_dir, skip_preflight=skip_preflight,
                            reporter=RichReporter(out.console),
-                           on_stage=lambda name, _: None if as_json else out.say(f"smoke: {name} done", "dim"))
+                           on_stage=lambda name,
+                           _: None if as_json else out.say(f"smoke: {name} done", "dim"))
     raise typer.Exit(out.result(report))
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperCommand
 
 from nsa_cli import options
+from nsa_cli.compat import command_class
 from nsa_cli.errors import EXIT_OK, user_errors
 from nsa_cli.render import Output
 from nsa_cli.render import watch as view
@@ -50,20 +50,23 @@ def watch(
         "--wait/--no-wait", help="Wait for a run directory that does not exist yet or has no heartbeat yet "
         "(default: wait in live mode, not with --once).")] = None,
     alert_on: Annotated[str | None, typer.Option(
-        "--alert-on", help="Rules that raise an alarm (default all; thresholds from the run's monitor config), "
-        "e.g. all,stale=60 or none.")] = None,
+        "--alert-on", help="Rules that raise an alarm (default all; thresholds from the run's monitor "
+        "config), e.g. all,stale=60 or none.")] = None,
     halt_on: Annotated[str | None, typer.Option(
         "--halt-on", help="Watchdog rules that write .HALT (e.g. all, stale=600,nonfinite).")] = None,
     notify: Annotated[str | None, typer.Option(
         "--notify", help="Shell command run once per new alarm with the alarm as JSON on stdin (default: the "
         "run's monitor.notify in live mode; '' for none).")] = None,
-    notify_timeout: Annotated[float, typer.Option("--notify-timeout", help="Seconds a --notify command may run.",
+    notify_timeout: Annotated[float,
+                              typer.Option("--notify-timeout", help="Seconds a --notify command may run.",
                                                   min=0.1)] = 10.0,
     refresh: Annotated[float, typer.Option("--refresh", help="Seconds between reads.", min=0.01)] = 2.0,
     stale_after: Annotated[float | None, typer.Option(
         "--stale-after", help="Heartbeat age (s) for the stale status and rule (default: monitor.stale_s).",
         min=1)] = None,
-    as_json: Annotated[bool, options.json_flag("the state (one object with --once, else one per refresh: JSON lines)")] = False,
+    as_json: Annotated[bool,
+                       options.json_flag("the state (one object with --once, else one per refresh: JSON "
+                                         "lines)")] = False,
     timeout: Annotated[float | None, typer.Option(
         "--timeout", help="Stop after this many seconds (waiting included).", min=0)] = None,
 ) -> None:
@@ -76,8 +79,8 @@ def watch(
         with user_errors():
             from nsa.runs.watch import WatchRequest, open_watch
 
-            req = WatchRequest(run_dir, once, wait, alert_on, halt_on, notify, notify_timeout, refresh, stale_after,
-                               timeout)
+            req = WatchRequest(run_dir, once, wait, alert_on, halt_on, notify, notify_timeout, refresh,
+                               stale_after, timeout)
             w = open_watch(req, say=lambda line: out.say(line, err=as_json, wrap=False),
                            warn=lambda msg: out.say(f"warning: {msg}", err=True, wrap=False))
             if once:  # a bad monitor config or an unwritable .HALT: one line
@@ -93,20 +96,11 @@ def watch(
     raise typer.Exit(w.exit_code(snap))
 
 
-class WatchCommand(TyperCommand):
-    """``nsa watch``: its help lists the rules from their declarations (``nsa.runs.rules.RULES``), read when
-    the help is shown (so ``nsa --help`` stays light)."""
+def _rules() -> dict[str, str]:
+    from nsa.runs.rules import synopsis
 
-    @property  # type: ignore[override]
-    def epilog(self) -> str:
-        from nsa.runs.rules import synopsis
-
-        return EPILOG.replace("{rules}", synopsis())
-
-    @epilog.setter
-    def epilog(self, value: str | None) -> None:
-        """Click assigns the epilog at construction; it is derived above, so the value is not kept."""
+    return {"{rules}": synopsis()}  # the rules from their declarations (nsa.runs.rules.RULES)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("watch", cls=WatchCommand)(watch)
+    app.command("watch", epilog=EPILOG, cls=command_class(texts=_rules))(watch)

@@ -1,6 +1,6 @@
-"""The one output sink of the commands: what reaches stdout and stderr is written here, and nowhere else in the
-CLI. :class:`Output` renders a library result (``nsa.view.Result``) as JSON or as its view (lines and tables, as
-Rich renders them: colours off under NO_COLOR or when not a terminal, wide when piped)."""
+"""The one output sink of the commands: what reaches stdout and stderr is written here, and nowhere else in
+the CLI. :class:`Output` renders a library result (``nsa.view.Result``) as JSON or as its view (lines and
+tables, as Rich renders them: colours off under NO_COLOR or when not a terminal, wide when piped)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ SPARK = "▁▂▃▄▅▆▇█"
 def console(stderr: bool = False, width: int | None = None) -> Console:
     """A console: colours off under NO_COLOR or when not a terminal (Rich's own rules), wide when piped."""
     stream = sys.stderr if stderr else sys.stdout
-    return Console(file=stream, width=width or (None if stream.isatty() else 120), highlight=False, soft_wrap=False)
+    return Console(file=stream, width=width or (None if stream.isatty() else 120), highlight=False,
+                   soft_wrap=False)
 
 
 def style(name: str) -> str:
@@ -54,10 +55,11 @@ def table(t: Any) -> Table:
 
 
 class Output:
-    """A command's one output sink (as the ``hf`` CLI's). With ``--json`` (or ``--json-out -``) the result's JSON
-    is the only thing on stdout and every human line goes to stderr; without it the human lines and tables go
-    to stdout. ``json_out``: the JSON also written to that file (said in one line). ``always_human``: the
-    view is shown with the JSON too (on stderr: the benchmarks, eval); ``wide``: tables 200 columns wide."""
+    """A command's one output sink (as the ``hf`` CLI's). With ``--json`` (or ``--json-out -``) the result's
+    JSON is the only thing on stdout and every human line goes to stderr; without it the human lines and
+    tables go to stdout. ``json_out``: the JSON also written to that file (said in one line).
+    ``always_human``: the view is shown with the JSON too (on stderr: the benchmarks, eval); ``wide``: tables
+    200 columns wide."""
 
     def __init__(self, as_json: bool = False, json_out: Path | None = None, *, always_human: bool = False,
                  wide: bool = False) -> None:
@@ -66,7 +68,8 @@ class Output:
         self.always_human = always_human
         self.console = console(stderr=self.as_json, width=200 if wide else None)
 
-    def say(self, text: str, style_name: str = "", err: bool = False, lead: int = 0, wrap: bool = True) -> None:
+    def say(self, text: str, style_name: str = "", err: bool = False, lead: int = 0,
+            wrap: bool = True) -> None:
         """A human line (printed verbatim: never read as markup), in ``style_name`` (its first ``lead``
         characters only, when given); ``err``: on stderr in every mode; ``wrap``: at the console's width."""
         line = Text(text)
@@ -94,7 +97,8 @@ class Output:
                 self.json_out.parent.mkdir(parents=True, exist_ok=True)
                 self.json_out.write_text(res.json_file_text() + "\n")
             except OSError as exc:
-                error(f"cannot write --json-out {self.json_out}: {exc.strerror or exc}", "choose a writable path")
+                error(f"cannot write --json-out {self.json_out}: {exc.strerror or exc}",
+                      "choose a writable path")
                 return 2
             self.say(f"saved {self.json_out}", wrap=False)
         if self.as_json:

@@ -1,5 +1,5 @@
-"""The trainer's events (``nsa.train.events.Event``) on a console: a Rich progress bar on a terminal, plain log
-lines otherwise."""
+"""The trainer's events (``nsa.train.events.Event``) on a console: a Rich progress bar on a terminal, plain
+log lines otherwise."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-TONE_STYLE = {"plain": "", "headline": "bold cyan", "good": "bold green", "caution": "bold yellow", "bad": "bold red"}
+TONE_STYLE = {"plain": "", "headline": "bold cyan", "good": "bold green", "caution": "bold yellow",
+              "bad": "bold red"}
 
 
 class RichReporter:

@@ -1,6 +1,6 @@
-"""``nsa watch`` on a console: the dashboard (``nsa.runs.dashboard``) laid out as one Rich panel for the terminal's
-width (no line wraps; trend lines hold the newest points), a live view of it, or one plain (or JSON) line per
-refresh."""
+"""``nsa watch`` on a console: the dashboard (``nsa.runs.dashboard``) laid out as one Rich panel for the
+terminal's width (no line wraps; trend lines hold the newest points), a live view of it, or one plain (or
+JSON) line per refresh."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ METRIC_W, NOW_W = 13, 20  # dashboard table columns; the third (trend/detail) ta
 STATUS_STYLE = {"running": "cyan", "completed": "green", "halted": "yellow", "resuming": "cyan"}
 
 
-def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, width: int = 80, log: Any = None,
-              now: float | None = None) -> Any:
+def dashboard(state: Any, summary: Any, alarms: list[Any], gpus: Any = None, *, width: int = 80,
+              log: Any = None, now: float | None = None) -> Any:
     """The dashboard of a run as one Rich renderable, laid out for ``width`` columns."""
     from nsa.runs.dashboard import dashboard as view
 
@@ -76,14 +76,16 @@ def _figures(d: Any, inner: int) -> Table:
     t.add_column("now", justify="right", width=NOW_W, no_wrap=True, overflow="ellipsis")
     t.add_column("trend", width=detail_w, no_wrap=True, overflow="ellipsis")
     for r in d.rows:
-        detail = (render.sparkline([v for v in r.series if v is not None], width=detail_w) if r.series is not None
+        detail = (render.sparkline([v for v in r.series if v is not None], width=detail_w)
+                  if r.series is not None
                   else r.detail + (render.fit_left(r.tail, detail_w - len(r.detail)) if r.tail else ""))
         t.add_row(r.name, r.now, detail, style=r.style or None)
     return t
 
 
 def follow(watch: Any, mode: str, con: Any) -> Any:
-    """Show every refresh of ``watch`` (a live dashboard, or a line per refresh: ``lines``, ``json``); the last."""
+    """Show every refresh of ``watch`` (a live dashboard, or a line per refresh: ``lines``, ``json``); the
+    last."""
     snaps = watch.follow()
     if mode != "live":
         for last in snaps:
@@ -93,7 +95,8 @@ def follow(watch: Any, mode: str, con: Any) -> Any:
     last = next(snaps)
     from rich.live import Live
 
-    with Live(panel(watch.dashboard(last), con.width), console=con, auto_refresh=False, transient=False) as live:
+    with Live(panel(watch.dashboard(last), con.width), console=con, auto_refresh=False,
+              transient=False) as live:
         for last in snaps:
             live.update(panel(watch.dashboard(last), con.width), refresh=True)
     return last

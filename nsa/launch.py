@@ -15,7 +15,7 @@ from typing import Any
 from nsa.errors import ConfigError
 from nsa.rundir.layout import EXIT_WATCHDOG
 from nsa.train.launch import Rendezvous
-from nsa.view import Block, Line, Result
+from nsa.view import Block, Line, Result, option
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -27,15 +27,18 @@ class TrainRequest:
     meeting at ``rdzv_endpoint`` as job ``rdzv_id``) with this process's command line ``argv`` and ``program``
     (``python <program> <argv>`` is what each rank runs)."""
 
-    config: str | None = None
-    profile: str | None = None
+    config: str | None = option(None, "--config", "Run config", kind="config")
+    profile: str | None = option(None, "--profile", "Hardware profile name or YAML path.", kind="profile")
+    sets: list[str] | None = option(None, "--set", "section.key=value for any config key", kind="sets")
+    nproc_per_node: int | None = option(None, "--nproc-per-node", "Launch torchrun with N ranks on this node "
+                                        "(runtime.parallel: ddp or fsdp).", min=1)
+    nnodes: int = option(1, "--nnodes", "Nodes of a multi-node run (with --nproc-per-node and --rdzv-endpoint).",
+                         min=1)
+    node_rank: int = option(0, "--node-rank", "This node's index, 0..nnodes-1.", min=0)
+    rdzv_endpoint: str | None = option(None, "--rdzv-endpoint", "HOST:PORT of node 0, which hosts the rendezvous "
+                                       "store (static rendezvous); the same on every node.")
+    rdzv_id: str = option("nsa", "--rdzv-id", "Job id shared by the nodes of one run.")
     flags: dict[str, Any] = field(default_factory=dict)
-    sets: list[str] | None = None
-    nproc_per_node: int | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None
-    rdzv_id: str = "nsa"
     argv: list[str] = field(default_factory=list)
     program: list[str] = field(default_factory=list)
 

@@ -121,3 +121,16 @@ class Payload(Result):
     @property
     def exit_code(self) -> int:
         return self.code
+
+
+def option(default: Any, flag: str, help: str = "", *, kind: str = "", min: float | None = None,
+           max: float | None = None, switch: bool = False) -> Any:
+    """A request's field that is a command-line option (``dataclasses.field``): its ``flag`` (``switch``: also
+    ``--no-...``), ``help``, bounds, and ``kind``, how the command line's text becomes the value: ``ints``
+    (comma-separated positive integers), ``seeds`` (comma-separated integers), ``csv`` (comma-separated words),
+    ``repeat`` (the option given again for each value), ``config``/``sets`` (the CLI's shared ``--config`` and
+    ``--set``, ``help`` saying what they configure)."""
+    meta = {"flag": flag, "help": help, "kind": kind, "min": min, "max": max, "switch": switch}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)

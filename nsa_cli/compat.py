@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from itertools import islice
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import typer
 from typer.core import TyperCommand
 
 from nsa_cli import render
@@ -46,14 +48,20 @@ class Command(TyperCommand):
     json_path: ClassVar[bool] = False  # --json PATH (old) -> --json-out PATH
     # the library's texts a help shows ({"{rules}": ...}), read when it is shown (so nsa --help stays light)
     texts: ClassVar[Callable[[], dict[str, str]] | None] = None
+    derive_first: ClassVar[bool] = True
     _params: list[Any]
     _complete = False
+
+    def derive(self) -> list[inspect.Parameter]:
+        """Options derived from the library when the command is first read (none here)."""
+        return []
     _epilog: str | None = None
 
     @property  # type: ignore[override]
     def epilog(self) -> str | None:
-        if self._epilog and self.texts is not None:
-            return functools.reduce(lambda text, kv: text.replace(*kv), self.texts().items(), self._epilog)
+        texts = type(self).texts
+        if self._epilog and texts is not None:
+            return functools.reduce(lambda text, kv: text.replace(*kv), texts().items(), self._epilog)
         return self._epilog
 
     @epilog.setter
@@ -72,7 +80,24 @@ class Command(TyperCommand):
         self._params, self._complete = value, False
 
     def complete(self, params: list[Any]) -> list[Any]:
-        """The options as the command reads them: ``{configs}`` in a help replaced by the shipped names."""
+        """The options as the command reads them: those :meth:`derive` adds (the command's own ``**fields``
+        filled in, before its other options with ``derive_first``), and ``{configs}`` in a help replaced by
+        the shipped names."""
+        extra = self.derive()
+        if extra:
+            fn = self.callback.__wrapped__  # type: ignore[union-attr]
+            sig = inspect.signature(fn, eval_str=True)
+            base = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+            def full(**kwargs: Any) -> Any:
+                return fn(**kwargs)
+
+            full.__signature__ = sig.replace(  # type: ignore[attr-defined]
+                parameters=[*extra, *base] if self.derive_first else [*base, *extra])
+            sub = typer.Typer(add_completion=False)
+            sub.command()(full)
+            built = typer.main.get_command(sub)
+            self.callback, params = built.callback, [*built.params]
         if any(CONFIG_NAMES in (getattr(p, "help", None) or "") for p in params):
             from nsa.config import named_configs
 
@@ -173,8 +198,16 @@ class Command(TyperCommand):
 
 
 def command_class(*, json_path: bool = False, short: dict[str, tuple[str, str]] | None = None,
-                  texts: Callable[[], dict[str, str]] | None = None) -> type[Command]:
+                  texts: Callable[[], dict[str, str]] | None = None,
+                  request: Callable[[], type] | None = None, first: bool = True) -> type[Command]:
     """A :class:`Command` subclass that reads ``--json PATH`` (``json_path``) and the short flags ``short``
-    (``{"-p": ("--prompt", why)}``) as their deprecated spellings, and fills ``texts()`` into its epilog."""
-    return type("Command", (Command,), {"json_path": json_path, "short_aliases": dict(short or {}),
-                                        "texts": staticmethod(texts) if texts else None})
+    (``{"-p": ("--prompt", why)}``) as their deprecated spellings, fills ``texts()`` into its epilog, and
+    takes its options from the fields of the library's typed request ``request()``
+    (:func:`nsa_cli.options.request_params`; ``first``: before the command's other options)."""
+    body: dict[str, Any] = {"json_path": json_path, "short_aliases": dict(short or {}), "derive_first": first,
+                            "texts": staticmethod(texts) if texts else None}
+    if request is not None:
+        from nsa_cli.options import request_params
+
+        body["derive"] = lambda self: request_params(request())
+    return type("Command", (Command,), body)

@@ -5,7 +5,11 @@ and the run-directory argument (a ``Path`` in every command); and the parsing of
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import inspect
+import typing
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -25,6 +29,11 @@ def json_flag(what: str) -> Any:
 def json_out(what: str) -> Any:
     """``--json-out PATH``: write ``what`` as JSON to PATH (the older ``--json PATH`` is still read)."""
     return typer.Option("--json-out", help=f"Write {what} as JSON to this file ('-': stdout, as --json).")
+
+
+# the benchmarks' JSON options
+RowsJson = Annotated[bool, json_flag("rows and environment")]
+RowsJsonOut = Annotated[Path | None, json_out("rows and environment")]
 
 
 def config(what: str = "Run config") -> Any:
@@ -67,3 +76,51 @@ def ints(text: str | None, flag: str, example: str = "2048,8192", kilo: bool = F
     if not out or (not zero and any(v < 1 for v in out)):
         raise fail(f"{flag} {text!r} must list positive integers", hint=f"e.g. {flag} {example}")
     return out
+
+
+def request_params(cls: Any) -> list[inspect.Parameter]:
+    """A library request's fields that are options (``nsa.view.option``) as the parameters Typer reads: the
+    flag, help and bounds of each, a comma-separated list as its text, a repeated option as a list."""
+    hints, out = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        m = f.metadata
+        if "flag" not in m:
+            continue
+        default: Any = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        hint: Any = hints[f.name]
+        kind = m["kind"]
+        if kind == "config":
+            opt = config(m["help"])
+        elif kind == "profile":
+            opt = profile(m["help"])
+        elif kind == "sets":
+            opt, hint, default = sets(m["help"]), list[str] | None, None
+        else:
+            decls = [f"{m['flag']}/--no-{m['flag'][2:]}"] if m["switch"] else [m["flag"]]
+            short = [SHORT[m["flag"]]] if m["flag"] in SHORT else []
+            opt = typer.Option(*decls, *short, help=m["help"] or None, min=m["min"], max=m["max"])
+        if kind in ("ints", "seeds", "csv"):
+            hint, default = str | None, None if default is None else ",".join(map(str, default))
+        elif kind == "repeat":  # list[X] or list[X] | None: the option given once per X
+            items = next(a for a in (*typing.get_args(hint), hint) if typing.get_origin(a) is list)
+            hint, default = list[typing.get_args(items)[0]] | None, None  # type: ignore[misc]
+        out.append(inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
+                                     annotation=Annotated[hint, opt]))
+    return out
+
+
+def request(cls: Any, values: dict[str, Any]) -> Any:
+    """The request ``cls`` of the values given (a comma list parsed; an option not given: the request's
+    default)."""
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}
+    out = {}
+    for name, v in values.items():
+        kind, flag = meta[name].get("kind"), meta[name].get("flag", "")
+        if v is None or (kind in ("repeat", "sets") and not v):
+            continue
+        if kind in ("ints", "seeds"):
+            v = ints(v, flag, "0,1" if kind == "seeds" else "2048,8192", zero=kind == "seeds")
+        elif kind == "csv":
+            v = [x for x in v.replace(" ", "").split(",") if x]
+        out[name] = list(v) if kind in ("repeat", "sets") else v
+    return cls(**out)

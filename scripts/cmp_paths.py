@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from nsa.bench.attention import SHAPES, bench_one, kernel_breakdown
+from nsa.bench.attention import bench_one, kernel_breakdown
+from nsa.bench.requests import SHAPES
 from nsa.ops import NSAParams, compress_avg, tile_overrides, triton_path
 
 

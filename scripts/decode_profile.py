@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from nsa.bench.profile import profile_kernels
+from nsa.bench.requests import SHAPES as NAMED
 from nsa.ops import NSAParams
 
-SHAPES = (("paper", 64, 4, 128), ("m7c", 12, 2, 64))
+SHAPES = tuple((name, *hq_h_d) for name, hq_h_d in NAMED.items())  # (name, HQ, H, D)
 HP = NSAParams()  # the paper's hyper-parameters
 
 

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from nsa.bench.attention import SHAPES, kernel_breakdown
+from nsa.bench.attention import kernel_breakdown
+from nsa.bench.requests import SHAPES
 from nsa.ops import NSAParams, compress_avg, nsa_attention
 
 

@@ -15,8 +15,8 @@ import time
 import torch
 
 from nsa.bench.attention import kernel_breakdown
+from nsa.bench.requests import SHAPES
 
-SHAPES = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
 RUNS = [("paper", 65536), ("paper", 16384), ("m7c", 32768)]
 MORE_RUNS = [("paper", 8192), ("m7c", 8192), ("m7c", 16384), ("m7c", 65536)]  # only when SWEEP_RUNS names them
 

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from nsa.bench.profile import profile_kernels
+from nsa.bench.requests import PEAK_TBPS, PEAK_TFLOPS, AttentionRequest
 from nsa.bench.timing import make_timer, noise_note
 from nsa.errors import ConfigError
 from nsa.ops import NSAParams, compress_avg, nsa_attention, tile_overrides, use_backend
 from nsa.view import Block, Line, Payload, Table, fig
 
-SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
 DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)  # 128k: issue 53's row
 # fla-core autotunes each kernel on its first call; tuning at 64k took minutes, and its tuning keys do
 # not include the sequence length, so the peer is tuned once at this length and then timed
@@ -323,10 +323,6 @@ def bench_attention(
     return rows
 
 
-# what the stage table measures each stage against: bf16 dense matrix products and HBM bandwidth that
-# an H100/H200 reaches in practice (not the datasheet), as docs/kernels.md counts
-PEAK_TFLOPS = 750.0
-PEAK_TBPS = 3.0
 
 
 @dataclass
@@ -491,47 +487,6 @@ def stage_costs(S: int, HQ: int, H: int, Dk: int, Dv: int, params: NSAParams | N
         "sel_bwd": (bwd(sel_keys), float(grads + 2 * kv_raw + 2 * lse_b + idx_b)),
         "win_bwd": (bwd(win_keys), float(grads + 2 * kv_raw + 2 * lse_b)),
     }
-
-
-@dataclass
-class AttentionRequest:
-    """``nsa bench attention``: ``shapes`` (``paper``, ``m7c``, ``tiny`` or ``HQ,H,D``; default paper and m7c, or
-    tiny), ``seq_lens`` (default :data:`DEFAULT_SEQ_LENS`, or :data:`TINY_SEQ_LENS`), the options of
-    :func:`bench_one`, ``tune`` items (``key=value``), and ``stages``: each Triton stage alone against the roofline
-    of ``peak_tflops``/``peak_tbps``."""
-
-    seq_lens: list[int] | None = None
-    shapes: list[str] | None = None
-    batch: int = 1
-    backend: str = "auto"
-    peer: bool = True
-    dense: bool = True
-    warmup_ms: int = 25
-    rep_ms: int = 100
-    tiny: bool = False
-    tune: list[str] | None = None
-    cuda_graph: bool = False
-    stages: bool = False
-    peak_tflops: float = PEAK_TFLOPS
-    peak_tbps: float = PEAK_TBPS
-    profile: bool = False
-
-    def shape_list(self) -> list[tuple[str, int, int, int]]:
-        out: list[tuple[str, int, int, int]] = []
-        for s in self.shapes or (["tiny"] if self.tiny else ["paper", "m7c"]):
-            if s in SHAPES:
-                out.append((s, *SHAPES[s]))
-            elif s == "tiny":
-                out.append(("tiny", 4, 2, 16))
-            else:
-                try:
-                    hq, h, d = (int(x) for x in s.replace(" ", "").split(","))
-                except ValueError:
-                    hq = h = d = 0
-                if min(hq, h, d) < 1 or hq % h:
-                    raise ConfigError(f"--shape {s!r} must be paper, m7c or HQ,H,D with H dividing HQ")
-                out.append((f"{hq}x{h}x{d}", hq, h, d))
-        return out
 
 
 def attention_command(req: AttentionRequest, say: Callable[[str], None] | None = None) -> Payload:

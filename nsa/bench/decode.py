@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from nsa.bench.requests import SHAPES, DecodeRequest
 from nsa.bench.timing import Timer, make_timer
 from nsa.config import load_run_config
 from nsa.errors import ConfigError
@@ -33,7 +34,6 @@ from nsa.ops.indexing import cmp_block_table, num_cmp
 from nsa.params import NSAParams
 from nsa.view import Line, Payload, Table, fig
 
-SHAPES: dict[str, tuple[int, int, int]] = {"paper": (64, 4, 128), "m7c": (12, 2, 64)}
 TINY_SHAPES: dict[str, tuple[int, int, int]] = {"tiny": (4, 2, 16)}
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DEFAULT_BATCHES = (1, 32)
@@ -280,11 +280,12 @@ def bench_decode(
     return rows
 
 
-def decode_command(*, tiny: bool = False, shapes: list[str] | None = None, modes: tuple[str, ...] = ("attention", "model"),
-                   backend: str = "auto", compile: bool = False, **kwargs: Any) -> Payload:
-    """``nsa bench decode``: the options checked, :func:`bench_decode`'s rows, their table and notes, and the
-    JSON payload (``kwargs``: the rest of :func:`bench_decode`'s)."""
+def decode_command(req: DecodeRequest) -> Payload:
+    """``nsa bench decode``: the request checked, :func:`bench_decode`'s rows, their table and notes, and the
+    JSON payload."""
     from nsa.envinfo import environment
+
+    tiny, shapes, modes, backend, compile = req.tiny, req.shapes, tuple(req.modes), req.backend, req.compile
 
     if any(m not in ("attention", "model") for m in modes):
         raise ConfigError(f"--mode {list(modes)} must be attention and/or model")
@@ -295,7 +296,9 @@ def decode_command(*, tiny: bool = False, shapes: list[str] | None = None, modes
         raise ConfigError(f"--backend {backend!r} must be auto, torch or triton")
     if not tiny and not torch.cuda.is_available():
         raise ConfigError("no CUDA device for bench decode", hint="use --tiny on a CPU machine")
-    rows = bench_decode(tiny=tiny, shapes=shapes, modes=modes, backend=backend, compile=compile, **kwargs)
+    rows = bench_decode(tiny=tiny, contexts=req.contexts, batches=req.batches, shapes=shapes,
+                        model_config=req.model_config, model_contexts=req.model_contexts, modes=modes,
+                        graphs=req.graphs, backend=backend, compile=compile, sets=req.sets)
     if not rows:
         raise ConfigError("nothing to measure")
     how = backend + (", compiled" if compile else "")

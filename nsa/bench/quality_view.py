@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from nsa.bench.quality import (
@@ -25,6 +24,7 @@ from nsa.bench.quality import (
     run_quality,
     summarise_arms,
 )
+from nsa.bench.requests import QualityRequest
 from nsa.errors import ConfigError
 from nsa.view import Block, Line, Payload, Table, fig
 
@@ -33,34 +33,6 @@ TINY_STEPS, TINY_NEEDLE_STEPS, TINY_NEEDLE_SEQ, TINY_NEEDLE_GAP = 40, 60, 128, 4
 TINY_SETS = ["train.batch_size=4", "eval.batches=2", "logging.every=20"]
 BUDGET_TITLES = {"tokens": "equal tokens", "time": "equal GPU time"}
 Show = Callable[[Block], None]
-
-
-@dataclass
-class QualityRequest:
-    """What ``nsa bench quality`` was asked (the comma-separated options as typed; see its ``--help``)."""
-
-    config: str | None = None
-    sets: list[str] = field(default_factory=list)
-    arms: str = "dense,nsa"
-    seeds: str = "0"
-    lrs: str | None = None
-    steps: int | None = None
-    task: str = "text"
-    needle_seq_len: int = 2048
-    needle_gap: int = 600
-    needle_steps: int = 5000
-    needle_batch: int = 16
-    queries: int = 64
-    parallel: int = 1
-    out_dir: Path = Path("artifacts/quality")
-    tiny: bool = False
-    saved: list[Path] = field(default_factory=list)
-    against: list[str] = field(default_factory=list)
-    chart: Path | None = None
-    budget: str = "tokens"
-    time_reference: str | None = None
-    probe_steps: int = 10
-    json_out: Path | None = None
 
 
 def _csv(text: str, flag: str) -> list[str]:

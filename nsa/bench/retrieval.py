@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from nsa.bench.requests import RetrievalRequest
 from nsa.config import ModelConfig, NSAConfig, ScorerConfig
 from nsa.data.retrieval import RetrievalTask
 from nsa.errors import ConfigError
@@ -158,8 +159,7 @@ TINY_SETS = ["model.dim=32", "model.n_heads=4", "model.d_k=8", "model.d_v=8", "m
              "model.mlp_hidden=128", "nsa.l=8", "nsa.d=4", "nsa.l_sel=16", "nsa.n_sel=4", "nsa.w=16"]
 
 
-def retrieval_command(config: str, sets: list[str], variants: list[str], seeds: list[int], *, seq_len: int, gap: int,
-                      recipe: RetrievalRecipe, tiny: bool = False, say: Callable[[str], None] | None = None) -> Payload:
+def retrieval_command(req: RetrievalRequest, say: Callable[[str], None] | None = None) -> Payload:
     """``nsa bench retrieval``: every variant trained from scratch once per seed on key/value retrieval ``gap``
     positions back in ``seq_len`` (``tiny``: the CI test's CPU setting); ``say`` hears each evaluation's line.
     The curves, their table and the JSON payload."""
@@ -167,15 +167,19 @@ def retrieval_command(config: str, sets: list[str], variants: list[str], seeds: 
     from nsa.config import load_run_config
     from nsa.envinfo import environment
 
+    config, sets, variants, seeds, seq_len, gap = req.config, list(req.sets), req.variants, req.seeds, req.seq_len, req.gap
+    recipe = RetrievalRecipe(steps=req.steps, batch_size=req.batch, lr=req.lr, eval_every=req.eval_every,
+                             eval_samples=req.eval_samples, target=req.target)
+
     if not variants or any(v not in VARIANTS for v in variants):
         raise ConfigError(f"--variants {','.join(variants)!r} must list {', '.join(VARIANTS)}",
                           hint="e.g. --variants dense,nsa")
-    if tiny:
+    if req.tiny:
         seq_len, gap, sets = TINY_SEQ_LEN, TINY_GAP, [*TINY_SETS, *sets]
         recipe = replace(recipe, steps=TINY_STEPS, eval_every=TINY_EVAL_EVERY)
     cfg = load_run_config(config=config, sets=sets).config
     task = RetrievalTask(seq_len, gap, vocab_size=cfg.model.vocab_size)
-    device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
+    device = "cpu" if req.tiny or not torch.cuda.is_available() else "cuda"
     curves: list[RetrievalCurve] = []
     eta = Eta(len(seeds) * len(variants) * recipe.steps)  # every run's steps: the ETA of the whole benchmark
     for seed in seeds:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from nsa.bench.profile import profile_kernels
+from nsa.bench.requests import TrainBenchRequest
 from nsa.config import RunConfig
 from nsa.errors import ConfigError
 from nsa.model import build_model
@@ -290,29 +291,6 @@ def speedups(rows: list[TrainRow]) -> dict[str, float]:
     return {k: v["nsa"] / v["dense"] for k, v in by.items() if "nsa" in v and "dense" in v}
 
 
-@dataclass
-class TrainBenchRequest:
-    """``nsa bench train``: ``config`` (with ``sets``) at each ``seq_lens`` with its ``batch_sizes``, the
-    ``attentions``, ``modes`` (eager and/or compiled; default both on CUDA), ``steps`` after ``warmup``, ``tune``
-    items, a profiled step (``profile``, ``trace_dir``), and the ranks: ``nproc_per_node`` through torchrun,
-    ``context_parallel`` of them per sequence. ``tiny``: config tiny, S=64, batch 2, 2 steps on the CPU."""
-
-    config: str = "m7c-125m"
-    seq_lens: list[int] = field(default_factory=lambda: [2048, 16384])
-    batch_sizes: list[int] = field(default_factory=lambda: [16, 2])
-    attentions: tuple[str, ...] = ("nsa", "dense")
-    steps: int = 10
-    warmup: int = 3
-    sets: list[str] | None = None
-    tiny: bool = False
-    tune: list[str] | None = None
-    modes: str | None = None
-    profile: bool = False
-    trace_dir: Path | None = None
-    nproc_per_node: int | None = None
-    context_parallel: int = 1
-
-
 def train_command(req: TrainBenchRequest, *, argv: list[str], program: list[str],
                   say: Callable[[str], None] | None = None) -> Payload:
     """``nsa bench train``: the request checked, then either launched on ``nproc_per_node`` ranks through torchrun
@@ -358,7 +336,7 @@ def train_command(req: TrainBenchRequest, *, argv: list[str], program: list[str]
             say(f"{r.attention} {r.mode} S={r.seq_len} b={r.batch_size}"
                 f"{f' ranks {r.ranks}' if r.world_size > 1 else ''}: {what}")
 
-    rows = bench_train(resolved.config, lens, bss, attentions=req.attentions, steps=steps, warmup=warmup,
+    rows = bench_train(resolved.config, lens, bss, attentions=tuple(req.attentions), steps=steps, warmup=warmup,
                        device=device, modes=tuple(m == "compiled" for m in dict.fromkeys(names)), on_row=progress,
                        tune=tuned, profile=req.profile, ranks=ranks, trace_dir=req.trace_dir)
     if ranks is not None:

@@ -18,7 +18,7 @@ from nsa.runs.dashboard import Dashboard, dashboard, status_line
 from nsa.runs.reader import RunReader, check_run_dir, may_become_run, run_started, wait_for_run
 from nsa.runs.rules import now_iso, parse_rules
 from nsa.runs.watchdog import Snapshot, Watchdog, exit_code, follow, line_record
-from nsa.view import Result
+from nsa.view import Result, option
 
 
 @dataclass
@@ -26,15 +26,20 @@ class WatchRequest:
     """What ``nsa watch`` was asked (its ``--help`` says each)."""
 
     run_dir: Path
-    once: bool = False
-    wait: bool | None = None
-    alert_on: str | None = None
-    halt_on: str | None = None
-    notify: str | None = None
-    notify_timeout: float = 10.0
-    refresh: float = 2.0
-    stale_after: float | None = None
-    timeout: float | None = None
+    once: bool = option(False, "--once", "Print one snapshot and exit.")
+    wait: bool | None = option(None, "--wait", "Wait for a run directory that does not exist yet or has no "
+                               "heartbeat yet (default: wait in live mode, not with --once).", switch=True)
+    alert_on: str | None = option(None, "--alert-on", "Rules that raise an alarm (default all; thresholds from the "
+                                  "run's monitor config), e.g. all,stale=60 or none.")
+    halt_on: str | None = option(None, "--halt-on", "Watchdog rules that write .HALT (e.g. all, "
+                                 "stale=600,nonfinite).")
+    notify: str | None = option(None, "--notify", "Shell command run once per new alarm with the alarm as JSON on "
+                                "stdin (default: the run's monitor.notify in live mode; '' for none).")
+    notify_timeout: float = option(10.0, "--notify-timeout", "Seconds a --notify command may run.", min=0.1)
+    refresh: float = option(2.0, "--refresh", "Seconds between reads.", min=0.01)
+    stale_after: float | None = option(None, "--stale-after", "Heartbeat age (s) for the stale status and rule "
+                                       "(default: monitor.stale_s).", min=1)
+    timeout: float | None = option(None, "--timeout", "Stop after this many seconds (waiting included).", min=0)
 
 
 @dataclass

@@ -4,6 +4,7 @@ when the command is first parsed or its help shown, so ``nsa --help`` loads no c
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from pathlib import Path
@@ -17,22 +18,7 @@ from nsa_cli.errors import user_errors
 from nsa_cli.render import Output
 
 
-def train(
-    config: Annotated[str | None, options.config()] = None,
-    profile: Annotated[str | None, options.profile()] = None,
-    set_: Annotated[list[str] | None, options.sets("section.key=value for any config key")] = None,
-    nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", min=1, help="Launch torchrun with "
-                                                       "N ranks on this node (runtime.parallel: ddp or "
-                                                       "fsdp).")] = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Nodes of a multi-node run (with "
-                                        "--nproc-per-node and --rdzv-endpoint).")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's index, 0..nnodes-1.")] = 0,
-    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of node 0, which "
-                                                      "hosts the rendezvous store (static rendezvous); the "
-                                                      "same on every node.")] = None,
-    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id shared by the nodes of one run.")] = "nsa",
-    **flags: Any,
-) -> None:
+def train(**given: Any) -> None:
     """Train a model; writes the run directory (checkpoints, heartbeats, CSV, TensorBoard, export).
 
     Halt with a .HALT file in the run directory (nsa halt), SIGTERM or Ctrl-C: checkpoint, then exit 0.
@@ -48,8 +34,10 @@ def train(
         from nsa.launch import TrainRequest, train_run
         from nsa_cli.render.train import RichReporter
 
-        req = TrainRequest(config, profile, flags, set_, nproc_per_node, nnodes, node_rank, rdzv_endpoint,
-                           rdzv_id, argv=sys.argv[1:], program=["-m", "nsa_cli"])
+        names = {f.name for f in dataclasses.fields(TrainRequest)}
+        req = options.request(TrainRequest, {k: v for k, v in given.items() if k in names} | {
+            "flags": {k: v for k, v in given.items() if k not in names}, "argv": sys.argv[1:],
+            "program": ["-m", "nsa_cli"]})
         outcome = train_run(req, reporter=RichReporter(out.console), say=lambda line: out.say(line, err=True))
     raise typer.Exit(out.result(outcome))
 
@@ -66,25 +54,16 @@ def _flag_param(flag: Any) -> inspect.Parameter:
 
 
 class TrainCommand(Command):
-    """``nsa train`` with its config flags, derived when its options are first read."""
+    """``nsa train`` with its config flags (after its own options), derived when its options are first
+    read."""
 
-    def complete(self, params: list[Any]) -> list[Any]:
+    derive_first = False
+
+    def derive(self) -> list[inspect.Parameter]:
         from nsa.config.fields import train_flags
+        from nsa.launch import TrainRequest
 
-        sig = inspect.signature(train, eval_str=True)
-        base = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-
-        def full(**kwargs: Any) -> None:
-            train(**kwargs)
-
-        full.__signature__ = sig.replace(parameters=base
-                                         + [_flag_param(f)
-                                            for f in train_flags()])  # type: ignore[attr-defined]
-        sub = typer.Typer(add_completion=False)
-        sub.command()(full)
-        built = typer.main.get_command(sub)
-        self.callback = built.callback
-        return super().complete([*built.params])
+        return [*options.request_params(TrainRequest), *(_flag_param(f) for f in train_flags())]
 
 
 def register(app: typer.Typer) -> None:

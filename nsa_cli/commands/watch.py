@@ -5,7 +5,7 @@ refresh, so the output is a log of what it saw."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -45,42 +45,21 @@ not start within --timeout).
 
 def watch(
     run_dir: Annotated[Path, options.run_dir()],
-    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
-    wait: Annotated[bool | None, typer.Option(
-        "--wait/--no-wait", help="Wait for a run directory that does not exist yet or has no heartbeat yet "
-        "(default: wait in live mode, not with --once).")] = None,
-    alert_on: Annotated[str | None, typer.Option(
-        "--alert-on", help="Rules that raise an alarm (default all; thresholds from the run's monitor "
-        "config), e.g. all,stale=60 or none.")] = None,
-    halt_on: Annotated[str | None, typer.Option(
-        "--halt-on", help="Watchdog rules that write .HALT (e.g. all, stale=600,nonfinite).")] = None,
-    notify: Annotated[str | None, typer.Option(
-        "--notify", help="Shell command run once per new alarm with the alarm as JSON on stdin (default: the "
-        "run's monitor.notify in live mode; '' for none).")] = None,
-    notify_timeout: Annotated[float,
-                              typer.Option("--notify-timeout", help="Seconds a --notify command may run.",
-                                                  min=0.1)] = 10.0,
-    refresh: Annotated[float, typer.Option("--refresh", help="Seconds between reads.", min=0.01)] = 2.0,
-    stale_after: Annotated[float | None, typer.Option(
-        "--stale-after", help="Heartbeat age (s) for the stale status and rule (default: monitor.stale_s).",
-        min=1)] = None,
-    as_json: Annotated[bool,
-                       options.json_flag("the state (one object with --once, else one per refresh: JSON "
-                                         "lines)")] = False,
-    timeout: Annotated[float | None, typer.Option(
-        "--timeout", help="Stop after this many seconds (waiting included).", min=0)] = None,
+    as_json: Annotated[bool, options.json_flag("the state (one object with --once, else one per refresh: "
+                                               "JSON lines)")] = False,
+    **fields: Any,
 ) -> None:
     """Live dashboard: identity, progress/ETA, loss, tokens/s and grad-norm sparklines, lr, fetch p50/p95,
     memory, per-GPU utilisation/memory/temperature/power (NVML), gate health, selection recall and compressed
     entropy of the last evaluation, fallbacks, last checkpoint,
     heartbeat age, anomalies, halts and alarms. Exits when the run ends or crashes."""
+    once = bool(fields.get("once"))
     out = Output(as_json and once)
     try:
         with user_errors():
-            from nsa.runs.watch import WatchRequest, open_watch
+            from nsa.runs.watch import open_watch
 
-            req = WatchRequest(run_dir, once, wait, alert_on, halt_on, notify, notify_timeout, refresh,
-                               stale_after, timeout)
+            req = options.request(_request(), {**fields, "run_dir": run_dir})
             w = open_watch(req, say=lambda line: out.say(line, err=as_json, wrap=False),
                            warn=lambda msg: out.say(f"warning: {msg}", err=True, wrap=False))
             if once:  # a bad monitor config or an unwritable .HALT: one line
@@ -96,6 +75,12 @@ def watch(
     raise typer.Exit(w.exit_code(snap))
 
 
+def _request() -> type:
+    from nsa.runs.watch import WatchRequest
+
+    return WatchRequest
+
+
 def _rules() -> dict[str, str]:
     from nsa.runs.rules import synopsis
 
@@ -103,4 +88,5 @@ def _rules() -> dict[str, str]:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("watch", epilog=EPILOG, cls=command_class(texts=_rules))(watch)
+    cls = command_class(texts=_rules, request=_request, first=False)
+    app.command("watch", epilog=EPILOG, cls=cls)(watch)

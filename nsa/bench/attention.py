@@ -323,8 +323,6 @@ def bench_attention(
     return rows
 
 
-
-
 @dataclass
 class StageRow:
     """One Triton stage of the NSA op at one shape: its median time, its work, and the machine's bound."""

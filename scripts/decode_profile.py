@@ -1,10 +1,11 @@
 """Kernel-time breakdown of one decode step on CUDA (device machine helper, not part of the package).
 
-python3 scripts/decode_profile.py OUT.json [attention[:BACKEND]] [sweep] [model[:gemm-gates]]
+python3 scripts/decode_profile.py OUT.json [attention[:BACKEND]] [sweep] [model]
 - attention: the NSA decode op at 64k, batch 1 and 32, paper and m7c shapes: kernels by device time;
 - sweep: CUDA-graph time of the fused step under tuning overrides (``nsa.ops.tile_overrides``);
 - model: one compiled ``NSALM.decode_step`` of m7c-125m (NSA and dense) at 2k and 64k, batch 1:
-  CUDA-graph time and kernels (``model:gemm-gates``: the gate MLP as plain Linear layers).
+  CUDA-graph time and kernels. (The ``model:gemm-gates`` variant, which patched the layer's gate MLP into plain
+  Linear layers, is gone: the layer chooses by the rows, ``NSAAttention.gate_logits``.)
 """
 
 from __future__ import annotations
@@ -95,10 +96,9 @@ def model_rows(out: dict[str, Any], variant: str = "") -> None:
     from nsa.bench.timing import make_timer
     from nsa.config import load_named
     from nsa.model import build_model
-    from nsa.model.attention import NSAAttention
 
-    if variant == "gemm-gates":
-        NSAAttention.gate_logits = lambda self, x: self.gate_mlp(x)  # type: ignore[method-assign]
+    if variant:
+        raise SystemExit(f"model:{variant}: no such variant (model:gemm-gates, a patch of the layer, is gone)")
     timer = make_timer(torch.device("cuda"), 25, 100)
     for ctx in (2048, 65536):
         for attention in ("nsa",) if variant else ("nsa", "dense"):

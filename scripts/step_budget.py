@@ -71,9 +71,9 @@ def one(config: str, shape: str, sets: list[str], name: str, seq_len: int, batch
     from nsa.bench.timing import device_turn
     from nsa.bench.train import bench_train_step
     from nsa.config import load_run_config
-    from nsa.model import attention
+    from nsa.model.attention import fused_projection
 
-    attention.FUSED_PROJECTION = name not in UNFUSED
+    fused_projection(name not in UNFUSED)
 
     cfg = load_run_config(config=config, sets=[*SHAPES[shape], *sets, *VARIANTS[name]]).config
     row = bench_train_step(cfg, attention=cfg.model.attention, seq_len=seq_len, batch_size=batch, steps=steps,

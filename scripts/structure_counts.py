@@ -1,5 +1,9 @@
 """Structure counts of a source tree (issue 34): record field names spelled as strings outside ``nsa/rundir``,
-places each watch rule is spelled, the longest CLI functions, and which library parts the CLI imports.
+places each watch rule is spelled, the longest CLI functions, and which library parts the CLI imports; and the
+CLI as a skin (issue 56): its lines, its longest command function, its commands that write through the one output
+sink (``nsa_cli.render.Output``; nothing printed outside ``nsa_cli/render``), and the scripts that redo library
+work (read the profiler's kernel times themselves, or patch the library at run time). ``tests/test_structure_counts.py``
+holds the issue's targets (:data:`TARGETS`).
 
     uv run python scripts/structure_counts.py [TREE ...]      # default: this checkout
 
@@ -88,6 +92,97 @@ def cli_imports(tree: Path) -> dict[str, int]:
     return dict(sorted(parts.items()))
 
 
+# issue 56's targets: what tests/test_structure_counts.py holds
+TARGETS = {"cli_lines": 1800, "longest_command_function": 50, "cli_library_parts": 8, "scripts_redoing_library": 0}
+
+
+def _prints(node: ast.Call) -> bool:
+    """``print()``, ``typer.echo()``/``click.echo()``, ``Console(...)``, ``sys.stdout/stderr.write()``."""
+    f = node.func
+    if isinstance(f, ast.Name):
+        return f.id in ("print", "Console")
+    if isinstance(f, ast.Attribute):
+        base = ast.unparse(f.value)
+        return (f.attr == "echo" and base in ("typer", "click")) or f.attr == "Console" or (
+            f.attr == "write" and base in ("sys.stdout", "sys.stderr"))
+    return False
+
+
+def cli_lines(tree: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in py_files(tree, "nsa_cli"))
+
+
+def _registered(tree: Path) -> dict[str, ast.FunctionDef]:
+    """The functions registered as commands (``@app.command("x")`` or ``app.command("x", ...)(fn)``) by
+    ``module:name``."""
+    out: dict[str, ast.FunctionDef] = {}
+    for p in py_files(tree, "nsa_cli/commands"):
+        mod = ast.parse(p.read_text())
+        defs = {n.name: n for n in ast.walk(mod) if isinstance(n, ast.FunctionDef)}
+        for node in ast.walk(mod):
+            if isinstance(node, ast.FunctionDef):
+                for d in node.decorator_list:
+                    if isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "command" and d.args:
+                        out[f"{p.stem}:{ast.literal_eval(d.args[0])}"] = node
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Call)
+                  and getattr(node.func.func, "attr", "") == "command" and node.func.args and node.args
+                  and isinstance(node.args[0], ast.Name) and node.args[0].id in defs):
+                out[f"{p.stem}:{ast.literal_eval(node.func.args[0])}"] = defs[node.args[0].id]
+    return out
+
+
+def output_sink(tree: Path) -> dict[str, object]:
+    """Commands whose function writes through ``Output``, and the printing calls outside ``nsa_cli/render``."""
+    commands = _registered(tree)
+    through = sorted(name for name, fn in commands.items()
+                     if any(isinstance(n, ast.Name) and n.id == "Output" for n in ast.walk(fn)))
+    prints = []
+    for p in py_files(tree, "nsa_cli"):
+        if "render" in p.relative_to(tree).parts:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and _prints(node):
+                prints.append(f"{p.relative_to(tree)}:{node.lineno}")
+    return {"commands": len(commands), "through_output": len(through) if not prints else 0,
+            "not_through": sorted(set(commands) - set(through)), "prints_outside_render": prints}
+
+
+def scripts_redoing_library(tree: Path) -> list[str]:
+    """Scripts that read the profiler's kernel times themselves (the library's: ``nsa.bench.profile``) or assign
+    to an attribute of something they imported from ``nsa`` (a run-time patch of the library)."""
+    out = []
+    for p in sorted([*(tree / "scripts").glob("*.py"), *(tree / "scripts").glob("*.sh")]):
+        if p.name == Path(__file__).name:
+            continue
+        text = p.read_text()
+        if re.search(r"torch\.profiler|key_averages|\.events\(\)", text):
+            out.append(f"{p.name}: reads the profiler")
+        if p.suffix != ".py":
+            continue
+        mod = ast.parse(text)
+        names = {a.asname or a.name.split(".")[0] for n in ast.walk(mod) if isinstance(n, ast.ImportFrom | ast.Import)
+                 and (getattr(n, "module", None) or getattr(n.names[0], "name", "")).startswith("nsa")
+                 for a in n.names}
+        for n in ast.walk(mod):
+            targets = n.targets if isinstance(n, ast.Assign) else []
+            for t in targets:
+                root = t
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(t, ast.Attribute) and isinstance(root, ast.Name) and root.id in names:
+                    out.append(f"{p.name}:{n.lineno}: patches {ast.unparse(t)}")
+    return out
+
+
+def skin(tree: Path) -> dict[str, object]:
+    """Issue 56's counts of the CLI as a skin."""
+    commands = [(n, f) for n, f in function_lengths(tree) if f.startswith("nsa_cli/commands/")]
+    return {"cli_lines": cli_lines(tree), "longest_command_function": commands[0][0] if commands else 0,
+            "longest_command": commands[0][1] if commands else None,
+            "cli_library_parts": len(cli_imports(tree)), "output_sink": output_sink(tree),
+            "scripts_redoing_library": scripts_redoing_library(tree)}
+
+
 def counts(tree: Path) -> dict[str, object]:
     n, distinct, files = field_strings(tree)
     places = rule_places(tree)
@@ -102,6 +197,7 @@ def counts(tree: Path) -> dict[str, object]:
                                      "which": [f"{f} ({n_})" for n_, f in long]},
         "longest_cli_functions": [f"{f} ({n_})" for n_, f in lengths if f.startswith("nsa_cli")][:6],
         "cli_imports_by_library_part": {"parts": len(imports), "imports": imports},
+        "cli_skin": skin(tree),
     }
 
 

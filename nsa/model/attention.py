@@ -27,6 +27,13 @@ from nsa.ops.rotary import split_rotate
 FUSED_PROJECTION = True
 
 
+def fused_projection(on: bool) -> None:
+    """Whether the layers project their input in one fused product split and rotated by ``nsa::split_rotate``
+    (the default), or part by part (the path before it: what ``scripts/step_budget.py`` measures against)."""
+    global FUSED_PROJECTION
+    FUSED_PROJECTION = on
+
+
 class Projected:
     """Everything a layer computes from its input before attention (one forward or one decode step)."""
 

@@ -45,35 +45,32 @@ def _floats(text: str, flag: str) -> list[float]:
     try:
         out = [float(p) for p in text.replace(" ", "").split(",") if p]
     except ValueError:
-        raise fail(f"{flag} {text!r} must be comma-separated numbers",
-                   hint="e.g. 0,0.25,0.5,0.75,1") from None
+        raise fail(f"{flag} {text!r} must be comma-separated numbers", hint="e.g. 0,0.25,0.5,0.75,1") from None
     if not out:
         raise fail(f"{flag} {text!r} lists nothing", hint="e.g. 0,0.5,1")
     return out
 
 
+Contexts = Annotated[str | None, typer.Option("--contexts", help="Comma-separated context lengths (4k = 4096); "
+                                              "default the run's train.seq_len.")]
+Depths = Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1] (0 = first token).")]
+Samples = Annotated[int | None, typer.Option("--samples", min=1, help="Episodes per cell (needle 32, mqar 32, "
+                                             "ruler 16) or val sequences per context (loss 16, selection 8).")]
+Queries = Annotated[int | None, typer.Option("--queries", min=1, help="MQAR keys asked (default: --pairs); "
+                                             "selection: query positions per layer (default 64).")]
+Haystack = Annotated[str, typer.Option("--haystack", help="random (uniform filler; ruler: RULER's noise "
+                                       "sentences) or text (the run's val split).")]
+
+
 def eval_cmd(
     path: Annotated[Path, options.run_dir("Run directory, its export/ folder, a checkpoint folder or file.")],
     task: Annotated[str, typer.Option("--task", help="needle, mqar, ruler, loss or selection (NSA models).")],
-    contexts: Annotated[str | None, typer.Option(
-        "--contexts",
-                                                 help="Comma-separated context lengths (4k = 4096); default "
-                                                      "the run's train.seq_len.")] = None,
-    depths: Annotated[str,
-                      typer.Option("--depths",
-                                   help="Needle depths in [0, 1] (0 = first token).")] = "0,0.25,0.5,0.75,1",
-    samples: Annotated[int | None, typer.Option(
-        "--samples", min=1, help="Episodes per cell (needle 32, mqar 32, ruler 16) or val sequences per "
-        "context (loss 16, selection 8).")] = None,
+    contexts: Contexts = None,
+    depths: Depths = "0,0.25,0.5,0.75,1",
+    samples: Samples = None,
     pairs: Annotated[int, typer.Option("--pairs", min=1, help="MQAR key/value pairs per episode.")] = 8,
-    queries: Annotated[int | None, typer.Option(
-        "--queries", min=1,
-                                                help="MQAR keys asked (default: --pairs); selection: query "
-                                                     "positions per layer (default 64).")] = None,
-    haystack: Annotated[str, typer.Option(
-        "--haystack",
-                                          help="random (uniform filler; ruler: RULER's noise sentences) or "
-                                               "text (the run's val split).")] = "random",
+    queries: Queries = None,
+    haystack: Haystack = "random",
     ruler_tasks: Annotated[str | None, typer.Option(
         "--ruler-tasks", help="The ruler task's families, comma-separated (default: all).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the episodes (results are reproducible).")] = 0,
@@ -82,9 +79,8 @@ def eval_cmd(
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     as_json: Annotated[bool, options.json_flag("the results")] = False,
     json_out: Annotated[Path | None, options.json_out("the results")] = None,
-    no_save: Annotated[bool,
-                       typer.Option("--no-save",
-                                    help="Do not write RUN/eval/<task>.json (and needle.png).")] = False,
+    no_save: Annotated[bool, typer.Option("--no-save", help="Do not write RUN/eval/<task>.json (and "
+                                          "needle.png).")] = False,
 ) -> None:
     """Score a trained model on needle retrieval or MQAR at chosen contexts, its held-out loss, or (NSA
     models) its selection recall, compressed entropy, scorer KL and gates per layer.
@@ -96,11 +92,9 @@ def eval_cmd(
         from nsa.eval.run import EvalSpec
         from nsa.eval.view import evaluate
 
-        spec = EvalSpec(task,
-                        contexts=options.ints(contexts, "--contexts", "4096,16384 or 4k,16k", kilo=True),
-                        depths=_floats(depths, "--depths") if task == "needle" else [], samples=samples,
-                        pairs=pairs, queries=queries, haystack=haystack, seed=seed, batch_size=batch_size,
-                        device=device)
+        spec = EvalSpec(task, options.ints(contexts, "--contexts", "4096,16384 or 4k,16k", kilo=True),
+                        _floats(depths, "--depths") if task == "needle" else [], samples, pairs, queries, haystack,
+                        seed, batch_size, device)
         if ruler_tasks is not None:
             spec.ruler_tasks = [t for t in ruler_tasks.replace(" ", "").split(",") if t]
         json_file = None if json_out is None or str(json_out) == "-" else json_out

@@ -18,10 +18,10 @@ stderr: ``warning: ... is deprecated ...: use ...``. The commands declare only t
 
 from __future__ import annotations
 
-from itertools import islice
 import functools
 import inspect
 from collections.abc import Callable
+from itertools import islice
 from typing import Any, ClassVar
 
 import typer

@@ -16,11 +16,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
-    """ruff lint, the layer contracts (tests/test_layers.py), the CLI as a skin (tests/test_structure_counts.py:
-    scripts/structure_counts.py against issue 56's targets) and the structure lint (scripts/lint_structure.py:
-    unreferenced definitions, re-export facades, blank runs)."""
+    """ruff lint, the layer contracts (tests/test_layers.py), the CLI as a skin
+    (tests/test_structure_counts.py: scripts/structure_counts.py against issue 56's targets) and the structure
+    lint (scripts/lint_structure.py: unreferenced definitions, re-export facades, blank runs)."""
     session.run("uv", "run", "ruff", "check", "nsa", "nsa_cli", "tests", "noxfile.py", external=True)
-    session.run("uv", "run", "pytest", "-q", "tests/test_layers.py", "tests/test_structure_counts.py", external=True)
+    session.run("uv", "run", "pytest", "-q", "tests/test_layers.py", "tests/test_structure_counts.py",
+                external=True)
     session.run("uv", "run", "python", "scripts/lint_structure.py", external=True)
 
 

@@ -16,7 +16,8 @@ from typing import Any
 def package_version(dist: str) -> str | None:
     """Installed version of a distribution (``flash-attn``), else of an importable module's
     ``__version__`` (``fla``), else None."""
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # no metadata: the module's own version
+    # no metadata: the module's own version
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(dist)
     try:
         mod = importlib.import_module(dist.replace("-", "_"))
@@ -131,7 +132,8 @@ def environment() -> dict[str, Any]:
         import torch
 
         out["torch"] = torch.__version__
-        out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+        out["device"] = (torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+                         or "cpu")
     except Exception:
         out.update(torch=None, device=platform.processor() or "cpu")
     out["triton"] = package_version("triton")
@@ -174,9 +176,11 @@ class GpuProbe:
         nv, h = self._nvml, self._handle
         if nv is None or h is None:
             return None
-        ecc = quietly(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+        ecc = quietly(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                      nv.NVML_VOLATILE_ECC)
         pages = quietly(nv.nvmlDeviceGetRetiredPages, h, nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
-        out = {k: int(v) for k, v in (("ecc_uncorrected", ecc), ("retired_pages", len(pages) if pages is not None else None))
+        out = {k: int(v) for k,
+               v in (("ecc_uncorrected", ecc), ("retired_pages", len(pages) if pages is not None else None))
                if v is not None}
         return out or None
 

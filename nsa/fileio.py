@@ -42,16 +42,17 @@ def json_safe(obj: Any) -> Any:
 
 
 def named(exc: OSError, path: str | Path) -> OSError:
-    """``exc`` naming ``path`` when it names no file (``os.write`` errors name none) or only a temporary one."""
+    """``exc`` naming ``path`` when it names no file (``os.write`` errors name none) or only a temporary
+    one."""
     if exc.filename is None or ".tmp-" in str(exc.filename):
         exc.filename = str(path)
     return exc
 
 
 def os_error_in(exc: BaseException) -> OSError | None:
-    """The ``OSError`` behind ``exc``: itself, or one in its ``__cause__`` / ``__context__`` chain (``torch.save``
-    turns a full disk into ``RuntimeError: [enforce fail at inline_container.cc] ...``, the ``OSError`` its
-    context)."""
+    """The ``OSError`` behind ``exc``: itself, or one in its ``__cause__`` / ``__context__`` chain
+    (``torch.save`` turns a full disk into ``RuntimeError: [enforce fail at inline_container.cc] ...``, the
+    ``OSError`` its context)."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
@@ -75,7 +76,8 @@ def surface_os_error(exc: BaseException, path: str | Path) -> None:
 
 
 def free_space(path: str | Path) -> str | None:
-    """``"2.9 MiB free"`` on the filesystem of ``path`` (its nearest existing folder), or None when unknown."""
+    """``"2.9 MiB free"`` on the filesystem of ``path`` (its nearest existing folder), or None when
+    unknown."""
     p = Path(path)
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -95,4 +97,5 @@ def write_failure(exc: OSError, path: str | Path | None = None) -> str:
     where = exc.filename if exc.filename is not None else path
     why = exc.strerror or str(exc) or type(exc).__name__
     free = free_space(where) if where is not None else None
-    return (f"cannot write {where}: {why}" if where is not None else f"write failed: {why}") + (f" ({free})" if free else "")
+    return (f"cannot write {where}: {why}" if where is not None else f"write failed: {why}") + (f" ({free})"
+        if free else "")

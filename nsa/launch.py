@@ -1,8 +1,8 @@
 """``nsa train`` as one library call: :func:`train_run` resolves the run config from the command line's flags,
-takes a resumed run's lock early, validates everything, then trains in this process or launches the ranks through
-torchrun (:func:`nsa.train.launch.relaunch`); its :class:`TrainOutcome` is the command's exit code and what it
-says. It reads the run directory after a launch (whether the watchdog halted it), so it sits above the trainer
-(``nsa.train``) and the run readers (``nsa.runs``)."""
+takes a resumed run's lock early, validates everything, then trains in this process or launches the ranks
+through torchrun (:func:`nsa.train.launch.relaunch`); its :class:`TrainOutcome` is the command's exit code and
+what it says. It reads the run directory after a launch (whether the watchdog halted it), so it sits above the
+trainer (``nsa.train``) and the run readers (``nsa.runs``)."""
 
 from __future__ import annotations
 
@@ -22,21 +22,21 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 @dataclass
 class TrainRequest:
-    """What ``nsa train`` was asked: a config (``config``, ``profile``, the given config ``flags`` by parameter
-    name, ``--set`` items), and the ranks (``nproc_per_node`` on each of ``nnodes`` nodes, this one ``node_rank``,
-    meeting at ``rdzv_endpoint`` as job ``rdzv_id``) with this process's command line ``argv`` and ``program``
-    (``python <program> <argv>`` is what each rank runs)."""
+    """What ``nsa train`` was asked: a config (``config``, ``profile``, the given config ``flags`` by
+    parameter name, ``--set`` items), and the ranks (``nproc_per_node`` on each of ``nnodes`` nodes, this one
+    ``node_rank``, meeting at ``rdzv_endpoint`` as job ``rdzv_id``) with this process's command line ``argv``
+    and ``program`` (``python <program> <argv>`` is what each rank runs)."""
 
     config: str | None = option(None, "--config", "Run config", kind="config")
     profile: str | None = option(None, "--profile", "Hardware profile name or YAML path.", kind="profile")
     sets: list[str] | None = option(None, "--set", "section.key=value for any config key", kind="sets")
     nproc_per_node: int | None = option(None, "--nproc-per-node", "Launch torchrun with N ranks on this node "
                                         "(runtime.parallel: ddp or fsdp).", min=1)
-    nnodes: int = option(1, "--nnodes", "Nodes of a multi-node run (with --nproc-per-node and --rdzv-endpoint).",
-                         min=1)
+    nnodes: int = option(1, "--nnodes",
+                         "Nodes of a multi-node run (with --nproc-per-node and --rdzv-endpoint).", min=1)
     node_rank: int = option(0, "--node-rank", "This node's index, 0..nnodes-1.", min=0)
-    rdzv_endpoint: str | None = option(None, "--rdzv-endpoint", "HOST:PORT of node 0, which hosts the rendezvous "
-                                       "store (static rendezvous); the same on every node.")
+    rdzv_endpoint: str | None = option(None, "--rdzv-endpoint", "HOST:PORT of node 0, which hosts the "
+                                       "rendezvous store (static rendezvous); the same on every node.")
     rdzv_id: str = option("nsa", "--rdzv-id", "Job id shared by the nodes of one run.")
     flags: dict[str, Any] = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)
@@ -84,19 +84,21 @@ def train_run(req: TrainRequest, reporter: Callable[[Any], None] | None = None,
     from nsa.config import load_run_config
     from nsa.config.fields import flag_values, flags_as_typed
 
-    resolved = load_run_config(config=req.config, profile=req.profile, flags=flag_values(**req.flags), sets=req.sets,
-                               flag_names=flags_as_typed(**req.flags))
+    resolved = load_run_config(config=req.config, profile=req.profile, flags=flag_values(**req.flags),
+                               sets=req.sets, flag_names=flags_as_typed(**req.flags))
     lock = _early_lock(resolved.config, req.nproc_per_node)
     try:
         from nsa.train.distributed import launched_by_torchrun
         from nsa.train.trainer import Trainer
 
-        nproc, rdzv = req.nproc_per_node, Rendezvous(req.nnodes, req.node_rank, req.rdzv_endpoint, req.rdzv_id)
+        nproc, rdzv = req.nproc_per_node, Rendezvous(req.nnodes, req.node_rank, req.rdzv_endpoint,
+                                                     req.rdzv_id)
         if rdzv.nnodes > 1 and nproc is None:
             raise ConfigError("--nnodes needs --nproc-per-node (ranks on each node)")
         rdzv.check()
         launching = nproc is not None and not launched_by_torchrun()
-        trainer = Trainer(resolved, reporter=reporter, world_size=nproc * rdzv.nnodes if launching and nproc else None,
+        trainer = Trainer(resolved, reporter=reporter,
+                          world_size=nproc * rdzv.nnodes if launching and nproc else None,
                           local_ranks=nproc if launching else None, run_lock=lock)
     except BaseException:
         if lock is not None:  # a refused resume: .lock names the last trainer again
@@ -125,8 +127,8 @@ def _interrupted(trainer: Any) -> TrainOutcome:
 
     last, _ = newest_verified(trainer.run_dir)
     where = f"resume from {last.name} with --resume auto" if last else "no checkpoint to resume from"
-    return TrainOutcome(EXIT_INTERRUPTED, f"interrupted at step {trainer.state.step} (Ctrl-C twice): recorded as "
-                                          f"interrupted; {where}")
+    return TrainOutcome(EXIT_INTERRUPTED, f"interrupted at step {trainer.state.step} (Ctrl-C twice): "
+                                          f"recorded as interrupted; {where}")
 
 
 def _failed(trainer: Any, exc: Exception) -> TrainOutcome:
@@ -138,8 +140,8 @@ def _failed(trainer: Any, exc: Exception) -> TrainOutcome:
     from nsa.rundir.checkpoints import newest_verified
 
     if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return TrainOutcome(EXIT_FAILED, f"error: CUDA out of memory at step {trainer.state.step + 1} (hint: lower "
-                                         "--batch-size or --seq-len, raise --accum, or --set "
+        return TrainOutcome(EXIT_FAILED, f"error: CUDA out of memory at step {trainer.state.step + 1} (hint: "
+                                         "lower --batch-size or --seq-len, raise --accum, or --set "
                                          "runtime.gradient_checkpointing=true)")
     disk = os_error_in(exc)
     if disk is None or isinstance(disk, FileNotFoundError):
@@ -147,5 +149,5 @@ def _failed(trainer: Any, exc: Exception) -> TrainOutcome:
     last, _ = newest_verified(trainer.run_dir)
     hint = (f"fix the cause (free disk space?), then resume from {last.name}: --resume auto" if last
             else "fix the cause (free disk space?) and start again")
-    return TrainOutcome(EXIT_FAILED, f"error: run failed at step {trainer.state.step + 1}: {write_failure(disk)} "
-                                     f"(hint: {hint})")
+    return TrainOutcome(EXIT_FAILED, f"error: run failed at step {trainer.state.step + 1}: "
+                                     f"{write_failure(disk)} (hint: {hint})")

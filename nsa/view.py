@@ -1,7 +1,8 @@
 """What a library call returns to the CLI: a :class:`Result`, read by a program as JSON (``to_dict``) and by a
-person as a view (``view``): :class:`Line` and :class:`Table` blocks, data only. The CLI renders them (``nsa_cli.
-render``, with Rich); the library never imports a terminal library. A style is a name the renderer maps
-(``good``, ``bad``, ``caution``, ``headline``, ``dim``, ``ok``/``warn``/``poor`` for cells, or a colour)."""
+person as a view (``view``): :class:`Line` and :class:`Table` blocks, data only. The CLI renders them
+(``nsa_cli. render``, with Rich); the library never imports a terminal library. A style is a name the renderer
+maps (``good``, ``bad``, ``caution``, ``headline``, ``dim``, ``ok``/``warn``/``poor`` for cells, or a
+colour)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def fig(x: float | None, spec: str = ".3g", none: str = "-") -> str:
 
 
 def json_default(obj: Any) -> Any:
-    """What ``json.dumps`` writes for what it cannot: an object's ``to_dict()``, a set sorted, else its text."""
+    """What ``json.dumps`` writes for what it cannot: an object's ``to_dict()``, a set sorted, else its
+    text."""
     if hasattr(obj, "to_dict"):
         return obj.to_dict()
     if isinstance(obj, set):
@@ -94,8 +96,8 @@ class Result:
         return json.dumps(json_safe(self.to_dict()), indent=2, default=json_default, allow_nan=False)
 
     def json_file_text(self) -> str:
-        """The payload as a ``--json-out`` file holds it (as written since the flag exists: numbers as they are,
-        indented by ``json_indent``)."""
+        """The payload as a ``--json-out`` file holds it (as written since the flag exists: numbers as they
+        are, indented by ``json_indent``)."""
         return json.dumps(self.to_dict(), indent=self.json_indent, default=json_default)
 
 
@@ -127,7 +129,8 @@ def option(default: Any, flag: str, help: str = "", *, kind: str = "", min: floa
            max: float | None = None, switch: bool = False) -> Any:
     """A request's field that is a command-line option (``dataclasses.field``): its ``flag`` (``switch``: also
     ``--no-...``), ``help``, bounds, and ``kind``, how the command line's text becomes the value: ``ints``
-    (comma-separated positive integers), ``seeds`` (comma-separated integers), ``csv`` (comma-separated words),
+    (comma-separated positive integers), ``seeds`` (comma-separated integers), ``csv`` (comma-separated
+    words),
     ``repeat`` (the option given again for each value), ``config``/``sets`` (the CLI's shared ``--config`` and
     ``--set``, ``help`` saying what they configure)."""
     meta = {"flag": flag, "help": help, "kind": kind, "min": min, "max": max, "switch": switch}

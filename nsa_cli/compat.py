@@ -131,7 +131,8 @@ class Command(TyperCommand):
 
     def upgrade(self, args: list[str]) -> tuple[list[str], list[str]]:
         """``args`` with deprecated spellings replaced by today's, and one warning line per replacement. An
-        option's value and everything after ``--`` are kept as given (``--prompt -p``: the prompt is ``-p``)."""
+        option's value and everything after ``--`` are kept as given (``--prompt -p``: the prompt is
+        ``-p``)."""
         takes = self._takes_value()
         lines: list[str] = []
         out: list[str] = []

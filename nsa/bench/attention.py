@@ -53,14 +53,16 @@ class AttentionRow:
     peer_fwdbwd_ms: float | None = None
     nsa_peak_mib: float | None = None
     dense_peak_mib: float | None = None
-    # what the forward keeps for the backward, beyond its inputs (tensors saved by autograd, each storage once)
+    # what the forward keeps for the backward, beyond its inputs (tensors saved by autograd, each storage
+    # once)
     nsa_saved_mib: float | None = None
     dense_saved_mib: float | None = None
     nsa_fwd_gflop: float = 0.0
     dense_fwd_gflop: float = 0.0
     notes: list[str] = field(default_factory=list)
     noisy: list[str] = field(default_factory=list)  # timings whose repetitions spread too much to be read
-    # ``profile=True``: one NSA forward+backward under the profiler (nsa.bench.profile): kernels by device time
+    # ``profile=True``: one NSA forward+backward under the profiler (nsa.bench.profile): kernels by device
+    # time
     kernels: list[dict[str, Any]] | None = None
     launches: int | None = None
     parts: dict[str, float] | None = None
@@ -146,7 +148,8 @@ def saved_mib(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> flo
     return sum(seen.values()) / 2**20
 
 
-def _fwdbwd(fn: Callable[[], torch.Tensor], grad: torch.Tensor, leaves: list[torch.Tensor]) -> Callable[[], None]:
+def _fwdbwd(fn: Callable[[], torch.Tensor], grad: torch.Tensor, leaves: list[torch.Tensor]) -> Callable[[],
+    None]:
     def run() -> None:
         for t in leaves:
             t.grad = None
@@ -284,7 +287,8 @@ def bench_one(
                 say(f"{shape} S={S}: fla parallel_nsa")
                 with torch.no_grad():
                     row.peer_fwd_ms = timer(fla, grad=False, what="fla forward")
-                row.peer_fwdbwd_ms = timer(_fwdbwd(fla, grad, [q, k_sel, v_sel, g_c, g_s]), what="fla forward+backward")
+                row.peer_fwdbwd_ms = timer(_fwdbwd(fla, grad, [q, k_sel, v_sel, g_c, g_s]),
+                                           what="fla forward+backward")
             except Exception as exc:  # a peer failure must not hide our numbers
                 row.notes.append(f"fla parallel_nsa failed: {type(exc).__name__}: {exc}"[:200])
     return row
@@ -354,7 +358,8 @@ def stage_rows(shape: str, S: int, HQ: int, H: int, D: int, times_ms: Mapping[st
                params: NSAParams | None = None, batch: int = 1, peak_tflops: float = PEAK_TFLOPS,
                peak_tbps: float = PEAK_TBPS, cmp_path: str = "kernel") -> list[StageRow]:
     """Each timed stage with its FLOPs and minimum bytes (:func:`stage_costs`) and its roofline time, the
-    stages in the op's order and a ``total`` row (pure arithmetic: ``times_ms`` from :func:`kernel_breakdown`)."""
+    stages in the op's order and a ``total`` row (pure arithmetic: ``times_ms`` from
+    :func:`kernel_breakdown`)."""
     costs = stage_costs(S, HQ, H, D, D, params, batch)
     rows = []
     for name, (flops, nbytes) in costs.items():
@@ -362,7 +367,8 @@ def stage_rows(shape: str, S: int, HQ: int, H: int, D: int, times_ms: Mapping[st
             continue
         t_c, t_m = flops / (peak_tflops * 1e9), nbytes / (peak_tbps * 1e9)
         rows.append(StageRow(shape, S, name, float(times_ms[name]), flops / 1e9, nbytes / 1e6, max(t_c, t_m),
-                             "compute" if t_c >= t_m else "memory", cmp_path if name.startswith("cmp_") else ""))
+                             "compute" if t_c >= t_m else "memory",
+                             cmp_path if name.startswith("cmp_") else ""))
     if rows:
         rows.append(StageRow(shape, S, "total", sum(r.ms for r in rows), sum(r.gflop for r in rows),
                              sum(r.mbytes for r in rows), sum(r.roofline_ms for r in rows),
@@ -374,15 +380,16 @@ def stage_rows(shape: str, S: int, HQ: int, H: int, D: int, times_ms: Mapping[st
 def kernel_breakdown(
     S: int, HQ: int, H: int, D: int, *, params: NSAParams | None = None, batch: int = 1,
     dtype: torch.dtype = torch.bfloat16, warmup_ms: int = 10, rep_ms: int = 50, seed: int = 0,
-    only: tuple[str, ...] | None = None, tune: Mapping[str, int | str] | None = None, cmp_path: str | None = None,
+    only: tuple[str, ...] | None = None, tune: Mapping[str, int | str] | None = None,
+                     cmp_path: str | None = None,
 ) -> dict[str, float]:
     """Median milliseconds of each Triton stage of the NSA forward and backward, as the op runs them
     (:class:`nsa.ops.triton_path.Stages`; CUDA only; ``tune``: block-shape overrides,
     :func:`nsa.ops.tile_overrides`; ``cmp_path``: how the compressed stages run, default as the op would
     choose, :func:`stage_cmp_path`; a library kernel's stages include the layout copies around it)."""
     with tile_overrides(tune):
-        return _kernel_breakdown(S, HQ, H, D, params or NSAParams(), batch, dtype, warmup_ms, rep_ms, seed, only,
-                                 cmp_path or stage_cmp_path(S, HQ, H, D, params))
+        return _kernel_breakdown(S, HQ, H, D, params or NSAParams(), batch, dtype, warmup_ms, rep_ms, seed,
+                                 only, cmp_path or stage_cmp_path(S, HQ, H, D, params))
 
 
 def stage_cmp_path(S: int, HQ: int, H: int, D: int, params: NSAParams | None = None) -> str:
@@ -488,8 +495,8 @@ def stage_costs(S: int, HQ: int, H: int, Dk: int, Dv: int, params: NSAParams | N
 
 
 def attention_command(req: AttentionRequest, say: Callable[[str], None] | None = None) -> Payload:
-    """``nsa bench attention``: the request checked, its rows (and stages), their tables and notes, and the JSON
-    payload; ``say`` hears each measurement before it starts (with the seconds since the start)."""
+    """``nsa bench attention``: the request checked, its rows (and stages), their tables and notes, and the
+    JSON payload; ``say`` hears each measurement before it starts (with the seconds since the start)."""
     import time
 
     from nsa.bench.timing import parse_tune
@@ -512,15 +519,16 @@ def attention_command(req: AttentionRequest, say: Callable[[str], None] | None =
             say(f"[{time.monotonic() - t0:6.1f}s] {msg}")
 
     rows = bench_attention(shapes, lens, tiny=req.tiny, batch=req.batch, backend=req.backend, peer=req.peer,
-                           dense=req.dense, warmup_ms=req.warmup_ms, rep_ms=req.rep_ms, cuda_graph=req.cuda_graph,
-                           tune=tuned, progress=progress, profile=req.profile)
+                           dense=req.dense, warmup_ms=req.warmup_ms, rep_ms=req.rep_ms,
+                           cuda_graph=req.cuda_graph, tune=tuned, progress=progress, profile=req.profile)
     blocks: list[Block] = [_rows_table(rows, req.batch)]
     for r in rows:
         blocks += [Line(f"note ({r.shape}, S={r.seq_len}): {n}", wrap=False) for n in r.notes]
         blocks += [Line(f"warning ({r.shape}, S={r.seq_len}): {n}", err=True, wrap=False) for n in r.noisy]
         if r.kernels:
             top = ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms" for k in r.kernels[:5])
-            blocks.append(Line(f"profile ({r.shape}, S={r.seq_len}): {r.launches} launches; {top}", wrap=False))
+            blocks.append(Line(f"profile ({r.shape}, S={r.seq_len}): {r.launches} launches; {top}",
+                               wrap=False))
     payload: dict[str, Any] = {"command": "bench attention", "environment": environment(), "tune": tuned,
                                "rows": [r.to_dict() for r in rows]}
     if req.stages:
@@ -535,12 +543,14 @@ def _rows_table(rows: list[AttentionRow], batch: int) -> Table:
     graphed = ", CUDA graphs" if rows[0].cuda_graph else ""
     t = Table.of(f"NSA vs dense attention ({rows[0].device}, {rows[0].dtype}, batch {batch}{graphed})",
                  ("shape", "S", "nsa fwd ms", "dense fwd ms", "fwd x", "nsa f+b ms", "dense f+b ms", "f+b x",
-                  "peer f+b ms", "vs peer", "nsa TFLOP/s", "nsa MiB", "dense MiB", "nsa saved MiB", "dense saved MiB"))
+                  "peer f+b ms", "vs peer", "nsa TFLOP/s", "nsa MiB", "dense MiB", "nsa saved MiB",
+                  "dense saved MiB"))
     for r in rows:
         t.add(r.shape, str(r.seq_len), fig(r.nsa_fwd_ms), fig(r.dense_fwd_ms), fig(r.speedup_fwd, ".2f"),
-              fig(r.nsa_fwdbwd_ms), fig(r.dense_fwdbwd_ms), fig(r.speedup_fwdbwd, ".2f"), fig(r.peer_fwdbwd_ms),
-              fig(r.vs_peer_fwdbwd, ".2f"), fig(r.to_dict()["nsa_fwd_tflops"]), fig(r.nsa_peak_mib, ".0f"),
-              fig(r.dense_peak_mib, ".0f"), fig(r.nsa_saved_mib, ".1f"), fig(r.dense_saved_mib, ".1f"))
+              fig(r.nsa_fwdbwd_ms), fig(r.dense_fwdbwd_ms), fig(r.speedup_fwdbwd, ".2f"),
+              fig(r.peer_fwdbwd_ms), fig(r.vs_peer_fwdbwd, ".2f"), fig(r.to_dict()["nsa_fwd_tflops"]),
+              fig(r.nsa_peak_mib, ".0f"), fig(r.dense_peak_mib, ".0f"), fig(r.nsa_saved_mib, ".1f"),
+              fig(r.dense_saved_mib, ".1f"))
     return t
 
 
@@ -564,6 +574,6 @@ def _stage_table(rows: list[StageRow], peak_tflops: float, peak_tbps: float) -> 
                  ("shape", "S", "stage", "ms", "TFLOP/s", "GB/s", "roofline ms", "bound", "of roofline"))
     for r in rows:
         t.add(r.shape, str(r.seq_len), r.stage + (f" ({r.path})" if r.path not in ("", "kernel") else ""),
-              f"{r.ms:.3f}", f"{r.tflops:.0f}", f"{r.mbytes / r.ms:.0f}" if r.ms > 0 else "-", f"{r.roofline_ms:.3f}",
-              r.bound, f"{r.of_roofline:.0%}")
+              f"{r.ms:.3f}", f"{r.tflops:.0f}", f"{r.mbytes / r.ms:.0f}" if r.ms > 0 else "-",
+              f"{r.roofline_ms:.3f}", r.bound, f"{r.of_roofline:.0%}")
     return t

@@ -110,7 +110,8 @@ def _oom(exc: BaseException) -> bool:
 
 @contextmanager
 def _noting_oom(row: DecodeRow, side: str, device: torch.device) -> Iterator[None]:
-    """Out of memory inside becomes a note on ``row`` (``"nsa: out of memory"``); the cache is emptied after."""
+    """Out of memory inside becomes a note on ``row`` (``"nsa: out of memory"``); the cache is emptied
+    after."""
     try:
         yield
     except Exception as exc:
@@ -122,7 +123,8 @@ def _noting_oom(row: DecodeRow, side: str, device: torch.device) -> Iterator[Non
             torch.cuda.empty_cache()
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, timer: Timer, graphs: bool) -> tuple[float, float | None]:
+def _timed(fn: Callable[[], Any], device: torch.device, timer: Timer, graphs: bool) -> tuple[float,
+    float | None]:
     """Median ms of ``fn`` eager, and of its CUDA-graph replay (``None`` off CUDA or if capture fails)."""
     ms = timer(fn)
     g = _graph(fn, device) if graphs else None
@@ -137,8 +139,8 @@ def bench_attention_step(
     """One query per sequence at position ``context`` (so ``context + 1`` keys in the dense cache);
     ``backend`` is ``nsa_decode``'s (``torch`` or ``triton``); ``compile``: through ``torch.compile``."""
 
-    row = DecodeRow("attention", shape, context, batch, str(device), str(dtype).removeprefix("torch."), backend,
-                    compile)
+    row = DecodeRow("attention", shape, context, batch, str(device), str(dtype).removeprefix("torch."),
+                    backend, compile)
     op = nsa_decode
     if compile:
         torch._dynamo.reset()  # one compiled graph per row's shapes, never the recompile limit
@@ -236,7 +238,8 @@ def bench_model_step(
 def bench_decode(
     *, tiny: bool = False, contexts: list[int] | None = None, batches: list[int] | None = None,
     shapes: list[str] | None = None, model_config: str | None = None, model_contexts: list[int] | None = None,
-    modes: tuple[str, ...] = ("attention", "model"), graphs: bool = True, warmup_ms: int = 25, rep_ms: int = 100,
+    modes: tuple[str, ...] = ("attention", "model"), graphs: bool = True, warmup_ms: int = 25,
+                 rep_ms: int = 100,
     device: str | torch.device | None = None, backend: str = "auto", compile: bool = False,
     sets: list[str] | None = None,
 ) -> list[DecodeRow]:
@@ -267,8 +270,8 @@ def bench_decode(
             HQ, H, D = table[s]
             for b in bs:
                 for c in ctxs:
-                    rows.append(bench_attention_step(s, HQ, H, D, c, b, params=params, device=dev, dtype=dtype,
-                                                     timer=timer, graphs=graphs, backend=backend,
+                    rows.append(bench_attention_step(s, HQ, H, D, c, b, params=params, device=dev,
+                                                     dtype=dtype, timer=timer, graphs=graphs, backend=backend,
                                                      compile=compile))
     if "model" in modes:
         name = model_config or ("tiny" if tiny else "m7c-125m")
@@ -303,12 +306,12 @@ def decode_command(req: DecodeRequest) -> Payload:
         raise ConfigError("nothing to measure")
     how = backend + (", compiled" if compile else "")
     table = Table.of(f"decode step: NSA ({how}) vs dense ({rows[0].device}, {rows[0].dtype})",
-                     ("mode", "shape", "context", "batch", "nsa ms", "dense ms", "nsa graph ms", "dense graph ms",
-                      "speed-up", "reads nsa", "reads dense", "reads x"))
+                     ("mode", "shape", "context", "batch", "nsa ms", "dense ms", "nsa graph ms",
+                      "dense graph ms", "speed-up", "reads nsa", "reads dense", "reads x"))
     for r in rows:
-        table.add(r.mode, r.shape, str(r.context), str(r.batch), fig(r.nsa_ms), fig(r.dense_ms), fig(r.nsa_graph_ms),
-                  fig(r.dense_graph_ms), fig(r.speedup, ".2f"), fig(r.nsa_reads, ".0f"), fig(r.dense_reads, ".0f"),
-                  fig(r.reads_ratio, ".1f"))
+        table.add(r.mode, r.shape, str(r.context), str(r.batch), fig(r.nsa_ms), fig(r.dense_ms),
+                  fig(r.nsa_graph_ms), fig(r.dense_graph_ms), fig(r.speedup, ".2f"), fig(r.nsa_reads, ".0f"),
+                  fig(r.dense_reads, ".0f"), fig(r.reads_ratio, ".1f"))
     notes = [Line(f"note ({r.mode} {r.shape}, context {r.context}, batch {r.batch}): {n}", wrap=False)
              for r in rows for n in r.notes]
     payload = {"command": "bench decode", "environment": environment(), "rows": [r.to_dict() for r in rows]}

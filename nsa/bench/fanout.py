@@ -1,5 +1,6 @@
 """Several benchmark runs at once, each in a process of its own: on CUDA each process sees one GPU
-(``CUDA_VISIBLE_DEVICES``, dealt round-robin, so more runs than GPUs share them), on CPU a share of the cores."""
+(``CUDA_VISIBLE_DEVICES``, dealt round-robin, so more runs than GPUs share them), on CPU a share of the
+cores."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ R = TypeVar("R")
 
 
 def slots(n: int) -> tuple[list[str], bool]:
-    """What each of ``n`` processes gets, and whether they are GPUs: the visible GPUs (``CUDA_VISIBLE_DEVICES``
-    entries, or device numbers) dealt round-robin, else a thread count each (more processes than CPU cores:
-    refused)."""
+    """What each of ``n`` processes gets, and whether they are GPUs: the visible GPUs
+    (``CUDA_VISIBLE_DEVICES`` entries, or device numbers) dealt round-robin, else a thread count each (more
+    processes than CPU cores: refused)."""
     if torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = [g for g in visible.split(",") if g.strip()] if visible else [str(i) for i in range(torch.cuda.device_count())]
+        gpus = ([g for g in visible.split(",") if g.strip()] if visible
+                else [str(i) for i in range(torch.cuda.device_count())])
         return [gpus[i % len(gpus)] for i in range(n)], True
     cores = os.cpu_count() or 1
     if n > cores:
@@ -57,9 +59,10 @@ def spread(worker: Callable[..., R], jobs: Sequence[tuple[Any, ...]], n: int, *,
            on_start: Callable[[str], None] | None = None,
            on_done: Callable[[int, R], None] | None = None) -> list[R]:
     """``worker(*job)`` for every job, ``n`` at a time in spawned processes (:func:`slots`); results in the
-    order of ``jobs``. ``worker`` must be a module-level function (it is pickled by name). ``on_done(i, result)``
-    hears each job as it ends. The first job to fail drops the ones not started; the ones already running
-    finish and reach ``on_done`` (a sweep keeps what it paid for), then that first failure is raised."""
+    order of ``jobs``. ``worker`` must be a module-level function (it is pickled by name). ``on_done(i,
+    result)`` hears each job as it ends. The first job to fail drops the ones not started; the ones already
+    running finish and reach ``on_done`` (a sweep keeps what it paid for), then that first failure is
+    raised."""
     given, cuda = slots(n)
     if on_start is not None:
         where = f"on GPUs {','.join(given)}" if cuda else f"{len(given)} processes"

@@ -26,4 +26,5 @@ class Eta:
     def line(self, done: float) -> str:
         """``37% done, 0:04:10 elapsed, ETA 0:07:05``."""
         elapsed = self.clock() - self.start
-        return f"{min(1.0, done / self.total):.0%} done, {duration(elapsed)} elapsed, ETA {duration(self.eta_s(done))}"
+        return (f"{min(1.0, done / self.total):.0%} done, {duration(elapsed)} elapsed, ETA "
+                f"{duration(self.eta_s(done))}")

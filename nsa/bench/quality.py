@@ -77,26 +77,31 @@ ARMS: dict[str, Arm] = {
     "dense": Arm("dense", ("model.attention=dense",)),
     "nsa": Arm("nsa", ("model.attention=nsa",)),  # the config's stack (m7c-125m: the hybrid)
     "nsa-all": Arm("nsa-all", ("model.attention=nsa", "model.dense_layers=[]")),  # every block NSA
-    "nsa-hybrid": Arm("nsa-hybrid", ("model.attention=nsa", "model.dense_layers=even")),  # every other block dense
-    "nsa-thirds": Arm("nsa-thirds", ("model.attention=nsa", "model.dense_layers=thirds")),  # NSA in every third block
-    "nsa-half": Arm("nsa-half", ("model.attention=nsa", "nsa.gate_init=half")),
+    # every other block dense
+    "nsa-hybrid": Arm("nsa-hybrid", ("model.attention=nsa", "model.dense_layers=even")),
+    # NSA in every third block
+    "nsa-thirds": Arm("nsa-thirds", ("model.attention=nsa", "model.dense_layers=thirds")),
+                        "nsa-half": Arm("nsa-half", ("model.attention=nsa", "nsa.gate_init=half")),
     "nsa-window": Arm("nsa-window", ("model.attention=nsa", "nsa.gate_init=window")),
     "nsa-uniform": Arm("nsa-uniform", ("model.attention=nsa", "nsa.gate_init=uniform")),
     "nsa-scorer": Arm("nsa-scorer", ("model.attention=nsa", "scorer.weight=0.1")),
-    "dense-warm": Arm("dense-warm", ("model.attention=nsa",), warm=((0.25, 1),), warm_sets=("model.attention=dense",)),
+    "dense-warm": Arm("dense-warm", ("model.attention=nsa",), warm=((0.25, 1),),
+                      warm_sets=("model.attention=dense",)),
     "dense-curriculum": Arm("dense-curriculum", ("model.attention=dense",), warm=((0.25, 4),)),
     "nsa-curriculum": Arm("nsa-curriculum", ("model.attention=nsa",), warm=((0.25, 4),)),
     # two steps up to long windows (32k: a quarter of the steps at 2k, a quarter at 8k, then 32k)
     "dense-ladder": Arm("dense-ladder", ("model.attention=dense",), warm=((0.25, 16), (0.25, 4))),
     "nsa-ladder": Arm("nsa-ladder", ("model.attention=nsa",), warm=((0.25, 16), (0.25, 4))),
-    # the same steps, longer at the short windows (32k: half the steps at 2k, a quarter at 8k, a quarter at 32k)
+    # the same steps, longer at the short windows (32k: half the steps at 2k, a quarter at 8k, a quarter at
+    # 32k)
     "dense-ladder-half": Arm("dense-ladder-half", ("model.attention=dense",), warm=((0.5, 16), (0.25, 4))),
     "nsa-ladder-half": Arm("nsa-ladder-half", ("model.attention=nsa",), warm=((0.5, 16), (0.25, 4))),
     # the ladder's phases as three runs (restarted schedule, optimizer and data) at one window length, and
     # the ladder so (how the rows before 2026-11-27 were measured): controls of the restarts' cost
-    "dense-phases": Arm("dense-phases", ("model.attention=dense",), warm=((0.25, 1), (0.25, 1)), restart=True),
-    "dense-ladder-restart": Arm("dense-ladder-restart", ("model.attention=dense",), warm=((0.25, 16), (0.25, 4)),
-                                restart=True),
+    "dense-phases": Arm("dense-phases", ("model.attention=dense",), warm=((0.25, 1), (0.25, 1)),
+                        restart=True),
+    "dense-ladder-restart": Arm("dense-ladder-restart", ("model.attention=dense",),
+                                warm=((0.25, 16), (0.25, 4)), restart=True),
     "nsa-ladder-restart": Arm("nsa-ladder-restart", ("model.attention=nsa",), warm=((0.25, 16), (0.25, 4)),
                               restart=True),
 }
@@ -110,8 +115,8 @@ def parse_arm(text: str) -> Arm:
     label, sep, rest = text.partition("=")
     if not sep or not label or not rest:
         raise ConfigError(f"arm {text!r} is neither one of {', '.join(ARMS)} nor label=key=value;key=value",
-                          hint="e.g. --arms dense,nsa,'lr3=optimizer.lr=3e-3','nsa-curriculum-kl=nsa-curriculum;"
-                          "scorer.weight=0.1'")
+                          hint="e.g. --arms dense,nsa,'lr3=optimizer.lr=3e-3',"
+                               "'nsa-curriculum-kl=nsa-curriculum;scorer.weight=0.1'")
     sets = tuple(s for s in rest.split(";") if s)
     base = ARMS.get(sets[0]) if sets else None
     for s in sets[1:] if base is not None else sets:
@@ -123,7 +128,8 @@ def parse_arm(text: str) -> Arm:
 
 @dataclass
 class QualityRow:
-    """One arm and seed: held-out loss, selection per layer, needle accuracy, the training-loss curve, wall time."""
+    """One arm and seed: held-out loss, selection per layer, needle accuracy, the training-loss curve, wall
+    time."""
 
     arm: str
     seed: int
@@ -133,7 +139,8 @@ class QualityRow:
     seconds: float = 0.0
     recall_mean: float | None = None
     recall_min: float | None = None
-    recall_best_mean: float | None = None  # recall's ceiling: a perfect block scorer's (selection.best_recall)
+    # recall's ceiling: a perfect block scorer's (selection.best_recall)
+    recall_best_mean: float | None = None
     cmp_entropy_mean: float | None = None
     selection: list[dict[str, Any]] = field(default_factory=list)
     needle_acc: float | None = None
@@ -187,7 +194,8 @@ def _quiet_train(resolved: ResolvedConfig, log: Callable[[str], None] | None) ->
     return result.metrics
 
 
-SHORTER_CONTEXTS = (16, 4)  # the final model also read with windows this many times shorter, on the same tokens
+# the final model also read with windows this many times shorter, on the same tokens
+SHORTER_CONTEXTS = (16, 4)
 
 
 @dataclass
@@ -197,16 +205,17 @@ class FinalMeasures:
 
     selection: list[dict[str, Any]]
     loss_by_position: list[dict[str, Any]]
-    loss_by_context: list[dict[str, Any]]  # [{"context", "loss", "n"}], shortest first, the training length last
+    # [{"context", "loss", "n"}], shortest first, the training length last
+    loss_by_context: list[dict[str, Any]]
 
 
 def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> FinalMeasures:
     """A finished run's model at its training length S on ``batches`` held-out batches: the selection
     diagnostics per layer (``nsa eval --task selection``; empty for a dense model) and the held-out loss by
-    position in the window (``nsa eval --task loss``); and the loss of the same held-out tokens read in windows
-    of S/16 and S/4 (as many more per batch, the same number of scored tokens; a window reads one token more than
-    it scores, so the tokens agree to within one per window), which tells a model that is worse from one that
-    is hurt by its long context."""
+    position in the window (``nsa eval --task loss``); and the loss of the same held-out tokens read in
+    windows of S/16 and S/4 (as many more per batch, the same number of scored tokens; a window reads one
+    token more than it scores, so the tokens agree to within one per window), which tells a model that is
+    worse from one that is hurt by its long context."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(run_dir, device=device)
     cfg = loaded.config
@@ -216,20 +225,23 @@ def final_measures(run_dir: Path, queries: int = 64, batches: int = 1) -> FinalM
     by_context = []
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
         for c in shorter:
-            (short,) = eval_loss(loaded.model, cfg, tok, [c], batches, batch_size=bs * (S // c), device=device)
+            (short,) = eval_loss(loaded.model, cfg, tok, [c], batches, batch_size=bs * (S // c),
+                                 device=device)
             by_context.append({"context": c, "loss": short["loss"], "n": short["n"]})
         (loss,) = eval_loss(loaded.model, cfg, tok, [S], batches, batch_size=bs, device=device)
         by_context.append({"context": S, "loss": loss["loss"], "n": loss["n"]})
         if cfg.model.attention != "nsa":
             return FinalMeasures([], loss["by_position"], by_context)
-        rows = eval_selection(loaded.model, cfg, tok, [S], batches, queries=queries, batch_size=bs, device=device)
+        rows = eval_selection(loaded.model, cfg, tok, [S], batches, queries=queries, batch_size=bs,
+                              device=device)
     selection = [{k: r[k] for k in ("layer", *SELECTION_FIELDS, "gates")} for r in rows]
     return FinalMeasures(selection, loss["by_position"], by_context)
 
 
 def _shorter_windows(arm: Arm, train: Any, div: int) -> list[str]:
-    """The overrides of a warm phase ``div`` times shorter: windows that much shorter, as many more per batch (the
-    same tokens per step); none for ``div`` 1. ``ConfigError`` when ``train.seq_len`` does not split so."""
+    """The overrides of a warm phase ``div`` times shorter: windows that much shorter, as many more per batch
+    (the same tokens per step); none for ``div`` 1. ``ConfigError`` when ``train.seq_len`` does not split
+    so."""
     if div <= 1:
         return []
     if train.seq_len % div:
@@ -239,10 +251,12 @@ def _shorter_windows(arm: Arm, train: Any, div: int) -> list[str]:
 
 
 def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir: Path, *, steps: int,
-                 queries: int = 64, log: Callable[[str], None] | None = None, budget: str = "tokens") -> QualityRow:
+                 queries: int = 64, log: Callable[[str], None] | None = None,
+                 budget: str = "tokens") -> QualityRow:
     """Train ``arm`` for ``steps`` (one seed) into ``out_dir/<arm>/seed<seed>`` and measure it. The run is
     named ``<arm>-seed<seed>`` (a restarted phase ``<arm>-warm-seed<seed>``, ``<arm>-warm2-seed<seed>``, ...),
-    so reports and charts of several runs tell them apart; a run of the equal-time budget is ``time-seed<seed>``."""
+    so reports and charts of several runs tell them apart; a run of the equal-time budget is
+    ``time-seed<seed>``."""
     tag = f"seed{seed}" if budget == "tokens" else f"{budget}-seed{seed}"
     run_dir = out_dir / arm.name / tag
     if run_dir.exists():
@@ -258,15 +272,16 @@ def run_text_arm(config: str, base_sets: list[str], arm: Arm, seed: int, out_dir
         shorter = _shorter_windows(arm, train, div) if train is not None else []
         part = "warm" if i == 0 else f"warm{i + 1}"
         if restart:
-            phases.append([*arm.warm_sets, *shorter, f"train.steps={phase_steps}", f"train.out_dir={run_dir / part}",
-                           f"train.run_name={arm.name}-{part}-{tag}"])
+            phases.append([*arm.warm_sets, *shorter, f"train.steps={phase_steps}",
+                           f"train.out_dir={run_dir / part}", f"train.run_name={arm.name}-{part}-{tag}"])
         else:
             phases.append([*shorter, f"train.steps={steps}", f"train.stop_at={done + phase_steps}"])
         done += phase_steps
     if steps - done < 1:
         raise ConfigError(f"arm {arm.name}: its warm phases take all {steps} steps", hint="raise --steps")
     main_dir = run_dir / "main" if restart and arm.warm else run_dir
-    main = [f"train.steps={steps - done if restart else steps}", f"eval.every={steps - done if restart else steps}"]
+    main = [f"train.steps={steps - done if restart else steps}",
+            f"eval.every={steps - done if restart else steps}"]
     if restart:
         main.append(f"train.out_dir={main_dir}")
     seconds, at, tokens = 0.0, 0, 0
@@ -313,7 +328,8 @@ def run_needle_arm(config: str, base_sets: list[str], arm: Arm, seed: int, *, se
 
     def show(p: Any) -> None:
         if log is not None:
-            log(f"{arm.name} seed {seed} step {p.step}: loss {p.loss:.3f} acc {p.accuracy:.3f} gates {p.gates}")
+            log(f"{arm.name} seed {seed} step {p.step}: loss {p.loss:.3f} acc {p.accuracy:.3f} gates "
+                f"{p.gates}")
 
     variant = "dense" if arm.dense else "nsa"
     curve = learn_retrieval(cfg.model, cfg.nsa, task, variant, recipe=recipe, seed=seed, device=device,
@@ -360,7 +376,8 @@ def baseline_of(arm: str, names: set[str]) -> str | None:
     choice = f"dense{suffix}"
     if choice in names:
         return choice if choice != arm else None
-    # no plain dense arm: the one other dense recipe that ran (dense-curriculum, the 8k baseline), if just one did
+    # no plain dense arm: the one other dense recipe that ran (dense-curriculum, the 8k baseline), if just one
+    # did
     others = [n for n in names if n != arm and n.startswith("dense") and n.partition(LR_TAG)[1:] == (tag, lr)]
     return others[0] if len(others) == 1 else None
 
@@ -380,7 +397,8 @@ class ArmSummary:
     vs_dense: float | None = None  # mean over the shared seeds of (arm / dense - 1)
     vs_dense_sd: float | None = None  # its spread over those seeds
     paired_seeds: int = 0
-    per_seed: list[float] = field(default_factory=list)  # arm / baseline - 1 on each shared seed, seeds ascending
+    # arm / baseline - 1 on each shared seed, seeds ascending
+    per_seed: list[float] = field(default_factory=list)
     baseline: str | None = None  # the dense arm it was paired with (:func:`baseline_of`)
     reading: str = ""  # "better", "worse", "within noise", "one seed", "dense" or "no dense arm"
 
@@ -393,8 +411,8 @@ def _sd(values: list[float]) -> float | None:
 
 
 def summarise_arms(rows: list[QualityRow]) -> list[ArmSummary]:
-    """Mean and spread of each arm's held-out loss, and its difference from dense paired by seed (the dense arm
-    of :func:`baseline_of`: ``dense-curriculum`` for ``nsa-curriculum``). The reading
+    """Mean and spread of each arm's held-out loss, and its difference from dense paired by seed (the dense
+    arm of :func:`baseline_of`: ``dense-curriculum`` for ``nsa-curriculum``). The reading
     is "within noise" when the mean difference is no larger than the differences' spread over the seeds
     (one standard deviation): two seeds that disagree in sign cannot tell +1% from -1%."""
     by = _losses_by_seed(rows)
@@ -412,8 +430,9 @@ def summarise_arms(rows: list[QualityRow]) -> list[ArmSummary]:
 
 
 def against(rows: list[QualityRow], baseline: str) -> list[ArmSummary]:
-    """Every other arm of ``rows`` against ``baseline`` (one of them: any arm, dense or not), paired by seed, read
-    as :func:`summarise_arms` reads an arm against dense. ``ValueError`` when ``baseline`` has no rows."""
+    """Every other arm of ``rows`` against ``baseline`` (one of them: any arm, dense or not), paired by seed,
+    read as :func:`summarise_arms` reads an arm against dense. ``ValueError`` when ``baseline`` has no
+    rows."""
     by = _losses_by_seed(rows)
     if baseline not in by:
         raise ValueError(f"no arm {baseline!r} among {', '.join(sorted(by))}")
@@ -441,7 +460,8 @@ def _paired(arm: str, losses: dict[int, float], base: str | None, base_losses: d
         return s
     s.baseline = base
     diffs = [losses[k] / base_losses[k] - 1.0 for k in shared]
-    s.vs_dense, s.vs_dense_sd, s.paired_seeds, s.per_seed = sum(diffs) / len(diffs), _sd(diffs), len(shared), diffs
+    s.vs_dense, s.vs_dense_sd, s.paired_seeds, s.per_seed = (sum(diffs) / len(diffs), _sd(diffs), len(shared),
+                                                             diffs)
     if s.vs_dense_sd is None:
         s.reading = "one seed"
     elif abs(s.vs_dense) <= s.vs_dense_sd:
@@ -466,7 +486,8 @@ def at_best_lr(rows: list[QualityRow]) -> tuple[list[QualityRow], dict[str, dict
         mean_by_lr = {lr: sum(v) / len(v) for lr, v in sorted(by_lr.items())}
         best = min(mean_by_lr, key=lambda lr: mean_by_lr[lr])
         lrs = list(mean_by_lr)
-        edge = None if len(lrs) < 3 else "lowest" if best == lrs[0] else "highest" if best == lrs[-1] else None
+        edge = (None if len(lrs) < 3 else "lowest" if best == lrs[0] else "highest" if best == lrs[-1]
+                else None)
         sweep[base] = {"best_lr": best, "mean_by_lr": mean_by_lr, "edge": edge}
     out = []
     for r in rows:
@@ -497,9 +518,9 @@ class QualitySpec:
     loss and selection over ``steps``; ``needle``: single-needle retrieval; ``both``).
 
     ``budget`` (text only): ``tokens`` gives every arm ``steps``; ``time`` gives every arm the GPU time the
-    reference arm (``time_reference``, else the slowest) spends on ``steps``: ``steps x its step time / the arm's``
-    steps, each arm's step time probed alone on its GPU first (``step_ms``, :func:`probe_step_ms`); ``both`` runs
-    the two sets (the reference's equal-time run is its equal-token run)."""
+    reference arm (``time_reference``, else the slowest) spends on ``steps``: ``steps x its step time / the
+    arm's`` steps, each arm's step time probed alone on its GPU first (``step_ms``, :func:`probe_step_ms`);
+    ``both`` runs the two sets (the reference's equal-time run is its equal-token run)."""
 
     config: str
     sets: list[str]
@@ -515,9 +536,11 @@ class QualitySpec:
     needle_batch: int = 16
     needle_eval_samples: int = 256
     device: str | None = None  # the needle runs' device (None: CUDA when available)
-    lrs: list[float] = field(default_factory=list)  # a learning-rate sweep: every arm at each (empty: the config's)
+    # a learning-rate sweep: every arm at each (empty: the config's)
+    lrs: list[float] = field(default_factory=list)
     parallel: int = 1  # runs at once, dealt over the GPUs (CPU: a share of the cores each)
-    against: list[str] = field(default_factory=list)  # arms every other arm is also read against, paired by seed
+    # arms every other arm is also read against, paired by seed
+    against: list[str] = field(default_factory=list)
     budget: str = "tokens"
     time_reference: str | None = None  # the arm whose GPU time every arm gets (None: the slowest)
     step_ms: dict[str, float] = field(default_factory=dict)  # each arm's probed step (ms), by arm name
@@ -535,12 +558,14 @@ class QualitySpec:
         return max(self.step_ms, key=lambda a: self.step_ms[a])
 
     def time_steps(self) -> dict[str, int]:
-        """Each arm's steps at equal GPU time: the reference's ``steps`` scaled by its step time over the arm's."""
+        """Each arm's steps at equal GPU time: the reference's ``steps`` scaled by its step time over the
+        arm's."""
         ref = self.step_ms[self.reference()]
         return {a: max(1, round(self.steps * ref / ms)) for a, ms in self.step_ms.items()}
 
     def runs(self) -> list[Run]:
-        """Every training run, equal-token runs first; an equal-time run of the reference arm is left out under
+        """Every training run, equal-token runs first; an equal-time run of the reference arm is left out
+        under
         ``both`` (its equal-token run is the same run)."""
         out: list[Run] = []
         for budget in self.budgets():
@@ -560,8 +585,8 @@ class QualitySpec:
 
 
 def arm_phases(config: str, sets: list[str], arm: Arm) -> list[tuple[float, list[str]]]:
-    """``(share of the steps, overrides)`` of each phase of ``arm``, the last phase (its own length) last: what
-    its step costs is the shares' mean of the phases' steps."""
+    """``(share of the steps, overrides)`` of each phase of ``arm``, the last phase (its own length) last:
+    what its step costs is the shares' mean of the phases' steps."""
     train = _resolve(config, [*sets, *arm.sets]).config.train
     out: list[tuple[float, list[str]]] = []
     for frac, div in arm.warm:
@@ -585,9 +610,9 @@ def _probe(config: str, sets: list[str], steps: int) -> float:
 
 
 def probe_step_ms(spec: QualitySpec, tell: Callable[[str], None] | None = None) -> dict[str, float]:
-    """Each arm's step time (ms; a warm arm's the mean over its phases by their shares), every phase probed in a
-    process of its own, ``spec.parallel`` at a time: they compile side by side and time one at a time per GPU
-    (:func:`nsa.bench.timing.device_turn`), so no probe shares its GPU with another's timing."""
+    """Each arm's step time (ms; a warm arm's the mean over its phases by their shares), every phase probed in
+    a process of its own, ``spec.parallel`` at a time: they compile side by side and time one at a time per
+    GPU (:func:`nsa.bench.timing.device_turn`), so no probe shares its GPU with another's timing."""
     phases = {a.name: arm_phases(spec.config, spec.sets, a) for a in spec.arms}
     jobs: list[tuple[str, ...]] = []
     for parts in phases.values():
@@ -605,15 +630,17 @@ def _one_run(spec: QualitySpec, run: Run, log: Callable[[str], None] | None) -> 
     seed, arm = run.seed, run.arm
     row: QualityRow | None = None
     if spec.task in ("text", "both"):
-        row = run_text_arm(spec.config, spec.sets, arm, seed, spec.out_dir, steps=run.steps, queries=spec.queries,
-                           log=log, budget=run.budget)
+        row = run_text_arm(spec.config, spec.sets, arm, seed, spec.out_dir, steps=run.steps,
+                           queries=spec.queries, log=log, budget=run.budget)
         row.step_ms = spec.step_ms.get(arm.name.partition(LR_TAG)[0])
     if spec.task in ("needle", "both"):
         device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
         recipe = RetrievalRecipe(steps=spec.needle_steps, batch_size=spec.needle_batch,
-                                 eval_every=max(1, spec.needle_steps // 20), eval_samples=spec.needle_eval_samples)
-        needle = run_needle_arm(spec.config, spec.sets, arm, seed, seq_len=spec.needle_seq_len, gap=spec.needle_gap,
-                                recipe=recipe, device=device, backend="torch" if device == "cpu" else None, log=log)
+                                 eval_every=max(1, spec.needle_steps // 20),
+                                 eval_samples=spec.needle_eval_samples)
+        needle = run_needle_arm(spec.config, spec.sets, arm, seed, seq_len=spec.needle_seq_len,
+                                gap=spec.needle_gap, recipe=recipe, device=device,
+                                backend="torch" if device == "cpu" else None, log=log)
         if row is None:
             return needle
         row.needle_acc, row.needle_steps_to_target = needle.needle_acc, needle.needle_steps_to_target
@@ -636,16 +663,17 @@ def _reference_copies(spec: QualitySpec, rows: list[QualityRow]) -> list[Quality
     if spec.budget != "both":
         return []
     ref = spec.reference()
-    return [replace(r, budget="time") for r in rows if r.budget == "tokens" and r.arm.partition(LR_TAG)[0] == ref]
+    return [replace(r, budget="time") for r in rows if r.budget == "tokens" and r.arm.partition(LR_TAG)[0]
+            == ref]
 
 
 def run_quality(spec: QualitySpec, say: Callable[[str], None] | None = None,
                 log: Callable[[str], None] | None = None,
                 on_row: Callable[[QualityRow], None] | None = None) -> list[QualityRow]:
     """Train every arm and seed of ``spec`` and measure them (one row per run, in ``spec.runs()`` order; under
-    ``budget="both"`` the reference arm's equal-time rows, copies of its equal-token ones, last). ``say`` hears a
-    line per run with the benchmark's progress and ETA; ``log`` the trainers' lines; ``on_row`` each row as its
-    run ends (so a sweep cut short keeps what finished). A time budget probes each arm's step first
+    ``budget="both"`` the reference arm's equal-time rows, copies of its equal-token ones, last). ``say``
+    hears a line per run with the benchmark's progress and ETA; ``log`` the trainers' lines; ``on_row`` each
+    row as its run ends (so a sweep cut short keeps what finished). A time budget probes each arm's step first
     (:func:`probe_step_ms`) unless ``spec.step_ms`` holds them. ``spec.parallel > 1``: that many runs at once
     (:func:`run_parallel`)."""
     tell = say or (lambda _line: None)
@@ -656,8 +684,8 @@ def run_quality(spec: QualitySpec, say: Callable[[str], None] | None = None,
         spec.step_ms = probe_step_ms(spec, tell)
         steps = spec.time_steps()
         for a in spec.arms:
-            tell(f"{a.name}: step {spec.step_ms[a.name]:.1f} ms probed alone; {steps[a.name]} steps at equal GPU "
-                 f"time (reference {spec.reference()}: {spec.steps} steps)")
+            tell(f"{a.name}: step {spec.step_ms[a.name]:.1f} ms probed alone; {steps[a.name]} steps at equal "
+                 f"GPU time (reference {spec.reference()}: {spec.steps} steps)")
     runs = spec.runs()
     if spec.parallel > 1 and len(runs) > 1:
         rows = run_parallel(spec, tell, log, on_row)
@@ -716,16 +744,16 @@ def of_budget(rows: list[QualityRow], budget: str) -> list[QualityRow]:
 
 def _summaries(spec: QualitySpec, rows: list[QualityRow]) -> dict[str, Any]:
     """The readings of one budget's rows: against dense, the rate sweep, the ``--against`` arms."""
-    return {"relative_to_dense": relative_to_dense(rows), "arms_summary": [asdict(a) for a in summarise_arms(rows)],
-            **_sweep_payload(spec, rows),
+    return {"relative_to_dense": relative_to_dense(rows),
+            "arms_summary": [asdict(a) for a in summarise_arms(rows)], **_sweep_payload(spec, rows),
             **({"against": {b: [asdict(a) for a in against(at_best_lr(rows)[0], b)] for b in spec.against}}
                if spec.against and rows else {})}
 
 
 def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict[str, Any]) -> dict[str, Any]:
-    """The JSON result of a quality benchmark (``--json``): the equal-token readings at the top level (those of
-    the equal-time runs there when they are the only ones), and under ``equal_time`` the equal-time runs' with
-    the probed step times and each arm's steps; every row says its ``budget``."""
+    """The JSON result of a quality benchmark (``--json``): the equal-token readings at the top level (those
+    of the equal-time runs there when they are the only ones), and under ``equal_time`` the equal-time runs'
+    with the probed step times and each arm's steps; every row says its ``budget``."""
     first = "time" if spec.budget == "time" else "tokens"
     payload = {"command": "bench quality", "config": spec.config, "sets": spec.sets, "steps": spec.steps,
                "task": spec.task, "budget": spec.budget,
@@ -734,7 +762,8 @@ def quality_payload(spec: QualitySpec, rows: list[QualityRow], environment: dict
                "seeds": spec.seeds, "lrs": spec.lrs, **_summaries(spec, of_budget(rows, first))}
     if spec.budget != "tokens" and spec.step_ms:
         payload["equal_time"] = {
-            "budget": "equal GPU time: each arm the reference's steps x its step time, over its own step time",
+            "budget": "equal GPU time: each arm the reference's steps x its step time, over its own step "
+                      "time",
             "reference": spec.reference(), "reference_steps": spec.steps, "step_ms": spec.step_ms,
             "steps": spec.time_steps(), "probe_steps": spec.probe_steps,
             **_summaries(spec, of_budget(rows, "time"))}

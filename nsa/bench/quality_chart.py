@@ -43,8 +43,8 @@ def quality_chart(rows: Sequence[QualityRow], path: Path, title: str, gpu_second
         if per_step is not None:
             steps = [x * per_step for x in steps]
         if steps:
-            left.plot(steps, rolling_median(loss, median_window(len(loss))), label=f"{arm} ({n} seed{'s' * (n > 1)})",
-                      linewidth=1.2)
+            left.plot(steps, rolling_median(loss, median_window(len(loss))),
+                      label=f"{arm} ({n} seed{'s' * (n > 1)})", linewidth=1.2)
         spans: dict[tuple[int, int], list[float]] = defaultdict(list)
         for r in arm_rows:
             for b in r.loss_by_position:

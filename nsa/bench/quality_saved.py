@@ -15,7 +15,8 @@ from typing import Any
 from nsa.bench.quality import Arm, QualityRow, QualitySpec, quality_payload
 from nsa.errors import ConfigError
 
-_LR_SET = "optimizer.lr="  # the one override a merged sweep may differ in (each run's rate is in its arm name)
+# the one override a merged sweep may differ in (each run's rate is in its arm name)
+_LR_SET = "optimizer.lr="
 
 
 def partial_header(spec: QualitySpec, environment: dict[str, Any]) -> dict[str, Any]:
@@ -25,7 +26,8 @@ def partial_header(spec: QualitySpec, environment: dict[str, Any]) -> dict[str, 
 
 
 def _payload(path: Path) -> Any:
-    """A ``--json-out`` file's object, or that of a ``.rows.jsonl`` one: its header's sweep with the rows after it."""
+    """A ``--json-out`` file's object, or that of a ``.rows.jsonl`` one: its header's sweep with the rows
+    after it."""
     text = Path(path).read_text()
     try:
         return json.loads(text)
@@ -42,19 +44,22 @@ def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow], dict[str, Any
     try:
         payload = _payload(Path(path))
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file", hint="give the --json-out file of a bench quality run") from None
+        raise ConfigError(f"{path}: no such file",
+                          hint="give the --json-out file of a bench quality run") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: not readable as JSON ({type(exc).__name__})",
-                          hint="give the --json-out file of a bench quality run (or its .rows.jsonl)") from None
+                          hint="give the --json-out file of a bench quality run (or its "
+                               ".rows.jsonl)") from None
     if not isinstance(payload, dict) or payload.get("command") != "bench quality" or "rows" not in payload:
         raise ConfigError(f"{path} is not the JSON of nsa bench quality", hint="give its --json-out file")
     try:
-        arms = [Arm(a["name"], tuple(a["sets"]), _warm(a), tuple(a.get("warm_sets", []))) for a in payload["arms"]]
+        arms = [Arm(a["name"], tuple(a["sets"]), _warm(a), tuple(a.get("warm_sets", [])))
+                for a in payload["arms"]]
         timed = payload.get("equal_time") or {}
         spec = QualitySpec(payload["config"], list(payload["sets"]), arms, [int(s) for s in payload["seeds"]],
                            int(payload["steps"]), Path(path).parent, task=payload.get("task", "text"),
-                           lrs=[float(x) for x in payload.get("lrs") or []], budget=payload.get("budget", "tokens"),
-                           time_reference=timed.get("reference"),
+                           lrs=[float(x) for x in payload.get("lrs") or []],
+                           budget=payload.get("budget", "tokens"), time_reference=timed.get("reference"),
                            step_ms={str(k): float(v) for k, v in (timed.get("step_ms") or {}).items()},
                            probe_steps=int(timed.get("probe_steps") or 10))
         rows = [QualityRow.from_dict(r) for r in payload["rows"]]
@@ -66,7 +71,8 @@ def read_sweep(path: Path) -> tuple[QualitySpec, list[QualityRow], dict[str, Any
 
 
 def _warm(arm: dict[str, Any]) -> tuple[tuple[float, int], ...]:
-    """An arm's warm phases as saved: ``warm`` pairs, or one phase as ``warm_frac``/``warm_len_div`` (before 2026-11-26)."""
+    """An arm's warm phases as saved: ``warm`` pairs, or one phase as ``warm_frac``/``warm_len_div`` (before
+    2026-11-26)."""
     if "warm" in arm:
         return tuple((float(f), int(d)) for f, d in arm["warm"])
     frac = float(arm.get("warm_frac") or 0.0)
@@ -109,8 +115,8 @@ def merge_sweeps(paths: Sequence[Path]) -> tuple[QualitySpec, list[QualityRow], 
                                   hint="give the arms different names")
         for r in more:
             if (r.arm, r.seed, r.budget) in seen:
-                raise ConfigError(f"{path}: {r.arm} seed {r.seed} is also in {seen[(r.arm, r.seed, r.budget)]}",
-                                  hint="merge each run once")
+                raise ConfigError(f"{path}: {r.arm} seed {r.seed} is also in "
+                                  f"{seen[(r.arm, r.seed, r.budget)]}", hint="merge each run once")
             seen[(r.arm, r.seed, r.budget)] = path
             rows.append(r)
         seeds += [s for s in other.seeds if s not in seeds]
@@ -121,7 +127,8 @@ def merge_sweeps(paths: Sequence[Path]) -> tuple[QualitySpec, list[QualityRow], 
     merged = QualitySpec(spec.config, _same_base(spec.sets) if lrs else spec.sets, list(arms.values()), seeds,
                          spec.steps, spec.out_dir, task=spec.task, lrs=sorted(lrs), budget=spec.budget,
                          time_reference=spec.time_reference, step_ms=step_ms, probe_steps=spec.probe_steps)
-    return merged, rows, {"environment": environment, "merged_from": [{"path": str(p), "runs": len(r)} for p, _, r, _ in saved]}
+    return merged, rows, {"environment": environment,
+                          "merged_from": [{"path": str(p), "runs": len(r)} for p, _, r, _ in saved]}
 
 
 __all__ = ["merge_sweeps", "partial_header", "read_sweep"]

@@ -1,6 +1,7 @@
-"""``nsa bench quality`` as one call: :func:`quality_command` checks a :class:`QualityRequest`, probes and trains
-every arm (:func:`nsa.bench.quality.run_quality`) or reads saved sweeps (``--from``), and returns the tables, the
-JSON payload and the charts; what happens on the way (each run, the probed steps) is shown as it happens."""
+"""``nsa bench quality`` as one call: :func:`quality_command` checks a :class:`QualityRequest`, probes and
+trains every arm (:func:`nsa.bench.quality.run_quality`) or reads saved sweeps (``--from``), and returns the
+tables, the JSON payload and the charts; what happens on the way (each run, the probed steps) is shown as it
+happens."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ Show = Callable[[Block], None]
 
 
 def _csv(text: str, flag: str) -> list[str]:
-    """The comma-separated items of ``text``; a comma inside brackets stays in its item (``nsa.fixed_gates=[0,0,1]``)."""
+    """The comma-separated items of ``text``; a comma inside brackets stays in its item
+    (``nsa.fixed_gates=[0,0,1]``)."""
     out = [p for p in re.split(r",(?![^\[]*\])", text.replace(" ", "")) if p]
     if not out:
         raise ConfigError(f"{flag} {text!r} lists nothing", hint=f"e.g. {flag} dense,nsa")
@@ -48,7 +50,8 @@ def _numbers(text: str | None, flag: str, kind: type, example: str) -> list[Any]
         return [kind(x) for x in _csv(text, flag)] if text is not None else []
     except ValueError:
         what = "integers" if kind is int else "numbers"
-        raise ConfigError(f"{flag} {text!r} must be comma-separated {what}", hint=f"e.g. {flag} {example}") from None
+        raise ConfigError(f"{flag} {text!r} must be comma-separated {what}",
+                          hint=f"e.g. {flag} {example}") from None
 
 
 def _check_against(baselines: list[str], arms: set[str]) -> None:
@@ -60,16 +63,18 @@ def _check_against(baselines: list[str], arms: set[str]) -> None:
 
 
 def _spec(req: QualityRequest) -> tuple[QualitySpec, str]:
-    """The request checked and made a :class:`QualitySpec` (one line, exit 2, before any training otherwise), and
-    the sequence length of its text runs."""
+    """The request checked and made a :class:`QualitySpec` (one line, exit 2, before any training otherwise),
+    and the sequence length of its text runs."""
     from nsa.config import load_run_config
 
     if req.task not in ("text", "needle", "both"):
         raise ConfigError(f"--task {req.task!r} must be text, needle or both")
     if req.budget not in BUDGETS:
-        raise ConfigError(f"--budget {req.budget!r} must be one of {', '.join(BUDGETS)}", hint="e.g. --budget both")
+        raise ConfigError(f"--budget {req.budget!r} must be one of {', '.join(BUDGETS)}",
+                          hint="e.g. --budget both")
     if req.budget != "tokens" and req.task != "text":
-        raise ConfigError(f"--budget {req.budget} applies to --task text, not {req.task}", hint="pass --task text")
+        raise ConfigError(f"--budget {req.budget} applies to --task text, not {req.task}",
+                          hint="pass --task text")
     arms = [parse_arm(a) for a in _csv(req.arms, "--arms")]
     _check_against(req.against, {a.name for a in arms})
     if req.time_reference is not None and req.time_reference not in {a.name for a in arms}:
@@ -91,17 +96,18 @@ def _spec(req: QualityRequest) -> tuple[QualitySpec, str]:
 
         fanout.slots(req.parallel)  # more runs at once than CPU cores: one line before any training
     spec = QualitySpec(config, sets, arms, seeds, steps or base.train.steps, req.out_dir, task=req.task,
-                       queries=req.queries, needle_seq_len=needle[1], needle_gap=needle[2], needle_steps=needle[0],
-                       needle_batch=req.needle_batch, needle_eval_samples=64 if req.tiny else 256,
-                       device="cpu" if req.tiny else None, lrs=lrs, parallel=req.parallel, against=req.against,
-                       budget=req.budget, time_reference=req.time_reference, probe_steps=req.probe_steps)
+                       queries=req.queries, needle_seq_len=needle[1], needle_gap=needle[2],
+                       needle_steps=needle[0], needle_batch=req.needle_batch,
+                       needle_eval_samples=64 if req.tiny else 256, device="cpu" if req.tiny else None,
+                       lrs=lrs, parallel=req.parallel, against=req.against, budget=req.budget,
+                       time_reference=req.time_reference, probe_steps=req.probe_steps)
     return spec, f"S={base.train.seq_len}"
 
 
 def quality_command(req: QualityRequest, show: Show) -> Payload:
-    """``nsa bench quality``: train every arm (or read ``req.saved``), ``show`` each run's lines and the probed
-    steps as they come; the tables, the payload (also kept in ``req.json_out``, and each finished run at once
-    in ``<json-out>.rows.jsonl``: a sweep cut short reads back with ``--from``) and the charts."""
+    """``nsa bench quality``: train every arm (or read ``req.saved``), ``show`` each run's lines and the
+    probed steps as they come; the tables, the payload (also kept in ``req.json_out``, and each finished run
+    at once in ``<json-out>.rows.jsonl``: a sweep cut short reads back with ``--from``) and the charts."""
     from nsa.bench.quality_saved import partial_header
     from nsa.envinfo import environment
 
@@ -148,8 +154,8 @@ def _from_saved(req: QualityRequest) -> Payload:
     return _result(req, spec, rows, payload, f"S={seq}" if seq else "merged", [head])
 
 
-def _result(req: QualityRequest, spec: QualitySpec, rows: list[QualityRow], payload: dict[str, Any], length: str,
-            head: list[Block] | None = None) -> Payload:
+def _result(req: QualityRequest, spec: QualitySpec, rows: list[QualityRow], payload: dict[str, Any],
+            length: str, head: list[Block] | None = None) -> Payload:
     """The tables, the payload kept in ``req.json_out``, then the charts (after the results are kept: a chart
     that cannot be written loses nothing)."""
     from nsa.bench.quality_chart import quality_chart
@@ -165,7 +171,8 @@ def _result(req: QualityRequest, spec: QualitySpec, rows: list[QualityRow], payl
             f"{req.chart.stem}-{budget}{req.chart.suffix}")
         what = (f"{spec.steps} steps" if budget == "tokens"
                 else f"equal GPU time of {spec.reference()}'s {spec.steps} steps")
-        if quality_chart(of_budget(rows, budget), path, f"bench quality: config {spec.config}, {what}, {length}",
+        if quality_chart(of_budget(rows, budget), path,
+                         f"bench quality: config {spec.config}, {what}, {length}",
                          gpu_seconds=budget == "time"):
             result.blocks.append(Line(f"saved {path}"))
     return result
@@ -178,13 +185,14 @@ def _probes(spec: QualitySpec) -> Table:
                  f"reference {ref}, {spec.steps} steps", ("arm", "step ms", f"vs {ref}", "steps", "GPU s"))
     for a in spec.arms:
         ms = spec.step_ms[a.name]
-        t.add(a.name, f"{ms:.1f}", f"{spec.step_ms[ref] / ms:.2f}x", str(steps[a.name]), f"{steps[a.name] * ms / 1e3:.0f}")
+        t.add(a.name, f"{ms:.1f}", f"{spec.step_ms[ref] / ms:.2f}x", str(steps[a.name]),
+              f"{steps[a.name] * ms / 1e3:.0f}")
     return t
 
 
 def _tables(spec: QualitySpec, rows: list[QualityRow]) -> list[Block]:
-    """The tables of a quality benchmark: runs, then per budget the rate sweep, arms over seeds and the --against
-    readings, then loss by position, by context and selection of the first budget's runs."""
+    """The tables of a quality benchmark: runs, then per budget the rate sweep, arms over seeds and the
+    --against readings, then loss by position, by context and selection of the first budget's runs."""
     timed, seed0 = spec.budget != "tokens", spec.seeds[0]
     t = Table.of(f"quality: config {spec.config}, {spec.steps} steps" + (
         f" (reference of the equal-time runs: {spec.reference()})" if timed and spec.step_ms else "")
@@ -207,7 +215,8 @@ def _tables(spec: QualitySpec, rows: list[QualityRow]) -> list[Block]:
     by_pos = [r for r in rows if r.loss_by_position and r.seed == seed0]
     if by_pos:
         spans = [(b["start"], b["end"]) for b in max((r.loss_by_position for r in by_pos), key=len)]
-        t = Table.of(f"held-out loss by position in the window (seed {seed0})", ["arm", *(f"{a}-{b}" for a, b in spans)])
+        t = Table.of(f"held-out loss by position in the window (seed {seed0})",
+                     ["arm", *(f"{a}-{b}" for a, b in spans)])
         for r in by_pos:
             got = {(b["start"], b["end"]): b["loss"] for b in r.loss_by_position}
             t.add(r.arm, *(fig(got.get(span), ".3f") for span in spans))
@@ -223,7 +232,9 @@ def _tables(spec: QualitySpec, rows: list[QualityRow]) -> list[Block]:
         out.append(t)
     for r in (r for r in rows if r.selection and r.seed == seed0):
         t = Table.of(f"selection per layer: {r.arm} (seed {r.seed}, held-out batches)", (
-            "layer", "recall", "recall ceiling", "forced blocks", "cmp entropy", "scorer KL", "gates cmp / sel / win"))
+            "layer", "recall", "recall ceiling", "forced blocks", "cmp entropy", "scorer KL",
+                                                                                         "gates cmp / sel / "
+                                                                                         "win"))
         for L in r.selection:
             t.add(str(L["layer"]), *(fig(L.get(k), ".3f") for k in ("recall", "recall_best", "recall_forced",
                                                                      "cmp_entropy", "kl")),
@@ -233,7 +244,8 @@ def _tables(spec: QualitySpec, rows: list[QualityRow]) -> list[Block]:
 
 
 def _readings(spec: QualitySpec, rows: list[QualityRow], budget: str) -> list[Block]:
-    """One budget's readings: the rate sweep, each arm over its seeds against dense, and the --against arms."""
+    """One budget's readings: the rate sweep, each arm over its seeds against dense, and the --against
+    arms."""
     out: list[Block] = []
     summary_rows, best_lr = rows, ", each arm at its best learning rate" if spec.lrs else ""
     if spec.lrs:
@@ -243,8 +255,8 @@ def _readings(spec: QualitySpec, rows: list[QualityRow], budget: str) -> list[Bl
         for arm, sw in sweep.items():
             t.add(arm, *(fig(sw["mean_by_lr"].get(lr), ".4f") for lr in spec.lrs), f"{sw['best_lr']:g}")
         out.append(t)
-        out += [Line(f"note: {arm}'s best rate {sw['best_lr']:g} is the {sw['edge']} tried{budget}; extend the sweep "
-                     f"{'down' if sw['edge'] == 'lowest' else 'up'} to be sure")
+        out += [Line(f"note: {arm}'s best rate {sw['best_lr']:g} is the {sw['edge']} tried{budget}; extend "
+                     f"the sweep {'down' if sw['edge'] == 'lowest' else 'up'} to be sure")
                 for arm, sw in sweep.items() if sw["edge"]]  # the optimum may lie past the rates tried
     t = Table.of("arms over their seeds (vs dense: paired by seed, mean +- sd)" + best_lr + budget,
                  ("arm", "seeds", "held-out loss mean +- sd", "vs dense", "reading"))
@@ -258,8 +270,8 @@ def _readings(spec: QualitySpec, rows: list[QualityRow], budget: str) -> list[Bl
         t = Table.of(f"arms against {b} (paired by seed, mean +- sd)" + best_lr + budget,
                      ("arm", "seeds", "held-out loss mean +- sd", f"vs {b}", "per seed", "reading"))
         for a in against(summary_rows, b):
-            t.add(a.arm, str(a.seeds), _mean(a), _diff(a), " / ".join(f"{100 * d:+.1f}" for d in a.per_seed) or "-",
-                  a.reading)
+            t.add(a.arm, str(a.seeds), _mean(a), _diff(a),
+                  " / ".join(f"{100 * d:+.1f}" for d in a.per_seed) or "-", a.reading)
         out.append(t)
     return out
 

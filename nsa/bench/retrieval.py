@@ -124,7 +124,8 @@ def learn_retrieval(
         if step % r.eval_every and step != r.steps:
             continue
         stats = model.consume_stats()
-        point = RetrievalPoint(step, float(torch.stack(losses).mean()), _accuracy(model, evals, dev, autocast),
+        point = RetrievalPoint(step, float(torch.stack(losses).mean()),
+                               _accuracy(model, evals, dev, autocast),
                                [round(g, 4) for g in stats.get("gate_mean", [])],
                                round(time.perf_counter() - t0, 2))
         losses.clear()
@@ -160,14 +161,15 @@ TINY_SETS = ["model.dim=32", "model.n_heads=4", "model.d_k=8", "model.d_v=8", "m
 
 
 def retrieval_command(req: RetrievalRequest, say: Callable[[str], None] | None = None) -> Payload:
-    """``nsa bench retrieval``: every variant trained from scratch once per seed on key/value retrieval ``gap``
-    positions back in ``seq_len`` (``tiny``: the CI test's CPU setting); ``say`` hears each evaluation's line.
-    The curves, their table and the JSON payload."""
+    """``nsa bench retrieval``: every variant trained from scratch once per seed on key/value retrieval
+    ``gap`` positions back in ``seq_len`` (``tiny``: the CI test's CPU setting); ``say`` hears each
+    evaluation's line. The curves, their table and the JSON payload."""
     from nsa.bench.progress import Eta
     from nsa.config import load_run_config
     from nsa.envinfo import environment
 
-    config, sets, variants, seeds, seq_len, gap = req.config, list(req.sets), req.variants, req.seeds, req.seq_len, req.gap
+    config, sets, variants, seeds, seq_len, gap = (req.config, list(req.sets), req.variants, req.seeds,
+                                                   req.seq_len, req.gap)
     recipe = RetrievalRecipe(steps=req.steps, batch_size=req.batch, lr=req.lr, eval_every=req.eval_every,
                              eval_samples=req.eval_samples, target=req.target)
 
@@ -184,16 +186,17 @@ def retrieval_command(req: RetrievalRequest, say: Callable[[str], None] | None =
     eta = Eta(len(seeds) * len(variants) * recipe.steps)  # every run's steps: the ETA of the whole benchmark
     for seed in seeds:
         for v in variants:
-            def show(p: RetrievalPoint, v: str = v, seed: int = seed, before: int = len(curves) * recipe.steps) -> None:
+            def show(p: RetrievalPoint, v: str = v, seed: int = seed,
+                     before: int = len(curves) * recipe.steps) -> None:
                 if say is not None:
-                    say(f"{v} seed {seed} step {p.step}: loss {p.loss:.3f} acc {p.accuracy:.3f} gates {p.gates} | "
-                        f"{eta.line(before + p.step)}")
+                    say(f"{v} seed {seed} step {p.step}: loss {p.loss:.3f} acc {p.accuracy:.3f} gates "
+                        f"{p.gates} | {eta.line(before + p.step)}")
 
-            curves.append(learn_retrieval(cfg.model, cfg.nsa, task, v, recipe=recipe, seed=seed, device=device,
-                                          backend="torch" if device == "cpu" else None, on_point=show,
-                                          scorer=cfg.scorer))
-    table = Table.of(f"retrieval at S={seq_len}, gap >= {gap} ({device}, config {config}, {recipe.steps} steps)",
-                     ("variant", "seed", f"steps to {recipe.target:g}", "final acc", "final loss",
+            curves.append(learn_retrieval(cfg.model, cfg.nsa, task, v, recipe=recipe, seed=seed,
+                                          device=device, backend="torch" if device == "cpu" else None,
+                                          on_point=show, scorer=cfg.scorer))
+    table = Table.of(f"retrieval at S={seq_len}, gap >= {gap} ({device}, config {config}, {recipe.steps} "
+                     "steps)", ("variant", "seed", f"steps to {recipe.target:g}", "final acc", "final loss",
                       "gates (cmp, sel, win)"))
     for c in curves:
         last = c.points[-1]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-# (part, pattern on the kernel name), the first match wins: our Triton kernels first (their names are ours), then
+# (part, pattern on the kernel name), the first match wins: our Triton kernels first (their names are ours),
+# then
 # the libraries', then what Inductor generated
 PARTS: tuple[tuple[str, str], ...] = (
     ("nsa selected", r"_sel_"),
@@ -34,7 +35,8 @@ def part_of(name: str) -> str:
 
 
 def parts_of(kernels: Iterable[tuple[str, float, int]]) -> dict[str, float]:
-    """``{part: ms}`` of ``(name, ms, launches)`` kernels, largest first, with ``"launches"`` the launch total."""
+    """``{part: ms}`` of ``(name, ms, launches)`` kernels, largest first, with ``"launches"`` the launch
+    total."""
     ms: dict[str, float] = {}
     launches = 0
     for name, t, n in kernels:

@@ -22,7 +22,8 @@ class Timer:
     the spread), ``perf_counter`` repetitions on CPU (their min and max). ``spread`` of the last timing:
     (high - low) / median."""
 
-    def __init__(self, device: torch.device, warmup_ms: int = 25, rep_ms: int = 100, cpu_reps: int = 5) -> None:
+    def __init__(self, device: torch.device, warmup_ms: int = 25, rep_ms: int = 100,
+                 cpu_reps: int = 5) -> None:
         self.device, self.warmup_ms, self.rep_ms, self.cpu_reps = device, warmup_ms, rep_ms, cpu_reps
         self.spread: float = 0.0
 
@@ -84,6 +85,7 @@ def parse_tune(items: list[str] | None) -> dict[str, int | str]:
         if not sep or not key:
             raise ConfigError(f"--tune {item!r} must be key=value", hint="e.g. --tune sel_bm=16")
         if key not in TUNE_KEYS:
-            raise ConfigError(f"--tune {key} is not a tile setting", hint=f"one of {', '.join(sorted(TUNE_KEYS))}")
+            raise ConfigError(f"--tune {key} is not a tile setting",
+                              hint=f"one of {', '.join(sorted(TUNE_KEYS))}")
         out[key] = int(value) if value.lstrip("-").isdigit() else value
     return out

@@ -34,7 +34,8 @@ class GpuProbe:
     driver_version: str | None = None
     cuda_driver_version: str | None = None
     gpus: list[GpuInfo] = field(default_factory=list)
-    # how each pair of GPUs reaches the other ("0-1": "nvlink", "p2p" over PCIe, or "none": through host memory)
+    # how each pair of GPUs reaches the other ("0-1": "nvlink", "p2p" over PCIe, or "none": through host
+    # memory)
     links: dict[str, str] = field(default_factory=dict)
 
     def link(self, i: int, j: int) -> str | None:
@@ -49,7 +50,8 @@ def _text(value: Any) -> str:
 
 
 def _links(pynvml: Any, count: int) -> dict[str, str]:
-    """NVML's peer-to-peer status of every pair: NVLink, PCIe peer reads, or neither (unknown pairs left out)."""
+    """NVML's peer-to-peer status of every pair: NVLink, PCIe peer reads, or neither (unknown pairs left
+    out)."""
     ok = getattr(pynvml, "NVML_P2P_STATUS_OK", 0)
     handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
     out: dict[str, str] = {}

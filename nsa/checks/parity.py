@@ -53,7 +53,8 @@ def check_backend(
     B, S, HQ, H, D, l, d, l_sel, n_sel, w = SHAPES[shape]  # noqa: E741
     hp = ops.NSAParams(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
     dtype = getattr(torch, dtype_name)
-    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()))
+    gen = torch.Generator().manual_seed(seed if seed is not None
+                                        else int(torch.randint(0, 2**31 - 1, ()).item()))
 
     def rnd(*shape_: int) -> torch.Tensor:
         return torch.randn(*shape_, generator=gen, dtype=torch.float32)
@@ -77,7 +78,8 @@ def check_backend(
         k_cmp = ops.compress_avg(leaves["k"], hp, backend=name)
         v_cmp = ops.compress_avg(leaves["v"], hp, backend=name)
         out = ops.nsa_attention(
-            leaves["q"], k_cmp, v_cmp, leaves["ks"], leaves["vs"], leaves["kw"], leaves["vw"], leaves["g"], hp,
+            leaves["q"], k_cmp, v_cmp, leaves["ks"], leaves["vs"], leaves["kw"], leaves["vw"], leaves["g"],
+                                hp,
             backend=name, block_idx=None if block_idx is None else block_idx.to(dev), return_block_idx=True,
         )
         assert isinstance(out, tuple)

@@ -54,7 +54,8 @@ def _check_python() -> Check:
     v = sys.version_info
     text = f"Python {platform.python_version()} ({sys.executable})"
     if v < (3, 11):
-        return failed("python", text + ": 3.11 or newer is required", "use the project's uv environment (uv sync)")
+        return failed("python", text + ": 3.11 or newer is required",
+                      "use the project's uv environment (uv sync)")
     return passed("python", text, version=platform.python_version())
 
 
@@ -81,11 +82,12 @@ def _check_config(ctx: _Context, config: str | None, error: NSAError | None) -> 
     summary = (f"{Path(what).name}: {cfg.model.stack} dim {cfg.model.dim} x {cfg.model.n_layers} layers, "
                f"seq_len {t.seq_len}, batch {t.batch_size} x accum {t.accum}, {t.steps} steps")
 
-    concerns = [*ctx.resolved.notes, *filter(None, [default_config_note(ctx.resolved)]), *long_run_warnings(cfg)]
+    concerns = [*ctx.resolved.notes, *filter(None, [default_config_note(ctx.resolved)]),
+                *long_run_warnings(cfg)]
     if concerns:
         return warned("config", f"{summary}; " + "; ".join(concerns),
-                      "fine for a short test; for a real run set the keys named", path=ctx.resolved.config_path,
-                      concerns=concerns)
+                      "fine for a short test; for a real run set the keys named",
+                      path=ctx.resolved.config_path, concerns=concerns)
     return passed("config", summary, path=ctx.resolved.config_path)
 
 
@@ -99,8 +101,8 @@ def _check_env(ctx: _Context) -> Check:
         return warned(
             "env",
             f"unknown NSA_* variable(s) ignored: {'; '.join(describe_unknown_env(ctx.environ))}",
-            "unset or rename them (docs/migrating.md maps the older system's knobs); `nsa profiles show` lists the known settings",
-            unknown=unknown,
+            "unset or rename them (docs/migrating.md maps the older system's knobs); `nsa profiles show` "
+            "lists the known settings", unknown=unknown,
         )
     return passed("env", f"{len(rows)} NSA_* setting(s) set, no unknown names",
                   set={r["variable"]: r["value"] for r in rows})
@@ -118,12 +120,14 @@ def _check_torch(ctx: _Context) -> Check:
     want = ctx.cfg.runtime.device if ctx.cfg is not None else "auto"
     ctx.device = "cuda" if avail and want in ("cuda", "auto") else "cpu"
     facts = {"version": torch.__version__, "cuda_build": cuda_build, "cuda_available": avail,
-             "device_count": torch.cuda.device_count() if avail else 0, "import_s": round(time.perf_counter() - t0, 2)}
+             "device_count": torch.cuda.device_count() if avail else 0,
+             "import_s": round(time.perf_counter() - t0, 2)}
     text = f"torch {torch.__version__}, " + (f"CUDA {cuda_build} build" if cuda_build else "CPU build")
     text += f", {facts['device_count']} CUDA device(s) visible" if avail else ", no CUDA device"
     needs_cuda = want == "cuda" or (ctx.expect is not None and ctx.expect.device == "cuda")
     if needs_cuda and not avail:
-        hint = "install a CUDA build of torch" if not cuda_build else "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+        hint = ("install a CUDA build of torch" if not cuda_build else "check the driver (nvidia-smi) and "
+                                                                       "CUDA_VISIBLE_DEVICES")
         return failed("torch", text + ": the run needs CUDA", hint, **facts)
     return passed("torch", text, **facts)
 
@@ -134,7 +138,8 @@ def _check_triton(ctx: _Context) -> Check:
     if version is None:
         if required:
             return failed("triton", "triton is not installed but the profile requires it", "install triton")
-        return warned("triton", "triton is not installed: the torch path serves the NSA ops", "install triton for GPU kernels")
+        return warned("triton", "triton is not installed: the torch path serves the NSA ops",
+                      "install triton for GPU kernels")
     return passed("triton", f"triton {version}", version=version)
 
 
@@ -199,7 +204,8 @@ def _check_gpu(ctx: _Context) -> list[Check]:
     out = []
     if problems:
         out.append(failed("gpu", desc + ": " + "; ".join(problems),
-                          f"use the profile of this GPU (nsa profiles list) instead of {ctx.profile.name}", **facts))
+                          f"use the profile of this GPU (nsa profiles list) instead of {ctx.profile.name}",
+                          **facts))
     else:
         out.append(passed("gpu", desc, **facts))
     health = []
@@ -213,8 +219,10 @@ def _check_gpu(ctx: _Context) -> list[Check]:
     temps = ", ".join(f"{g.temperature_c:.0f} C" for g in gpus if g.temperature_c is not None) or "n/a"
     out.append(warned("gpu-health", "; ".join(health), "drain the node or reset the GPU before a long run")
                if health else passed("gpu-health", f"no ECC errors or retired pages; temperature {temps}"))
-    busy = [f"GPU{g.index}: pid {p['pid']} holds {p['used_mib']:.0f} MiB" for g in gpus for p in g.other_processes]
-    out.append(warned("gpu-busy", "; ".join(busy[:4]), "stop the other processes or pick a free GPU (CUDA_VISIBLE_DEVICES)")
+    busy = [f"GPU{g.index}: pid {p['pid']} holds {p['used_mib']:.0f} "
+            "MiB" for g in gpus for p in g.other_processes]
+    out.append(warned("gpu-busy", "; ".join(busy[:4]),
+                      "stop the other processes or pick a free GPU (CUDA_VISIBLE_DEVICES)")
                if busy else passed("gpu-busy", "no other processes hold GPU memory"))
     return out
 
@@ -240,10 +248,12 @@ def _check_layout(ctx: _Context) -> Check:
     if n == 1:
         return passed("layout", "one GPU: one rank (--nproc-per-node 1)")
     if "none" in kinds:
-        pairs = [f"{i}-{j}" for grp in groups for i in grp for j in grp if i < j and probe.link(i, j) == "none"]
-        return warned("layout", f"{n} GPUs ({grid} with --nproc-per-node {n}): no peer-to-peer path between GPUs "
-                      f"{', '.join(pairs[:4])}: {'the ranks of a sequence' if cp > 1 else 'gradient'} traffic goes "
-                      "through host memory", "check nvidia-smi topo -m; keep the ranks of a sequence on linked GPUs")
+        pairs = [f"{i}-{j}" for grp in groups for i in grp for j in grp if i < j and probe.link(i, j)
+                 == "none"]
+        return warned("layout", f"{n} GPUs ({grid} with --nproc-per-node {n}): no peer-to-peer path between "
+                      f"GPUs {', '.join(pairs[:4])}: {'the ranks of a sequence' if cp > 1 else 'gradient'} "
+                      "traffic goes through host memory",
+                      "check nvidia-smi topo -m; keep the ranks of a sequence on linked GPUs")
     how = "NVLink" if kinds == {"nvlink"} else "PCIe peer-to-peer" if kinds == {"p2p"} else (
         "NVLink and PCIe" if kinds <= {"nvlink", "p2p"} and kinds else "links not reported by NVML")
     extra = f"; {n % cp} GPU(s) left over" if cp > 1 and n % cp else ""
@@ -257,15 +267,18 @@ def _check_bf16(ctx: _Context) -> Check:
         return failed("bf16", "torch unavailable", "see the torch check")
     from nsa.train.runtime import BF16_HINT, bf16_support
 
-    need = (ctx.expect is not None and ctx.expect.bf16) or (ctx.cfg is not None and ctx.cfg.runtime.precision == "bf16")
+    need = (ctx.expect is not None and ctx.expect.bf16) or (ctx.cfg is not None and ctx.cfg.runtime.precision
+                                                            == "bf16")
     ok, where = bf16_support(ctx.device, 0 if ctx.device == "cuda" else None)
     if ok:
         return passed("bf16", f"bf16 supported on {where}")
     if need:
-        return failed("bf16", f"runtime.precision=bf16 is not supported on {where} (nsa train refuses it)", BF16_HINT)
+        return failed("bf16", f"runtime.precision=bf16 is not supported on {where} (nsa train refuses it)",
+                      BF16_HINT)
     if ctx.device != "cuda":
         return passed("bf16", "not used on the CPU: nsa train runs fp32 there (bf16 autocast is for GPUs)")
-    return warned("bf16", f"bf16 not supported on {where}: nsa train runs fp32", "use a GPU with bf16 for speed")
+    return warned("bf16", f"bf16 not supported on {where}: nsa train runs fp32",
+                  "use a GPU with bf16 for speed")
 
 
 def _check_parity(ctx: _Context) -> Check:
@@ -277,18 +290,19 @@ def _check_parity(ctx: _Context) -> Check:
     if wanted == "auto":
         wanted = "triton" if ctx.device == "cuda" and "triton" in avail else "torch"
     if wanted not in avail:
-        return failed("nsa-parity", f"backend '{wanted}' cannot run on {ctx.device} (available: {', '.join(avail)})",
+        return failed("nsa-parity",
+                      f"backend '{wanted}' cannot run on {ctx.device} (available: {', '.join(avail)})",
                       "set NSA_ATTN_BACKEND=auto or install triton")
     dtype = "bfloat16" if ctx.device == "cuda" else "float32"
     res = check_backend(wanted, ctx.device, dtype)
     text = (f"{wanted} on {ctx.device} ({dtype}) vs reference: fwd {res.max_fwd_err:.1e}, "
             f"grad {res.max_grad_err:.1e} (tol {res.atol:.0e})")
     if res.fallbacks:
-        return failed("nsa-parity", text + f"; {res.fallbacks} fallback(s)", "run nsa smoke to see which backend fell back",
-                      **res.to_dict())
+        return failed("nsa-parity", text + f"; {res.fallbacks} fallback(s)",
+                      "run nsa smoke to see which backend fell back", **res.to_dict())
     if not res.ok:
-        return failed("nsa-parity", text + ": mismatch", "do not train on this backend; report it with nsa smoke output",
-                      **res.to_dict())
+        return failed("nsa-parity", text + ": mismatch",
+                      "do not train on this backend; report it with nsa smoke output", **res.to_dict())
     return passed("nsa-parity", text, **res.to_dict())
 
 
@@ -322,8 +336,8 @@ def _check_sdpa(ctx: _Context) -> Check:
     flash_ok = enabled["flash"] and major >= 8
     text = "enabled: " + ", ".join(k for k, v in enabled.items() if v) + f"; sm{major}{minor}"
     if not flash_ok:
-        return warned("sdpa-backends", text + ": no flash SDPA on this GPU", "expect slower dense/window attention",
-                      **enabled)
+        return warned("sdpa-backends", text + ": no flash SDPA on this GPU",
+                      "expect slower dense/window attention", **enabled)
     return passed("sdpa-backends", text + ", flash SDPA usable", **enabled)
 
 
@@ -334,12 +348,15 @@ def _check_nccl(ctx: _Context) -> Check:
     """NCCL's peer-to-peer and InfiniBand transports must stay on (the older checklist required
     ``NCCL_P2P_DISABLE=0`` and ``NCCL_IB_DISABLE=0``): disabled, a multi-GPU run is slower and imbalanced."""
     env = os.environ if ctx.environ is None else ctx.environ
-    off = [f"{k}={env[k]}" for k in NCCL_OFF if env.get(k, "").strip().lower() not in ("", "0", "false", "no", "off")]
+    off = [f"{k}={env[k]}" for k in NCCL_OFF
+           if env.get(k, "").strip().lower() not in ("", "0", "false", "no", "off")]
     if off:
-        return warned("nccl", f"{', '.join(off)}: NCCL transports switched off (multi-GPU traffic goes through "
-                      "host memory or plain sockets)", f"unset {', '.join(o.split('=')[0] for o in off)} unless "
-                      "the fabric really lacks them", disabled=off)
-    return passed("nccl", "NCCL P2P and InfiniBand not disabled (NCCL_P2P_DISABLE / NCCL_IB_DISABLE unset or 0)")
+        return warned("nccl", f"{', '.join(off)}: NCCL transports switched off (multi-GPU traffic goes "
+                      "through host memory or plain sockets)",
+                      f"unset {', '.join(o.split('=')[0] for o in off)} unless " "the fabric really lacks "
+                                                                                 "them", disabled=off)
+    return passed("nccl",
+                  "NCCL P2P and InfiniBand not disabled (NCCL_P2P_DISABLE / NCCL_IB_DISABLE unset or 0)")
 
 
 def _check_disk(ctx: _Context) -> Check:
@@ -352,9 +369,11 @@ def _check_disk(ctx: _Context) -> Check:
     need = ctx.expect.min_disk_gib if ctx.expect is not None else 1.0
     text = f"{free:.1f} GiB free at {p}"
     if free < need:
-        return failed("disk", text + f" (< {need} GiB)", "free space or set --out-dir / train.out_dir elsewhere", free_gib=free)
+        return failed("disk", text + f" (< {need} GiB)",
+                      "free space or set --out-dir / train.out_dir elsewhere", free_gib=free)
     if free < 2 * need:
-        return warned("disk", text + f" (tight: profile wants {need} GiB)", "free space for checkpoints", free_gib=free)
+        return warned("disk", text + f" (tight: profile wants {need} GiB)", "free space for checkpoints",
+                      free_gib=free)
     return passed("disk", text, free_gib=free)
 
 
@@ -370,7 +389,8 @@ def _check_ram_expect(ctx: _Context) -> Check:
     c = _check_ram()
     need = ctx.expect.min_ram_gib if ctx.expect is not None else 1.0
     if c.details["available_gib"] < need:
-        return failed("ram", c.reason + f" (< {need} GiB)", "stop other jobs or lower data.prefetch_depth", **c.details)
+        return failed("ram", c.reason + f" (< {need} GiB)", "stop other jobs or lower data.prefetch_depth",
+                      **c.details)
     return c
 
 
@@ -380,7 +400,8 @@ def _check_dataset(ctx: _Context, timeout_s: float) -> Check:
     try:
         from nsa.data.sources import open_source_probe
     except ImportError as exc:
-        return warned("dataset", f"dataset probe unavailable ({exc.name} not importable)", "update the checkout")
+        return warned("dataset", f"dataset probe unavailable ({exc.name} not importable)",
+                      "update the checkout")
     data = ctx.cfg.data.model_copy(update={"timeout_s": min(ctx.cfg.data.timeout_s, timeout_s)})
     try:
         msg = open_source_probe(data, timeout_s)
@@ -405,7 +426,8 @@ def _check_tokenizer(ctx: _Context) -> Check:
     vocab = ctx.cfg.model.vocab_size
     text = f"{tok.name}: vocab {tok.vocab_size}"
     if tok.vocab_size > vocab:
-        return failed("tokenizer", text + f" > model.vocab_size {vocab}", f"set model.vocab_size >= {tok.vocab_size}")
+        return failed("tokenizer", text + f" > model.vocab_size {vocab}",
+                      f"set model.vocab_size >= {tok.vocab_size}")
     return passed("tokenizer", text, vocab_size=tok.vocab_size)
 
 
@@ -413,7 +435,8 @@ def _check_git(facts: dict[str, Any]) -> Check:
     snap = git_snapshot()
     facts["git"] = snap
     if not snap.get("available"):
-        return warned("git", f"no git snapshot: {snap.get('error')}", "run from a git checkout so reports can pin the code")
+        return warned("git", f"no git snapshot: {snap.get('error')}",
+                      "run from a git checkout so reports can pin the code")
     text = f"branch {snap['branch'] or '(detached)'} @ {snap['short'] or '(no commit)'}"
     if snap["dirty"]:
         return warned("git", text + f", {snap['dirty_count']} uncommitted change(s)",
@@ -454,7 +477,8 @@ def run_preflight(
         except NSAError as exc:
             prof_err = exc
     try:
-        resolved = load_run_config(config, profile=profile if prof is not None else None, environ=environ, sets=sets)
+        resolved = load_run_config(config, profile=profile if prof is not None else None, environ=environ,
+                                   sets=sets)
         if prof is None and resolved.profile:  # NSA_PROFILE
             prof = load_profile(resolved.profile)
     except NSAError as exc:

@@ -99,14 +99,16 @@ class CheckReport(Result):
     def title(self) -> str:
         f = self.facts
         if self.kind == "smoke":
-            return (f"nsa smoke (profile {f.get('profile')}, config {f.get('config')}, {f.get('steps')} steps, "
-                    f"run {f.get('run_dir')})")
+            return (f"nsa smoke (profile {f.get('profile')}, config {f.get('config')}, {f.get('steps')} "
+                    f"steps, run {f.get('run_dir')})")
         return f"nsa {self.kind} (profile {f.get('profile') or 'none'}, device {f.get('device')})"
 
     def view(self) -> list[Block]:
         """The checks as a table (status, check, reason, hint), then the verdict and the counts."""
-        table = Table(self.title(), [Column("status", "left", no_wrap=True), Column("check", "left", no_wrap=True),
-                                     Column("reason", "left"), Column("hint", "left", "dim")], title_left=True)
+        table = Table(self.title(),
+                      [Column("status", "left", no_wrap=True), Column("check", "left", no_wrap=True),
+                                     Column("reason", "left"), Column("hint", "left", "dim")],
+                      title_left=True)
         for c in self.checks:
             table.add((c.status.value, c.status.value), c.name, c.reason, c.hint)
         n = self.counts()

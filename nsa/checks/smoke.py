@@ -63,13 +63,15 @@ def parity_checks(device: str, atol: float | None = None, seed: int | None = Non
             worst_g = max(r.max_grad_err for r in results)
             fb = sum(r.fallbacks for r in results)
             name = f"parity-{backend}-{dtype}"
-            text = (f"{backend} vs reference on {device} {dtype}, shapes {', '.join(SHAPES)}: fwd {worst_f:.1e}, "
-                    f"grad {worst_g:.1e} (tol {results[0].atol:.0e})")
+            text = (f"{backend} vs reference on {device} {dtype}, shapes {', '.join(SHAPES)}: fwd "
+                    f"{worst_f:.1e}, grad {worst_g:.1e} (tol {results[0].atol:.0e})")
             details = {"results": [r.to_dict() for r in results]}
             if fb:
-                out.append(failed(name, text + f"; {fb} fallback(s) to torch", "the backend cannot serve these shapes", **details))
+                out.append(failed(name, text + f"; {fb} fallback(s) to torch",
+                                  "the backend cannot serve these shapes", **details))
             elif not all(r.ok for r in results):
-                out.append(failed(name, text + ": mismatch", "do not train on this backend; file the numbers", **details))
+                out.append(failed(name, text + ": mismatch", "do not train on this backend; file the numbers",
+                                  **details))
             else:
                 out.append(passed(name, text, **details))
     return out
@@ -81,24 +83,29 @@ def verdict_checks(summary: Any, smoke: Any, run_status: str, now: float,
     s = summary
     m = metrics or {}
     mode = ("" if "compiled" not in m else
-            f" (torch.compile, compiled in {m['compile_s']:.0f} s)" if m.get("compiled") and isinstance(m.get("compile_s"), int | float)
+            f" (torch.compile, compiled in {m['compile_s']:.0f} s)" if m.get("compiled")
+            and isinstance(m.get("compile_s"), int | float)
             else " (torch.compile)" if m.get("compiled") else " (eager)")
     out = []
     if run_status != "completed":
         err = (s.end or {}).get("error")
-        out.append(failed("run-completed", f"training ended {run_status} at step {s.steps_done}" + (f": {err}" if err else ""),
+        out.append(failed("run-completed",
+                          f"training ended {run_status} at step {s.steps_done}" + (f": {err}" if err else ""),
                           "read the run's heartbeat and stackdump files"))
     else:
-        out.append(passed("run-completed", f"{s.steps_done}/{s.steps_total} steps in {s.elapsed_s or 0:.1f} s"))
+        out.append(passed("run-completed",
+                          f"{s.steps_done}/{s.steps_total} steps in {s.elapsed_s or 0:.1f} s"))
     if s.first_loss is None or s.last_loss is None:
         out.append(failed("loss-decreased", "no loss recorded", "check training.csv"))
     elif s.last_loss < s.first_loss - smoke.min_loss_drop:
         out.append(passed("loss-decreased", f"loss {s.first_loss:.4f} -> {s.last_loss:.4f}"))
     else:
-        out.append(failed("loss-decreased", f"loss {s.first_loss:.4f} -> {s.last_loss:.4f} (needs a drop of > {smoke.min_loss_drop:g})",
-                          "check the learning rate and data; run more steps"))
+        out.append(failed("loss-decreased",
+                          f"loss {s.first_loss:.4f} -> {s.last_loss:.4f} (needs a drop of > "
+                          f"{smoke.min_loss_drop:g})", "check the learning rate and data; run more steps"))
     if s.nonfinite_losses or s.anomalies:
-        out.append(failed("finite", f"{s.nonfinite_losses} non-finite loss(es), {len(s.anomalies)} anomaly record(s)",
+        out.append(failed("finite",
+                          f"{s.nonfinite_losses} non-finite loss(es), {len(s.anomalies)} anomaly record(s)",
                           "see anomalies/ in the run directory"))
     else:
         out.append(passed("finite", "no non-finite losses or gradients"))
@@ -106,15 +113,19 @@ def verdict_checks(summary: Any, smoke: Any, run_status: str, now: float,
     if tps is None:
         out.append(failed("tokens-per-s", "no throughput recorded", "check the heartbeat"))
     elif tps >= smoke.min_tokens_per_s:
-        out.append(passed("tokens-per-s", f"median {tps:,.0f} tokens/s{mode} >= floor {smoke.min_tokens_per_s:,.0f}"))
+        out.append(passed("tokens-per-s",
+                          f"median {tps:,.0f} tokens/s{mode} >= floor {smoke.min_tokens_per_s:,.0f}"))
     else:
-        out.append(failed("tokens-per-s", f"median {tps:,.0f} tokens/s{mode} < floor {smoke.min_tokens_per_s:,.0f}",
+        out.append(failed("tokens-per-s",
+                          f"median {tps:,.0f} tokens/s{mode} < floor {smoke.min_tokens_per_s:,.0f}",
                           "check GPU clocks/other processes, the backend (fallbacks) and the profile"))
     p95 = s.fetch_p95_ms
     if p95 is None:
         out.append(warned("fetch-p95", "no fetch timing recorded", "check the heartbeat"))
     elif p95 <= smoke.max_fetch_p95_ms:
-        out.append(passed("fetch-p95", f"fetch p50 {s.fetch_p50_ms or 0:.1f} ms, p95 {p95:.1f} ms <= {smoke.max_fetch_p95_ms:g} ms"))
+        out.append(passed("fetch-p95",
+                          f"fetch p50 {s.fetch_p50_ms or 0:.1f} ms, p95 {p95:.1f} ms <= "
+                          f"{smoke.max_fetch_p95_ms:g} ms"))
     else:
         out.append(failed("fetch-p95", f"fetch p95 {p95:.1f} ms > {smoke.max_fetch_p95_ms:g} ms",
                           "raise NSA_PREFETCH_DEPTH or use a local dataset copy"))
@@ -123,21 +134,27 @@ def verdict_checks(summary: Any, smoke: Any, run_status: str, now: float,
         out.append(warned("gate-health", "no gate statistics recorded", "the dense baseline has no gates"))
     elif ent >= smoke.min_gate_entropy and col <= smoke.max_gate_collapse:
         shares = "/".join(f"{x:.2f}" for x in s.gate_branch_shares or [])
-        out.append(passed("gate-health", f"entropy {ent:.3f}, collapsed {col:.2f}, shares cmp/sel/win {shares}"))
+        out.append(passed("gate-health",
+                          f"entropy {ent:.3f}, collapsed {col:.2f}, shares cmp/sel/win {shares}"))
     else:
-        out.append(failed("gate-health", f"entropy {ent:.3f} (min {smoke.min_gate_entropy:g}), collapsed {col:.2f} "
-                          f"(max {smoke.max_gate_collapse:g})", "lower the learning rate; inspect gate_branch_shares"))
+        out.append(failed("gate-health", f"entropy {ent:.3f} (min {smoke.min_gate_entropy:g}), collapsed "
+                          f"{col:.2f} (max {smoke.max_gate_collapse:g})",
+                          "lower the learning rate; inspect gate_branch_shares"))
     if s.fallback_total:
-        out.append(failed("fallbacks", f"{s.fallback_total} fallback(s): " + ", ".join(f"{k}={v}" for k, v in s.fallback.items()),
+        out.append(failed("fallbacks",
+                          f"{s.fallback_total} fallback(s): "
+                          + ", ".join(f"{k}={v}" for k, v in s.fallback.items()),
                           "the requested backend could not serve these shapes; see nsa.ops.fallback_counts"))
     else:
         out.append(passed("fallbacks", "fallback counters at zero"))
     ages = s.heartbeat_age_s
     age = max(ages.values()) if ages else None
     if age is None:
-        out.append(failed("heartbeat", "no heartbeat written", "check write permissions in the run directory"))
+        out.append(failed("heartbeat", "no heartbeat written",
+                          "check write permissions in the run directory"))
     elif age <= smoke.max_heartbeat_age_s:
-        out.append(passed("heartbeat", f"last heartbeat {age:.1f} s old (<= {smoke.max_heartbeat_age_s:g} s)"))
+        out.append(passed("heartbeat",
+                          f"last heartbeat {age:.1f} s old (<= {smoke.max_heartbeat_age_s:g} s)"))
     else:
         out.append(failed("heartbeat", f"last heartbeat {age:.0f} s old (> {smoke.max_heartbeat_age_s:g} s)",
                           "the trainer stalled; look at stackdump_*.txt"))
@@ -164,7 +181,8 @@ def run_smoke(
     config = config or smoke.config
     # each value's origin as typed: the flag, or where the smoke's own default came from
     origins = {"train.steps": "--steps" if steps else f"profile {prof.name} smoke.steps",
-               "train.out_dir": "--out-dir" if out_dir is not None else "nsa smoke (its default run directory)"}
+               "train.out_dir": "--out-dir" if out_dir is not None else "nsa smoke (its default run "
+                                                                        "directory)"}
     steps = steps or smoke.steps
     if out_dir is None:
         out_dir = Path("artifacts") / f"smoke-{prof.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -174,7 +192,8 @@ def run_smoke(
 
     # 1. preflight
     if not skip_preflight:
-        pre = run_preflight(prof.name if profile is None else profile, config, environ=environ, out_dir=out_dir, sets=sets)
+        pre = run_preflight(prof.name if profile is None else profile, config, environ=environ,
+                            out_dir=out_dir, sets=sets)
         report.facts["preflight"] = pre.to_dict()
         fails = [c for c in pre.checks if c.status is Status.FAIL]
         warns = [c for c in pre.checks if c.status is Status.WARN]
@@ -214,7 +233,9 @@ def run_smoke(
         report.add(failed("train", f"training could not start: {exc.message}", exc.hint or ""))
         return report
     except Exception as exc:  # a crash is a smoke failure, reported, not a traceback
-        report.add(failed("train", f"training crashed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        report.add(failed("train",
+                          f"training crashed: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}",
                           "rerun with --debug; see the run directory's stackdump and heartbeat"))
         run_status = "crashed"
     report.facts["train_seconds"] = round(time.time() - t0, 1)

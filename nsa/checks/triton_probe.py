@@ -29,7 +29,9 @@ def compile_and_run(n: int = 1000) -> tuple[bool, str]:
         _axpy_kernel[(triton.cdiv(n, 256),)](x, y, out, n, 2.0, BLOCK=256)
         torch.cuda.synchronize()
     except Exception as exc:
-        return False, f"Triton kernel failed to compile/run: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return (False,
+                f"Triton kernel failed to compile/run: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}")
     err = float((out - (2.0 * x + y)).abs().max())
     if err > 1e-5:
         return False, f"Triton kernel ran but computed wrong values (max error {err:.1e})"

@@ -19,20 +19,26 @@ class DataConfig(ConfigSection):
                              json_schema_extra=exposed(env="NSA_DATA_PATH", flag="--data-path"))
     text_field: str = "text"
     text_unit: Literal["paragraph", "file"] = Field(
-        "paragraph", description="what one document of a local .txt file is: a paragraph, or the whole file (long "
-                                 "context: the held-out split then holds whole files, not paragraphs torn from them)")
+        "paragraph", description="what one document of a local .txt file is: a paragraph, or the whole file "
+                                 "(long context: the held-out split then holds whole files, not paragraphs "
+                                 "torn from them)")
     tokenizer: Literal["byte", "gpt2"] = Field("byte", description="byte or gpt2",
-                                               json_schema_extra=exposed(env="NSA_TOKENIZER", flag="--tokenizer"))
+                                               json_schema_extra=exposed(env="NSA_TOKENIZER",
+                                                                         flag="--tokenizer"))
     tokenizer_path: str | None = Field(None, description="folder of a local HF tokenizer (gpt2)")
     synthetic_task: Literal["random", "assoc_recall", "needle", "mqar"] = "assoc_recall"
-    synthetic_pairs: int = Field(8, ge=1, le=32, description="key/value pairs (and queries) of synthetic_task=mqar")
+    synthetic_pairs: int = Field(8, ge=1, le=32,
+                                 description="key/value pairs (and queries) of synthetic_task=mqar")
     needle_edges: float = Field(
         0.25, ge=0.0, le=1.0,
-        description="share of synthetic_task=needle episodes with the needle at depth 0 or 1 (half each; a uniform "
-                    "depth almost never puts it first or right before the question); the rest uniform",
+        description="share of synthetic_task=needle episodes with the needle at depth 0 or 1 (half each; a "
+                    "uniform depth almost never puts it first or right before the question); the rest "
+                    "uniform",
     )
     loss_on: Literal["all", "answers"] = Field(
-        "all", description="answers: train only on the answer tokens of a synthetic task (labels -100 elsewhere)"
+        "all",
+                                               description="answers: train only on the answer tokens of a "
+                                                           "synthetic task (labels -100 elsewhere)"
     )
     hf_dataset: str = "HuggingFaceFW/fineweb-edu"
     hf_config: str = "sample-10BT"

@@ -1,8 +1,9 @@
 """The run config's fields by dotted key, and the maps derived from their metadata (one place).
 
-A field declared with ``json_schema_extra=exposed(env="NSA_LR", flag="--lr")`` (:func:`nsa.config.section.exposed`)
-is set by that ``NSA_*`` variable and that ``nsa train`` flag. :mod:`nsa.config.settings` builds its fields
-and its variable -> key map from :func:`env_keys`; the CLI builds ``nsa train``'s config flags from
+A field declared with ``json_schema_extra=exposed(env="NSA_LR", flag="--lr")``
+(:func:`nsa.config.section.exposed`) is set by that ``NSA_*`` variable and that ``nsa train`` flag.
+:mod:`nsa.config.settings` builds its fields and its variable -> key map from :func:`env_keys`; the CLI builds
+``nsa train``'s config flags from
 :func:`train_flags` and reads what was given with :func:`flag_values` and :func:`flags_as_typed`.
 """
 
@@ -38,7 +39,8 @@ def _exposed(what: str) -> dict[str, str]:
         if name is None:
             continue
         if name in out:
-            raise RuntimeError(f"{what} {name} is declared by {out[name]} and {dotted}")  # a code bug, caught by tests
+            # a code bug, caught by tests
+            raise RuntimeError(f"{what} {name} is declared by {out[name]} and {dotted}")
         out[name] = dotted
     return out
 
@@ -93,7 +95,8 @@ def flag_values(**values: Any) -> dict[str, Any]:
     """The flags that were given (not ``None``), by parameter name (``seq_len`` for ``--seq-len``), as
     ``{dotted key: value}`` for ``load_run_config``."""
     keys = flag_keys()
-    return {keys[_flag(name)]: (str(v) if isinstance(v, Path) else v) for name, v in values.items() if v is not None}
+    return {keys[_flag(name)]: (str(v) if isinstance(v, Path) else v) for name,
+            v in values.items() if v is not None}
 
 
 def flags_as_typed(**values: Any) -> dict[str, str]:

@@ -23,7 +23,8 @@ def read_yaml(path: Path, what: str = "config") -> dict[str, Any]:
     except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
         raise ConfigError(f"{what} {path}: {str(exc).split(';')[0]}", hint="give a shorter value") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{what} {path} must be a mapping of sections (model, nsa, runtime, train, data, monitor)")
+        raise ConfigError(f"{what} {path} must be a mapping of sections (model, nsa, runtime, train, data, "
+                          "monitor)")
     return data
 
 

@@ -20,7 +20,8 @@ from nsa.errors import ConfigError
 
 
 def deprecated_spelling(old: str, new: str, why: str = "") -> str:
-    """The one stderr line of one of this toolkit's deprecated command-line spellings (``-p`` for ``--prompt``,
+    """The one stderr line of one of this toolkit's deprecated command-line spellings (``-p`` for
+    ``--prompt``,
     ``--json PATH``), read until the same date as its moved keys."""
     return f"warning: {old} is deprecated ({READ_UNTIL}): use {new}" + (f"; {why}" if why else "")
 
@@ -36,7 +37,8 @@ def _yaml(value: Any) -> str:
 
 
 def _truthy(value: Any) -> bool | None:
-    """``value`` as the older system read a switch (``1/0``, ``true/false``, ``on/off``); None when neither."""
+    """``value`` as the older system read a switch (``1/0``, ``true/false``, ``on/off``); None when
+    neither."""
     text = str(value).strip().lower()
     if text in ("1", "true", "yes", "on"):
         return True
@@ -53,8 +55,8 @@ _WINDOW_KERNEL = "the window branch's kernel comes with runtime.attn_backend (Tr
 
 
 def _use_flash(value: Any) -> Change:
-    return {}, (f"runtime.use_flash={value} dropped: dense attention uses torch SDPA's own backend choice and "
-                f"{_WINDOW_KERNEL}")
+    return {}, (f"runtime.use_flash={value} dropped: dense attention uses torch SDPA's own backend choice "
+                f"and {_WINDOW_KERNEL}")
 
 
 def _use_triton_sel(value: Any) -> Change:
@@ -63,7 +65,8 @@ def _use_triton_sel(value: Any) -> Change:
         raise ValueError("expected true or false")
     backend = "triton" if on else "torch"
     why = "the Triton kernels" if on else "Triton kept out; auto would pick Triton on CUDA"
-    return {"runtime.attn_backend": backend}, f"runtime.use_triton_sel={value} -> runtime.attn_backend={backend} ({why})"
+    return ({"runtime.attn_backend": backend},
+            f"runtime.use_triton_sel={value} -> runtime.attn_backend={backend} ({why})")
 
 
 def _sel_triton_min_len(value: Any) -> Change:
@@ -73,13 +76,13 @@ def _sel_triton_min_len(value: Any) -> Change:
 def _lr_schedule(value: Any) -> Change:
     name = str(value).strip().lower()
     if name in ("cosine", "warmup_cosine", "cos"):
-        return {}, (f"train.lr_schedule={value} dropped: the schedule is always linear warmup, then cosine to "
-                    "schedule.min_lr_ratio")
+        return {}, (f"train.lr_schedule={value} dropped: the schedule is always linear warmup, then cosine "
+                    "to schedule.min_lr_ratio")
     if name in ("constant", "const", "none"):
-        return {"schedule.min_lr_ratio": 1.0}, (f"train.lr_schedule={value} -> schedule.min_lr_ratio=1.0 (warmup, "
-                                                "then the peak rate throughout)")
-    raise ValueError("no equivalent: the schedule is linear warmup then cosine (schedule.min_lr_ratio sets its "
-                     "floor; 1.0 keeps the rate constant)")
+        return {"schedule.min_lr_ratio": 1.0}, (f"train.lr_schedule={value} -> schedule.min_lr_ratio=1.0 "
+                                                "(warmup, then the peak rate throughout)")
+    raise ValueError("no equivalent: the schedule is linear warmup then cosine (schedule.min_lr_ratio sets "
+                     "its floor; 1.0 keeps the rate constant)")
 
 
 def _fa2_enabled(value: Any) -> Change:
@@ -155,7 +158,8 @@ def _moved(new: str) -> Callable[[Any], Change]:
     return translate
 
 
-def translate_old_keys(tree: dict[str, Any], origin: str, *, saved: bool = False) -> tuple[dict[str, Any], list[str]]:
+def translate_old_keys(tree: dict[str, Any], origin: str, *, saved: bool = False) -> tuple[dict[str, Any],
+    list[str]]:
     """``tree`` (a config's sections) with earlier keys replaced by today's, and one note per key. An old key
     whose value has no equivalent raises ``ConfigError`` naming every such key at once; a key set both ways
     (``accumulate_grad_batches`` and ``accum``, ``train.lr`` and ``optimizer.lr``) keeps today's and says so.
@@ -247,15 +251,17 @@ LEGACY_VARS: dict[str, Callable[[str | None], str]] = {
     "NSA_FA2_MIN_LEN_WIN": _fixed("gone: the dispatcher picks the window path per call"),
     "NSA_FA2_MIN_LEN_CMP": _fixed("gone: the compressed branch has its own kernel on every backend"),
     "NSA_SDPA_NO_FLASH": _fixed("gone: dense attention uses torch's SDPA backend choice"),
-    "NSA_SEL_RANGES_V2": _switch(_BACKEND_FAST, f"{_NOTHING}: the selection ranges have one exact implementation per "
-                                 "backend (NSA_ATTN_BACKEND=triton|torch|reference)"),
+    "NSA_SEL_RANGES_V2": _switch(_BACKEND_FAST, f"{_NOTHING}: the selection ranges have one exact "
+                                 "implementation per backend (NSA_ATTN_BACKEND=triton|torch|reference)"),
     "NSA_SEL_RANGES_V2_MIN_S": _fixed("gone: the dispatcher picks the selection path per call"),
     "NSA_USE_SEL_PACK": _switch("replaced by NSA_ATTN_BACKEND=triton (packed, varlen selection kernels)",
                                 f"{_NOTHING}: NSA_ATTN_BACKEND=torch keeps the Triton kernels out"),
     "NSA_USE_SEL_VARLEN": _switch("replaced by NSA_ATTN_BACKEND=triton (packed, varlen selection kernels)",
                                   f"{_NOTHING}: NSA_ATTN_BACKEND=torch keeps the Triton kernels out"),
-    "NSA_USE_SEL_MASK": _switch("replaced by NSA_ATTN_BACKEND=torch (the masked vectorised path)", _BACKEND_FAST),
-    "NSA_FORCE_SEL_MASK": _switch("replaced by NSA_ATTN_BACKEND=torch (the masked vectorised path)", _BACKEND_FAST),
+    "NSA_USE_SEL_MASK": _switch("replaced by NSA_ATTN_BACKEND=torch (the masked vectorised path)",
+                                _BACKEND_FAST),
+    "NSA_FORCE_SEL_MASK": _switch("replaced by NSA_ATTN_BACKEND=torch (the masked vectorised path)",
+                                  _BACKEND_FAST),
     "NSA_USE_TRITON_SEL": _switch("replaced by NSA_ATTN_BACKEND=triton", "replaced by NSA_ATTN_BACKEND=torch "
                                   "(keeps Triton out)"),
     "NSA_FORCE_PARITY": _switch("replaced by NSA_ATTN_BACKEND=reference (the float64-exact reference)",
@@ -266,14 +272,15 @@ LEGACY_VARS: dict[str, Callable[[str | None], str]] = {
     "NSA_FWE_PREFETCH": _switch("replaced by NSA_PREFETCH_DEPTH (data.prefetch_depth; on by default)",
                                 "replaced by NSA_PREFETCH_DEPTH=0 (no prefetch thread)"),
     "NSA_FWE_DOC_BATCH": _fixed("gone: the loader streams documents; tune NSA_PREFETCH_DEPTH"),
-    "NSA_FWE_WARMUP_BATCHES": _fixed("gone: the first batch is prefetched during set-up and its time reported"),
+    "NSA_FWE_WARMUP_BATCHES": _fixed("gone: the first batch is prefetched during set-up and its time "
+                                     "reported"),
     "NSA_FWE_WARMUP_TIMEOUT": _timeout,
     "NSA_SDPA_AUDIT": _switch("gone: nsa smoke checks every fast path against the reference", _DEBUG_OFF),
     "NSA_DEBUG_COMPARE": _switch("gone: nsa smoke checks every fast path against the reference", _DEBUG_OFF),
     "NSA_DEBUG_TIMING": _switch("replaced by nsa bench attention|train and the heartbeat's step/fetch times",
                                 _DEBUG_OFF),
-    "NSA_STRICT_ASSERTS": _switch("gone: the spec's checks run in the test suite and nsa smoke, not at train time",
-                                  _DEBUG_OFF),
+    "NSA_STRICT_ASSERTS": _switch("gone: the spec's checks run in the test suite and nsa smoke, not at train "
+                                  "time", _DEBUG_OFF),
     "NSA_ENV_STATIC": _fixed("gone: settings are read once at start and recorded in env.json"),
     "NSA_ROPE_SCALE": _fixed("gone: set model.rope_theta instead"),
 }

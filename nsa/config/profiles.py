@@ -26,7 +26,8 @@ from nsa.config.monitor import MonitorConfig
 from nsa.config.settings import ENV_TO_CONFIG, PREFIX, NSASettings
 from nsa.errors import ConfigError
 
-PROFILE_DIRS = [Path(__file__).resolve().parents[2] / "profiles", Path(__file__).resolve().parents[1] / "_profiles"]
+PROFILE_DIRS = [Path(__file__).resolve().parents[2] / "profiles",
+                Path(__file__).resolve().parents[1] / "_profiles"]
 
 
 class _Strict(BaseModel):
@@ -90,7 +91,8 @@ class Profile(_Strict):
     settings: dict[str, Any] = Field(default_factory=dict)
     train: ProfileTrain = Field(default_factory=ProfileTrain)
     smoke: ProfileSmoke = Field(default_factory=ProfileSmoke)
-    monitor: dict[str, Any] = Field(default_factory=dict, description="monitor.* values (watch thresholds, report limits)")
+    monitor: dict[str, Any] = Field(default_factory=dict,
+                                    description="monitor.* values (watch thresholds, report limits)")
     path: str | None = None
 
     @field_validator("monitor", mode="before")
@@ -124,7 +126,8 @@ class Profile(_Strict):
         except ValidationError as exc:
             err = exc.errors()[0]
             name = PREFIX + str(err["loc"][0]).upper()
-            raise ValueError(f"{name}={err.get('input')!r}: {str(err['msg']).removeprefix('Value error, ')}") from None
+            raise ValueError(f"{name}={err.get('input')!r}: "
+                             f"{str(err['msg']).removeprefix('Value error, ')}") from None
         return {k: getattr(validated, k) for k in fields}
 
     @model_validator(mode="after")

@@ -30,7 +30,8 @@ class ResolvedConfig:
     unknown_env: list[str] = field(default_factory=list)
     profile: str | None = None
     config_path: str | None = None
-    notes: list[str] = field(default_factory=list)  # inputs of the older system that were mapped (one line each)
+    # inputs of the older system that were mapped (one line each)
+    notes: list[str] = field(default_factory=list)
     unknown_env_described: list[str] = field(default_factory=list)  # unknown NSA_* names with value and hint
 
     def source_of(self, dotted: str) -> str:
@@ -124,7 +125,8 @@ LEGACY_DEFAULTS: dict[str, Any] = {"nsa.gate_bias": [0.0, 0.0, 0.0], "nsa.gate_s
                                    "nsa.window_query": False, "nsa.kv_speed": 1.0}
 
 
-# Keys that only name another key's value (not saved with a run: the value is): `nsa.gate_init` -> `nsa.gate_bias`.
+# Keys that only name another key's value (not saved with a run: the value is): `nsa.gate_init` ->
+# `nsa.gate_bias`.
 NAMES_OF: dict[str, str] = {"nsa.gate_init": "nsa.gate_bias"}
 
 
@@ -165,12 +167,12 @@ def load_run_config(
     """Resolve a run config from its sources (see module docstring for precedence).
 
     ``flag_names`` maps a dotted key of ``flags`` to the flag the user typed (``data.source`` ->
-    ``--dataset``, ``runtime.compile`` -> ``--no-compile``), for the origin of each value (``flag --dataset``);
-    a name that is not a flag is the origin itself (``profile cpu smoke.steps``); without one, the key's flag
-    from the config's metadata. Without ``config``, the older system's ``CONFIG=path`` variable is read in
-    its place; keys of earlier versions (the older system's YAML keys, ``train.lr`` before the sections
-    split) are mapped in the config file, ``flags`` and ``--set`` (``nsa.config.legacy``); each with a line
-    in ``ResolvedConfig.notes``."""
+    ``--dataset``, ``runtime.compile`` -> ``--no-compile``), for the origin of each value (``flag
+    --dataset``); a name that is not a flag is the origin itself (``profile cpu smoke.steps``); without one,
+    the key's flag from the config's metadata. Without ``config``, the older system's ``CONFIG=path`` variable
+    is read in its place; keys of earlier versions (the older system's YAML keys, ``train.lr`` before the
+    sections split) are mapped in the config file, ``flags`` and ``--set`` (``nsa.config.legacy``); each with
+    a line in ``ResolvedConfig.notes``."""
 
     tree: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -214,7 +216,8 @@ def load_run_config(
     for name, target in NAMES_OF.items():  # the named value comes from where its name was set
         if name in sources and target not in sources:
             sources[target] = f"{sources[name]} ({name})"
-    return ResolvedConfig(cfg, sources, unknown, profile_name, config_path, notes, describe_unknown_env(environ))
+    return ResolvedConfig(cfg, sources, unknown, profile_name, config_path, notes,
+                          describe_unknown_env(environ))
 
 
 def default_config_note(resolved: ResolvedConfig) -> str | None:
@@ -224,20 +227,24 @@ def default_config_note(resolved: ResolvedConfig) -> str | None:
         return None
     cfg = resolved.config
     m, d = cfg.model, cfg.data
-    data = ("the small corpus shipped with nsa (Python stdlib docstrings, 1.3M characters)" if d.source == "embedded"
+    data = ("the small corpus shipped with nsa (Python stdlib docstrings, 1.3M characters)" if d.source
+            == "embedded"
             else f"data.source={d.source}")
     return (f"no --config given: the default model (dim {m.dim} x {m.n_layers} layers, {m.n_heads} heads, "
-            f"{m.attention}) trains on {data}; pass --config {', '.join(named_configs())} or a YAML path for another")
+            f"{m.attention}) trains on {data}; pass --config {', '.join(named_configs())} or a YAML path for "
+            "another")
 
 
-def _config_or_env(config: str | Path | None, environ: dict[str, str] | None) -> tuple[str | Path | None, str | None, bool]:
+def _config_or_env(config: str | Path | None, environ: dict[str, str] | None) -> tuple[str | Path | None,
+                                                                                       str | None, bool]:
     """``(config, note, from_env)``: ``config``, or the older system's ``CONFIG`` variable in its place (a
     note says so), or a note that ``CONFIG`` was ignored because ``--config`` was given."""
     env = config_from_env(environ)
     if env is None:
         return config, None, False
     if config is None:
-        return env, f"config from {CONFIG_VAR}={env} (the older system's variable; --config is the flag)", True
+        return (env, f"config from {CONFIG_VAR}={env} (the older system's variable; --config is the flag)",
+                True)
     if str(env) != str(config):
         return config, f"{CONFIG_VAR}={env} ignored: --config {config} given", False
     return config, None, False
@@ -247,14 +254,15 @@ def _find_env_config(name: str | Path) -> Path:
     try:
         return find_config(name)
     except ConfigError as exc:
-        raise ConfigError(f"{CONFIG_VAR}={name} (the older system's variable, read as --config): {exc.message}",
-                          hint=f"pass --config NAME|PATH, or unset {CONFIG_VAR}") from None
+        raise ConfigError(f"{CONFIG_VAR}={name} (the older system's variable, read as --config): "
+                          f"{exc.message}", hint=f"pass --config NAME|PATH, or unset {CONFIG_VAR}") from None
 
 
 def _flag_origin(dotted: str, flag_names: dict[str, str] | None) -> str:
     """``flag --dataset`` for ``data.source``: the name the caller gives (a flag, or a whole origin such as
     ``profile cpu smoke.steps``), else the key's flag in the config's metadata, else one made of the key."""
-    name = (flag_names or {}).get(dotted) or key_flags().get(dotted) or f"--{dotted.split('.')[-1].replace('_', '-')}"
+    name = (flag_names
+            or {}).get(dotted) or key_flags().get(dotted) or f"--{dotted.split('.')[-1].replace('_', '-')}"
     return f"flag {name}" if name.startswith("-") else name
 
 

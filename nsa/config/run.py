@@ -33,8 +33,10 @@ class _Section(ConfigSection):
     """A run-config section (see ``ConfigSection``: no booleans for int/float fields)."""
 
 
-# FSDP2 shards a model up to this size as one unit (runtime.fsdp_unit_blocks auto): per-block units cost host time
-# that a small model's blocks cannot hide (m7c-125m, 2x H200: 134 ms a step against 103 ms as one unit, DDP 97 ms)
+# FSDP2 shards a model up to this size as one unit (runtime.fsdp_unit_blocks auto): per-block units cost host
+# time
+# that a small model's blocks cannot hide (m7c-125m, 2x H200: 134 ms a step against 103 ms as one unit, DDP 97
+# ms)
 WHOLE_UNIT_PARAMS = 1_000_000_000
 
 LAYER_WORDS: dict[str, Callable[[int], list[int]]] = {  # model.dense_layers by name, for n_layers blocks
@@ -62,22 +64,24 @@ class ModelConfig(_Section):
                                                json_schema_extra=exposed(flag="--attention"))
     dense_layers: list[int] = Field(
         default_factory=list,
-        description="with attention nsa: the layers (0-based) that use dense attention instead (a hybrid stack; "
-                    "YAML list, '0 2 4', or even / odd: every other block from the first / second; thirds: all but "
-                    "every third block, NSA in 2, 5, 8, ...)")
+        description="with attention nsa: the layers (0-based) that use dense attention instead (a hybrid "
+                    "stack; YAML list, '0 2 4', or even / odd: every other block from the first / second; "
+                    "thirds: all but every third block, NSA in 2, 5, 8, ...)")
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
 
     @model_validator(mode="before")
     @classmethod
     def _layer_words(cls, data: Any) -> Any:
-        """``dense_layers: even`` (blocks 0, 2, 4, ...), ``odd`` (1, 3, 5, ...) or ``thirds`` (all but 2, 5, 8, ...) as
-        the list for ``n_layers``;
-        none for a dense model (``attention: dense``: a config's hybrid list does not stop a dense baseline)."""
+        """``dense_layers: even`` (blocks 0, 2, 4, ...), ``odd`` (1, 3, 5, ...) or ``thirds`` (all but 2, 5,
+        8, ...) as the list for ``n_layers``;
+        none for a dense model (``attention: dense``: a config's hybrid list does not stop a dense
+        baseline)."""
         if not isinstance(data, dict):
             return data
         if data.get("attention") == "dense" and data.get("dense_layers"):
-            return {**data, "dense_layers": []}  # every block of a dense model is dense: the list names nothing
+            # every block of a dense model is dense: the list names nothing
+            return {**data, "dense_layers": []}
         if isinstance(word := data.get("dense_layers"), str) and word.strip() in LAYER_WORDS:
             n = int(data.get("n_layers", cls.model_fields["n_layers"].default))
             data = {**data, "dense_layers": LAYER_WORDS[word.strip()](n)}
@@ -96,7 +100,8 @@ class ModelConfig(_Section):
                                  f"{', '.join(LAYER_WORDS)}") from None
         if isinstance(value, int) and not isinstance(value, bool):
             return [value]
-        return sorted(value) if isinstance(value, list | tuple) and all(isinstance(v, int) for v in value) else value
+        return sorted(value) if isinstance(value,
+                                           list | tuple) and all(isinstance(v, int) for v in value) else value
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -109,7 +114,8 @@ class ModelConfig(_Section):
         if self.dense_layers:
             bad = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
             if bad:
-                raise ValueError(f"model.dense_layers {bad} outside the {self.n_layers} layers (0 .. {self.n_layers - 1})")
+                raise ValueError(f"model.dense_layers {bad} outside the {self.n_layers} layers (0 .. "
+                                 f"{self.n_layers - 1})")
             if len(set(self.dense_layers)) != len(self.dense_layers):
                 raise ValueError(f"model.dense_layers {self.dense_layers} names a layer twice")
         return self
@@ -174,11 +180,13 @@ class NSAConfig(_Section):
     shared_kv: bool = False
     gate_hidden: int | None = Field(None, ge=1, description="gate MLP hidden size; default dim // 4")
     gate_init: Literal["slow", "half", "window", "uniform"] | None = Field(
-        None, exclude=True, description="gate start: window (0.12, 0.12, 0.88, lucidrains; the default), slow "
-        "(0.12 each: retrieval), half (0.5 each, fla), uniform (1/3 each); sets gate_bias (sigmoid gates), which is "
-        "what a run saves")
+        None, exclude=True, description="gate start: window (0.12, 0.12, 0.88, lucidrains; the default), "
+        "slow (0.12 each: retrieval), half (0.5 each, fla), uniform (1/3 each); sets gate_bias (sigmoid "
+        "gates), which is what a run saves")
     gate_bias: tuple[float, float, float] = Field(
-        DEFAULT_GATE_BIAS, description="constant gate logits (cmp, sel, win): logits = gate_bias + gate_scale * mlp(x)"
+        DEFAULT_GATE_BIAS,
+                                                  description="constant gate logits (cmp, sel, win): logits "
+                                                              "= gate_bias + gate_scale * mlp(x)"
     )
     gate_scale: float = Field(
         0.1, gt=0, le=1, description="multiplier on the learned gate MLP (slows the gates under Adam)"
@@ -186,15 +194,16 @@ class NSAConfig(_Section):
     fixed_gates: tuple[float, float, float] | None = Field(
         None, description="constant gates (cmp, sel, win) instead of the gate MLP, for ablations"
     )
-    collapse_threshold: float = Field(0.9, gt=0, le=1, description="share above which a gate counts as collapsed")
+    collapse_threshold: float = Field(0.9, gt=0, le=1,
+                                      description="share above which a gate counts as collapsed")
     window_query: bool = Field(
         True, description="the window branch has a query projection of its own (the compressed and selected "
-        "branches and the block choice keep the shared one); with kv_speed, what lets a window-dominant start "
-        "learn long-range retrieval (docs/design.md, \"Gates against retrieval\")")
+        "branches and the block choice keep the shared one); with kv_speed, what lets a window-dominant "
+        "start learn long-range retrieval (docs/design.md, \"Gates against retrieval\")")
     kv_speed: float = Field(
-        3.0, gt=0, le=100, description="the compressed and selected branches' key/value projections learn this many "
-        "times faster under Adam (stored as W / kv_speed, multiplied back in the forward: the model at "
-        "initialisation is unchanged); 1: as fast as every other weight; not used with shared_kv")
+        3.0, gt=0, le=100, description="the compressed and selected branches' key/value projections learn "
+        "this many times faster under Adam (stored as W / kv_speed, multiplied back in the forward: the "
+        "model at initialisation is unchanged); 1: as fast as every other weight; not used with shared_kv")
 
     @model_validator(mode="after")
     def _check(self) -> NSAConfig:
@@ -202,8 +211,8 @@ class NSAConfig(_Section):
         if self.gate_init is not None:
             preset = GATE_PRESETS[self.gate_init]
             if self.gate_bias not in (preset, DEFAULT_GATE_BIAS):
-                raise ValueError(f"nsa.gate_init={self.gate_init} and nsa.gate_bias={list(self.gate_bias)} disagree: "
-                                 "set one of them")
+                raise ValueError(f"nsa.gate_init={self.gate_init} and nsa.gate_bias={list(self.gate_bias)} "
+                                 "disagree: set one of them")
             if self.gate_bias != preset:
                 object.__setattr__(self, "gate_bias", preset)  # no re-validation loop
         return self
@@ -222,8 +231,8 @@ class NSAConfig(_Section):
         return (f"nsa.gate_bias={list(self.gate_bias)} (gate start {name}) with nsa.window_query="
                 f"{str(self.window_query).lower()}, nsa.kv_speed={self.kv_speed:g} does not learn long-range "
                 f"retrieval from scratch: it {NO_RETRIEVAL_GATES[name]} (docs/design.md, \"Gates against "
-                f"retrieval\"); to train retrieval keep the defaults nsa.window_query=true, nsa.kv_speed=3 (or set "
-                "nsa.gate_init=slow: held-out text loss about 7% worse at 2k)")
+                "retrieval\"); to train retrieval keep the defaults nsa.window_query=true, nsa.kv_speed=3 "
+                "(or set nsa.gate_init=slow: held-out text loss about 7% worse at 2k)")
 
     def params(self) -> NSAParams:
         """The five hyper-parameters as the ``nsa.ops`` object every layer passes on."""
@@ -234,7 +243,8 @@ class RuntimeConfig(_Section):
     """Where and how the math runs."""
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", json_schema_extra=exposed(env="NSA_DEVICE"))
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", json_schema_extra=exposed(env="NSA_PRECISION"))
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto",
+                                                               json_schema_extra=exposed(env="NSA_PRECISION"))
     attn_backend: Literal["auto", "reference", "torch", "triton"] = Field(
         "auto", description="nsa.ops backend (the window branch's kernel comes with it)",
         json_schema_extra=exposed(env="NSA_ATTN_BACKEND"))
@@ -243,28 +253,36 @@ class RuntimeConfig(_Section):
         json_schema_extra=exposed(env="NSA_COMPILE", flag="--compile"))
     compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
         "auto", description="torch.compile mode; reduce-overhead replays each step as CUDA graphs; auto: "
-        "reduce-overhead for an NSA model on one rank or DDP ranks with one micro-batch a step, up to 16k tokens, no "
-        "gradient checkpointing and no document mask (its step waits on the host's launches), else default",
-        json_schema_extra=exposed(env="NSA_COMPILE_MODE"))
+        "reduce-overhead for an NSA model on one rank or DDP ranks with one micro-batch a step, up to 16k "
+        "tokens, no gradient checkpointing and no document mask (its step waits on the host's launches), "
+        "else default", json_schema_extra=exposed(env="NSA_COMPILE_MODE"))
     gradient_checkpointing: bool = Field(False, description="gradient checkpointing",
                                          json_schema_extra=exposed(env="NSA_GRAD_CKPT"))
     parallel: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="several ranks: ddp (replicas) or fsdp (FSDP2: parameters, gradients, optimizer sharded)",
+        "ddp",
+                                             description="several ranks: ddp (replicas) or fsdp (FSDP2: "
+                                                         "parameters, gradients, optimizer sharded)",
         json_schema_extra=exposed(env="NSA_PARALLEL"))
     context_parallel: int = Field(
-        1, ge=1, description="ranks that share one sequence (each holds 1/N of its positions; the other factor of the "
-        "world is data parallel)", json_schema_extra=exposed(env="NSA_CONTEXT_PARALLEL", flag="--context-parallel"))
-    fsdp_cpu_offload: bool = Field(False, description="fsdp: keep the sharded parameters and optimizer state in host memory")
+        1, ge=1, description="ranks that share one sequence (each holds 1/N of its positions; the other "
+        "factor of the world is data parallel)",
+                                  json_schema_extra=exposed(env="NSA_CONTEXT_PARALLEL",
+                                                            flag="--context-parallel"))
+    fsdp_cpu_offload: bool = Field(False,
+                                   description="fsdp: keep the sharded parameters and optimizer state in "
+                                               "host memory")
     compile_scope: Literal["auto", "model", "blocks"] = Field(
         "auto", description="what torch.compile wraps: the whole model (one graph), or each block (the "
-        "embedding, head and loss eager; FSDP2's gathers and reduce-scatters between the blocks' graphs); auto: "
-        "blocks under FSDP2, else the model")
+        "embedding, head and loss eager; FSDP2's gathers and reduce-scatters between the blocks' graphs); "
+        "auto: blocks under FSDP2, else the model")
     fsdp_reshard_after_forward: bool = Field(
-        True, description="fsdp: free gathered parameters after each block's forward (less memory, one more gather)")
+        True,
+                                             description="fsdp: free gathered parameters after each block's "
+                                                         "forward (less memory, one more gather)")
     fsdp_unit_blocks: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
-        "auto", description="fsdp: blocks per fully_shard unit (gathered and reduce-scattered together: fewer units, "
-        "less host work a step, more memory); 0: the whole model one unit (one gather and one reduce-scatter a "
-        "step); auto: 0 up to 1B parameters, else 1")
+        "auto", description="fsdp: blocks per fully_shard unit (gathered and reduce-scattered together: "
+        "fewer units, less host work a step, more memory); 0: the whole model one unit (one gather and one "
+        "reduce-scatter a step); auto: 0 up to 1B parameters, else 1")
     deterministic: bool = Field(False, json_schema_extra=exposed(env="NSA_DETERMINISTIC"))
     tf32: bool = Field(True, json_schema_extra=exposed(env="NSA_TF32"))
     alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the run",
@@ -275,7 +293,8 @@ class RuntimeConfig(_Section):
         return self.compile_scope == "blocks" or (self.compile_scope == "auto" and sharded)
 
     def fsdp_units(self, n_params: int) -> int:
-        """Blocks per FSDP2 unit for a model of ``n_params`` parameters (``fsdp_unit_blocks``; 0: one unit)."""
+        """Blocks per FSDP2 unit for a model of ``n_params`` parameters (``fsdp_unit_blocks``; 0: one
+        unit)."""
         if self.fsdp_unit_blocks == "auto":
             return 0 if n_params <= WHOLE_UNIT_PARAMS else 1
         return self.fsdp_unit_blocks
@@ -310,20 +329,21 @@ class RunConfig(_Section):
         cp = self.runtime.context_parallel
         if cp > 1:
             if self.train.seq_len % (2 * cp):
-                raise ValueError(f"train.seq_len={self.train.seq_len} must split into {2 * cp} equal chunks for "
-                                 f"runtime.context_parallel={cp} (a multiple of {2 * cp})")
+                raise ValueError(f"train.seq_len={self.train.seq_len} must split into {2 * cp} equal chunks "
+                                 f"for runtime.context_parallel={cp} (a multiple of {2 * cp})")
             if self.scorer.weight > 0:
-                raise ValueError("the scorer loss (scorer.weight) does not run under runtime.context_parallel: "
-                                 "set one of them")
+                raise ValueError("the scorer loss (scorer.weight) does not run under "
+                                 "runtime.context_parallel: set one of them")
         return self
 
     def torch_compile_mode(self, world_size: int = 1) -> str:
-        """The ``torch.compile`` mode of a run on ``world_size`` ranks: ``runtime.compile_mode``, and for ``auto``
-        CUDA graphs (``reduce-overhead``) where they were measured to pay and to run (docs/benchmarks/equal-time-h200.md:
-        the NSA step 1.4x faster at the 6-layer quality shape, 1.04x at m7c-125m; dense attention gains nothing):
-        an NSA model on one rank or DDP ranks (1.04x at m7c-125m on 2x H200, docs/benchmarks/multigpu-h200.md; under
-        FSDP2 each step re-recorded: 4x slower), one micro-batch a step, without gradient checkpointing or a document
-        mask, up to :data:`GRAPHS_MAX_SEQ_LEN` tokens (longer steps are bound by the GPU, and graphs hold their
+        """The ``torch.compile`` mode of a run on ``world_size`` ranks: ``runtime.compile_mode``, and for
+        ``auto`` CUDA graphs (``reduce-overhead``) where they were measured to pay and to run
+        (docs/benchmarks/equal-time-h200.md: the NSA step 1.4x faster at the 6-layer quality shape, 1.04x at
+        m7c-125m; dense attention gains nothing): an NSA model on one rank or DDP ranks (1.04x at m7c-125m on
+        2x H200, docs/benchmarks/multigpu-h200.md; under FSDP2 each step re-recorded: 4x slower), one
+        micro-batch a step, without gradient checkpointing or a document mask, up to
+        :data:`GRAPHS_MAX_SEQ_LEN` tokens (longer steps are bound by the GPU, and graphs hold their
         memory)."""
         mode = self.runtime.compile_mode
         if mode != "auto":

@@ -11,9 +11,9 @@ from pydantic_core import PydanticCustomError
 
 
 def exposed(*, env: str | None = None, flag: str | None = None) -> dict[str, Any]:
-    """Field metadata (``json_schema_extra``) naming the ``NSA_*`` variable and the ``nsa train`` flag that set
-    this key: ``Field(1000, json_schema_extra=exposed(env="NSA_STEPS", flag="--steps"))``. The settings map
-    (:mod:`nsa.config.settings`) and the CLI's flag map are derived from it (:mod:`nsa.config.fields`)."""
+    """Field metadata (``json_schema_extra``) naming the ``NSA_*`` variable and the ``nsa train`` flag that
+    set this key: ``Field(1000, json_schema_extra=exposed(env="NSA_STEPS", flag="--steps"))``. The settings
+    map (:mod:`nsa.config.settings`) and the CLI's flag map are derived from it (:mod:`nsa.config.fields`)."""
     out: dict[str, Any] = {}
     if env is not None:
         out["env"] = env
@@ -52,7 +52,8 @@ def reject_bool(value: Any, annotation: Any) -> Any:
         return value
     items = value if isinstance(value, list | tuple) else [value]
     if any(isinstance(v, bool) for v in items):
-        raise PydanticCustomError("bool_not_number", "Input should be a valid {kind}, not a boolean", {"kind": kind})
+        raise PydanticCustomError("bool_not_number", "Input should be a valid {kind}, not a boolean",
+                                  {"kind": kind})
     return value
 
 

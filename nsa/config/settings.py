@@ -60,7 +60,8 @@ def _setting_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for var, dotted in env_keys().items():
         info = config_fields()[dotted]
-        fields[_field_name(var)] = (Optional[info.annotation], Field(None, description=info.description))  # noqa: UP045
+        fields[_field_name(var)] = (Optional[info.annotation],  # noqa: UP045
+                                    Field(None, description=info.description))
     return fields
 
 
@@ -102,7 +103,8 @@ def describe_unknown(name: str, value: str | None = None) -> str:
 
 
 def describe_unknown_env(environ: dict[str, str] | None = None) -> list[str]:
-    """:func:`describe_unknown` for every unknown ``NSA_*`` variable of ``environ`` (``None``: ``os.environ``)."""
+    """:func:`describe_unknown` for every unknown ``NSA_*`` variable of ``environ`` (``None``:
+    ``os.environ``)."""
     env = _environ(environ)
     return [describe_unknown(n, env.get(n)) for n in unknown_variables(env)]
 

@@ -1,4 +1,5 @@
-"""``nsa profiles list|show``: the hardware profiles, and what one resolves to with the origin of every value."""
+"""``nsa profiles list|show``: the hardware profiles, and what one resolves to with the origin of every
+value."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ class Profiles(Result):
         return [p.model_dump(mode="json") for p in self.profiles]
 
     def view(self) -> list[Block]:
-        t = Table.of("hardware profiles", ("name", "device", "GPU", "min GiB", "sm", "batch x accum @ S", "smoke",
+        t = Table.of("hardware profiles",
+                     ("name", "device", "GPU", "min GiB", "sm", "batch x accum @ S", "smoke",
                                            "description"), "left", title_left=True)
         for p in self.profiles:
             e, tr, s = p.expect, p.train, p.smoke
             t.add(p.name, e.device, e.gpu_name_pattern or "-", _fig(e.min_memory_gib, "g"),
-                  _fig(e.min_compute_capability, ".1f"), f"{tr.batch_size or '-'} x {tr.accum or '-'} @ {tr.seq_len or '-'}",
+                  _fig(e.min_compute_capability, ".1f"),
+                  f"{tr.batch_size or '-'} x {tr.accum or '-'} @ {tr.seq_len or '-'}",
                   f"{s.config}, {s.steps} steps, >= {s.min_tokens_per_s:g} tok/s", p.description)
         return [t]
 
@@ -50,8 +53,8 @@ class ProfileShow(Result):
     environment: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"profile": self.profile.model_dump(mode="json"), "env": self.profile.env(), "resolved": self.rows,
-                "unknown_env": self.resolved.unknown_env, "notes": self.resolved.notes,
+        return {"profile": self.profile.model_dump(mode="json"), "env": self.profile.env(),
+                "resolved": self.rows, "unknown_env": self.resolved.unknown_env, "notes": self.resolved.notes,
                 "environment_settings": self.environment}
 
     def view(self) -> list[Block]:
@@ -74,9 +77,10 @@ class ProfileShow(Result):
             Line("settings (as NSA_* variables): " + " ".join(f"{k}={v}" for k, v in p.env().items())), t]
         out += [Line(f"note: {note}", "caution", err=True, lead=4) for note in r.notes]
         if r.unknown_env:
-            out.append(Line(f"warning: unknown NSA_* variable(s) ignored: {'; '.join(r.unknown_env_described)} "
-                            "(hint: docs/migrating.md maps the older system's knobs; known names are in "
-                            "nsa/config/settings.py)", "caution", err=True, lead=7))
+            out.append(Line("warning: unknown NSA_* variable(s) ignored: "
+                            f"{'; '.join(r.unknown_env_described)} " "(hint: docs/migrating.md maps the "
+                            "older system's knobs; known names are in nsa/config/settings.py)", "caution",
+                            err=True, lead=7))
         return out
 
 

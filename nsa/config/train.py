@@ -17,7 +17,8 @@ from nsa.config.section import ConfigSection, check_path, exposed
 class TrainConfig(ConfigSection):
     """The training loop: how long, on what batches, from where, into which run directory."""
 
-    steps: int = Field(1000, ge=1, description="optimizer steps", json_schema_extra=exposed(env="NSA_STEPS", flag="--steps"))
+    steps: int = Field(1000, ge=1, description="optimizer steps",
+                       json_schema_extra=exposed(env="NSA_STEPS", flag="--steps"))
     seq_len: int = Field(2048, ge=2, description="tokens per sequence",
                          json_schema_extra=exposed(env="NSA_SEQ_LEN", flag="--seq-len"))
     batch_size: int = Field(8, ge=1, description="sequences per micro-batch per rank",
@@ -31,14 +32,14 @@ class TrainConfig(ConfigSection):
     resume: str | None = Field(None, description="'auto', a checkpoint path, or null",
                                json_schema_extra=exposed(flag="--resume"))
     init_from: str | None = Field(
-        None, description="start from these weights (a run directory, its export/, a checkpoint, or a Hugging Face "
-        "folder written by nsa export --format hf): step 0, fresh "
+        None, description="start from these weights (a run directory, its export/, a checkpoint, or a "
+        "Hugging Face folder written by nsa export --format hf): step 0, fresh "
         "optimizer and data; the model config must match. Ignored when the run resumes"
     )
     stop_at: int | None = Field(
-        None, ge=1, description="end this invocation after this step with a checkpoint, the learning-rate schedule "
-        "still spanning train.steps; resume to go on, e.g. at a longer --seq-len (a length curriculum)",
-        json_schema_extra=exposed(flag="--stop-at"),
+        None, ge=1, description="end this invocation after this step with a checkpoint, the learning-rate "
+        "schedule still spanning train.steps; resume to go on, e.g. at a longer --seq-len (a length "
+        "curriculum)", json_schema_extra=exposed(flag="--stop-at"),
     )
     run_name: str | None = Field(None, description="name in reports; default: the out_dir folder name")
 
@@ -48,7 +49,8 @@ class TrainConfig(ConfigSection):
 class OptimizerConfig(ConfigSection):
     """AdamW (weight decay on matrices only) and gradient clipping."""
 
-    lr: float = Field(3e-4, gt=0, description="peak learning rate", json_schema_extra=exposed(env="NSA_LR", flag="--lr"))
+    lr: float = Field(3e-4, gt=0, description="peak learning rate",
+                      json_schema_extra=exposed(env="NSA_LR", flag="--lr"))
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
@@ -65,11 +67,12 @@ class ScheduleConfig(ConfigSection):
 class CheckpointConfig(ConfigSection):
     """Periodic checkpoints, how many are kept, and the Hugging Face export at the end."""
 
-    every: int = Field(1000, ge=0, description="steps between periodic checkpoints; 0: only final/halt checkpoints",
+    every: int = Field(1000, ge=0,
+                       description="steps between periodic checkpoints; 0: only final/halt checkpoints",
                        json_schema_extra=exposed(env="NSA_SAVE_EVERY"))
     keep_last: int = Field(3, ge=1, description="complete checkpoints kept")
-    export_hf: bool = Field(False, description="at the end of the run also write RUN/hf/, the model in Hugging Face "
-                            "format (what nsa export RUN --format hf RUN/hf writes)")
+    export_hf: bool = Field(False, description="at the end of the run also write RUN/hf/, the model in "
+                            "Hugging Face format (what nsa export RUN --format hf RUN/hf writes)")
 
 
 class LoggingConfig(ConfigSection):
@@ -90,13 +93,13 @@ class EvalConfig(ConfigSection):
     every: int = Field(0, ge=0, description="steps between evaluations; 0 disables evaluation")
     batches: int = Field(8, ge=1, description="held-out batches per evaluation")
     selection_queries: int = Field(
-        64, ge=0, description="query positions per NSA layer for selection recall, compressed entropy and gates "
-        "at each evaluation (first held-out batch); 0: off")
+        64, ge=0, description="query positions per NSA layer for selection recall, compressed entropy and "
+        "gates at each evaluation (first held-out batch); 0: off")
 
 
 class ScorerConfig(ConfigSection):
-    """Two auxiliary selection losses on sampled queries of every NSA layer, added to the backward pass (not to
-    the reported loss; nsa.model.selection): the alignment loss (``align``, on by default: dense attention
+    """Two auxiliary selection losses on sampled queries of every NSA layer, added to the backward pass (not
+    to the reported loss; nsa.model.selection): the alignment loss (``align``, on by default: dense attention
     drawn into the selected blocks, the keys selection leaves out taught to be ignored) and the scorer loss
     (``weight``: ``KL(dense attention mass per block || the compressed branch's block scores)``, the gradient
     top-n selection never gives the block scorer)."""
@@ -106,15 +109,17 @@ class ScorerConfig(ConfigSection):
     until: int | None = Field(
         None, ge=1, description="last step with the losses (a warm-up); null: the whole run")
     into: Literal["query_and_keys", "keys", "weights"] = Field(
-        "query_and_keys", description="what the loss trains: query_and_keys (its gradient reaches the whole model "
-                                      "through them), keys (the compressed keys only), weights (the layer's query, "
-                                      "key and compression weights alone, from its input detached: nothing "
-                                      "before the layer, as DeepSeek's DSA trains its indexer)")
+        "query_and_keys", description="what the loss trains: query_and_keys (its gradient reaches the whole "
+                                      "model through them), keys (the compressed keys only), weights (the "
+                                      "layer's query, key and compression weights alone, from its input "
+                                      "detached: nothing before the layer, as DeepSeek's DSA trains its "
+                                      "indexer)")
     align: float = Field(
-        0.1, ge=0, description="alignment loss weight (0: off): -log of the dense attention mass inside the selected "
-                               "blocks at the same query positions, its gradient into the layer's query and selected "
-                               "keys (the keys selection leaves out learn to be suppressed: SSA, arXiv 2511.20102). "
-                               "On by default (docs/benchmarks/quality-sweep-h100.md)")
+        0.1, ge=0, description="alignment loss weight (0: off): -log of the dense attention mass inside the "
+                               "selected blocks at the same query positions, its gradient into the layer's "
+                               "query and selected keys (the keys selection leaves out learn to be "
+                               "suppressed: SSA, arXiv 2511.20102). On by default "
+                               "(docs/benchmarks/quality-sweep-h100.md)")
 
     @property
     def active(self) -> bool:

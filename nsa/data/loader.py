@@ -57,18 +57,21 @@ class Loader:
         )
         label = f"split {split} of {source.name} on rank {rank}/{world_size}"
         self._stream = DocumentStream(
-            source, getattr(tokenizer, "encode_array", tokenizer.encode), tokenizer.eot_id, keep, data_cfg.max_doc_chars,
+            source, getattr(tokenizer, "encode_array", tokenizer.encode), tokenizer.eot_id, keep,
+                                      data_cfg.max_doc_chars,
             label
         )
         self._packer = SequencePacker(self._stream, seq_len)
         mask_fn = getattr(source, "target_mask", None)
         mask = mask_fn() if callable(mask_fn) else None
         # [seq_len] bool: where y holds an answer of a synthetic task (None for text and random tokens)
-        self.answer_mask: torch.Tensor | None = torch.tensor(mask, dtype=torch.bool) if mask is not None else None
+        self.answer_mask: torch.Tensor | None = torch.tensor(mask,
+                                                             dtype=torch.bool) if mask is not None else None
         if data_cfg.loss_on == "answers" and self.answer_mask is None:
             raise DataError(
                 f"data.loss_on=answers needs a task with answers, not {source.describe()}",
-                hint="use data.source=synthetic with data.synthetic_task=needle, mqar or assoc_recall, or data.loss_on=all",
+                hint="use data.source=synthetic with data.synthetic_task=needle, mqar or assoc_recall, or "
+                     "data.loss_on=all",
             )
         self._depth = data_cfg.prefetch_depth
         self._fetch_ms: deque[float] = deque(maxlen=FETCH_WINDOW)
@@ -231,8 +234,8 @@ class Loader:
             # text continues at the same token whatever the window length (a length curriculum)
             if self.source.one_length:
                 raise DataError(
-                    f"loader state is for train.seq_len={state.get('seq_len')!r}, this run has {self.seq_len!r} "
-                    "and synthetic episodes are laid out for one length",
+                    f"loader state is for train.seq_len={state.get('seq_len')!r}, this run has "
+                    f"{self.seq_len!r} " "and synthetic episodes are laid out for one length",
                     hint=f"resume with --seq-len {state.get('seq_len')}, or start a new run",
                 )
             self.warnings.append(f"windows of {self.seq_len} tokens from here (the checkpoint's were "
@@ -272,7 +275,8 @@ def slowest_position(states: list[dict[str, Any]], rank: int, world_size: int) -
     """The loader state to resume from on another number of ranks: the saved rank furthest behind (lowest
     epoch, document, offset). Every new rank continues its own shard from that document, so no document
     is skipped; the faster ranks' last few documents are read again."""
-    return min(states, key=lambda s: (s["position"]["epoch"], s["position"]["index"], s["position"]["offset"]))
+    return min(states,
+               key=lambda s: (s["position"]["epoch"], s["position"]["index"], s["position"]["offset"]))
 
 
 def build_loader(

@@ -30,7 +30,8 @@ def pack_sequences(docs: Iterable[Sequence[int]], seq_len: int, eot_id: int) -> 
 
 @dataclass
 class StreamCounters:
-    """What a stream has read: usable documents, their characters (text sources) and skipped records by reason."""
+    """What a stream has read: usable documents, their characters (text sources) and skipped records by
+    reason."""
 
     docs_seen: int = 0
     chars_seen: int = 0

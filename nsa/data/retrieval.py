@@ -31,7 +31,8 @@ class RetrievalTask:
             raise ConfigError(f"retrieval gap={self.gap} must be in 1 .. seq_len-3={self.seq_len - 3}")
         if self.vocab_size < self.n_keys + self.n_values + 2:
             raise ConfigError(
-                f"vocab_size={self.vocab_size} leaves no filler after {self.n_keys} keys and {self.n_values} values"
+                f"vocab_size={self.vocab_size} leaves no filler after {self.n_keys} keys and {self.n_values} "
+                "values"
             )
 
     @property
@@ -79,8 +80,10 @@ class TaskLayout:
     def for_vocab(cls, vocab_size: int, eot_id: int, n: int = 32) -> TaskLayout:
         top = [t for t in range(vocab_size - 1, -1, -1) if t != eot_id][: 2 * n]
         if vocab_size < 2 * n + 8:
-            raise ConfigError(f"vocab_size={vocab_size} is too small for the retrieval tasks (needs {2 * n + 8})")
-        return cls(keys=tuple(sorted(top[n:])), values=tuple(sorted(top[:n])), filler_max=min(top), eot_id=eot_id)
+            raise ConfigError(f"vocab_size={vocab_size} is too small for the retrieval tasks (needs "
+                              f"{2 * n + 8})")
+        return cls(keys=tuple(sorted(top[n:])), values=tuple(sorted(top[:n])), filler_max=min(top),
+                   eot_id=eot_id)
 
     def filler(self, rng: torch.Generator, size: int) -> torch.Tensor:
         """Uniform filler ids (never eot, keys or values)."""
@@ -123,8 +126,9 @@ def needle_episode(layout: TaskLayout, rng: torch.Generator, context: int, depth
     return out, [context - 2]
 
 
-def mqar_episode(layout: TaskLayout, rng: torch.Generator, context: int, pairs: int, queries: int | None = None,
-                 haystack: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+def mqar_episode(layout: TaskLayout, rng: torch.Generator, context: int, pairs: int,
+                 queries: int | None = None, haystack: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                     list[int]]:
     """Multi-query associative recall: ``pairs`` key/value pairs (distinct keys) at random even slots
     of the filler, then ``queries`` of them asked again (key, value) in random order at the end. Scored
     at each asked key's position (the next token is its value)."""

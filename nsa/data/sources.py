@@ -126,7 +126,8 @@ def ignored_local_files(path: str) -> list[str]:
     root = Path(path).expanduser()
     if not root.is_dir():
         return []
-    return sorted(str(p) for p in root.rglob("*") if p.is_file() and not p.name.startswith(".") and not _format_of(p))
+    return sorted(str(p) for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
+                  and not _format_of(p))
 
 
 def describe_files(files: list[str], ignored: list[str], shown: int = 3) -> str:
@@ -176,7 +177,8 @@ def _parse_line(raw: bytes, file: str, line: int) -> Any:
 
 
 def _json_whole(data: bytes, file: str, line: int) -> list[Any]:
-    """Records of a whole-file JSON value: an array of objects (strings become ``{"text": s}``) or one object."""
+    """Records of a whole-file JSON value: an array of objects (strings become ``{"text": s}``) or one
+    object."""
     try:
         value = json.loads(data.decode("utf-8", errors="replace"))
     except (ValueError, RecursionError) as exc:
@@ -308,8 +310,9 @@ def _check_local_path(path: str) -> tuple[str, list[str]]:
 
 
 def _not_utf8(head: bytes, cut: bool, fmt: str) -> tuple[str, int, int] | None:
-    """``(what is wrong, records that are not UTF-8, records read)`` of the start of a file (``cut``: it goes on
-    beyond ``head``), or None when it reads as UTF-8 text. Records: paragraphs of a text file, lines of JSON."""
+    """``(what is wrong, records that are not UTF-8, records read)`` of the start of a file (``cut``: it goes
+    on beyond ``head``), or None when it reads as UTF-8 text. Records: paragraphs of a text file, lines of
+    JSON."""
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):
         return "is UTF-16 text (a byte order mark), not UTF-8", 1, 1
     units = [u for u in (head.split(b"\n\n") if fmt == "text" else head.splitlines()) if u.strip()]
@@ -353,7 +356,8 @@ def _check_encoding(path: str, fmt: str, files: list[str]) -> None:
             raise DataError(
                 f"data.path={path}{where}: {Path(file).name} {what}: {bad} of {seen} {unit}(s) read would be "
                 f"skipped as invalid_utf8",
-                hint=f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 {file} > {Path(file).stem}.utf8{Path(file).suffix}",
+                hint=f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 {file} > "
+                     f"{Path(file).stem}.utf8{Path(file).suffix}",
             )
 
 
@@ -373,7 +377,8 @@ def check_local_inputs(data_cfg: DataConfig) -> None:
 
 
 def _check_text_unit(path: str, fmt: str, text_unit: str) -> None:
-    """``data.text_unit`` other than paragraph is for .txt files: JSON and Parquet records are documents already."""
+    """``data.text_unit`` other than paragraph is for .txt files: JSON and Parquet records are documents
+    already."""
     if text_unit != "paragraph" and fmt != "text":
         raise DataError(f"data.text_unit={text_unit} applies to .txt files; data.path={path} holds {fmt} "
                         "records, each one document already", hint="drop data.text_unit")
@@ -504,7 +509,8 @@ class LocalSource:
 
     def describe(self) -> str:
         unit = ", one document per file" if self.text_unit == "file" else ""
-        return f"local: {self.format} at {self.path}, field {self.field!r}{unit}: {describe_files(self.files, self.ignored)}"
+        return (f"local: {self.format} at {self.path}, field {self.field!r}{unit}: "
+                f"{describe_files(self.files, self.ignored)}")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -612,8 +618,8 @@ class SyntheticSource:
             self.n_pairs = pairs if task == "mqar" else 1
             self.query_start = seq_len - 2 * self.n_pairs
             if task == "mqar" and self.query_start // 2 < pairs:
-                raise DataError(f"synthetic_task=mqar: train.seq_len={seq_len} is too short for {pairs} pairs",
-                                hint="lower data.synthetic_pairs or raise train.seq_len")
+                raise DataError(f"synthetic_task=mqar: train.seq_len={seq_len} is too short for {pairs} "
+                                "pairs", hint="lower data.synthetic_pairs or raise train.seq_len")
 
     def episode(self, index: int) -> np.ndarray:
         """Document ``index``: ``seq_len`` token ids (int64)."""
@@ -626,7 +632,8 @@ class SyntheticSource:
 
             gen = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))
             if self.task == "needle":
-                tokens, _ = needle_episode(self.layout, gen, self.seq_len, self.needle_depth(float(rng.random())))
+                tokens, _ = needle_episode(self.layout, gen, self.seq_len,
+                                           self.needle_depth(float(rng.random())))
             else:
                 tokens, _ = mqar_episode(self.layout, gen, self.seq_len, self.n_pairs)
             return tokens.numpy().astype(np.int64)
@@ -667,7 +674,8 @@ class SyntheticSource:
 
     def describe(self) -> str:
         detail = {
-            "assoc_recall": f", {self.n_pairs} pairs recalled across a {self.query_start - 2 * self.n_pairs}-token gap",
+            "assoc_recall": f", {self.n_pairs} pairs recalled across a "
+                            f"{self.query_start - 2 * self.n_pairs}-token gap",
             "needle": ", one key/value needle at a random depth, asked at the end",
             "mqar": f", {self.n_pairs} key/value pairs scattered, all asked at the end",
         }.get(self.task, "")
@@ -675,7 +683,8 @@ class SyntheticSource:
 
 
 def _synthetic(cfg: DataConfig, seed: int, seq_len: int, vocab_size: int, eot_id: int) -> SyntheticSource:
-    return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs, cfg.needle_edges)
+    return SyntheticSource(cfg.synthetic_task, seed, seq_len, vocab_size, eot_id, cfg.synthetic_pairs,
+                           cfg.needle_edges)
 
 
 def _hf_source(cfg: DataConfig) -> HFStreamSource:

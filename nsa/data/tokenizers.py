@@ -26,8 +26,8 @@ GPT2_FILES = {
     ),
 }
 GPT2_HINT = (
-    "on a machine with network run `python -c \"import tiktoken; tiktoken.get_encoding('gpt2')\"` and copy its "
-    "cache folder here (set TIKTOKEN_CACHE_DIR), or set data.tokenizer_path to a local tokenizer folder, "
+    "on a machine with network run `python -c \"import tiktoken; tiktoken.get_encoding('gpt2')\"` and copy "
+    "its cache folder here (set TIKTOKEN_CACHE_DIR), or set data.tokenizer_path to a local tokenizer folder, "
     "or use data.tokenizer=byte"
 )
 

@@ -20,19 +20,21 @@ def run_dir_of(path: str | Path) -> Path:
     the run for its ``export/`` folder, else the folder given (or holding the file given)."""
     p = Path(path)
     folder = p if p.is_dir() else p.parent
-    if folder.name == EXPORT_DIR and (is_run_dir(folder.parent) or RunDir(folder.parent).checkpoints.is_dir()):
+    if folder.name == EXPORT_DIR and (is_run_dir(folder.parent)
+                                      or RunDir(folder.parent).checkpoints.is_dir()):
         return folder.parent
     if folder.parent.name == CHECKPOINTS_DIR:
         return folder.parent.parent
     return folder
 
 
-def build_payload(task: str, rows: list[dict[str, Any]], *, run: str | Path | None, checkpoint: str | Path | None,
-                  settings: dict[str, Any], env: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_payload(task: str, rows: list[dict[str, Any]], *, run: str | Path | None,
+                  checkpoint: str | Path | None, settings: dict[str, Any],
+                  env: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"task", "run", "checkpoint", "step", "weights", "results", "settings", "env"}``: ``step`` and
-    ``weights`` (the file's SHA-256) say which weights were evaluated, so a report can tell an evaluation of an
-    earlier step (stale) from one of the model as it is (``env`` defaults to :func:`nsa.envinfo.environment`);
-    non-finite numbers become null."""
+    ``weights`` (the file's SHA-256) say which weights were evaluated, so a report can tell an evaluation of
+    an earlier step (stale) from one of the model as it is (``env`` defaults to
+    :func:`nsa.envinfo.environment`); non-finite numbers become null."""
     if env is None:
         env = environment()
     step, digest = weights_identity(Path(checkpoint)) if checkpoint is not None else (None, None)
@@ -76,7 +78,8 @@ def needle_heatmap(payload: dict[str, Any], path: str | Path) -> Path:
     acc = {(int(r["context"]), float(r["depth"])): r["accuracy"] for r in rows}
     grid = [[acc.get((c, d)) for c in contexts] for d in depths]
     values = [[float("nan") if v is None else float(v) for v in line] for line in grid]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(contexts) + 2.5), max(3.0, 0.55 * len(depths) + 1.8)), dpi=100)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(contexts) + 2.5), max(3.0, 0.55 * len(depths) + 1.8)),
+                           dpi=100)
     try:
         im = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
         for i, line in enumerate(grid):
@@ -112,7 +115,8 @@ def save_results(run_dir: str | Path | None, payload: dict[str, Any]) -> list[Pa
         if payload["task"] == "needle":
             paths.append(needle_heatmap(payload, files.needle_png))
     except OSError as exc:  # the files written before stay whole (atomic writes)
-        raise RunDirError(write_failure(exc, folder).replace("cannot write ", "cannot write the results to ", 1),
-                          hint="free disk space or make the run directory writable; --json-out PATH keeps them "
-                               "elsewhere") from None
+        raise RunDirError(write_failure(exc, folder).replace("cannot write ", "cannot write the results to ",
+                                                             1),
+                          hint="free disk space or make the run directory writable; --json-out PATH keeps "
+                               "them elsewhere") from None
     return paths

@@ -1,17 +1,19 @@
-"""RULER-style long-context tasks (Hsieh et al. 2024, "RULER: What's the Real Context Size of Your Long-Context
-Language Models?"), generated locally from a seed: the needle family (one key; one key among distractors; one
-key with several values; several keys asked at once), variable tracking, and common and frequent word extraction.
-Nothing is downloaded; the question-answering family (which needs a reading-comprehension dataset) is left out.
+"""RULER-style long-context tasks (Hsieh et al. 2024, "RULER: What's the Real Context Size of Your
+Long-Context Language Models?"), generated locally from a seed: the needle family (one key; one key among
+distractors; one key with several values; several keys asked at once), variable tracking, and common and
+frequent word extraction. Nothing is downloaded; the question-answering family (which needs a
+reading-comprehension dataset) is left out.
 
-An episode is ``context`` tokens of the run's tokenizer: a haystack (RULER's noise sentences, or the run's held-out
-text) with the task's facts inserted at random depths, then a question and its answer. The answer holds one or
-more *values* (a number, a variable name, a word); the model reads the whole episode once (teacher forcing) and
-gets a value right iff its argmax predicts every token of it. An episode scores the share of its values it gets
-right (RULER's ``string_match_all``); a cell (task, context) the mean over its episodes. Beside the score, the mean
-negative log-likelihood of the answer values' tokens (``answer_nll``, nats per token, teacher-forced): a graded
-reading that still tells models apart while none of them gets a value right (an early checkpoint). Every episode has its own
-generator, seeded from ``(seed, "ruler", task, context, sample index)``, so a score does not depend on the batch
-size or on which other tasks and contexts run.
+An episode is ``context`` tokens of the run's tokenizer: a haystack (RULER's noise sentences, or the run's
+held-out text) with the task's facts inserted at random depths, then a question and its answer. The answer
+holds one or more *values* (a number, a variable name, a word); the model reads the whole episode once
+(teacher forcing) and gets a value right iff its argmax predicts every token of it. An episode scores the
+share of its values it gets right (RULER's ``string_match_all``); a cell (task, context) the mean over its
+episodes. Beside the score, the mean negative log-likelihood of the answer values' tokens (``answer_nll``,
+nats per token, teacher-forced): a graded reading that still tells models apart while none of them gets a
+value right (an early checkpoint). Every episode has its own generator, seeded from ``(seed, "ruler", task,
+context, sample index)``, so a score does not depend on the batch size or on which other tasks and contexts
+run.
 """
 
 from __future__ import annotations
@@ -60,8 +62,10 @@ def _number(rng: random.Random) -> str:
     return str(rng.randint(1_000_000, 9_999_999))
 
 
-def _answer(encode: Encode, head: list[int], values: list[str], sep: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """``head`` + each value (after ``sep``, a space before the first), with the values' spans in the result."""
+def _answer(encode: Encode, head: list[int], values: list[str], sep: str) -> tuple[list[int],
+                                                                                   list[tuple[int, int]]]:
+    """``head`` + each value (after ``sep``, a space before the first), with the values' spans in the
+    result."""
     ids, spans = list(head), []
     for i, v in enumerate(values):
         ids += encode(" " if i == 0 else sep)
@@ -95,23 +99,25 @@ class _Builder:
         return (self.noise * reps)[:n]
 
     def cut(self, rng: random.Random, room: int) -> int:
-        """Where a fact goes into a haystack of ``room`` tokens: after a sentence of the noise, anywhere in text."""
+        """Where a fact goes into a haystack of ``room`` tokens: after a sentence of the noise, anywhere in
+        text."""
         if self.haystack == "text" or room < self.noise_ends[0]:
             return rng.randint(0, room)
         period = self.noise_ends[-1]
-        ends = [p * period + e for p in range(room // period + 1) for e in self.noise_ends if p * period + e <= room]
+        ends = [p * period + e for p in range(room // period + 1) for e in self.noise_ends if p * period + e
+                <= room]
         return rng.choice(ends)
 
     def with_facts(self, task: str, rng: random.Random, facts: list[str], tail: list[int],
                    spans: list[tuple[int, int]], ordered: bool = False) -> Episode:
-        """``facts`` (sentences) at random depths of the haystack (in this order when ``ordered``), then ``tail``
-        (question and answer; ``spans`` in it)."""
+        """``facts`` (sentences) at random depths of the haystack (in this order when ``ordered``), then
+        ``tail`` (question and answer; ``spans`` in it)."""
         fact_ids = [self.encode(f + " ") for f in facts]
         room = self.context - len(tail) - sum(len(f) for f in fact_ids)
         if room < 1:
             need = self.context - room + 1
-            raise ConfigError(f"context={self.context} is too short for the ruler task {task} (needs >= {need} tokens)",
-                              hint="evaluate longer contexts, e.g. --contexts 4k,8k")
+            raise ConfigError(f"context={self.context} is too short for the ruler task {task} (needs >= "
+                              f"{need} tokens)", hint="evaluate longer contexts, e.g. --contexts 4k,8k")
         hay = self.filler(rng, room)
         cuts = sorted(self.cut(rng, room) for _ in facts)
         order = list(range(len(facts))) if ordered else rng.sample(range(len(facts)), len(facts))
@@ -127,8 +133,8 @@ class _Builder:
 
     def listing(self, task: str, rng: random.Random, items: list[str], sep: str, tail: list[int],
                 spans: list[tuple[int, int]]) -> Episode:
-        """``items`` joined by ``sep`` as the whole haystack (truncated nowhere: the caller sized it), padded in
-        front with noise to the context, then ``tail``."""
+        """``items`` joined by ``sep`` as the whole haystack (truncated nowhere: the caller sized it), padded
+        in front with noise to the context, then ``tail``."""
         body = self.encode(sep.join(items) + " ")
         room = self.context - len(tail) - len(body)
         if room < 0:
@@ -146,7 +152,8 @@ def _niah(b: _Builder, task: str, rng: random.Random) -> Episode:
     if task in ("niah_single", "niah_multikey"):
         facts = [f"One of the special magic numbers for {keys[0]} is: {values[0]}."]
         if task == "niah_multikey":
-            facts += [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys[1:], values[1:],
+            facts += [f"One of the special magic numbers for {k} is: {v}." for k,
+                      v in zip(keys[1:], values[1:],
                                                                                           strict=True)]
         q = (f"\nWhat is the special magic number for {keys[0]} mentioned in the text above? "
              f"The special magic number for {keys[0]} mentioned in the text above is:")
@@ -154,8 +161,8 @@ def _niah(b: _Builder, task: str, rng: random.Random) -> Episode:
         return b.with_facts(task, rng, facts, tail, spans)
     if task == "niah_multivalue":
         facts = [f"One of the special magic numbers for {keys[0]} is: {v}." for v in values]
-        q = (f"\nWhat are all the special magic numbers for {keys[0]} mentioned in the text above, in the order they "
-             f"appear? The special magic numbers for {keys[0]} mentioned in the text above are:")
+        q = (f"\nWhat are all the special magic numbers for {keys[0]} mentioned in the text above, in the "
+             f"order they appear? The special magic numbers for {keys[0]} mentioned in the text above are:")
         tail, spans = _answer(enc, enc(q), values, ", ")
         return b.with_facts(task, rng, facts, tail, spans, ordered=True)
     facts = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values, strict=True)]
@@ -187,8 +194,8 @@ def _item_tokens(encode: Encode, word: str) -> int:
 
 def _cwe(b: _Builder, rng: random.Random, n_common: int = 10) -> Episode:
     enc = b.encode
-    q = (f"\nWhat are the {n_common} most common words in the numbered list above, in the order they first appear? "
-         f"The {n_common} most common words in the list above are:")
+    q = (f"\nWhat are the {n_common} most common words in the numbered list above, in the order they first "
+         f"appear? The {n_common} most common words in the list above are:")
     common = _words(rng, n_common)
     tail_len = len(enc(q)) + sum(len(enc(" " + w)) for w in common)
     per_item = _item_tokens(enc, common[0])
@@ -208,7 +215,8 @@ def _cwe(b: _Builder, rng: random.Random, n_common: int = 10) -> Episode:
         over = len(enc(" ".join(numbered) + " ")) - (b.context - len(tail))
         rare_at = [i for i, w in enumerate(items) if w not in common]
         if over <= 0 or not rare_at:
-            return b.listing("cwe", rng, numbered, " ", tail, spans)  # too short even without them: it says so
+            # too short even without them: it says so
+            return b.listing("cwe", rng, numbered, " ", tail, spans)
         for i in reversed(rare_at[-(-over // per_item):]):
             del items[i]
 
@@ -284,7 +292,8 @@ def _values_nll(logits: torch.Tensor, tokens: torch.Tensor, values: list[tuple[i
 
 def grade_episodes(model: nn.Module, episodes: list[Episode], device: torch.device,
                    batch_size: int) -> list[tuple[float, float]]:
-    """Each episode's ``(share of values right, answer NLL)`` (one forward per batch of equal-length episodes)."""
+    """Each episode's ``(share of values right, answer NLL)`` (one forward per batch of equal-length
+    episodes)."""
     out: list[tuple[float, float]] = []
     for i in range(0, len(episodes), batch_size):
         chunk = episodes[i:i + batch_size]
@@ -296,7 +305,8 @@ def grade_episodes(model: nn.Module, episodes: list[Episode], device: torch.devi
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows of ``task = "mean"``: per context, the mean score (and answer NLL) over the tasks that ran there."""
+    """Rows of ``task = "mean"``: per context, the mean score (and answer NLL) over the tasks that ran
+    there."""
     out = []
     for c in sorted({r["context"] for r in rows}):
         here = [r for r in rows if r["context"] == c]

@@ -42,22 +42,23 @@ niah_multivalue, niah_multiquery (needles of 7-digit numbers under pseudo-word k
 through 4 hops), cwe (the 10 most common words of a numbered list), fwe (the 3 most frequent coded words). The
 haystack is RULER's noise sentences (--haystack random, the default) or the run's val split (--haystack text).
 A value is right when the model predicts every token of it reading the episode once; a cell scores the mean
-share of values right; the mean row averages the tasks. A Hugging Face export (nsa export --format hf) evaluates
-like its run.
+share of values right; the mean row averages the tasks. A Hugging Face export (nsa export --format hf)
+evaluates like its run.
 
 The selection task (NSA models) measures per layer, on the run's val split: recall (share of the dense
 attention mass, same q/k, inside the selected blocks; 1 = nothing lost), its ceiling (the mass in the best
 blocks selection could choose: below 1 when dense attention spreads over more blocks than it keeps),
-compressed entropy (1 = uniform), the scorer KL and the mean gates; averaged over --samples sequences at --queries positions
-per layer (default 64). At a context <= n_sel * l_sel every block is selected and recall is not measured."""
+compressed entropy (1 = uniform), the scorer KL and the mean gates; averaged over --samples sequences at
+--queries positions per layer (default 64). At a context <= n_sel * l_sel every block is selected and recall
+is not measured."""
 DEFAULT_SAMPLES = {"needle": 32, "mqar": 32, "loss": 16, "selection": 8, "ruler": 16}
 SELECTION_QUERIES = 64  # query positions per layer of the selection task
 
 
 @dataclass
 class EvalSpec:
-    """What to evaluate: ``task`` at ``contexts`` (None: the run's ``train.seq_len``); ``samples`` episodes per
-    cell (needle, mqar) or val sequences per context (loss, selection), default :data:`DEFAULT_SAMPLES`;
+    """What to evaluate: ``task`` at ``contexts`` (None: the run's ``train.seq_len``); ``samples`` episodes
+    per cell (needle, mqar) or val sequences per context (loss, selection), default :data:`DEFAULT_SAMPLES`;
     ``queries``: MQAR keys asked (default ``pairs``) or the selection task's positions per layer (default
     :data:`SELECTION_QUERIES`)."""
 
@@ -74,7 +75,8 @@ class EvalSpec:
     ruler_tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))
 
     def check(self) -> None:
-        """``ConfigError`` for what can be checked before a model is loaded (task, haystack, depths, contexts)."""
+        """``ConfigError`` for what can be checked before a model is loaded (task, haystack, depths,
+        contexts)."""
         if self.task not in TASKS:
             raise ConfigError(f"unknown task {self.task!r}", hint=f"use --task {'|'.join(TASKS)}")
         if self.haystack not in HAYSTACKS:
@@ -92,8 +94,8 @@ class EvalSpec:
 
 
 def _load(path: str | Path, device: torch.device) -> LoadedModel:
-    """The model at ``path``: a run directory, its export, a checkpoint, or an export in the Hugging Face format
-    (``nsa export --format hf``), which evaluates as the run it came from."""
+    """The model at ``path``: a run directory, its export, a checkpoint, or an export in the Hugging Face
+    format (``nsa export --format hf``), which evaluates as the run it came from."""
     if not is_hf_folder(path):
         return load_model(path, device=device)
     state, cfg, weights = read_hf(path)
@@ -106,9 +108,10 @@ def _load(path: str | Path, device: torch.device) -> LoadedModel:
 
 
 def run_eval(path: str | Path, spec: EvalSpec, say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Load the model at ``path`` (a run directory, its export, a checkpoint, a Hugging Face export), score it on ``spec`` and return
-    the payload (``task, run, checkpoint, step, weights, results, settings, env``). ``say`` hears one line
-    naming the weights, device and contexts before the work starts. ``ConfigError`` / ``RunDirError`` /
+    """Load the model at ``path`` (a run directory, its export, a checkpoint, a Hugging Face export), score it
+    on ``spec`` and return the payload (``task, run, checkpoint, step, weights, results, settings, env``).
+    ``say`` hears one line naming the weights, device and contexts before the work starts. ``ConfigError`` /
+    ``RunDirError`` /
     ``CheckpointError`` for bad input."""
     spec.check()
     task, q = spec.task, spec.mqar_queries
@@ -117,8 +120,8 @@ def run_eval(path: str | Path, spec: EvalSpec, say: Callable[[str], None] | None
     loaded = _load(path, dev)
     cfg, model = loaded.config, loaded.model
     if task == "selection" and cfg.model.attention != "nsa":
-        raise ConfigError(f"the selection task needs an NSA model; {loaded.source} has {cfg.model.attention} attention",
-                          hint="evaluate a run trained with model.attention: nsa")
+        raise ConfigError(f"the selection task needs an NSA model; {loaded.source} has {cfg.model.attention} "
+                          "attention", hint="evaluate a run trained with model.attention: nsa")
     limit = cfg.model.max_seq_len
     contexts = spec.contexts if spec.contexts is not None else [min(cfg.train.seq_len, limit)]
     if spec.contexts is None:
@@ -127,10 +130,12 @@ def run_eval(path: str | Path, spec: EvalSpec, say: Callable[[str], None] | None
     tok = get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     if say is not None:
         say(f"[{loaded.source}, {dev}, task {task}, contexts {','.join(map(str, contexts))}]")
-    settings: dict[str, Any] = {"samples": n, "depths": spec.depths if task == "needle" else None, "contexts": contexts,
+    settings: dict[str, Any] = {"samples": n, "depths": spec.depths if task == "needle" else None,
+                                "contexts": contexts,
                                 "haystack": spec.haystack if task in ("needle", "mqar") else None,
-                                "pairs": spec.pairs if task == "mqar" else None, "queries": q if task == "mqar" else None,
-                                "seed": spec.seed, "batch_size": spec.batch_size, "device": str(dev)}
+                                "pairs": spec.pairs if task == "mqar" else None,
+                                "queries": q if task == "mqar" else None, "seed": spec.seed,
+                                "batch_size": spec.batch_size, "device": str(dev)}
     if task in ("loss", "selection"):
         bs = spec.batch_size or max(1, min(n, TOKENS_PER_BATCH // max(contexts)))
         batches = math.ceil(n / bs)
@@ -144,26 +149,30 @@ def run_eval(path: str | Path, spec: EvalSpec, say: Callable[[str], None] | None
             rows = eval_selection(model, cfg, tok, contexts, batches, queries=sq, batch_size=bs, device=dev,
                                   max_seq_len=limit)
     elif task == "ruler":
-        hay = "text" if spec.haystack == "text" else "noise"  # random filler means RULER's noise sentences here
+        # random filler means RULER's noise sentences here
+        hay = "text" if spec.haystack == "text" else "noise"
         settings.update(haystack=hay, tasks=spec.ruler_tasks)
         text = text_haystack(cfg, tok, 2 * max(contexts), seq_len=max(contexts)) if hay == "text" else None
         rows = eval_ruler(model, tok, contexts, n, spec.ruler_tasks, seed=spec.seed, device=dev,
                           batch_size=spec.batch_size, haystack=hay, text_tokens=text, max_seq_len=limit)
     else:
         layout = TaskLayout.for_vocab(min(cfg.model.vocab_size, tok.vocab_size), tok.eot_id)
-        text = text_haystack(cfg, tok, 2 * max(contexts), seq_len=max(contexts)) if spec.haystack == "text" else None
+        text = text_haystack(cfg, tok, 2 * max(contexts),
+                             seq_len=max(contexts)) if spec.haystack == "text" else None
         if task == "needle":
             rows = eval_needle(model, layout, contexts, spec.depths, n, seed=spec.seed, device=dev,
-                               batch_size=spec.batch_size, haystack=spec.haystack, text_tokens=text, max_seq_len=limit)
+                               batch_size=spec.batch_size, haystack=spec.haystack, text_tokens=text,
+                               max_seq_len=limit)
         else:
-            rows = eval_mqar(model, layout, contexts, n, pairs=spec.pairs, queries=q, seed=spec.seed, device=dev,
-                             batch_size=spec.batch_size, haystack=spec.haystack, text_tokens=text, max_seq_len=limit)
+            rows = eval_mqar(model, layout, contexts, n, pairs=spec.pairs, queries=q, seed=spec.seed,
+                             device=dev, batch_size=spec.batch_size, haystack=spec.haystack, text_tokens=text,
+                             max_seq_len=limit)
     return build_payload(task, rows, run=_run_of(path), checkpoint=loaded.source, settings=settings)
 
 
 def _run_of(path: str | Path) -> Path | None:
-    """The run directory the results belong to; for a Hugging Face export the run that holds it, else none (the
-    results are not written into an export that may travel)."""
+    """The run directory the results belong to; for a Hugging Face export the run that holds it, else none
+    (the results are not written into an export that may travel)."""
     if not is_hf_folder(path):
         return run_dir_of(path)
     parent = Path(path).resolve().parent

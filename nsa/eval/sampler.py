@@ -17,7 +17,8 @@ from nsa.model.load import load_model
 
 
 def pick_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when visible, else ``cpu``; a request the machine cannot serve is a ConfigError."""
+    """``auto`` -> ``cuda`` when visible, else ``cpu``; a request the machine cannot serve is a
+    ConfigError."""
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device {device!r} must be auto, cpu or cuda")
     if device == "auto":
@@ -45,8 +46,8 @@ class Sampler:
         if device == "cuda":
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.runtime.precision, torch.float32)
             loaded.model.to(device=device, dtype=dtype)
-        return cls(loaded.model, get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path), cfg, str(loaded.source),
-                   device)
+        return cls(loaded.model, get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path), cfg,
+                   str(loaded.source), device)
 
     def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
         """The prompt's ids (an empty prompt starts a new document), checked against the model's limits."""
@@ -60,9 +61,9 @@ class Sampler:
                               f"model.vocab_size={m.vocab_size}")
         return ids
 
-    def stream(self, ids: list[int], max_new_tokens: int, *, temperature: float = 0.8, top_k: int | None = None,
-               top_p: float | None = None, seed: int | None = None, stop_at_eot: bool = True,
-               cuda_graph: bool = False) -> Iterator[str]:
+    def stream(self, ids: list[int], max_new_tokens: int, *, temperature: float = 0.8,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               stop_at_eot: bool = True, cuda_graph: bool = False) -> Iterator[str]:
         """Pieces of new text as they become whole characters; their concatenation is the decoded output."""
 
         prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -93,9 +94,10 @@ class Sampling:
     pieces: Iterator[str]
 
 
-def sample_text(path: str | Path, prompt: str, max_new_tokens: int, *, device: str = "auto", **stream: Any) -> Sampling:
-    """Open the model at ``path`` on ``device`` and start continuing ``prompt`` (``stream``: the sampling options
-    of :meth:`Sampler.stream`); the request is checked before the first piece."""
+def sample_text(path: str | Path, prompt: str, max_new_tokens: int, *, device: str = "auto",
+                **stream: Any) -> Sampling:
+    """Open the model at ``path`` on ``device`` and start continuing ``prompt`` (``stream``: the sampling
+    options of :meth:`Sampler.stream`); the request is checked before the first piece."""
     sampler = Sampler.open(path, device)
     ids = sampler.encode(prompt, max_new_tokens)
     return Sampling(f"[{sampler.source}, {sampler.device}, {len(ids)} prompt tokens]",

@@ -1,5 +1,6 @@
-"""Scoring a language model on needle retrieval, MQAR and held-out loss, and measuring an NSA model's selection
-(recall of the dense attention mass, compressed entropy, scorer KL, gates per layer) on held-out data.
+"""Scoring a language model on needle retrieval, MQAR and held-out loss, and measuring an NSA model's
+selection (recall of the dense attention mass, compressed entropy, scorer KL, gates per layer) on held-out
+data.
 
 A model is anything whose ``forward(input_ids [B, S])`` returns an object with ``.logits [B, S, V]``
 (``NSALM``, the dense baseline, or a test stub). Retrieval episodes come from ``nsa.data.retrieval``;
@@ -95,7 +96,8 @@ def check_depths(depths: Sequence[float]) -> list[float]:
         raise ConfigError("no depths given", hint="e.g. --depths 0,0.25,0.5,0.75,1")
     for d in out:
         if not 0.0 <= d <= 1.0:  # also rejects NaN
-            raise ConfigError(f"depth={d} must be in [0, 1]", hint="0 = the first token, 1 = just before the question")
+            raise ConfigError(f"depth={d} must be in [0, 1]",
+                              hint="0 = the first token, 1 = just before the question")
     return out
 
 
@@ -130,9 +132,11 @@ def _generator(seed: int, *parts: object) -> torch.Generator:
     return torch.Generator().manual_seed(_seed(seed, *parts))
 
 
-def _episode_setup(model: nn.Module, task: str, contexts: Sequence[int], samples: int, max_seq_len: int | None,
-                   pairs: int | None = None, queries: int | None = None) -> list[int]:
-    """The checked contexts of an episode task (against ``max_seq_len``, default the model's); ``samples >= 1``."""
+def _episode_setup(model: nn.Module, task: str, contexts: Sequence[int], samples: int,
+                   max_seq_len: int | None, pairs: int | None = None,
+                   queries: int | None = None) -> list[int]:
+    """The checked contexts of an episode task (against ``max_seq_len``, default the model's); ``samples >=
+    1``."""
     limit = max_seq_len if max_seq_len is not None else _model_max_seq_len(model)
     ctxs = check_contexts(contexts, task, limit, pairs, queries)
     if samples < 1:
@@ -162,8 +166,10 @@ def _device_of(model: nn.Module, device: str | torch.device | None) -> torch.dev
     return param.device if param is not None else resolve_device("auto")
 
 
-def _correct(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Per episode, how many answer positions the model gets right: ``tokens [B, S]``, ``positions [B, Q]``."""
+def _correct(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+             device: torch.device) -> torch.Tensor:
+    """Per episode, how many answer positions the model gets right: ``tokens [B, S]``, ``positions [B,
+    Q]``."""
     x = tokens.to(device)
     pos = positions.to(device)
     logits = model(x).logits
@@ -182,7 +188,8 @@ def _score(model: nn.Module, episodes: list[tuple[torch.Tensor, list[int]]], dev
     return out
 
 
-def _haystack(text_tokens: torch.Tensor | None, haystack: str, rng: torch.Generator, context: int) -> torch.Tensor | None:
+def _haystack(text_tokens: torch.Tensor | None, haystack: str, rng: torch.Generator,
+              context: int) -> torch.Tensor | None:
     if haystack == "random":
         return None
     assert text_tokens is not None
@@ -197,7 +204,8 @@ def _check_haystack(haystack: str, text_tokens: torch.Tensor | None, contexts: l
         if text_tokens is None:
             raise ConfigError("haystack=text needs text_tokens (see nsa.eval.text_haystack)")
         if text_tokens.numel() < max(contexts):
-            raise ConfigError(f"the text haystack has {text_tokens.numel()} tokens, fewer than context={max(contexts)}")
+            raise ConfigError(f"the text haystack has {text_tokens.numel()} tokens, fewer than "
+                              f"context={max(contexts)}")
 
 
 def eval_needle(
@@ -226,7 +234,8 @@ def eval_needle(
             for d in deps:
                 for i in range(samples):
                     rng = _generator(seed, "needle", c, d, i)
-                    episodes.append(needle_episode(layout, rng, c, d, _haystack(text_tokens, haystack, rng, c)))
+                    episodes.append(needle_episode(layout, rng, c, d,
+                                                   _haystack(text_tokens, haystack, rng, c)))
             correct = _score(model, episodes, dev, _batch_size(batch_size, c, len(episodes)))
             for j, d in enumerate(deps):
                 hits = sum(correct[j * samples : (j + 1) * samples])
@@ -261,7 +270,8 @@ def eval_mqar(
             episodes = []
             for i in range(samples):
                 rng = _generator(seed, "mqar", c, pairs, q, i)
-                episodes.append(mqar_episode(layout, rng, c, pairs, q, _haystack(text_tokens, haystack, rng, c)))
+                episodes.append(mqar_episode(layout, rng, c, pairs, q,
+                                             _haystack(text_tokens, haystack, rng, c)))
             correct = _score(model, episodes, dev, _batch_size(batch_size, c, len(episodes)))
             n = samples * q
             rows.append({"context": c, "accuracy": sum(correct) / n, "n": n})
@@ -276,7 +286,8 @@ def _utf8_bytes(tokenizer: Any, ids: list[int]) -> int:
     return len(tokenizer.decode(ids).encode("utf-8"))
 
 
-def _val_loader(run_cfg: Any, tokenizer: Any, context: int, batch_size: int, device: torch.device | None) -> Any:
+def _val_loader(run_cfg: Any, tokenizer: Any, context: int, batch_size: int,
+                device: torch.device | None) -> Any:
     return build_loader(run_cfg.data, tokenizer, split="val", seq_len=context, batch_size=batch_size,
                         seed=run_cfg.train.seed, device=device)
 
@@ -324,8 +335,9 @@ def eval_loss(
                     x, y = next(loader)
                     cu = _documents(run_cfg, tokenizer, x)
                     logits = (model(x) if cu is None else model(x, cu_seqlens=cu)).logits.float()
-                    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                                           ignore_index=-100, reduction="none").view(y.shape)
+                    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                           y.reshape(-1), ignore_index=-100,
+                                                           reduction="none").view(y.shape)
                     keep = y != -100
                     pos_nats += (ce.double() * keep).sum(0).cpu()
                     pos_tokens += keep.sum(0).cpu()
@@ -336,7 +348,8 @@ def eval_loss(
             bpb = nats / math.log(2) / n_bytes if n_bytes else None
             by_position = [{"start": a, "end": b, "loss": float(pos_nats[a:b].sum()) / n, "n": n}
                            for a, b in position_buckets(c) if (n := int(pos_tokens[a:b].sum()))]
-            rows.append({"context": c, "loss": loss, "bits_per_byte": bpb, "n": tokens, "by_position": by_position})
+            rows.append({"context": c, "loss": loss, "bits_per_byte": bpb, "n": tokens,
+                         "by_position": by_position})
     return rows
 
 
@@ -371,11 +384,12 @@ def eval_selection(
 ) -> list[dict[str, Any]]:
     """An NSA model's selection diagnostics on the run's validation split (``NSALM.selection_report`` with
     ``queries`` positions per layer), averaged over ``batches`` batches per context: rows ``{"context",
-    "layer", "recall", "recall_best", "recall_forced", "cmp_entropy", "kl", "gates", "n"}`` (``n`` = sequences;
-    ``recall_best``: recall's ceiling, a perfect scorer's; ``recall_forced``: the forced blocks' share), contexts
-    outer. The numbers (``SELECTION_FIELDS``) are None at a context too short for selection to choose (every
-    block is selected). The loader is seeded with ``train.seed`` (the same batches every time). A model without
-    NSA layers is a ``ConfigError``."""
+    "layer", "recall", "recall_best", "recall_forced", "cmp_entropy", "kl", "gates", "n"}`` (``n`` =
+    sequences;
+    ``recall_best``: recall's ceiling, a perfect scorer's; ``recall_forced``: the forced blocks' share),
+    contexts outer. The numbers (``SELECTION_FIELDS``) are None at a context too short for selection to choose
+    (every block is selected). The loader is seeded with ``train.seed`` (the same batches every time). A model
+    without NSA layers is a ``ConfigError``."""
     report = getattr(model, "selection_report", None)
     if not callable(report) or getattr(getattr(model, "model_cfg", None), "attention", "nsa") == "dense":
         raise ConfigError("the selection task needs an NSA model (this one has dense attention)",
@@ -405,7 +419,8 @@ def eval_selection(
                 gates = [r["gates"] for r in reps if r.get("gates") is not None]
                 row: dict[str, Any] = {"context": c, "layer": layer}
                 row.update({k: _mean([r.get(k) for r in reps]) for k in SELECTION_FIELDS})
-                row["gates"] = [sum(float(g[i]) for g in gates) / len(gates) for i in range(3)] if gates else None
+                row["gates"] = [sum(float(g[i]) for g in gates) / len(gates)
+                                for i in range(3)] if gates else None
                 row["n"] = sequences
                 rows.append(row)
     return rows
@@ -440,10 +455,11 @@ def eval_ruler(
     text_tokens: torch.Tensor | None = None,
     max_seq_len: int | None = None,
 ) -> list[dict[str, Any]]:
-    """RULER-style tasks (:mod:`nsa.eval.ruler`): rows ``{"task", "context", "score", "answer_nll", "n"}`` (``score``:
-    the mean share of an episode's answer values the model gets right; ``answer_nll``: the mean NLL of the answer
-    tokens, nats; ``n`` episodes), contexts outer, then one
-    ``task = "mean"`` row per context. ``haystack``: ``noise`` (RULER's sentences) or ``text`` (``text_tokens``)."""
+    """RULER-style tasks (:mod:`nsa.eval.ruler`): rows ``{"task", "context", "score", "answer_nll", "n"}``
+    (``score``: the mean share of an episode's answer values the model gets right; ``answer_nll``: the mean
+    NLL of the answer tokens, nats; ``n`` episodes), contexts outer, then one
+    ``task = "mean"`` row per context. ``haystack``: ``noise`` (RULER's sentences) or ``text``
+    (``text_tokens``)."""
     ctxs = _episode_setup(model, "ruler", contexts, samples, max_seq_len)
     names = check_ruler_tasks(tasks)
     if haystack not in RULER_HAYSTACKS:

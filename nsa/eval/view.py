@@ -1,6 +1,6 @@
-"""``nsa eval`` as one call: :func:`evaluate` scores a model (:func:`nsa.eval.run.run_eval`), keeps the results in
-the run and where ``--json-out`` asks, and returns an :class:`Evaluation`: the payload, and its tables (a heading
-line and a table per grid; one per context for the selection task)."""
+"""``nsa eval`` as one call: :func:`evaluate` scores a model (:func:`nsa.eval.run.run_eval`), keeps the
+results in the run and where ``--json-out`` asks, and returns an :class:`Evaluation`: the payload, and its
+tables (a heading line and a table per grid; one per context for the selection task)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def _each_document(settings: dict[str, Any]) -> str:
 
 
 def _grid(rows: list[dict[str, Any]], key: str, value: str, labels: list[str], keys: list[Any]) -> Table:
-    """``rows``' ``value`` (coloured): a row per ``key`` (``keys``, shown as ``labels``), a column per context."""
+    """``rows``' ``value`` (coloured): a row per ``key`` (``keys``, shown as ``labels``), a column per
+    context."""
     contexts = sorted({r["context"] for r in rows})
     cell = {(r[key], r["context"]): r[value] for r in rows}
     t = Table.of(None, [f"{key} \\ context", *map(context_label, contexts)])
@@ -49,7 +50,8 @@ def _selection(payload: dict[str, Any], name: str) -> list[Block]:
                         f"{s['queries']} query positions per layer{_each_document(s)})"))
         short = any(r.get("recall") is None for r in here)
         t = Table.of(None, ("layer", "recall", "recall ceiling", "forced blocks", "compressed entropy", "KL",
-                            "gates cmp/sel/win"), caption="–: all blocks selected at this length" if short else None)
+                            "gates cmp/sel/win"),
+                     caption="–: all blocks selected at this length" if short else None)
         for r in here:
             gates = "/".join(f"{g:.2f}" for g in r["gates"]) if r.get("gates") else "n/a"
             if r.get("recall") is None:
@@ -69,36 +71,40 @@ def tables(payload: dict[str, Any]) -> list[Block]:
         return _selection(payload, name)
     if task == "needle":
         depths = sorted({r["depth"] for r in rows})
-        return [Line(f"needle accuracy of {name} ({s['samples']} samples per cell, haystack {s['haystack']})"),
+        return [Line(f"needle accuracy of {name} ({s['samples']} samples per cell, haystack "
+                     f"{s['haystack']})"),
                 _grid(rows, "depth", "accuracy", [f"{d:g}" for d in depths], depths)]
     if task == "ruler":
         tasks = list(dict.fromkeys(r["task"] for r in rows))
         t = _grid(rows, "task", "score", tasks, tasks)
         nll = {r["context"]: r.get("answer_nll") for r in rows if r["task"] == "mean"}
         t.add("answer nll", *("-" if nll.get(c) is None else f"{nll[c]:.3f}" for c in sorted(nll)))
-        return [Line(f"RULER-style suite of {name} ({s['samples']} episodes per cell, haystack {s['haystack']}; "
-                     "score: the share of answer values right; answer nll: nats per answer token, over the tasks)"), t]
+        return [Line(f"RULER-style suite of {name} ({s['samples']} episodes per cell, haystack "
+                     f"{s['haystack']}; " "score: the share of answer values right; answer nll: nats per "
+                                          "answer token, over the tasks)"), t]
     if task == "mqar":
         t = Table.of(None, ("context", "accuracy", "keys asked"))
         for r in rows:
             t.add(str(r["context"]), (f"{r['accuracy']:.3f}", _tone(r["accuracy"])), str(r["n"]))
-        return [Line(f"MQAR accuracy of {name} ({s['pairs']} pairs, {s['queries']} queries, {s['samples']} samples)"),
+        return [Line(f"MQAR accuracy of {name} ({s['pairs']} pairs, {s['queries']} queries, {s['samples']} "
+                     "samples)"),
                 t]
     t = Table(None, [*(Column(c) for c in ("context", "loss", "bits/byte", "tokens")),
                      Column("loss by position in the window", "left")])
     for r in rows:
         loss, bpb = r["loss"], r["bits_per_byte"]
-        by_pos: Cell = "  ".join(f"{b['start']}-{b['end']}: {b['loss']:.3f}" for b in r.get("by_position", []))
-        t.add(str(r["context"]), "n/a" if loss is None else f"{loss:.4f}", "n/a" if bpb is None else f"{bpb:.4f}",
-              f"{r['n']:,}", by_pos)
+        by_pos: Cell = "  ".join(f"{b['start']}-{b['end']}: {b['loss']:.3f}"
+                                 for b in r.get("by_position", []))
+        t.add(str(r["context"]), "n/a" if loss is None else f"{loss:.4f}",
+              "n/a" if bpb is None else f"{bpb:.4f}", f"{r['n']:,}", by_pos)
     return [Line(f"held-out loss of {name} on the val split ({s['samples']} sequences per context"
                  f"{_each_document(s)})"), t]
 
 
 @dataclass
 class Evaluation(Result):
-    """An evaluation's payload (``task, run, checkpoint, step, weights, results, settings, env``), the files it
-    was saved to, and a warning when the run directory could not keep it."""
+    """An evaluation's payload (``task, run, checkpoint, step, weights, results, settings, env``), the files
+    it was saved to, and a warning when the run directory could not keep it."""
 
     payload: dict[str, Any]
     saved: list[Path] = field(default_factory=list)
@@ -108,8 +114,10 @@ class Evaluation(Result):
         return self.payload
 
     def view(self) -> list[Block]:
-        warn = [Line(f"warning: results not saved in the run directory: {self.warning}", err=True, wrap=False)]
-        return [*tables(self.payload), *(warn if self.warning else []), *(Line(f"saved {p}") for p in self.saved)]
+        warn = [Line(f"warning: results not saved in the run directory: {self.warning}", err=True,
+                     wrap=False)]
+        return [*tables(self.payload), *(warn if self.warning else []),
+                *(Line(f"saved {p}") for p in self.saved)]
 
 
 def evaluate(path: str | Path, spec: EvalSpec, *, save: bool = True, json_out: Path | None = None,

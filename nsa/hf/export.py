@@ -50,7 +50,8 @@ MODELING_SOURCE = Path(__file__).with_name(MODELING)
 
 README = """# {name}
 
-An NSA (Native Sparse Attention) language model exported by `nsa export --format hf` (format version {version}).
+An NSA (Native Sparse Attention) language model exported by `nsa export --format hf` \
+(format version {version}).
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,9 +86,11 @@ class HFExport(Result):
         return d
 
     def view(self) -> list[Block]:
-        return [Line(f"exported {self.out} (Hugging Face format, version {self.format_version}): {self.parameters:,} "
-                     f"parameters ({self.dtype}), tokenizer {self.tokenizer}, from {self.source}", "good", lead=8),
-                Line(f"  load it: AutoModelForCausalLM.from_pretrained({str(self.out)!r}, trust_remote_code=True)")]
+        return [Line(f"exported {self.out} (Hugging Face format, version {self.format_version}): "
+                     f"{self.parameters:,} parameters ({self.dtype}), tokenizer {self.tokenizer}, from "
+                     f"{self.source}", "good", lead=8),
+                Line(f"  load it: AutoModelForCausalLM.from_pretrained({str(self.out)!r}, "
+                     "trust_remote_code=True)")]
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -104,21 +107,23 @@ def _run_dirs_under(folder: Path) -> Path | None:
 
 
 def check_out(out: Path, overwrite: bool, reads: list[Path]) -> None:
-    """``RunDirError`` when ``out`` cannot take an export: a file, a path under a file, a folder that holds what
-    the export reads (``reads``), a run directory or a part of one (``checkpoints/``, ``export/``, ...), or a
-    non-empty folder that is not an earlier export (``overwrite`` replaces only those)."""
+    """``RunDirError`` when ``out`` cannot take an export: a file, a path under a file, a folder that holds
+    what the export reads (``reads``), a run directory or a part of one (``checkpoints/``, ``export/``, ...),
+    or a non-empty folder that is not an earlier export (``overwrite`` replaces only those)."""
     hint = "give a new folder outside the run, e.g. artifacts/NAME-hf"
     p = out
     while not p.exists() and p != p.parent:
         p = p.parent
     if p.exists() and not p.is_dir():
-        raise RunDirError(f"cannot write {out}: {p} is a file, not a folder", hint="give a folder path for OUT")
+        raise RunDirError(f"cannot write {out}: {p} is a file, not a folder",
+                          hint="give a folder path for OUT")
     target = out.resolve()
     for src in reads:
         if _inside(src.resolve(), target):
-            raise RunDirError(f"{out} holds what the export reads ({src}); an export never replaces its source",
-                              hint=hint)
-    for parent in target.parents:  # RUN/hf (checkpoint.export_hf) or a new folder in a run, never its own parts
+            raise RunDirError(f"{out} holds what the export reads ({src}); an export never replaces its "
+                              "source", hint=hint)
+    # RUN/hf (checkpoint.export_hf) or a new folder in a run, never its own parts
+    for parent in target.parents:
         part = target.relative_to(parent).parts[0]
         if part in RUN_PARTS and is_run_dir(parent):
             raise RunDirError(f"{out} is part of the run directory {parent} ({part}/)", hint=hint)
@@ -127,8 +132,8 @@ def check_out(out: Path, overwrite: bool, reads: list[Path]) -> None:
     if is_run_dir(out):
         raise RunDirError(f"{out} is a run directory; an export never replaces one", hint=hint)
     if not overwrite:
-        raise RunDirError(f"{out} exists and is not empty", hint="give a new folder, or --overwrite to replace "
-                          "an earlier export")
+        raise RunDirError(f"{out} exists and is not empty", hint="give a new folder, or --overwrite to "
+                          "replace an earlier export")
     run = _run_dirs_under(out)
     if run is not None:
         raise RunDirError(f"{out} holds the run directory {run}; --overwrite replaces only an earlier export",
@@ -144,14 +149,16 @@ def _write_failure(exc: BaseException, out: Path) -> RunDirError:
     if disk is not None:
         return RunDirError(write_failure(named(disk, out)), hint="free disk space or choose a writable OUT")
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__  # safetensors' SafetensorError:
-    why = m.group(1) if (m := re.search(r'message: "([^"]+)"', text)) else text  # IoError(Os { ..., message: ".." })
+    # IoError(Os { ..., message: ".." })
+    why = m.group(1) if (m := re.search(r'message: "([^"]+)"', text)) else text
     space = " (" + free + ")" if (free := free_space(out)) else ""
     return RunDirError(f"cannot write {out}: {why}{space}", hint="free disk space or choose a writable OUT")
 
 
 def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False) -> HFExport:
-    """Write the model at ``source`` (a run directory, its ``export/``, a checkpoint) to ``out`` in Hugging Face
-    format. ``overwrite`` replaces an earlier export at ``out`` (never a run, nor what the export reads)."""
+    """Write the model at ``source`` (a run directory, its ``export/``, a checkpoint) to ``out`` in Hugging
+    Face format. ``overwrite`` replaces an earlier export at ``out`` (never a run, nor what the export
+    reads)."""
     out = Path(out)
     check_out(out, overwrite, [Path(source)])
     state, cfg, weights = read_state(source)
@@ -172,7 +179,8 @@ def export_hf(source: str | Path, out: str | Path, *, overwrite: bool = False) -
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "nsa_format_version": str(FORMAT_VERSION)})
+        save_file(tensors, str(tmp / WEIGHTS),
+                  metadata={"format": "pt", "nsa_format_version": str(FORMAT_VERSION)})
         config[WEIGHTS_SHA256] = sha256_file(tmp / WEIGHTS)
         (tmp / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
         os.chmod(tmp / WEIGHTS, (tmp / CONFIG_JSON).stat().st_mode & 0o777)  # safetensors writes 0600
@@ -220,7 +228,8 @@ def read_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]
     data = read_config_json(folder)
     cfg = run_config(data)
     want = data.get(WEIGHTS_SHA256)  # exports written before it was recorded have none
-    check_sha256(folder / WEIGHTS, want if isinstance(want, str) else None, folder / CONFIG_JSON, hint=REEXPORT_HINT)
+    check_sha256(folder / WEIGHTS, want if isinstance(want, str) else None, folder / CONFIG_JSON,
+                 hint=REEXPORT_HINT)
     try:
         tensors = load_file(str(folder / WEIGHTS))
     except Exception as exc:

@@ -1,4 +1,5 @@
-"""The Hugging Face folder format: its files, ``config.json`` from a run config and back, and the weight names.
+"""The Hugging Face folder format: its files, ``config.json`` from a run config and back, and the weight
+names.
 
 One place holds each fact of the format: the file names, the format version (``FORMAT_VERSION``, equal to the
 remote code's ``modeling_nsa.FORMAT_VERSION``), the mapping between the run config's ``model``/``nsa``
@@ -23,7 +24,8 @@ MODELING = "modeling_nsa.py"
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
-WEIGHTS_SHA256 = "nsa_weights_sha256"  # config.json's record of model.safetensors' SHA-256 (read_hf checks it)
+# config.json's record of model.safetensors' SHA-256 (read_hf checks it)
+WEIGHTS_SHA256 = "nsa_weights_sha256"
 REQUIRED_FILES = (CONFIG_JSON, WEIGHTS, MODELING, TOKENIZER_JSON, TOKENIZER_CONFIG)
 MODEL_TYPE = "nsa"
 AUTO_MAP = {
@@ -52,11 +54,13 @@ MODEL_KEYS = {
 }
 # run config `nsa.*` carried in config.json's "nsa" object (gate_init is input only; collapse_threshold is a
 # training statistic). A config.json without `window_query`/`kv_speed` (written before they existed) reads as
-# the paper's layer (False, 1.0): `saved_run_config` fills them from `LEGACY_DEFAULTS`, `modeling_nsa.NSAConfig`
-# from its own defaults. With `kv_speed`, model.safetensors holds `kv_proj.weight` as stored (its compressed and
+# the paper's layer (False, 1.0): `saved_run_config` fills them from `LEGACY_DEFAULTS`,
+# `modeling_nsa.NSAConfig`
+# from its own defaults. With `kv_speed`, model.safetensors holds `kv_proj.weight` as stored (its compressed
+# and
 # selected rows divided by kv_speed); the layer multiplies them back.
-NSA_KEYS = ("l", "d", "l_sel", "n_sel", "w", "phi", "gate", "shared_kv", "gate_hidden", "gate_bias", "gate_scale",
-            "fixed_gates", "window_query", "kv_speed")
+NSA_KEYS = ("l", "d", "l_sel", "n_sel", "w", "phi", "gate", "shared_kv", "gate_hidden", "gate_bias",
+            "gate_scale", "fixed_gates", "window_query", "kv_speed")
 
 
 def hf_config(cfg: RunConfig, *, eot_id: int, tokenizer: str, source: str | None = None) -> dict[str, Any]:
@@ -92,7 +96,8 @@ def read_config_json(folder: Path) -> dict[str, Any]:
         raise RunDirError(f"cannot read {path}: {exc}", hint=REEXPORT_HINT) from None
     if not isinstance(data, dict) or data.get("model_type") != MODEL_TYPE:
         raise RunDirError(f"{path} is not an NSA model's config (model_type {data.get('model_type')!r}, "
-                          f"expected {MODEL_TYPE!r})" if isinstance(data, dict) else f"{path} is not a JSON object",
+                          f"expected {MODEL_TYPE!r})" if isinstance(data, dict)
+                          else f"{path} is not a JSON object",
                           hint="give a folder written by nsa export --format hf")
     version = data.get("nsa_format_version")
     if version != FORMAT_VERSION:
@@ -105,7 +110,8 @@ def run_config(data: dict[str, Any]) -> RunConfig:
     """The run config (model, nsa, runtime backend, tokenizer) that ``config.json`` describes."""
     model = {key: data[hf] for key, hf in MODEL_KEYS.items() if hf in data}
     model["mlp_hidden"] = data.get("intermediate_size")
-    tree: dict[str, Any] = {"model": model, "nsa": {k: v for k, v in (data.get("nsa") or {}).items() if k in NSA_KEYS}}
+    tree: dict[str, Any] = {"model": model,
+                            "nsa": {k: v for k, v in (data.get("nsa") or {}).items() if k in NSA_KEYS}}
     if data.get("nsa_ops_backend"):
         tree["runtime"] = {"attn_backend": data["nsa_ops_backend"]}
     if data.get("nsa_tokenizer") in ("byte", "gpt2"):

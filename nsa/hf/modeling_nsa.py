@@ -1,4 +1,5 @@
-"""A Native Sparse Attention language model for Hugging Face ``transformers`` (written by ``nsa export --format hf``).
+"""A Native Sparse Attention language model for Hugging Face ``transformers`` (written by ``nsa export
+--format hf``).
 
 This file is copied next to the weights and loaded with ``trust_remote_code=True``::
 
@@ -19,8 +20,9 @@ The standalone implementation follows the ``nsa`` project's contract (docs/nsa-s
 branch over visible compressed tokens only (zero where none is), block importance from the compressed
 probabilities (overlap / l, summed over the heads of a group), forced blocks (current, initial, previous)
 then the highest scores with ties to the lower index, selected branch over the chosen blocks' positions
-<= t, window of ``w`` positions, outputs mixed by the gates (cmp, sel, win). ``window_query``: the window branch
-attends with queries of its own projection (``q_win_proj``); the other branches and the block choice keep
+<= t, window of ``w`` positions, outputs mixed by the gates (cmp, sel, win). ``window_query``: the window
+branch attends with queries of its own projection (``q_win_proj``); the other branches and the block choice
+keep
 ``q_proj``'s. ``kv_speed``: the weights hold ``kv_proj``'s compressed and selected rows (its first two thirds)
 divided by ``kv_speed``; the layer multiplies them back (``kv_weight``).
 
@@ -75,7 +77,8 @@ class NSAConfig(PretrainedConfig):
 
     ``nsa`` holds ``l, d, l_sel, n_sel, w, phi, gate, shared_kv, gate_hidden, gate_bias, gate_scale,
     fixed_gates, window_query, kv_speed`` (a config.json written before the last two existed has the paper's
-    layer: ``window_query=False, kv_speed=1.0``, the defaults here); ``attention`` is ``nsa`` or ``dense``, and
+    layer: ``window_query=False, kv_speed=1.0``, the defaults here); ``attention`` is ``nsa`` or ``dense``,
+    and
     ``dense_layers`` the layers of an NSA model that attend densely (none: every layer NSA);
     ``nsa_impl`` picks the implementation (module docstring); ``nsa_ops_backend`` is passed to the ``nsa``
     package's layers (its ``runtime.attn_backend``).
@@ -108,8 +111,8 @@ class NSAConfig(PretrainedConfig):
         **kwargs: Any,
     ) -> None:
         if nsa_format_version != FORMAT_VERSION:
-            raise ValueError(f"config.json is NSA format version {nsa_format_version}; this modelling code reads "
-                             f"version {FORMAT_VERSION} (export the run again with this nsa version)")
+            raise ValueError(f"config.json is NSA format version {nsa_format_version}; this modelling code "
+                             f"reads version {FORMAT_VERSION} (export the run again with this nsa version)")
         if nsa_impl not in IMPLEMENTATIONS:
             raise ValueError(f"nsa_impl={nsa_impl!r} must be one of {', '.join(IMPLEMENTATIONS)}")
         if attention not in ("nsa", "dense"):
@@ -128,8 +131,8 @@ class NSAConfig(PretrainedConfig):
         self.attention = attention
         self.dense_layers = sorted(int(i) for i in dense_layers or ())
         defaults = {"l": 32, "d": 16, "l_sel": 64, "n_sel": 16, "w": 512, "phi": "avg", "gate": "sigmoid",
-                    "shared_kv": False, "gate_hidden": None, "gate_bias": [-2.0, -2.0, 2.0], "gate_scale": 0.1,
-                    "fixed_gates": None, "window_query": False, "kv_speed": 1.0}
+                    "shared_kv": False, "gate_hidden": None, "gate_bias": [-2.0, -2.0, 2.0],
+                    "gate_scale": 0.1, "fixed_gates": None, "window_query": False, "kv_speed": 1.0}
         self.nsa = {**defaults, **(nsa or {})}
         self.initializer_range = initializer_range
         self.nsa_impl = nsa_impl
@@ -171,7 +174,8 @@ class NSAMLP(nn.Module):
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half) of ``x [B, S, H, D]`` at ``positions`` (``[S]`` or ``[B, S]``), float32."""
+    """Rotary embedding (rotate-half) of ``x [B, S, H, D]`` at ``positions`` (``[S]`` or ``[B, S]``),
+    float32."""
     D = x.shape[-1]
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     inv = theta ** (-(torch.arange(0, D, 2, dtype=dtype, device=x.device) / D))
@@ -196,7 +200,8 @@ def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, e / den.clamp_min(1e-30), torch.zeros_like(e)).to(scores.dtype)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
     """``q [Sq, H, h, Dk]`` over ``k/v [T, H, D]`` where ``mask [Sq, H|1, 1, T]``: ``[Sq, H, h, Dv]``."""
     p = _masked_softmax(torch.einsum("qgik,tgk->qgit", q, k) * scale, mask)
     return torch.einsum("qgit,tgv->qgiv", p, v)
@@ -293,7 +298,8 @@ class StandaloneNSAAttention(nn.Module):
     def __init__(self, config: NSAConfig) -> None:
         super().__init__()
         c, n = config, config.nsa
-        self.n_heads, self.n_kv, self.d_k, self.d_v = (c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+        self.n_heads, self.n_kv, self.d_k, self.d_v = (c.num_attention_heads, c.num_key_value_heads,
+                                                       c.head_dim,
                                                       c.v_head_dim)
         self.hp = {k: int(n[k]) for k in ("l", "d", "l_sel", "n_sel", "w")}
         self.gate, self.theta, self.scale = n["gate"], float(c.rope_theta), c.head_dim ** -0.5
@@ -328,24 +334,28 @@ class StandaloneNSAAttention(nn.Module):
         H, Dk, Dv = self.n_kv, self.d_k, self.d_v
         q = rope(self.q_proj(x).view(B, S, self.n_heads, Dk), positions, self.theta)
         kv = F.linear(x, self.kv_weight()).view(B, S, self.n_branches, H * (Dk + Dv))
-        ks = [rope(kv[:, :, i, : H * Dk].reshape(B, S, H, Dk), positions, self.theta) for i in range(self.n_branches)]
+        ks = [rope(kv[:, :, i, : H * Dk].reshape(B, S, H, Dk), positions, self.theta)
+              for i in range(self.n_branches)]
         vs = [kv[:, :, i, H * Dk:].reshape(B, S, H, Dv) for i in range(self.n_branches)]
         if self.n_branches == 1:
             ks, vs = ks * 3, vs * 3
         if self.fixed_gates is not None:
-            gates = torch.tensor(self.fixed_gates, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads, 3)
+            gates = torch.tensor(self.fixed_gates, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads,
+                                                                                          3)
         else:
             offset = torch.tensor(self.gate_bias, device=x.device, dtype=x.dtype).repeat(self.n_heads)
             g = (offset + self.gate_scale * self.gate_mlp(x)).view(B, S, self.n_heads, 3)
             gates = torch.sigmoid(g) if self.gate == "sigmoid" else torch.softmax(g, dim=-1)
-        out = {"q": q, "kc": ks[0], "vc": vs[0], "ks": ks[1], "vs": vs[1], "kw": ks[2], "vw": vs[2], "gates": gates}
+        out = {"q": q, "kc": ks[0], "vc": vs[0], "ks": ks[1], "vs": vs[1], "kw": ks[2], "vw": vs[2],
+               "gates": gates}
         if self.q_win_proj is not None:
             out["qw"] = rope(self.q_win_proj(x).view(B, S, self.n_heads, Dk), positions, self.theta)
         return out
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, gates: torch.Tensor, raw: dict[str, torch.Tensor],
                q_win: torch.Tensor | None = None) -> torch.Tensor:
-        """One sequence: ``q [Sq, HQ, Dk]`` (``q_win``: the window's, same shape) at ``q_pos`` over its raw rows
+        """One sequence: ``q [Sq, HQ, Dk]`` (``q_win``: the window's, same shape) at ``q_pos`` over its raw
+        rows
         ``raw[name] [T, H, D]`` -> ``[Sq, HQ*Dv]``."""
         k_cmp = self.compress(raw["kc"], self.compress.mlp_k)
         v_cmp = self.compress(raw["vc"], self.compress.mlp_v)
@@ -369,7 +379,8 @@ class StandaloneDenseAttention(nn.Module):
     def __init__(self, config: NSAConfig) -> None:
         super().__init__()
         c = config
-        self.n_heads, self.n_kv, self.d_k, self.d_v = (c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+        self.n_heads, self.n_kv, self.d_k, self.d_v = (c.num_attention_heads, c.num_key_value_heads,
+                                                       c.head_dim,
                                                       c.v_head_dim)
         self.theta, self.scale = float(c.rope_theta), c.head_dim ** -0.5
         self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.d_k, bias=False)
@@ -418,7 +429,8 @@ def _package_attention(config: NSAConfig, layer: int) -> nn.Module:
     if _dense_layer(c, layer):
         return _PkgDenseAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                   c.v_head_dim, rope_theta=c.rope_theta)
-    hp = _PkgNSAParams(l=int(n["l"]), d=int(n["d"]), l_sel=int(n["l_sel"]), n_sel=int(n["n_sel"]), w=int(n["w"]))
+    hp = _PkgNSAParams(l=int(n["l"]), d=int(n["d"]), l_sel=int(n["l_sel"]), n_sel=int(n["n_sel"]),
+                       w=int(n["w"]))
     fixed = None if n["fixed_gates"] is None else _triple(n["fixed_gates"])
     gates = _PkgGateParams(kind=n["gate"], hidden=n["gate_hidden"], bias=_triple(n["gate_bias"]),
                            scale=float(n["gate_scale"]), fixed=fixed)
@@ -441,18 +453,21 @@ def _use_package(config: NSAConfig) -> bool:
         return True
     if config.nsa_impl == "package":
         raise ImportError(f"nsa_impl='package' but the nsa package is not importable ({_PKG_ERROR})")
-    logger.warning("the nsa package is not importable (%s): using the standalone torch implementation of NSA, "
-                   "which is correct but slow (install nsa for its kernels and decode caches)", _PKG_ERROR)
+    logger.warning("the nsa package is not importable (%s): using the standalone torch implementation of "
+                   "NSA, which is correct but slow (install nsa for its kernels and decode caches)",
+                   _PKG_ERROR)
     return False
 
 
 class NSADecoderLayer(nn.Module):
-    """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
+    """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x +
+    mlp(post_attention_layernorm(x))``."""
 
     def __init__(self, config: NSAConfig, package: bool, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = NSARMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = _package_attention(config, layer) if package else _standalone_attention(config, layer)
+        self.self_attn = _package_attention(config, layer) if package else _standalone_attention(config,
+            layer)
         self.post_attention_layernorm = NSARMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = NSAMLP(config.hidden_size, config.intermediate_size)
 
@@ -559,7 +574,8 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
     """The NSA language model: ``forward(input_ids, attention_mask, labels, cache) -> logits (, loss)``;
     ``generate`` decodes with :class:`NSACache` (the nsa package's decode caches when it is used)."""
 
-    _tied_weights_keys = ({"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR >= 5  # type: ignore[assignment]
+    _tied_weights_keys = ({"lm_head.weight": "model.embed_tokens.weight"} if _TRANSFORMERS_MAJOR
+                          >= 5  # type: ignore[assignment]
                           else ["lm_head.weight"])
 
     def __init__(self, config: NSAConfig) -> None:
@@ -570,7 +586,8 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
 
     @property
     def uses_nsa_package(self) -> bool:
-        """True when the layers and decode caches are the nsa package's, False for the standalone torch path."""
+        """True when the layers and decode caches are the nsa package's, False for the standalone torch
+        path."""
         return bool(self.model.uses_nsa_package)
 
     @classmethod
@@ -629,7 +646,8 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
             inputs["cache"] = state
         return inputs
 
-    def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None, **kwargs: Any) -> Any:
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None,
+                 **kwargs: Any) -> Any:
         """transformers' ``generate`` with an :class:`NSACache` sized for the prompt and ``max_new_tokens``
         (beam search: no cache, every step recomputed)."""
         ids = inputs if inputs is not None else kwargs.get("input_ids")
@@ -642,7 +660,8 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         given = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
         if not given and setting("use_cache", True) and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             if setting("num_beams", 1) > 1:
-                logger.warning("beam search with an NSA model decodes without a cache (every step recomputed)")
+                logger.warning("beam search with an NSA model decodes without a cache (every step "
+                               "recomputed)")
                 kwargs["use_cache"] = False
             else:
                 new = setting("max_new_tokens", None)
@@ -676,7 +695,8 @@ class NSACache(Cache):
         self.seen = 0
         self.lengths: torch.Tensor | None = None  # real tokens per sequence
         self.pkg: Any = None  # nsa ModelCache
-        self.history: torch.Tensor | None = None  # [B, max_len] real tokens, left-aligned (package path, to grow)
+        # [B, max_len] real tokens, left-aligned (package path, to grow)
+        self.history: torch.Tensor | None = None
         self.raw: list[list[dict[str, torch.Tensor]]] = []  # standalone: [layer][row] name -> [T, H, D]
 
     # what transformers asks of a cache
@@ -699,7 +719,8 @@ class NSACache(Cache):
         return False
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        raise NotImplementedError("NSACache does not support beam search (generate decodes it without a cache)")
+        raise NotImplementedError("NSACache does not support beam search (generate decodes it without a "
+                                  "cache)")
 
     # decoding
     @torch.no_grad()
@@ -722,13 +743,15 @@ class NSACache(Cache):
             lengths = m.sum(dim=1).to(torch.int64)
             pad = P - lengths
             if not bool(torch.equal(m, torch.arange(P, device=ids.device)[None, :] >= pad[:, None])):
-                raise ValueError("attention_mask must mark left padding when generating (padding_side='left')")
+                raise ValueError("attention_mask must mark left padding when generating "
+                                 "(padding_side='left')")
             if int(lengths.min()) < 1:
                 raise ValueError("every prompt needs at least one token")
             idx = (torch.arange(P, device=ids.device)[None, :] + pad[:, None]).clamp(max=P - 1)
             ids = torch.gather(ids, 1, idx)  # real tokens first
         self.lengths = lengths
-        aligned = self._prefill_pkg(ids, lengths) if self.model.uses_nsa_package else self._prefill_raw(ids, lengths)
+        aligned = self._prefill_pkg(ids, lengths) if self.model.uses_nsa_package else self._prefill_raw(ids,
+            lengths)
         if mask is None:
             return aligned
         # back to the caller's columns: column c of row b is its real token c - pad
@@ -791,7 +814,8 @@ class NSACache(Cache):
         return logits
 
     # the standalone path: raw rows per layer and sequence
-    def _layer_rows(self, attn: Any, x: torch.Tensor, q_pos: torch.Tensor, layer: int, b: int) -> torch.Tensor:
+    def _layer_rows(self, attn: Any, x: torch.Tensor, q_pos: torch.Tensor, layer: int,
+                    b: int) -> torch.Tensor:
         p = attn.project(x, q_pos)
         gates = p.pop("gates", None)
         q, q_win = p.pop("q"), p.pop("qw", None)  # queries are not kept: only the keys and values
@@ -812,7 +836,8 @@ class NSACache(Cache):
     def _prefill_raw(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         B, P = ids.shape
         self.raw = [[{} for _ in range(B)] for _ in self.model.model.layers]
-        out = torch.zeros(B, P, self.model.config.vocab_size, device=ids.device, dtype=self.model.lm_head.weight.dtype)
+        out = torch.zeros(B, P, self.model.config.vocab_size, device=ids.device,
+                          dtype=self.model.lm_head.weight.dtype)
         for b in range(B):
             n = int(lengths[b])
             out[b, :n] = self._run_raw(ids[b:b + 1, :n], torch.arange(n, device=ids.device), b)
@@ -820,6 +845,7 @@ class NSACache(Cache):
 
     def _decode_raw(self, tokens: torch.Tensor) -> torch.Tensor:
         assert self.lengths is not None
-        rows = [self._run_raw(tokens[b:b + 1, None], self.lengths[b:b + 1], b)[0] for b in range(tokens.shape[0])]
+        rows = [self._run_raw(tokens[b:b + 1, None], self.lengths[b:b + 1], b)[0]
+                for b in range(tokens.shape[0])]
         self.lengths = self.lengths + 1
         return torch.stack(rows)

@@ -2,8 +2,9 @@
 without the ``tokenizers`` library and without the network.
 
 - ``byte``: a byte-level BPE with no merges over the 256 byte symbols of GPT-2's byte-to-unicode table, so
-  token ``i`` is byte ``i``; NUL characters are removed first (``nsa``'s rule: byte 0 separates documents), and
-  id 0 is the special token ``<|endoftext|>`` (so ``skip_special_tokens`` decoding drops it as ``nsa`` does).
+  token ``i`` is byte ``i``; NUL characters are removed first (``nsa``'s rule: byte 0 separates documents),
+  and id 0 is the special token ``<|endoftext|>`` (so ``skip_special_tokens`` decoding drops it as ``nsa``
+  does).
 - ``gpt2`` from tiktoken's cached files: GPT-2's own vocabulary and merges (the same files tiktoken reads).
 - ``gpt2`` with ``data.tokenizer_path``: that folder's ``tokenizer.json``, copied.
 
@@ -27,7 +28,8 @@ EOT = "<|endoftext|>"
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (what byte-level BPE works on)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"),
+        ord("ÿ") + 1))
     cs = list(bs)
     n = 0
     for b in range(256):
@@ -49,7 +51,8 @@ def _byte_level(use_regex: bool) -> dict[str, Any]:
 
 def _bpe(vocab: dict[str, int], merges: list[str]) -> dict[str, Any]:
     return {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab, "merges": merges}
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
+            "merges": merges}
 
 
 def byte_tokenizer_json() -> dict[str, Any]:
@@ -62,7 +65,8 @@ def byte_tokenizer_json() -> dict[str, Any]:
         "pre_tokenizer": _byte_level(False),
         "post_processor": None,
         "decoder": _byte_level(False),
-        "model": _bpe({EOT if b == 0 else table[b]: b for b in range(256)}, []),  # byte 0 never reaches the model
+        # byte 0 never reaches the model
+        "model": _bpe({EOT if b == 0 else table[b]: b for b in range(256)}, []),
     }
 
 
@@ -85,19 +89,21 @@ def gpt2_tokenizer_json(encoder: dict[str, int], bpe_text: str) -> dict[str, Any
 
 def _cached_gpt2() -> dict[str, Any]:
     if not gpt2_cached():
-        raise DataError(f"the gpt2 tokenizer files are not cached in {tiktoken_cache_dir() or '(caching disabled)'}",
-                        hint=GPT2_HINT)
+        raise DataError("the gpt2 tokenizer files are not cached in "
+                        f"{tiktoken_cache_dir() or '(caching disabled)'}", hint=GPT2_HINT)
     texts = {}
     for url in GPT2_FILES:
-        texts[url.rsplit("/", 1)[1]] = (Path(tiktoken_cache_dir()) / hashlib.sha1(url.encode()).hexdigest()).read_text(
+        texts[url.rsplit("/", 1)[1]] = (Path(tiktoken_cache_dir())
+                                        / hashlib.sha1(url.encode()).hexdigest()).read_text(
             encoding="utf-8")
     return gpt2_tokenizer_json(json.loads(texts["encoder.json"]), texts["vocab.bpe"])
 
 
 def tokenizer_config(eot: str, max_len: int) -> dict[str, Any]:
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot, "pad_token": eot,
-            "model_max_length": max_len, "padding_side": "left", "clean_up_tokenization_spaces": False,
-            "split_special_tokens": True, "model_input_names": ["input_ids", "attention_mask"]}
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot,
+            "pad_token": eot, "model_max_length": max_len, "padding_side": "left",
+            "clean_up_tokenization_spaces": False, "split_special_tokens": True,
+            "model_input_names": ["input_ids", "attention_mask"]}
 
 
 def tokenizer_files(data: DataConfig, tokenizer: Tokenizer, max_len: int) -> dict[str, str]:

@@ -22,8 +22,10 @@ from nsa.ops.decode_cache import NewToken
 from nsa.ops.indexing import num_cmp
 from nsa.ops.rotary import split_rotate
 
-# project() splits and rotates the fused projection with one operator (nsa.ops.rotary) where it can; False: the
-# unfused arithmetic everywhere (what the operator replaced; scripts/step_budget.py measures one against the other)
+# project() splits and rotates the fused projection with one operator (nsa.ops.rotary) where it can; False:
+# the
+# unfused arithmetic everywhere (what the operator replaced; scripts/step_budget.py measures one against the
+# other)
 FUSED_PROJECTION = True
 
 
@@ -37,11 +39,13 @@ def fused_projection(on: bool) -> None:
 class Projected:
     """Everything a layer computes from its input before attention (one forward or one decode step)."""
 
-    __slots__ = ("gates", "k_cmp_raw", "k_sel", "k_win", "q", "q_win", "scorer", "v_cmp_raw", "v_sel", "v_win")
+    __slots__ = ("gates", "k_cmp_raw", "k_sel", "k_win", "q", "q_win", "scorer", "v_cmp_raw", "v_sel",
+                 "v_win")
 
     def __init__(self, **kw: torch.Tensor | None) -> None:
         self.q_win = None
-        self.scorer: list[torch.Tensor] | None = None  # the scorer loss's q and raw compressed K/V (scorer.into=weights)
+        # the scorer loss's q and raw compressed K/V (scorer.into=weights)
+        self.scorer: list[torch.Tensor] | None = None
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -76,8 +80,9 @@ class NSAAttention(nn.Module):
 
     What the layer measures besides its output (gate and selection statistics, the selection probe, the
     scorer and alignment losses, whose options ``scorer`` are a frozen
-    :class:`nsa.model.diagnostics.ScorerParams`) lives in ``diag`` (:class:`nsa.model.diagnostics.LayerDiagnostics`);
-    the forward hands it the tensors it needs. ``legacy``: the loose gate keywords of before issue 34 (``gate``, ``gate_hidden``,
+    :class:`nsa.model.diagnostics.ScorerParams`) lives in ``diag``
+    (:class:`nsa.model.diagnostics.LayerDiagnostics`); the forward hands it the tensors it needs. ``legacy``:
+    the loose gate keywords of before issue 34 (``gate``, ``gate_hidden``,
     ``gate_bias``, ``gate_scale``, ``fixed_gates``, ``collapse_threshold``) instead of ``gates``, as the
     ``modeling_nsa.py`` of earlier Hugging Face exports passes them.
     """
@@ -86,7 +91,8 @@ class NSAAttention(nn.Module):
 
     def __init__(
         self, dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, hp: NSAParams,
-        gates: GateParams | None = None, *, phi: str = "avg", shared_kv: bool = False, rope_theta: float = 10000.0,
+        gates: GateParams | None = None, *, phi: str = "avg", shared_kv: bool = False,
+                 rope_theta: float = 10000.0,
         backend: str | None = None, window_query: bool = False, kv_speed: float = 1.0,
         scorer: ScorerParams | None = None, **legacy: Any,
     ) -> None:
@@ -94,7 +100,8 @@ class NSAAttention(nn.Module):
         if n_heads % n_kv_groups:
             raise ValueError(f"model.n_kv_groups={n_kv_groups} must divide model.n_heads={n_heads}")
         if legacy and gates is not None:
-            raise TypeError(f"NSAAttention: pass gates or the loose gate keywords ({', '.join(legacy)}), not both")
+            raise TypeError(f"NSAAttention: pass gates or the loose gate keywords ({', '.join(legacy)}), not "
+                            "both")
         gates = GateParams.of_keywords(**legacy) if legacy else gates or GateParams()
         self.dim, self.n_heads, self.n_kv_groups = dim, n_heads, n_kv_groups
         self.d_k, self.d_v = d_k, d_v
@@ -160,7 +167,8 @@ class NSAAttention(nn.Module):
         return torch.tensor([fast] * (2 * rows) + [1.0] * rows)[: self.kv_proj.out_features, None]
 
     def kv_weight(self) -> torch.Tensor:
-        """``kv_proj``'s weight as the forward uses it: the compressed and selected rows times ``kv_speed``."""
+        """``kv_proj``'s weight as the forward uses it: the compressed and selected rows times
+        ``kv_speed``."""
         w = self.kv_proj.weight
         return w if self.kv_gain is None else w * self.kv_gain.to(w.dtype)
 
@@ -172,7 +180,8 @@ class NSAAttention(nn.Module):
                 self.kv_proj.weight.div_(self.kv_gain.to(self.kv_proj.weight.dtype))
 
     def fused_weights(self) -> list[torch.Tensor]:
-        """The weights of the one input GEMM, in its column order: ``q_proj``, ``kv_proj`` (:meth:`kv_weight`),
+        """The weights of the one input GEMM, in its column order: ``q_proj``, ``kv_proj``
+        (:meth:`kv_weight`),
         ``q_win_proj`` (with ``window_query``) and the gate MLP's first layer (unless the gates are fixed)."""
         fc1 = self.gate_mlp[0]
         assert isinstance(fc1, nn.Linear)
@@ -180,8 +189,10 @@ class NSAAttention(nn.Module):
         return [self.q_proj.weight, self.kv_weight(), *([] if qw is None else [qw.weight]),
                 *([fc1.weight] if self.gates.fixed is None else [])]
 
-    def in_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(q, kv, gate pre-activation, window queries)`` of ``x``: one GEMM over the concatenated weights of
+    def in_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                torch.Tensor | None]:
+        """``(q, kv, gate pre-activation, window queries)`` of ``x``: one GEMM over the concatenated weights
+        of
         ``q_proj``, ``kv_proj`` (:meth:`kv_weight`), ``q_win_proj`` and the gate MLP's first layer when ``x``
         has more than a few rows (one launch and one read of ``x`` instead of several), else the separate
         layers (a decode step)."""
@@ -199,10 +210,10 @@ class NSAAttention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, cp: ContextParallel | None = None,
                 kv_positions: torch.Tensor | None = None) -> Projected:
-        """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``. Under context
-        parallelism (``cp``) the queries and gates are this rank's rows and the K/V the whole sequence: the K/V
-        projection of every rank gathered in one collective, then RoPE'd at ``kv_positions`` (the whole
-        sequence's: ``0 .. S - 1`` by default)."""
+        """Queries, raw K/V of the three branches (keys RoPE'd) and activated gates at ``positions``. Under
+        context parallelism (``cp``) the queries and gates are this rank's rows and the K/V the whole
+        sequence: the K/V projection of every rank gathered in one collective, then RoPE'd at ``kv_positions``
+        (the whole sequence's: ``0 .. S - 1`` by default)."""
         B, S, _ = x.shape
         if FUSED_PROJECTION and cp is None and kv_positions is None and B * S > 8:
             q, ks, vs, gate_pre, q_win = self.project_rotated(x, positions)
@@ -219,7 +230,8 @@ class NSAAttention(nn.Module):
             ks, vs = self.keys_values(kv_lin, positions if kv_positions is None else kv_positions,
                                       ang if kv_positions is None else None)
         if self.gates.fixed is not None:  # ablation: constant gates, the gate MLP unused
-            gates = torch.tensor(self.gates.fixed, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads, 3)
+            gates = torch.tensor(self.gates.fixed, device=x.device, dtype=q.dtype).expand(B, S, self.n_heads,
+                                                                                          3)
         else:
             g = self.gate_logits(x, gate_pre).view(B, S, self.n_heads, 3)
             gates = torch.sigmoid(g) if self.gates.kind == "sigmoid" else torch.softmax(g, dim=-1)
@@ -240,7 +252,9 @@ class NSAAttention(nn.Module):
         ws = self.fused_weights()
         y = F.linear(x, torch.cat(ws))
         # the parts in the GEMM's column order: q, each branch's K then V, the window's q, the gate input
-        rot = [True] + [True, False] * self.n_kv_branches + ([True] if qw is not None else []) + ([False] if gate else [])
+        rot = [True] + [True,
+                        False] * self.n_kv_branches + ([True] if qw is not None else []) + ([False] if gate
+                            else [])
         widths = [HQ * Dk] + [H * Dk, H * Dv] * self.n_kv_branches + [w.shape[0] for w in ws[2:]]
         cos, sin = self.rope.table(positions, y)
         parts = split_rotate(y, cos, sin, widths, rot, Dk)
@@ -254,21 +268,26 @@ class NSAAttention(nn.Module):
         return q, ks, vs, parts[-1] if gate else None, q_win
 
     def scorer_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
-        """``[q, k_cmp_raw, v_cmp_raw]`` of ``x`` as :meth:`project` gives them (same values), from one GEMM over
-        ``q_proj``'s rows and the compressed branch's K/V rows only (``scorer.into=weights``: ``x`` detached)."""
+        """``[q, k_cmp_raw, v_cmp_raw]`` of ``x`` as :meth:`project` gives them (same values), from one GEMM
+        over
+        ``q_proj``'s rows and the compressed branch's K/V rows only (``scorer.into=weights``: ``x``
+        detached)."""
         B, S, _ = x.shape
         H, Dk, Dv = self.n_kv_groups, self.d_k, self.d_v
         nq, ncmp = self.q_proj.out_features, H * (Dk + Dv)  # kv_proj's first rows: the compressed branch
-        q_lin, kv_lin = F.linear(x, torch.cat([self.q_proj.weight, self.kv_weight()[:ncmp]])).split([nq, ncmp], -1)
+        q_lin, kv_lin = F.linear(x,
+                                 torch.cat([self.q_proj.weight, self.kv_weight()[:ncmp]])).split([nq, ncmp],
+                                     -1)
         ang = self.rope.angles(positions, q_lin)
         q = self.rope(q_lin.view(B, S, self.n_heads, Dk), positions, ang)
         k = self.rope(kv_lin[..., : H * Dk].reshape(B, S, H, Dk), positions, ang)
         return [q, k, kv_lin[..., H * Dk :].reshape(B, S, H, Dv)]
 
     def keys_values(self, kv_lin: torch.Tensor, positions: torch.Tensor,
-                    angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The (cmp, sel, win) keys, RoPE'd at ``positions`` (``angles``: their rotation, already computed), and
-        values of the K/V projection ``[B, S, ...]``."""
+                    angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[torch.Tensor],
+                                                                                      list[torch.Tensor]]:
+        """The (cmp, sel, win) keys, RoPE'd at ``positions`` (``angles``: their rotation, already computed),
+        and values of the K/V projection ``[B, S, ...]``."""
         B, S, _ = kv_lin.shape
         H, Dk, Dv = self.n_kv_groups, self.d_k, self.d_v
         kv = kv_lin.view(B, S, self.n_kv_branches, H * (Dk + Dv))
@@ -311,19 +330,24 @@ class NSAAttention(nn.Module):
             assert isinstance(res, tuple)
             if probing:  # one document, unpadded: its own probe
                 self.diag.probe_document(q, ks, k_cmp, res[1], g)
-            if scoring and q.shape[1] > choosing:  # one such document: its own scorer loss, by its share of tokens
+            # one such document: its own scorer loss, by its share of tokens
+            if scoring and q.shape[1] > choosing:
                 sq, skc = (q, k_cmp) if p.scorer is None else (rest[-3], self.compress(rest[-2], rest[-1])[0])
                 return self.diag.scorer_loss(sq, ks, skc, res[0], q, res[1], q.shape[1] / total), res[1]
             return res
 
         probing = self.diag.probe_queries > 0
         scoring = collect and self.diag.scores()
-        choosing = first_choice(self.hp)  # a longer document no longer selects every block: the scorer has work
+        # a longer document no longer selects every block: the scorer has work
+        choosing = first_choice(self.hp)
         total = p.q.shape[0] * p.q.shape[1]
-        # alone (unpadded): every document for the probe, the ones the scorer loss reaches for it; the rest by length
+        # alone (unpadded): every document for the probe, the ones the scorer loss reaches for it; the rest by
+        # length
         alone_from = 0 if probing else choosing + 1 if scoring else None
-        o, idx = documents.attend(one_batch, [p.q, p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win,
-                                              p.gates, *([] if p.q_win is None else [p.q_win]), *(p.scorer or [])],
+        o, idx = documents.attend(one_batch,
+                                  [p.q, p.k_cmp_raw, p.v_cmp_raw, p.k_sel, p.v_sel, p.k_win, p.v_win,
+                                              p.gates, *([] if p.q_win is None else [p.q_win]),
+                                   *(p.scorer or [])],
                                   cu_seqlens, alone_from=alone_from)
         if probing:
             self.diag.end_documents()
@@ -337,7 +361,8 @@ class NSAAttention(nn.Module):
         if self.context is not None:
             return self._forward_context(x, self.context, cu_seqlens)
         B, S, _ = x.shape
-        pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
+        pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B,
+            S)
         p = self.project(x, pos)
         # a training forward collects statistics and the scorer loss; a checkpoint's recompute runs the same
         # computation (it must save the same tensors) and adds no statistics (LayerDiagnostics.suppress)
@@ -349,7 +374,8 @@ class NSAAttention(nn.Module):
         o = self.attend(p, collect) if cu_seqlens is None else self.attend_documents(p, cu_seqlens, collect)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
-    def _forward_context(self, x: torch.Tensor, cp: ContextParallel, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    def _forward_context(self, x: torch.Tensor, cp: ContextParallel,
+                         cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         """This rank's rows (:mod:`nsa.model.context`): the keys and values of the whole sequence gathered,
         each of the rank's chunks attending to the prefix that ends with it; with packed documents
         (``cu_seqlens`` of the whole batch) to its documents' (:func:`nsa.model.documents.chunk_attend`)."""
@@ -364,9 +390,11 @@ class NSAAttention(nn.Module):
         k_cmp, v_cmp = self.compress(p.k_cmp_raw, p.v_cmp_raw) if cu_seqlens is None else (None, None)
         collect = self.training
         aligning = collect and self.diag.aligns()
-        # the alignment loss's probe positions of the whole sequence (None: off, none to choose at this length, or
+        # the alignment loss's probe positions of the whole sequence (None: off, none to choose at this
+        # length, or
         # packed documents: each its own)
-        probes = probe_range(S, self.hp, self.diag.scorer_queries) if aligning and cu_seqlens is None else None
+        probes = probe_range(S, self.hp,
+                             self.diag.scorer_queries) if aligning and cu_seqlens is None else None
         align: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         idxs: list[torch.Tensor | None] = []
@@ -376,17 +404,20 @@ class NSAAttention(nn.Module):
             o: torch.Tensor
             idx: torch.Tensor | None
             if cu_seqlens is not None:  # packed documents: each compressed from its own start
-                o, idx = documents.chunk_attend(self._attend_documents_piece, mine_q, kv, cu_seqlens, start, stop)
+                o, idx = documents.chunk_attend(self._attend_documents_piece, mine_q, kv, cu_seqlens, start,
+                                                stop)
                 if aligning:  # the probe positions of each document among this chunk's rows
-                    part = documents.outside_graph(_align_documents)(self.diag, mine_q[0], kv[2], idx, cu_seqlens,
+                    part = documents.outside_graph(_align_documents)(self.diag, mine_q[0], kv[2], idx,
+                                                                     cu_seqlens,
                                                                       start, stop)
                     if part is not None:
                         align.append(part)
             else:
                 assert k_cmp is not None and v_cmp is not None
                 n = num_cmp(stop, self.hp.l, self.hp.d)
-                res = self._attend_prefix(mine_q, [k_cmp[:, :n], v_cmp[:, :n], *(t[:, :stop] for t in kv[2:])],
-                                          start, collect)
+                res = self._attend_prefix(mine_q,
+                                          [k_cmp[:, :n], v_cmp[:, :n], *(t[:, :stop] for t in kv[2:])], start,
+                                          collect)
                 o, idx = res if isinstance(res, tuple) else (res, None)
                 if probes is not None and idx is not None:  # the probe positions among this chunk's rows
                     part = self.diag.align_part(mine_q[0], kv[2][:, :stop], idx, start, probes)
@@ -403,12 +434,14 @@ class NSAAttention(nn.Module):
 
     def _attend_prefix(self, mine_q: list[torch.Tensor], kv: list[torch.Tensor], q_start: int,
                        want_idx: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The NSA op for query rows ``(q, gates[, q_win])`` at positions ``q_start ..`` of the keys and values
+        """The NSA op for query rows ``(q, gates[, q_win])`` at positions ``q_start ..`` of the keys and
+        values
         ``kv`` (compressed K/V, then the raw selected and window K/V)."""
         q, gates, *q_win = mine_q
         k_cmp, v_cmp, ks, vs, kw, vw = kv
-        res = nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, gates, self.hp, scale=self.scale, q_start=q_start,
-                            return_block_idx=want_idx, backend=self.backend, q_win=q_win[0] if q_win else None)
+        res = nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, gates, self.hp, scale=self.scale,
+                            q_start=q_start, return_block_idx=want_idx, backend=self.backend,
+                            q_win=q_win[0] if q_win else None)
         return res if isinstance(res, torch.Tensor) else (res[0], res[1])
 
     def _attend_documents_piece(self, mine_q: list[torch.Tensor], kv: list[torch.Tensor],
@@ -423,11 +456,13 @@ class NSAAttention(nn.Module):
     # ------------------------------------------------------------------------------------------
     # decode with caches (nsa.model.cache)
 
-    def new_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> NSALayerCache:
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device,
+                  dtype: torch.dtype) -> NSALayerCache:
         return NSALayerCache.empty(batch_size, self.n_kv_groups, self.d_k, self.d_v, max_len, hp=self.hp,
                                    device=device, dtype=dtype)
 
-    def prefill(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache,
+                cache: ModelCache) -> torch.Tensor:
         """Full forward over ``x [B, P, dim]`` (positions ``0 .. P-1``) that also fills ``layer``."""
         assert isinstance(layer, NSALayerCache)
         B, S, _ = x.shape
@@ -441,7 +476,8 @@ class NSAAttention(nn.Module):
         layer.fill(p.k_sel, p.v_sel, p.k_win, p.v_win, p.k_cmp_raw, p.v_cmp_raw, k_cmp, v_cmp, cache.lengths)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
-    def decode(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache,
+               cache: ModelCache) -> torch.Tensor:
         """One new token per sequence, ``x [B, 1, dim]`` at positions ``cache.lengths``: ``[B, 1, dim]``.
 
         Stores the token's K/V, emits a compressed token where its block completes, then attends
@@ -455,7 +491,8 @@ class NSAAttention(nn.Module):
         t = cache.lengths
         p = self.project(x, t[:, None])
         backend = self.backend or "auto"  # resolved here: no settings lookup inside a compiled step
-        new = NewToken(p.k_sel[:, 0], p.v_sel[:, 0], p.k_win[:, 0], p.v_win[:, 0], p.k_cmp_raw[:, 0], p.v_cmp_raw[:, 0])
+        new = NewToken(p.k_sel[:, 0], p.v_sel[:, 0], p.k_win[:, 0], p.v_win[:, 0], p.k_cmp_raw[:, 0],
+                       p.v_cmp_raw[:, 0])
         mean = self.phi == "avg"  # mean pooling is emitted by the append itself (one kernel on CUDA)
         layer.append(t, new, self.hp, emit_mean=mean, backend=backend)
         if not mean:
@@ -504,4 +541,5 @@ def _align_documents(diag: LayerDiagnostics, q: torch.Tensor, k_sel: torch.Tenso
     """The alignment loss of the query rows ``q`` at ``start .. stop - 1`` over packed documents
     (:meth:`LayerDiagnostics.align_documents`; run eagerly: the documents' host offsets)."""
     B, S = k_sel.shape[:2]
-    return diag.align_documents(q, k_sel, block_idx, start, documents.chunk_spans(cu_seqlens, B, S, start, stop), B * S)
+    return diag.align_documents(q, k_sel, block_idx, start,
+                                documents.chunk_spans(cu_seqlens, B, S, start, stop), B * S)

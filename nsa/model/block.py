@@ -18,14 +18,15 @@ def make_attention(
     scorer: ScorerParams | None = None,
 ) -> NSAAttention | DenseAttention:
     """Block ``layer``'s attention: ``NSAAttention`` (with the selection losses ``scorer``), or
-    ``DenseAttention`` for a dense model (``model.attention = dense``) and the layers of ``model.dense_layers``."""
+    ``DenseAttention`` for a dense model (``model.attention = dense``) and the layers of
+    ``model.dense_layers``."""
     m = model_cfg
     if m.layer_attention(layer) == "dense":
         return DenseAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, rope_theta=m.rope_theta)
     n = nsa_cfg
-    return NSAAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, n.params(), GateParams.of_config(n), phi=n.phi,
-                        shared_kv=n.shared_kv, rope_theta=m.rope_theta, backend=backend, window_query=n.window_query,
-                        kv_speed=n.kv_speed, scorer=scorer)
+    return NSAAttention(m.dim, m.n_heads, m.n_kv_groups, m.d_k, m.d_v, n.params(), GateParams.of_config(n),
+                        phi=n.phi, shared_kv=n.shared_kv, rope_theta=m.rope_theta, backend=backend,
+                        window_query=n.window_query, kv_speed=n.kv_speed, scorer=scorer)
 
 
 class Block(nn.Module):

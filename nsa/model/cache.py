@@ -95,8 +95,8 @@ class NSALayerCache:
         self.v_cmp[:, :, :n] = v_cmp.transpose(1, 2)
 
     def tensors(self) -> DecodeCaches:
-        return DecodeCaches(self.k_sel, self.v_sel, self.k_win, self.v_win, self.ring_k, self.ring_v, self.k_cmp,
-                            self.v_cmp)
+        return DecodeCaches(self.k_sel, self.v_sel, self.k_win, self.v_win, self.ring_k, self.ring_v,
+                            self.k_cmp, self.v_cmp)
 
     def append(self, t: torch.Tensor, new: NewToken, hp: NSAParams, *, emit_mean: bool,
                backend: str | None = None) -> None:

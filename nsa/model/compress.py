@@ -10,7 +10,8 @@ from nsa.ops import NSAParams, compress_avg
 
 
 def blocks_of(x: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
-    """Raw rows ``[B, S, H, D]`` -> compression blocks ``[B, S_cmp, H, l, D]`` (block ``j`` = rows ``j*d .. j*d+l-1``)."""
+    """Raw rows ``[B, S, H, D]`` -> compression blocks ``[B, S_cmp, H, l, D]`` (block ``j`` = rows ``j*d ..
+    j*d+l-1``)."""
     B, S, H, D = x.shape
     if l > S:
         return x.new_zeros(B, 0, H, l, D)

@@ -34,8 +34,8 @@ def _gather_rows(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """Forward: all-gather along dim 0 in the input's dtype. Backward: the gradient reduce-scattered (summed over
-    the ranks) in float32 at least, each rank receiving its own rows."""
+    """Forward: all-gather along dim 0 in the input's dtype. Backward: the gradient reduce-scattered (summed
+    over the ranks) in float32 at least, each rank receiving its own rows."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -66,8 +66,8 @@ class ContextParallel:
     def check(self, seq_len: int) -> None:
         """``seq_len`` must split into ``2 * size`` equal chunks."""
         if seq_len % (2 * self.size):
-            raise ValueError(f"a sequence of {seq_len} positions does not split into {2 * self.size} equal chunks "
-                             f"(context parallelism over {self.size} ranks)")
+            raise ValueError(f"a sequence of {seq_len} positions does not split into {2 * self.size} equal "
+                             f"chunks (context parallelism over {self.size} ranks)")
 
     def chunks(self, seq_len: int) -> list[tuple[int, int]]:
         """``(start, stop)`` of this rank's chunks, in the order its rows hold them."""
@@ -93,8 +93,9 @@ class ContextParallel:
 
 
 def in_position_order(rows: torch.Tensor, size: int) -> torch.Tensor:
-    """Gathered rows ``[S, ...]`` in rank-major order (rank 0's head and tail chunks, then rank 1's, ...) put in
-    position order along dim 0: the heads of ranks 0 .. size-1, then the tails of ranks size-1 .. 0 (one copy)."""
+    """Gathered rows ``[S, ...]`` in rank-major order (rank 0's head and tail chunks, then rank 1's, ...) put
+    in position order along dim 0: the heads of ranks 0 .. size-1, then the tails of ranks size-1 .. 0 (one
+    copy)."""
     c = rows.shape[0] // (2 * size)
     held = rows.view(size, 2, c, *rows.shape[1:])  # [rank, head/tail, chunk rows, ...]
     return torch.cat([held[r, 0] for r in range(size)] + [held[r, 1] for r in reversed(range(size))])

@@ -15,7 +15,8 @@ _HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def sdpa_gqa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False, attn_mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
+             attn_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """SDPA on ``[B, heads, S, D]`` with ``k/v`` having fewer heads (GQA); repeats k/v when needed.
 
@@ -27,7 +28,8 @@ def sdpa_gqa(
     if h == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
     if _HAS_GQA:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                              enable_gqa=True)
     k, v = k.repeat_interleave(h, dim=1), v.repeat_interleave(h, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
 
@@ -53,7 +55,8 @@ class DenseAttention(nn.Module):
         self.rope = RotaryEmbedding(d_k, rope_theta)
         self.context: ContextParallel | None = None  # set by NSALM.set_context_parallel
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]:
         """``q [B, S, HQ, Dk]``, ``k [B, S, H, Dk]`` (RoPE'd at ``positions``), ``v [B, S, H, Dv]``."""
         B, S, _ = x.shape
         H = self.n_kv_groups
@@ -71,7 +74,8 @@ class DenseAttention(nn.Module):
         if self.context is not None:
             return self._forward_context(x, self.context, cu_seqlens)
         B, S, _ = x.shape
-        pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B, S)
+        pos = torch.arange(S, device=x.device) if cu_seqlens is None else documents.positions(cu_seqlens, B,
+            S)
         q, k, v = self.project(x, pos)
         if cu_seqlens is None:
             o = _causal(q, k, v)
@@ -79,7 +83,8 @@ class DenseAttention(nn.Module):
             (o,) = documents.attend(_causal, [q, k, v], cu_seqlens)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
-    def _forward_context(self, x: torch.Tensor, cp: ContextParallel, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    def _forward_context(self, x: torch.Tensor, cp: ContextParallel,
+                         cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         """This rank's rows (:mod:`nsa.model.context`): keys and values of the whole sequence gathered, each
         chunk attending to the prefix that ends with it (an explicit mask: SDPA's causal mask is top-left);
         with packed documents (``cu_seqlens`` of the whole batch) to that prefix of its own document."""
@@ -104,11 +109,13 @@ class DenseAttention(nn.Module):
 
     # decode with a plain KV cache (nsa.model.cache.DenseLayerCache)
 
-    def new_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> DenseLayerCache:
+    def new_cache(self, batch_size: int, max_len: int, device: torch.device,
+                  dtype: torch.dtype) -> DenseLayerCache:
         return DenseLayerCache.empty(batch_size, self.n_kv_groups, self.d_k, self.d_v, max_len, device=device,
                                      dtype=dtype)
 
-    def prefill(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache,
+                cache: ModelCache) -> torch.Tensor:
         """Causal forward over ``x [B, P, dim]`` that also stores K/V at positions ``0 .. P-1``."""
         assert isinstance(layer, DenseLayerCache)
         B, S, _ = x.shape
@@ -118,7 +125,8 @@ class DenseAttention(nn.Module):
         o = _causal(q, k, v)
         return self.o_proj(o.reshape(B, S, self.n_heads * self.d_v))
 
-    def decode(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache, cache: ModelCache) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, layer: NSALayerCache | DenseLayerCache,
+               cache: ModelCache) -> torch.Tensor:
         """One query per sequence at ``cache.lengths`` over cached positions ``<= t`` (explicit mask)."""
         assert isinstance(layer, DenseLayerCache)
         if not torch.compiler.is_compiling():  # a host check; decode_step makes it too
@@ -132,7 +140,8 @@ class DenseAttention(nn.Module):
         # keys beyond the longest sequence are never needed; a static cache keeps one shape for graphs
         n = cache.max_len if cache.static else cache.host_len + 1
         mask = torch.arange(n, device=x.device)[None, :] <= t[:, None]  # [B, n]
-        o = sdpa_gqa(q.transpose(1, 2), layer.k[:, :, :n], layer.v[:, :, :n], attn_mask=mask[:, None, None, :])
+        o = sdpa_gqa(q.transpose(1, 2), layer.k[:, :, :n], layer.v[:, :, :n],
+                     attn_mask=mask[:, None, None, :])
         reads = (t + 1)[:, None].expand(B, self.n_kv_groups)
         layer.last_reads = reads
         cache.reads_total += reads.sum(dim=-1)

@@ -41,10 +41,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ScorerParams:
     """The scorer and alignment losses of an NSA layer as one frozen object (like
-    :class:`nsa.model.gates.GateParams`), given to the layer at construction: ``queries`` positions per training
-    forward (0: off, nothing computed), the scorer loss's ``weight``, what it trains (``into``:
-    ``query_and_keys``; ``keys``, the compressed keys alone; ``weights``, the layer's own weights from its detached
-    input) and the alignment loss's weight ``align`` (0: off). The default: both off."""
+    :class:`nsa.model.gates.GateParams`), given to the layer at construction: ``queries`` positions per
+    training forward (0: off, nothing computed), the scorer loss's ``weight``, what it trains (``into``:
+    ``query_and_keys``; ``keys``, the compressed keys alone; ``weights``, the layer's own weights from its
+    detached input) and the alignment loss's weight ``align`` (0: off). The default: both off."""
 
     queries: int = 0
     weight: float = 0.0
@@ -53,10 +53,12 @@ class ScorerParams:
 
     @classmethod
     def of_config(cls, scorer: ScorerConfig, accum: int = 1) -> ScorerParams:
-        """The losses of a ``scorer`` config section as a training step runs them: query positions (0 when both
-        losses are off), each weight divided by the micro-batches of a step (``accum``; each micro-batch's losses
-        are means, so the step's add up to the whole batch's, as the language loss does)."""
-        return cls(scorer.queries if scorer.active else 0, scorer.weight / accum, scorer.into, scorer.align / accum)
+        """The losses of a ``scorer`` config section as a training step runs them: query positions (0 when
+        both losses are off), each weight divided by the micro-batches of a step (``accum``; each
+        micro-batch's losses are means, so the step's add up to the whole batch's, as the language loss
+        does)."""
+        return cls(scorer.queries if scorer.active else 0, scorer.weight / accum, scorer.into,
+                   scorer.align / accum)
 
 
 class LayerDiagnostics:
@@ -84,7 +86,8 @@ class LayerDiagnostics:
         self.set_scorer(scorer or ScorerParams())
         self.probe_queries = 0  # > 0 once armed: the next forward records layer_report in probe_out
         self.probe_out: dict[str, Any] | None = None
-        self._parts: list[tuple[dict[str, Any], int]] = []  # a packed forward's reports per document, and lengths
+        # a packed forward's reports per document, and lengths
+        self._parts: list[tuple[dict[str, Any], int]] = []
 
     def follow(self, device: torch.device, dtype: torch.dtype) -> None:
         """After the layer's ``.to()``/``.cuda()``/``.double()``: running sums zeroed on ``device`` (float64),
@@ -104,7 +107,8 @@ class LayerDiagnostics:
             self.acc[field:field + 2].add_(loss_sums(mean, share))
 
     def whole_sequence_only(self) -> bool:
-        """The probe or the scorer's KL is on: neither runs under context parallelism (the alignment loss does:
+        """The probe or the scorer's KL is on: neither runs under context parallelism (the alignment loss
+        does:
         :meth:`align_part`)."""
         return self.probe_queries > 0 or (self.scorer_queries > 0 and self._weight > 0)
 
@@ -114,11 +118,13 @@ class LayerDiagnostics:
 
     def align_part(self, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor, q_start: int,
                    probes: range, weight: float = 1.0) -> torch.Tensor | None:
-        """Under context parallelism: the alignment loss's part from the probe positions ``probes`` (of a whole
-        sequence, or of one document: :func:`nsa.model.selection.probe_range` of its length) that fall among the
-        query rows ``q`` (positions ``q_start ..`` of the keys ``k_sel``, which start at position 0; selection
-        ``block_idx`` of those rows): their mean times their share of ``probes`` times ``weight`` (a document's
-        share of the forward's tokens), so the parts add up to the whole forward's loss (float32 at least;
+        """Under context parallelism: the alignment loss's part from the probe positions ``probes`` (of a
+        whole sequence, or of one document: :func:`nsa.model.selection.probe_range` of its length) that fall
+        among the query rows ``q`` (positions ``q_start ..`` of the keys ``k_sel``, which start at position 0;
+        selection
+        ``block_idx`` of those rows): their mean times their share of ``probes`` times ``weight`` (a
+        document's share of the forward's tokens), so the parts add up to the whole forward's loss (float32 at
+        least;
         ``None`` when no position falls here)."""
         mine = [t for t in probes if q_start <= t < q_start + q.shape[1]]
         if not mine:
@@ -131,25 +137,26 @@ class LayerDiagnostics:
 
     def align_documents(self, q: torch.Tensor, k_sel: torch.Tensor, block_idx: torch.Tensor, q_start: int,
                         spans: list[tuple[int, int, int]], tokens: int) -> torch.Tensor | None:
-        """:meth:`align_part` over packed documents: the query rows ``q`` at ``q_start ..`` of the batch's rows
-        (``block_idx`` in each document's own positions), for each document of ``spans``
-        (:func:`nsa.model.documents.chunk_spans`) long enough to choose, its probe positions against its own keys
-        of ``k_sel`` (the whole batch's), weighted by its share of the batch's ``tokens`` as in the whole model's
-        packed forward. ``None`` when none of them falls here."""
+        """:meth:`align_part` over packed documents: the query rows ``q`` at ``q_start ..`` of the batch's
+        rows (``block_idx`` in each document's own positions), for each document of ``spans``
+        (:func:`nsa.model.documents.chunk_spans`) long enough to choose, its probe positions against its own
+        keys of ``k_sel`` (the whole batch's), weighted by its share of the batch's ``tokens`` as in the whole
+        model's packed forward. ``None`` when none of them falls here."""
         stop = q_start + q.shape[1]
         parts = []
         for b, s0, length in spans:
             probes = probe_range(length, self.hp, self.scorer_queries)
-            part = None if probes is None else self.align_part(q[b:b + 1], k_sel[b:b + 1, s0:stop], block_idx[b:b + 1],
-                                                               q_start - s0, probes, length / tokens)
+            part = None if probes is None else self.align_part(q[b:b + 1], k_sel[b:b + 1, s0:stop],
+                                                               block_idx[b:b + 1], q_start - s0, probes,
+                                                               length / tokens)
             if part is not None:
                 parts.append(part)
         return torch.stack(parts).sum() if parts else None
 
     def attach_align(self, o: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """``o`` carrying ``align_weight * total`` into the backward (``total``: the parts of :meth:`align_part`; a
-        context-parallel rank passes their sum times the group's size, as its language loss is the mean of its
-        own rows)."""
+        """``o`` carrying ``align_weight * total`` into the backward (``total``: the parts of
+        :meth:`align_part`; a context-parallel rank passes their sum times the group's size, as its language
+        loss is the mean of its own rows)."""
         return AttachLoss.apply(o, total * self.align_weight)
 
     def observe(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, gates: torch.Tensor,
@@ -159,16 +166,18 @@ class LayerDiagnostics:
         carrying the scorer loss into the backward when it is on. ``scorer``: the scorer's own ``(q, k_cmp)``
         (the same values from a detached input) when not the attention's."""
         if self.probe_queries > 0:
-            self.probe_out = layer_report(q, k_sel, k_cmp, block_idx, gates, self.hp, self.scale, self.probe_queries)
+            self.probe_out = layer_report(q, k_sel, k_cmp, block_idx, gates, self.hp, self.scale,
+                                          self.probe_queries)
         if collect:
             self.accumulate(gates, block_idx)
             sq, skc = scorer or (q, k_cmp)
             o = self.scorer_loss(sq, k_sel, skc, o, q, block_idx)
         return o
 
-    def probe_document(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
-                       gates: torch.Tensor) -> None:
-        """The probe on one document of a packed forward (a batch of one, unpadded), kept for :meth:`end_documents`."""
+    def probe_document(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor,
+                       block_idx: torch.Tensor, gates: torch.Tensor) -> None:
+        """The probe on one document of a packed forward (a batch of one, unpadded), kept for
+        :meth:`end_documents`."""
         self._parts.append((layer_report(q, k_sel, k_cmp, block_idx, gates, self.hp, self.scale,
                                          self.probe_queries), q.shape[1]))
 
@@ -192,11 +201,12 @@ class LayerDiagnostics:
 
     def scorer_loss(self, q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, o: torch.Tensor,
                     q_att: torch.Tensor, block_idx: torch.Tensor, share: float = 1.0) -> torch.Tensor:
-        """``o``, carrying ``share * (scorer_weight * scorer_kl + align_weight * align_loss)`` into the backward
-        (training forwards with ``scorer_queries > 0`` and gradients on). ``q``/``k_cmp``: the scorer's;
-        ``q_att``/``k_sel``: the attention's own, which the alignment loss trains; ``block_idx``: the forward's
-        selection. ``share``: the part of the forward's tokens ``q`` holds (one document of a packed forward, a
-        batch of one: the documents' losses add up as one forward's)."""
+        """``o``, carrying ``share * (scorer_weight * scorer_kl + align_weight * align_loss)`` into the
+        backward (training forwards with ``scorer_queries > 0`` and gradients on). ``q``/``k_cmp``: the
+        scorer's;
+        ``q_att``/``k_sel``: the attention's own, which the alignment loss trains; ``block_idx``: the
+        forward's selection. ``share``: the part of the forward's tokens ``q`` holds (one document of a packed
+        forward, a batch of one: the documents' losses add up as one forward's)."""
         S = q.shape[1]
         ts = probe_positions(S, self.hp, self.scorer_queries, q.device)
         if ts is None or not torch.is_grad_enabled():
@@ -210,10 +220,11 @@ class LayerDiagnostics:
             loss = loss + self.align_weight * nll
         if self._weight > 0:
             # the scorer's target: the alignment loss's mass when both read the attention's query
-            target = mass.detach() if mass is not None and q is q_att else dense_block_mass(q, k_sel, ts, self.hp,
+            target = mass.detach() if mass is not None and q is q_att else dense_block_mass(q, k_sel, ts,
+                self.hp,
                                                                                              self.scale)
-            probs, _ = compressed_probs(q.detach() if self.scorer_into == "keys" else q, k_cmp, ts, S, self.hp,
-                                        self.scale)
+            probs, _ = compressed_probs(q.detach() if self.scorer_into == "keys" else q, k_cmp, ts, S,
+                                        self.hp, self.scale)
             kl = scorer_kl(target, block_scores(probs, ts, S, self.hp))
             self.count(SCORER, kl, share)
             loss = loss + kl * self.scorer_weight
@@ -227,7 +238,8 @@ class LayerDiagnostics:
         switches them off: ``scorer.until``)."""
         self.scorer = scorer
         self.scorer_queries, self.scorer_into = int(scorer.queries), scorer.into
-        self._weight = float(scorer.weight)  # scorer_weight's value on the host: a move rebuilds the tensor from it
+        # scorer_weight's value on the host: a move rebuilds the tensor from it
+        self._weight = float(scorer.weight)
         self._align = float(scorer.align)  # align_weight's value on the host
         self.scorer_weight.fill_(self._weight)
         self.align_weight.fill_(self._align)

@@ -27,7 +27,8 @@ def offsets(cu_seqlens: torch.Tensor, B: int, S: int) -> list[int]:
     cu = varlen.host_offsets(cu_seqlens, B * S)
     missing = sorted(set(range(0, B * S, S)) - set(cu))
     if missing:
-        raise ValueError(f"cu_seqlens must contain every row start (multiples of seq_len {S}); missing {missing[:4]}")
+        raise ValueError(f"cu_seqlens must contain every row start (multiples of seq_len {S}); missing "
+                         f"{missing[:4]}")
     return cu
 
 
@@ -40,9 +41,10 @@ def attend(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], rows: lis
     return outside_graph(_attend)(fn, rows, cu_seqlens, alone_from)
 
 
-def chunk_spans(cu_seqlens: torch.Tensor, B: int, S: int, start: int, stop: int) -> list[tuple[int, int, int]]:
-    """``(row, first position in the row, length)`` of each document of a ``[B, S]`` batch (``cu_seqlens`` over
-    the whole batch) with positions in ``start .. stop - 1`` (host; eager)."""
+def chunk_spans(cu_seqlens: torch.Tensor, B: int, S: int, start: int,
+                stop: int) -> list[tuple[int, int, int]]:
+    """``(row, first position in the row, length)`` of each document of a ``[B, S]`` batch (``cu_seqlens``
+    over the whole batch) with positions in ``start .. stop - 1`` (host; eager)."""
     cu = offsets(cu_seqlens, B, S)
     return [(a // S, a % S, b - a) for a, b in pairwise(cu)
             if a % S < stop and a % S + (b - a) > start]
@@ -73,29 +75,32 @@ def from_separators(ids: torch.Tensor, sep: int) -> torch.Tensor:
     B, S = ids.shape
     flat = ids.reshape(-1)
     after = (flat[:-1] == sep).nonzero().flatten() + 1
-    starts = torch.cat([torch.arange(0, B * S, S, device=ids.device), after, torch.tensor([B * S], device=ids.device)])
+    starts = torch.cat([torch.arange(0, B * S, S, device=ids.device), after,
+                        torch.tensor([B * S], device=ids.device)])
     cu = torch.unique(starts).to(torch.int32)
     torch._dynamo.maybe_mark_dynamic(cu, 0)  # its length changes per batch: one compiled graph for all
     return cu
 
 
 def chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tuple[torch.Tensor, ...]],
-                 q_rows: list[torch.Tensor], kv_rows: list[torch.Tensor], cu_seqlens: torch.Tensor, start: int,
-                 stop: int) -> list[torch.Tensor]:
-    """Packed documents under context parallelism: the query rows ``q_rows [B, stop - start, ...]`` at positions
+                 q_rows: list[torch.Tensor], kv_rows: list[torch.Tensor], cu_seqlens: torch.Tensor,
+                 start: int, stop: int) -> list[torch.Tensor]:
+    """Packed documents under context parallelism: the query rows ``q_rows [B, stop - start, ...]`` at
+    positions
     ``start .. stop - 1`` of a ``[B, S]`` batch whose documents ``cu_seqlens`` bounds (over the whole batch),
-    against the key/value rows ``kv_rows [B, S, ...]`` of the whole sequence; outputs ``[B, stop - start, ...]``.
+    against the key/value rows ``kv_rows [B, S, ...]`` of the whole sequence; outputs ``[B, stop - start,
+    ...]``.
 
-    ``fn(q_parts, kv_parts, q_start)`` attends an ordinary batch whose query rows sit at ``q_start`` of its keys.
-    Per row of the batch, the document that runs into the chunk from before it goes alone (its queries at an
-    offset into its own keys), and the documents that start inside the chunk go together as packed documents
-    (:func:`nsa.ops.varlen.run_packed`). Outside ``torch.compile``'s graph, as :func:`attend`."""
+    ``fn(q_parts, kv_parts, q_start)`` attends an ordinary batch whose query rows sit at ``q_start`` of its
+    keys. Per row of the batch, the document that runs into the chunk from before it goes alone (its queries
+    at an offset into its own keys), and the documents that start inside the chunk go together as packed
+    documents (:func:`nsa.ops.varlen.run_packed`). Outside ``torch.compile``'s graph, as :func:`attend`."""
     return outside_graph(_chunk_attend)(fn, q_rows, kv_rows, cu_seqlens, start, stop)
 
 
 def _chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tuple[torch.Tensor, ...]],
-                  q_rows: list[torch.Tensor], kv_rows: list[torch.Tensor], cu_seqlens: torch.Tensor, start: int,
-                  stop: int) -> list[torch.Tensor]:
+                  q_rows: list[torch.Tensor], kv_rows: list[torch.Tensor], cu_seqlens: torch.Tensor,
+                  start: int, stop: int) -> list[torch.Tensor]:
     B, S = kv_rows[0].shape[:2]
     cu = offsets(cu_seqlens, B, S)
     c, nq = stop - start, len(q_rows)
@@ -108,7 +113,8 @@ def _chunk_attend(fn: Callable[[list[torch.Tensor], list[torch.Tensor], int], tu
         r0 = 0 if first == start else min(min(x for x in bounds if x > start), stop) - start
         lead.append(r0)
         if r0:
-            into[b] = list(fn([t[b:b + 1, :r0] for t in q_rows], [t[b:b + 1, first:start + r0] for t in kv_rows],
+            into[b] = list(fn([t[b:b + 1, :r0] for t in q_rows],
+                              [t[b:b + 1, first:start + r0] for t in kv_rows],
                                start - first))
         if r0 < c:
             for j, t in enumerate(q_rows):

@@ -41,15 +41,15 @@ class GateParams:
     @classmethod
     def of_config(cls, n: NSAConfig) -> GateParams:
         """The gate options of an ``nsa`` config section."""
-        return cls(kind=n.gate, hidden=n.gate_hidden, bias=n.gate_bias, scale=n.gate_scale, fixed=n.fixed_gates,
-                   collapse_threshold=n.collapse_threshold)
+        return cls(kind=n.gate, hidden=n.gate_hidden, bias=n.gate_bias, scale=n.gate_scale,
+                   fixed=n.fixed_gates, collapse_threshold=n.collapse_threshold)
 
     @classmethod
     def of_keywords(cls, gate: str = _DEFAULT.gate, gate_hidden: int | None = _DEFAULT.gate_hidden,
                     gate_bias: Triple = _DEFAULT.gate_bias, gate_scale: float = _DEFAULT.gate_scale,
                     fixed_gates: Triple | None = _DEFAULT.fixed_gates,
                     collapse_threshold: float = _DEFAULT.collapse_threshold) -> GateParams:
-        """The layer's loose keywords of before issue 34, which the ``modeling_nsa.py`` of earlier Hugging Face
-        exports still passes (:class:`nsa.model.attention.NSAAttention`)."""
+        """The layer's loose keywords of before issue 34, which the ``modeling_nsa.py`` of earlier Hugging
+        Face exports still passes (:class:`nsa.model.attention.NSAAttention`)."""
         return cls(kind=gate, hidden=gate_hidden, bias=gate_bias, scale=gate_scale, fixed=fixed_gates,
                    collapse_threshold=collapse_threshold)

@@ -56,7 +56,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def right_align(prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def right_align(prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor,
+                                                                                        torch.Tensor]:
     """Left-padded prompts ``[B, P]`` -> ids with each sequence's real tokens at positions
     ``0 .. len-1`` (padding moved to the end) and ``lengths [B]``."""
     B, P = prompt_ids.shape
@@ -142,7 +143,8 @@ def generate_stream(model: NSALM, prompt_ids: torch.Tensor, max_new_tokens: int,
             last = step(tok)
 
 
-def _step_fn(model: NSALM, cache: ModelCache, tok: torch.Tensor, cuda_graph: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+def _step_fn(model: NSALM, cache: ModelCache, tok: torch.Tensor, cuda_graph: bool) -> Callable[[torch.Tensor],
+    torch.Tensor]:
     if not (cuda_graph and tok.is_cuda):
         return functools.partial(model.decode_step, cache=cache)
     try:

@@ -30,7 +30,8 @@ class LMOutput(NamedTuple):
     loss: torch.Tensor | None = None
 
 
-def _run_block(block: Block, calls: list[int], x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+def _run_block(block: Block, calls: list[int], x: torch.Tensor,
+               cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """Run ``block``; calls after the first are checkpoint recomputes and add no statistics."""
     calls[0] += 1
     if calls[0] > 1 and isinstance(block.attn, NSAAttention):
@@ -233,7 +234,8 @@ class NSALM(nn.Module):
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        """Append one token per sequence (``tokens [B]``, at position ``cache.lengths``); logits ``[B, V]``."""
+        """Append one token per sequence (``tokens [B]``, at position ``cache.lengths``); logits ``[B,
+        V]``."""
         cache.check_room()
         logits = self.decode_device_step(tokens, cache)
         cache.advance_host()

@@ -51,7 +51,8 @@ def find_weights(path: str | Path) -> tuple[Path, Path | None]:
     checkpoints the newest that verifies (complete, checksums equal) is taken."""
     p = Path(path)
     if not p.exists():
-        raise RunDirError(f"{p} does not exist", hint="give a run directory (e.g. artifacts/tiny) or a checkpoint")
+        raise RunDirError(f"{p} does not exist",
+                          hint="give a run directory (e.g. artifacts/tiny) or a checkpoint")
     if p.is_file():
         if p.suffix == ".safetensors":
             cfg = p.parent / CONFIG_FILE
@@ -116,15 +117,15 @@ def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
     except Exception as exc:
         raise CheckpointError(f"cannot load checkpoint {weights}: {exc}") from None
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "config" not in state:
-        raise CheckpointError(f"{weights} has no 'model' and 'config' entries (a sharded checkpoint keeps its "
-                              "weights beside them)", hint="give the run directory or its export/ folder")
+        raise CheckpointError(f"{weights} has no 'model' and 'config' entries (a sharded checkpoint keeps "
+                              "its weights beside them)", hint="give the run directory or its export/ folder")
     check_state_format(state, weights)
     return strip_prefixes(state["model"]), saved_run_config(state["config"]), weights
 
 
 def read_state(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
-    """``(state dict on the CPU, its run config, its file)`` for anything :func:`find_weights` takes (every name
-    of a tied tensor present)."""
+    """``(state dict on the CPU, its run config, its file)`` for anything :func:`find_weights` takes (every
+    name of a tied tensor present)."""
     return _read(path)
 
 
@@ -141,8 +142,8 @@ def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], source: P
         raise CheckpointError(f"the weights of {source} do not fit this model: it {what}", hint=hint)
     for k, shape in own.items():
         if theirs[k] != shape:
-            raise CheckpointError(f"the weights of {source} do not fit this model: {k} is {list(theirs[k])} there, "
-                                  f"{list(shape)} here", hint=hint)
+            raise CheckpointError(f"the weights of {source} do not fit this model: {k} is {list(theirs[k])} "
+                                  f"there, {list(shape)} here", hint=hint)
 
 
 def dense_to_nsa(state: dict[str, torch.Tensor], model: NSALM) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -158,7 +159,8 @@ def dense_to_nsa(state: dict[str, torch.Tensor], model: NSALM) -> tuple[dict[str
         theirs = state.get(key)
         if theirs is not None and theirs.shape == mine.shape:
             out[key] = theirs
-        elif theirs is not None and key.endswith("attn.kv_proj.weight") and mine.shape[0] % theirs.shape[0] == 0:
+        elif (theirs is not None and key.endswith("attn.kv_proj.weight")
+              and mine.shape[0] % theirs.shape[0] == 0):
             out[key] = torch.cat([theirs] * (mine.shape[0] // theirs.shape[0]))  # NSA rows: [cmp | sel | win]
         elif theirs is None and (".gate_mlp." in key or ".compress." in key):
             fresh.append(key)
@@ -170,7 +172,8 @@ def dense_to_nsa(state: dict[str, torch.Tensor], model: NSALM) -> tuple[dict[str
     return out, fresh
 
 
-def adapt_layer_options(state: dict[str, torch.Tensor], cfg: RunConfig, model: NSALM) -> dict[str, torch.Tensor]:
+def adapt_layer_options(state: dict[str, torch.Tensor], cfg: RunConfig, model: NSALM) -> dict[str,
+    torch.Tensor]:
     """``state`` (trained with ``cfg``) for ``model``'s NSA layer options, the function kept: a missing
     ``q_win_proj`` starts as the layer's ``q_proj`` (what the window branch read before), and the
     compressed and selected rows of ``kv_proj`` are rescaled from the source's ``kv_speed`` to the model's
@@ -182,11 +185,13 @@ def adapt_layer_options(state: dict[str, torch.Tensor], cfg: RunConfig, model: N
         if not isinstance(attn, NSAAttention):
             continue
         pre = f"blocks.{i}.attn."
-        if attn.q_win_proj is not None and pre + "q_win_proj.weight" not in out and pre + "q_proj.weight" in out:
+        if (attn.q_win_proj is not None and pre + "q_win_proj.weight" not in out
+                and pre + "q_proj.weight" in out):
             out[pre + "q_win_proj.weight"] = out[pre + "q_proj.weight"].clone()
         kv = out.get(pre + "kv_proj.weight")
         if kv is not None and attn.kv_speed != src and kv.shape[0] == attn.kv_proj.weight.shape[0]:
-            out[pre + "kv_proj.weight"] = kv * (attn.kv_row_gain(src) / attn.kv_row_gain(attn.kv_speed)).to(kv.dtype)
+            out[pre + "kv_proj.weight"] = kv * (attn.kv_row_gain(src)
+                                                / attn.kv_row_gain(attn.kv_speed)).to(kv.dtype)
     return out
 
 
@@ -210,7 +215,8 @@ def fit_init_weights(state: dict[str, torch.Tensor], cfg: RunConfig, source: Pat
     return state, source, fresh
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Build the run's model and load its weights (eval mode, on ``device`` in ``dtype``)."""
     state, cfg, weights = _read(path)
     model = build_model(cfg)

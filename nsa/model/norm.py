@@ -8,7 +8,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, normalised in float32 (float64 stays float64) and cast back to the input dtype."""
+    """``x / rms(x) * weight``, normalised in float32 (float64 stays float64) and cast back to the input
+    dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()

@@ -13,8 +13,9 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     """``cos`` and ``sin`` of ``positions[..., None] * inv_freq`` (``[..., D/2]`` in ``inv_freq``'s dtype).
 
     An operator of its own so that a compiled step computes the table once (one small kernel) and every
-    rotation reads it: Inductor would otherwise inline ``cos``/``sin`` into each rotation's kernel and evaluate
-    them once per element of every head and batch row (a third of a 125M model's elementwise time at 2k)."""
+    rotation reads it: Inductor would otherwise inline ``cos``/``sin`` into each rotation's kernel and
+    evaluate them once per element of every head and batch row (a third of a 125M model's elementwise time at
+    2k)."""
     freqs = positions.to(inv_freq.dtype)[..., None] * inv_freq
     return freqs.cos(), freqs.sin()
 
@@ -28,9 +29,9 @@ def _(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, to
 class RotaryEmbedding(nn.Module):
     """RoPE over the last dim of ``x [B, S, H, D]`` at ``positions`` (``[S]`` shared or ``[B, S]``).
 
-    Angles are ``pos * theta ** (-2i / D)`` in float32 (float64 for float64 inputs), so the same position gives bit-identical
-    rotations in a full forward and in a one-token decode step. Nothing is stored as a buffer, so
-    casting the model to bf16 never degrades the frequencies.
+    Angles are ``pos * theta ** (-2i / D)`` in float32 (float64 for float64 inputs), so the same position
+    gives bit-identical rotations in a full forward and in a one-token decode step. Nothing is stored as a
+    buffer, so casting the model to bf16 never degrades the frequencies.
     """
 
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
@@ -54,15 +55,15 @@ class RotaryEmbedding(nn.Module):
         return self.theta ** (-exps)
 
     def table(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` at ``positions`` (``[S]`` or ``[B, S]``) as ``[1|B, S, D/2]``, in float32 (float64 for a
-        float64 ``like``): the table :func:`nsa.ops.rotary.split_rotate` reads."""
+        """``(cos, sin)`` at ``positions`` (``[S]`` or ``[B, S]``) as ``[1|B, S, D/2]``, in float32 (float64
+        for a float64 ``like``): the table :func:`nsa.ops.rotary.split_rotate` reads."""
         dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
         cos, sin = rope_angles(positions, self.inv_freq(like.device, dtype))
         return (cos[None], sin[None]) if cos.dim() == 2 else (cos, sin)
 
     def angles(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`table` as ``[1|B, S, 1, D/2]``: compute it once and rotate several tensors at the same positions
-        with it."""
+        """:meth:`table` as ``[1|B, S, 1, D/2]``: compute it once and rotate several tensors at the same
+        positions with it."""
         cos, sin = self.table(positions, like)
         return cos[:, :, None, :], sin[:, :, None, :]
 

@@ -49,7 +49,8 @@ def probe_range(S: int, hp: NSAParams, n: int) -> range | None:
     return range(t0, t0 + C * step, step)
 
 
-def probe_positions(S: int, hp: NSAParams, n: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+def probe_positions(S: int, hp: NSAParams, n: int,
+                    device: torch.device | str | None = None) -> torch.Tensor | None:
     """:func:`probe_range` as an int64 tensor on ``device``."""
     r = probe_range(S, hp, n)
     return None if r is None else torch.arange(r.start, r.stop, r.step, device=device)
@@ -85,15 +86,17 @@ def block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSAParams
 
 
 @torch.no_grad()
-def dense_block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSAParams, scale: float) -> torch.Tensor:
+def dense_block_mass(q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor, hp: NSAParams,
+                     scale: float) -> torch.Tensor:
     """:func:`block_mass` without gradient (the probe's, and the scorer loss's target)."""
     return block_mass(q, k, ts, hp, scale)
 
 
 def compressed_probs(q: torch.Tensor, k_cmp: torch.Tensor, ts: torch.Tensor, S: int, hp: NSAParams,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(p, n_vis)``: the compressed branch's attention at ``ts`` over its visible tokens, ``[B, H, h, C, n]``
-    float32 at least (differentiable in ``q`` and ``k_cmp``), and the visible count per position ``[C]``."""
+    """``(p, n_vis)``: the compressed branch's attention at ``ts`` over its visible tokens, ``[B, H, h, C,
+    n]`` float32 at least (differentiable in ``q`` and ``k_cmp``), and the visible count per position
+    ``[C]``."""
     n, H = k_cmp.shape[1], k_cmp.shape[2]
     n_vis = visible_cmp_counts(S, hp.l, hp.d, device=q.device)[ts]
     vis = torch.arange(n, device=q.device)[None, :] < n_vis[:, None]
@@ -103,7 +106,8 @@ def compressed_probs(q: torch.Tensor, k_cmp: torch.Tensor, ts: torch.Tensor, S: 
 
 def block_scores(p: torch.Tensor, ts: torch.Tensor, S: int, hp: NSAParams) -> torch.Tensor:
     """Block importance of :func:`compressed_probs` ``p`` (spec Eq. 9: summed over the group's heads, spread
-    over the blocks each compressed token overlaps), normalised over the candidate blocks: ``[B, H, C, nb]``."""
+    over the blocks each compressed token overlaps), normalised over the candidate blocks: ``[B, H, C,
+    nb]``."""
     nb = -(-S // hp.l_sel)
     W = overlap_weights(p.shape[-1], nb, hp.l, hp.d, hp.l_sel, device=p.device)
     cand = torch.arange(nb, device=p.device)[None, :] <= (ts // hp.l_sel)[:, None]
@@ -128,10 +132,10 @@ def recall(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
 
 
 def best_recall(mass: torch.Tensor, ts: torch.Tensor, hp: NSAParams) -> torch.Tensor:
-    """Recall's ceiling: the share of ``mass [B, H, C, nb]`` at positions ``ts`` in the blocks the spec's top-n
-    would choose if the block scores were the mass itself (forced blocks first; ``top_n_blocks``), what a
-    perfect block scorer reaches: ``[B, H, C]``. Below 1 when dense attention spreads over more than ``n_sel``
-    blocks."""
+    """Recall's ceiling: the share of ``mass [B, H, C, nb]`` at positions ``ts`` in the blocks the spec's
+    top-n would choose if the block scores were the mass itself (forced blocks first; ``top_n_blocks``), what
+    a perfect block scorer reaches: ``[B, H, C]``. Below 1 when dense attention spreads over more than
+    ``n_sel`` blocks."""
     best = top_n_blocks(mass, (ts // hp.l_sel)[:, None], hp.n_sel)  # [B, H, C, n_sel]
     return recall(mass, best.permute(0, 2, 1, 3))
 
@@ -146,7 +150,8 @@ def forced_recall(mass: torch.Tensor, ts: torch.Tensor, hp: NSAParams) -> torch.
 
 
 def scorer_kl(target: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-    """Mean over (batch, group, position) of ``KL(target || P)`` over blocks; ``target`` is not differentiated."""
+    """Mean over (batch, group, position) of ``KL(target || P)`` over blocks; ``target`` is not
+    differentiated."""
     t = target.detach()
     kl = torch.xlogy(t, t) - t * torch.log(P.clamp_min(1e-9))
     return kl.sum(dim=-1).mean()
@@ -154,19 +159,20 @@ def scorer_kl(target: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
 
 def align_loss(mass: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
     """Mean over (batch, group, position) of ``-log recall``: the dense attention
-    mass (:func:`block_mass`, with gradient) that the selected blocks ``block_idx [B, C, H, n_sel]`` leave out,
-    as a loss. Its gradient lowers the keys selection left out and raises the chosen ones: the keys sparse
-    training never reaches learn to be suppressed (SSA, arXiv 2511.20102, in probability space), which lifts
-    recall's ceiling."""
+    mass (:func:`block_mass`, with gradient) that the selected blocks ``block_idx [B, C, H, n_sel]`` leave
+    out, as a loss. Its gradient lowers the keys selection left out and raises the chosen ones: the keys
+    sparse training never reaches learn to be suppressed (SSA, arXiv 2511.20102, in probability space), which
+    lifts recall's ceiling."""
     return -torch.log(recall(mass, block_idx).clamp_min(1e-6)).mean()
 
 
 def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, block_idx: torch.Tensor,
-                 gates: torch.Tensor, hp: NSAParams, scale: float, queries: int) -> dict[str, float | list[float] | None]:
-    """One layer's diagnostics on one batch: ``recall``, its ceiling ``recall_best`` (:func:`best_recall`), the
-    forced blocks' share ``recall_forced`` (:func:`forced_recall`) and ``cmp_entropy`` over the probe positions
-    (``None`` when the sequence is too short for selection to choose), the scorer's ``kl`` to the dense mass,
-    and the mean gate per branch ``gates`` ([cmp, sel, win])."""
+                 gates: torch.Tensor, hp: NSAParams, scale: float,
+                 queries: int) -> dict[str, float | list[float] | None]:
+    """One layer's diagnostics on one batch: ``recall``, its ceiling ``recall_best`` (:func:`best_recall`),
+    the forced blocks' share ``recall_forced`` (:func:`forced_recall`) and ``cmp_entropy`` over the probe
+    positions (``None`` when the sequence is too short for selection to choose), the scorer's ``kl`` to the
+    dense mass, and the mean gate per branch ``gates`` ([cmp, sel, win])."""
     g = [float(x) for x in gates.float().mean(dim=(0, 1, 2)).tolist()]
     S = q.shape[1]
     ts = probe_positions(S, hp, queries, q.device)
@@ -180,13 +186,14 @@ def layer_report(q: torch.Tensor, k_sel: torch.Tensor, k_cmp: torch.Tensor, bloc
         forced = forced_recall(mass, ts, hp)
         kl = scorer_kl(mass, block_scores(p, ts, S, hp))
         ent = cmp_entropy(p, n_vis)
-    return {"recall": float(rec.mean()), "recall_best": float(best.mean()), "recall_forced": float(forced.mean()),
-            "cmp_entropy": float(ent.mean()), "kl": float(kl), "gates": g}
+    return {"recall": float(rec.mean()), "recall_best": float(best.mean()),
+            "recall_forced": float(forced.mean()), "cmp_entropy": float(ent.mean()), "kl": float(kl),
+            "gates": g}
 
 
 def merge_reports(parts: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
-    """One report from :func:`layer_report` s of several documents, each with its length in tokens: every field
-    the token-weighted mean over the documents that have it (``None`` when none does: all too short to
+    """One report from :func:`layer_report` s of several documents, each with its length in tokens: every
+    field the token-weighted mean over the documents that have it (``None`` when none does: all too short to
     choose); empty for no documents."""
     if not parts:
         return {}
@@ -204,11 +211,13 @@ class AttachLoss(torch.autograd.Function):
     the backward pass without entering the reported loss)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,
+                loss: torch.Tensor) -> torch.Tensor:
         ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype  # type: ignore[attr-defined]
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                        torch.Tensor]:
         return grad, grad.new_ones(ctx.loss_shape, dtype=ctx.loss_dtype)  # type: ignore[attr-defined]
 

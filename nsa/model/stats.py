@@ -28,8 +28,8 @@ FIELDS = (
     "sel_count",  # number of (token, group)
     "scorer_kl",  # sum over training forwards of the scorer loss (nsa.model.selection.scorer_kl)
     "scorer_count",  # number of those forwards
-    "align_nll",  # sum over training forwards of the alignment loss (-log recall, nsa.model.selection.align_loss)
-    "align_count",  # number of those forwards
+    # sum over training forwards of the alignment loss (-log recall, nsa.model.selection.align_loss)
+    "align_nll", "align_count",  # number of those forwards
 )
 N_FIELDS = len(FIELDS)
 SCORER = FIELDS.index("scorer_kl")  # the scorer loss's two fields start here
@@ -52,7 +52,8 @@ def gate_sums(gates: torch.Tensor, collapse_threshold: float) -> torch.Tensor:
 
 @torch.no_grad()
 def selected_keys(block_idx: torch.Tensor, l_sel: int, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Raw positions ``<= t`` covered by the chosen blocks ``[B, S, H, n_sel]`` (``-1`` = none): ``[B, S, H]``."""
+    """Raw positions ``<= t`` covered by the chosen blocks ``[B, S, H, n_sel]`` (``-1`` = none): ``[B, S,
+    H]``."""
     if positions is None:
         positions = torch.arange(block_idx.shape[1], device=block_idx.device)
     t = positions[:, :, None, None] if positions.dim() == 2 else positions[None, :, None, None]
@@ -90,7 +91,8 @@ def summarise(sums: Sequence[float]) -> dict[str, float | list[float]]:
 
 @torch.no_grad()
 def loss_sums(mean: torch.Tensor, share: float = 1.0) -> torch.Tensor:
-    """Running-sum contributions (the two fields at :data:`SCORER`, or at :data:`ALIGN`) of one forward's scorer
-    (or alignment) loss, a mean (``share``: the part of the forward it covers, one packed document's tokens)."""
+    """Running-sum contributions (the two fields at :data:`SCORER`, or at :data:`ALIGN`) of one forward's
+    scorer (or alignment) loss, a mean (``share``: the part of the forward it covers, one packed document's
+    tokens)."""
     w = torch.full((), share, dtype=torch.float64, device=mean.device)
     return torch.stack([mean.detach().to(torch.float64) * w, w])

@@ -4,9 +4,10 @@
 ``nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, *, scale=None, block_idx=None)``
 with ``hp`` an :class:`NSAParams` (the five hyper-parameters as one frozen object); see
 ``docs/nsa-semantics.md`` for what they compute. ``q_win`` (``nsa_attention``): the window branch's own
-queries (``q``'s shape); the compressed and selected branches and the block scores keep ``q``. ``q_start`` (``select_blocks``, ``nsa_attention``):
-the query rows sit at positions ``q_start ..`` of the keys (context parallelism: a rank's own rows
-against the gathered prefix). Each also takes ``backend=`` (``auto``, ``reference``,
+queries (``q``'s shape); the compressed and selected branches and the block scores keep ``q``. ``q_start``
+(``select_blocks``, ``nsa_attention``): the query rows sit at positions ``q_start ..`` of the keys (context
+parallelism: a rank's own rows against the gathered prefix). Each also takes ``backend=`` (``auto``,
+``reference``,
 ``torch``, ``triton``) to override the process default (``set_default_backend``, ``use_backend``;
 ``auto`` unless set).
 """
@@ -30,7 +31,8 @@ from nsa.ops.indexing import with_window_query
 from nsa.params import NSAParams
 
 
-def _packed(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor, q_start: int = 0) -> tuple[list[int], int | None]:
+def _packed(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor, q_start: int = 0) -> tuple[list[int],
+    int | None]:
     """The host offsets, and from what length a document runs alone (the reference: every one, the definition
     itself; :func:`nsa.ops.varlen.plan`)."""
     if q_start != 0:
@@ -44,7 +46,8 @@ def _packed(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor, q_start: int =
 def compress_avg(
     x: torch.Tensor, hp: NSAParams, *, backend: str | None = None, cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean-pool raw ``x [B, S, H, D]`` into compressed tokens ``[B, S_cmp, H, D]`` (block ``l``, stride ``d``)."""
+    """Mean-pool raw ``x [B, S, H, D]`` into compressed tokens ``[B, S_cmp, H, D]`` (block ``l``, stride
+    ``d``)."""
     name, impl = pick("compress_avg", backend, (x,))
     if cu_seqlens is not None:
         cu, alone = _packed(name, x, cu_seqlens)
@@ -118,7 +121,8 @@ def nsa_attention(
             qw = next(it) if q_win is not None else None
             kc, vc = it
             r: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = impl(
-                q_, kc, vc, ks, vs, kw, vw, g, hp, scale=scale, block_idx=idx, return_block_idx=return_block_idx,
+                q_, kc, vc, ks, vs, kw, vw, g, hp, scale=scale, block_idx=idx,
+                                                                       return_block_idx=return_block_idx,
                 **({} if qw is None else {"q_win": qw}))
             return r
 

@@ -31,8 +31,8 @@ LOG2E = 1.4426950408889634
 
 def geometry(S: int, l: int, d: int, q_start: int = 0) -> tuple[int, int, int]:  # noqa: E741
     """The virtual rows of query rows ``0 .. S-1`` at positions ``q_start ..``: ``(n0, origin, N)``: the first
-    virtual row's number ``n0`` (its keys are compressed tokens ``0 .. n0 + i`` for virtual row ``i``), the row
-    index ``origin`` where that row's ``r = 0`` sits (negative: its first ``-origin`` positions belong to
+    virtual row's number ``n0`` (its keys are compressed tokens ``0 .. n0 + i`` for virtual row ``i``), the
+    row index ``origin`` where that row's ``r = 0`` sits (negative: its first ``-origin`` positions belong to
     earlier queries; positive: rows before it see no token), and the number of virtual rows ``N``."""
     n0 = max(0, (q_start - (l - 1)) // d)
     origin = n0 * d + (l - 1) - q_start
@@ -40,9 +40,9 @@ def geometry(S: int, l: int, d: int, q_start: int = 0) -> tuple[int, int, int]: 
 
 
 def _segments(S: int, origin: int, d: int, N: int) -> list[tuple[int, int, int, int, int]]:
-    """How rows ``0 .. S-1`` fill ``N`` virtual rows from row index ``origin``: ``(k0, k1, ra, rb, s0)`` = virtual
-    rows ``k0 .. k1-1``, offsets ``ra .. rb-1`` in each, from row ``s0`` on (whole virtual rows in one segment;
-    a partial first or last row alone)."""
+    """How rows ``0 .. S-1`` fill ``N`` virtual rows from row index ``origin``: ``(k0, k1, ra, rb, s0)`` =
+    virtual rows ``k0 .. k1-1``, offsets ``ra .. rb-1`` in each, from row ``s0`` on (whole virtual rows in one
+    segment; a partial first or last row alone)."""
     out = []
     k = 0
     if origin < 0 and N > 0:  # the first virtual row starts before row 0
@@ -71,8 +71,8 @@ def _views(x: torch.Tensor, xv: torch.Tensor, H: int, d: int, seg: tuple[int, in
 
 def to_virtual(x: torch.Tensor, H: int, l: int, d: int, mul: torch.Tensor | None = None,  # noqa: E741
                q_start: int = 0, dot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Rows ``x [B, S, HQ, *t]`` at positions ``q_start ..`` (times ``mul``, broadcast to ``x``) as a new virtual
-    tensor ``[B, H*G*d, N, *t]`` (:func:`geometry`), zeros where no row is: one pass over ``x``.
+    """Rows ``x [B, S, HQ, *t]`` at positions ``q_start ..`` (times ``mul``, broadcast to ``x``) as a new
+    virtual tensor ``[B, H*G*d, N, *t]`` (:func:`geometry`), zeros where no row is: one pass over ``x``.
     ``dot=(o_v, dg)``: also ``dg[..., 0] = sum(x * o)`` per row, ``o`` the rows of virtual ``o_v`` (zeros
     where no virtual row holds a row), ``dg [B, S, HQ, 3]``."""
     B, S, HQ = x.shape[:3]
@@ -142,7 +142,8 @@ def to_rows(xv: torch.Tensor, dst: torch.Tensor, H: int, l: int, d: int, *, fill
 
 
 class _Virtual(torch.autograd.Function):
-    """:func:`to_virtual` with its gradient (the inverse copy; zeros at the positions no virtual row holds)."""
+    """:func:`to_virtual` with its gradient (the inverse copy; zeros at the positions no virtual row
+    holds)."""
 
     @staticmethod
     def forward(x: torch.Tensor, H: int, l: int, d: int, q_start: int) -> torch.Tensor:  # noqa: E741
@@ -161,7 +162,8 @@ class _Virtual(torch.autograd.Function):
 
 
 def _scores(qv: torch.Tensor, k: torch.Tensor, scale: float, n0: int) -> torch.Tensor:
-    """Scores ``[B, H, G*d, N, n0 + N]`` in float32 or wider, virtual row ``i`` seeing keys ``0 .. n0 + i``."""
+    """Scores ``[B, H, G*d, N, n0 + N]`` in float32 or wider, virtual row ``i`` seeing keys ``0 .. n0 +
+    i``."""
     B, HR, N, D = qv.shape
     H, NK = k.shape[1], k.shape[2]
     f = torch.promote_types(qv.dtype, torch.float32)
@@ -228,7 +230,8 @@ def _lib_bwd(impl: str, do: torch.Tensor, qv: torch.Tensor, k: torch.Tensor, v: 
     return dq.to(qv.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> tuple[torch.Tensor,
+    torch.Tensor]:
     """Two attention outputs over disjoint key sets as one: ``o`` weighted by each part's share, ``lse`` their
     log-sum-exp (the library's lse shape kept)."""
     lse = torch.logaddexp(l1, l2)
@@ -286,10 +289,12 @@ class _Library(torch.autograd.Function):
             qv = to_virtual(qs, h1 - h0, ctx.l, ctx.d, q_start=ctx.q_start)
             do_s, o_s, lse_s = do[:, r], o[:, r], lse[:, r]
             dqv, dk[:, h0:h1, n0:], dv[:, h0:h1, n0:] = _lib_bwd(
-                ctx.impl, do_s, qv, k[:, h0:h1, n0:], v[:, h0:h1, n0:], o_s, lse_s, seed, offset, True, ctx.scale)
+                ctx.impl, do_s, qv, k[:, h0:h1, n0:], v[:, h0:h1, n0:], o_s, lse_s, seed, offset, True,
+                                                                 ctx.scale)
             if n0 > 0:
                 dq_r, dk[:, h0:h1, :n0], dv[:, h0:h1, :n0] = _lib_bwd(
-                    ctx.impl, do_s, qv, k[:, h0:h1, :n0], v[:, h0:h1, :n0], o_s, lse_s, seed_r, offset_r, False,
+                    ctx.impl, do_s, qv, k[:, h0:h1, :n0], v[:, h0:h1, :n0], o_s, lse_s, seed_r, offset_r,
+                                                                      False,
                     ctx.scale)
                 dqv += dq_r
                 del dq_r
@@ -301,14 +306,15 @@ class _Library(torch.autograd.Function):
 
 def bwd_heads(B: int, R: int, N: int, D: int, itemsize: int, H: int) -> int:
     """KV heads per call of the library's backward: as many as keep one call's virtual ``q`` within the tile
-    key ``cmp_bwd_mib`` (default 256 MiB; at least one head): paper 64k (1 GiB of virtual ``q``) in four calls,
-    16k and shorter in one."""
+    key ``cmp_bwd_mib`` (default 256 MiB; at least one head): paper 64k (1 GiB of virtual ``q``) in four
+    calls, 16k and shorter in one."""
     per_head = B * R * N * D * itemsize
     limit = int(tuned("cmp_bwd_mib", 256)) * 2**20
     return max(1, min(H, limit // max(1, per_head)))
 
 
-def attend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, l: int, d: int, scale: float,  # noqa: E741
+def attend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, l: int, d: int,  # noqa: E741
+           scale: float,
            impl: str, q_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed branch of queries ``q [B, S, HQ, D]`` at positions ``q_start ..`` over ``k_cmp/v_cmp
     [B, S_cmp, H, D]`` (tokens from position 0, up to the last query's): virtual ``(o [B, HQ*d, N, Dv], lse
@@ -318,7 +324,8 @@ def attend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, l: int, d:
     k, v = k_cmp.transpose(1, 2), v_cmp.transpose(1, 2)
     n0, _, N = geometry(q.shape[1], l, d, q_start)
     if k.shape[2] != n0 + N:
-        raise ValueError(f"k_cmp must hold the {n0 + N} compressed tokens up to the last query; got {k.shape[2]}")
+        raise ValueError(f"k_cmp must hold the {n0 + N} compressed tokens up to the last query; got "
+                         f"{k.shape[2]}")
     if impl in ("cudnn", "flash") or (impl == "math" and n0 > 0):
         o, lse, *_ = _Library.apply(q, k, v, l, d, scale, impl, q_start)
         return o, lse.reshape(o.shape[:3])
@@ -338,7 +345,8 @@ def take(o_v: torch.Tensor, lse_v: torch.Tensor, o_dst: torch.Tensor, H: int, l:
 
 
 def grad_out(do: torch.Tensor, gate: torch.Tensor, H: int, l: int, d: int,  # noqa: E741
-             q_start: int = 0, o_v: torch.Tensor | None = None, dg: torch.Tensor | None = None) -> torch.Tensor:
+             q_start: int = 0, o_v: torch.Tensor | None = None,
+             dg: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient of :func:`attend`'s output from the op's ``do [B, S, HQ, Dv]`` and the branch's gate
     ``[B, S, HQ]``: ``gate * do`` in the virtual layout, one pass; with ``o_v`` (that output) and ``dg``
     (``[B, S, HQ, 3]``), the gate's gradient ``sum(do * o)`` into ``dg[..., 0]`` in the same pass."""

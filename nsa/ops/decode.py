@@ -47,9 +47,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(p.to(v.dtype), v), p
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Fused attention of ``q [B, H, h, Dk]`` over ``k/v [B, H, n, D]`` with a never-empty ``mask [B, H|1, n]``
-    (the ``h`` heads of a group are the query rows; no causal flag, the mask says everything)."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+          scale: float) -> torch.Tensor:
+    """Fused attention of ``q [B, H, h, Dk]`` over ``k/v [B, H, n, D]`` with a never-empty ``mask [B, H|1,
+    n]`` (the ``h`` heads of a group are the query rows; no causal flag, the mask says everything)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, None, :], scale=scale)
 
 
@@ -90,25 +91,29 @@ def nsa_decode(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     tensors = with_window_query(q, q_win, (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))
     _, impl = pick("nsa_decode", backend, tensors, hp=hp)
-    out: DecodeOutput = impl(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, scale=scale, table=table,
-                             q_win=q_win)
+    out: DecodeOutput = impl(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, hp, scale=scale,
+                             table=table, q_win=q_win)
     return out
 
 
-def _decode_triton(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
-                   v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, hp: NSAParams,
-                   *, scale: float, table: tuple[torch.Tensor, torch.Tensor] | None = None,
+def _decode_triton(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+                   k_sel: torch.Tensor, v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+                   gates: torch.Tensor, hp: NSAParams, *, scale: float,
+                   table: tuple[torch.Tensor, torch.Tensor] | None = None,
                    q_win: torch.Tensor | None = None) -> DecodeOutput:
     """The fused four-kernel step (``nsa.ops._triton.decode``); ``table`` is the torch path's."""
     assert _triton_decode is not None  # dispatch sends here only when triton_decode_supported
-    return DecodeOutput(*_triton_decode.nsa_decode_triton(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
-                                           l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel, w=hp.w, scale=scale,
+    return DecodeOutput(*_triton_decode.nsa_decode_triton(q, t, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win,
+                                                          gates,
+                                           l=hp.l, d=hp.d, l_sel=hp.l_sel, n_sel=hp.n_sel, w=hp.w,
+                                                          scale=scale,
                                            q_win=q_win))
 
 
-def _decode_torch(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
-                  v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, hp: NSAParams,
-                  *, scale: float, table: tuple[torch.Tensor, torch.Tensor] | None = None,
+def _decode_torch(q: torch.Tensor, t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+                  k_sel: torch.Tensor, v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+                  gates: torch.Tensor, hp: NSAParams, *, scale: float,
+                  table: tuple[torch.Tensor, torch.Tensor] | None = None,
                   q_win: torch.Tensor | None = None) -> DecodeOutput:
     """The vectorised torch step: the fused Triton step's reference (the index sets of the module doc);
     the window branch attends with ``q_win`` when given."""

@@ -44,7 +44,8 @@ def block_in_order(ring: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return torch.gather(ring, 2, slots[:, None, :, None].expand(B, H, l, D))
 
 
-def emit(caches: DecodeCaches, t: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, hp: NSAParams) -> None:
+def emit(caches: DecodeCaches, t: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+         hp: NSAParams) -> None:
     """Write compressed token ``[B, H, D]`` where ``t`` completes one (the others write the scratch slot)."""
     slot = emit_slot(t, hp.l, hp.d, caches.k_cmp.shape[2] - 1)
     ar = torch.arange(t.shape[0], device=t.device)
@@ -52,7 +53,8 @@ def emit(caches: DecodeCaches, t: torch.Tensor, k_new: torch.Tensor, v_new: torc
     caches.v_cmp[ar, :, slot] = v_new
 
 
-def _append_torch(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: NSAParams, emit_mean: bool) -> None:
+def _append_torch(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: NSAParams,
+                  emit_mean: bool) -> None:
     l = hp.l  # noqa: E741
     ar = torch.arange(t.shape[0], device=t.device)
     caches.k_sel[ar, :, t] = new.k_sel
@@ -63,8 +65,8 @@ def _append_torch(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: NSAP
     caches.ring_k[ar, :, t % l] = new.k_raw
     caches.ring_v[ar, :, t % l] = new.v_raw
     if emit_mean:
-        emit(caches, t, block_in_order(caches.ring_k, t).mean(dim=-2), block_in_order(caches.ring_v, t).mean(dim=-2),
-             hp)
+        emit(caches, t, block_in_order(caches.ring_k, t).mean(dim=-2),
+             block_in_order(caches.ring_v, t).mean(dim=-2), hp)
 
 
 def append_token(
@@ -92,7 +94,8 @@ def _append_reference(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: 
     _append_torch(t.to(torch.int64), new, caches, hp, emit_mean)
 
 
-def _append_triton(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: NSAParams, *, emit_mean: bool) -> None:
+def _append_triton(t: torch.Tensor, new: NewToken, caches: DecodeCaches, hp: NSAParams, *,
+                   emit_mean: bool) -> None:
     assert _triton_cache is not None  # dispatch sends here only when _append_unsupported says so
     _triton_cache.append_token_triton(t, new, caches, l=hp.l, d=hp.d, emit_mean=emit_mean)
 

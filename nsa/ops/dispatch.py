@@ -8,9 +8,10 @@ registered by :mod:`nsa.ops.decode` and :mod:`nsa.ops.decode_cache`.
 
 Order of choice: the call's ``backend=`` argument, then an active ``use_backend(...)`` block, then the
 process default (``set_default_backend``; ``auto`` unless set). The ops read no settings: the model is built
-with the run's ``runtime.attn_backend`` (which ``NSA_ATTN_BACKEND`` sets) and passes it on every call. ``auto`` means Triton for CUDA tensors when it can
-serve the call, else the vectorised torch path. A backend that cannot serve a call falls back to the
-torch path and increments ``fallback_counts()[reason]`` (host-side counters, no device sync).
+with the run's ``runtime.attn_backend`` (which ``NSA_ATTN_BACKEND`` sets) and passes it on every call.
+``auto`` means Triton for CUDA tensors when it can serve the call, else the vectorised torch path. A backend
+that cannot serve a call falls back to the torch path and increments ``fallback_counts()[reason]`` (host-side
+counters, no device sync).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
 BACKENDS = ("reference", "torch", "triton")
 
 # the ``use_backend`` blocks open now, innermost last: a plain module global (not a ContextVar, which
-# ``torch.compile(fullgraph=True)`` cannot trace), so a compiled caller guards on it and recompiles if it changes
+# ``torch.compile(fullgraph=True)`` cannot trace), so a compiled caller guards on it and recompiles if it
+# changes
 _override: list[str] = []
 _default = "auto"
 

@@ -1,8 +1,8 @@
 """Counters of the calls a fast path could not serve (``op:from->to:why``): host-side, no device sync.
 
 Kept apart from :mod:`nsa.ops.dispatch` so that kernels below it (the Triton work list, the split-and-rotate
-operator) count their own fallbacks without importing the dispatcher that imports them; :class:`FirstLaunch` is
-their one guard against a Triton that cannot compile them."""
+operator) count their own fallbacks without importing the dispatcher that imports them; :class:`FirstLaunch`
+is their one guard against a Triton that cannot compile them."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def record_fallback(reason: str) -> None:
 
 class FirstLaunch:
     """A fast path whose Triton kernels this Triton may not compile: the process's first launch is guarded (a
-    compile error, or a ``RuntimeError`` from compiling, sends that call and every later one back to the former
-    path, counted once under ``reason``); once it has run, later launches fail loudly. ``ok``: ``None`` before
-    the first launch, then whether it ran."""
+    compile error, or a ``RuntimeError`` from compiling, sends that call and every later one back to the
+    former path, counted once under ``reason``); once it has run, later launches fail loudly. ``ok``: ``None``
+    before the first launch, then whether it ran."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason

@@ -20,7 +20,8 @@ def visible_cmp(t: torch.Tensor, l: int, d: int) -> torch.Tensor:  # noqa: E741
     return torch.clamp(torch.div(t + 1 - l, d, rounding_mode="floor") + 1, min=0)
 
 
-def visible_cmp_counts(S: int, l: int, d: int, device: torch.device | str | None = None) -> torch.Tensor:  # noqa: E741
+def visible_cmp_counts(S: int, l: int, d: int,  # noqa: E741
+                       device: torch.device | str | None = None) -> torch.Tensor:
     """``N_c(t)`` for ``t = 0 .. S-1`` as an int64 tensor."""
     return visible_cmp(torch.arange(S, device=device), l, d)
 
@@ -115,12 +116,14 @@ def forced_blocks(t: int, l_sel: int) -> list[int]:
 
 
 def check_q_start(q_start: int, S_q: int, S_k: int | None = None) -> None:
-    """Queries at an offset: rows ``q_start .. q_start + S_q - 1`` must lie inside the ``S_k`` key positions."""
+    """Queries at an offset: rows ``q_start .. q_start + S_q - 1`` must lie inside the ``S_k`` key
+    positions."""
     if isinstance(q_start, bool) or not isinstance(q_start, (int, torch.SymInt)) or q_start < 0:
         raise ValueError(f"q_start must be an integer >= 0, got {q_start!r}")
     if S_k is not None and q_start + S_q > S_k:
         raise ValueError(f"q_start={q_start} with {S_q} query rows reaches position {q_start + S_q - 1}, "
-                         f"past the {S_k} key positions: pass keys up to the last query (S_k >= q_start + S_q)")
+                         f"past the {S_k} key positions: pass keys up to the last query (S_k >= q_start + "
+                         "S_q)")
 
 
 def with_window_query(q: torch.Tensor, q_win: torch.Tensor | None,
@@ -139,8 +142,8 @@ def check_cmp_tokens(n_tokens: int, q_start: int, S_q: int, l: int, d: int) -> N
     """``k_cmp`` must hold every compressed token the last query row (position ``q_start + S_q - 1``) sees."""
     need = num_visible_cmp(q_start + S_q - 1, l, d) if S_q else 0
     if n_tokens < need:
-        raise ValueError(f"k_cmp holds {n_tokens} compressed tokens but the query at position {q_start + S_q - 1} "
-                         f"sees {need}: compress the keys up to the last query")
+        raise ValueError(f"k_cmp holds {n_tokens} compressed tokens but the query at position "
+                         f"{q_start + S_q - 1} sees {need}: compress the keys up to the last query")
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, *, name: str = "k",
@@ -148,7 +151,8 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, *, name: str = "k",
     """Validate ``q [B,S_q,HQ,Dk]`` (rows at positions ``q_start ..``) against raw ``k [B,S_k,H,Dk]``
     (positions ``0 .. S_k - 1``, ``S_k >= q_start + S_q``); returns ``B, S_q, S_k, HQ, H, h``."""
     if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and {name} must be 4-D [B, S, heads, dim], got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(f"q and {name} must be 4-D [B, S, heads, dim], got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
     B, S_q, HQ, _ = q.shape
     H, S_k = k.shape[2], k.shape[1]
     if k.shape[0] != B:

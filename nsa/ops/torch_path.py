@@ -99,7 +99,8 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, hp: NSAParams, *, scale:
     scale = Dk**-0.5 if scale is None else scale
     nb = -(-S // l_sel)
     n_all = k_cmp.shape[1]
-    W = overlap_weights(n_all, nb, l, d, l_sel, dtype=q.dtype if q.dtype == torch.float64 else torch.float32, device=q.device)
+    W = overlap_weights(n_all, nb, l, d, l_sel, dtype=q.dtype if q.dtype == torch.float64 else torch.float32,
+                        device=q.device)
     k_t = k_cmp.permute(0, 2, 1, 3)
     n_vis_all = visible_cmp_counts(S, l, d, device=q.device)[q_start:]
     out = []
@@ -142,7 +143,8 @@ def nsa_attention(
     dev = q.device
     nb = -(-S // l_sel)
     n_all = k_cmp.shape[1]
-    W = overlap_weights(n_all, nb, l, d, l_sel, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=dev)
+    W = overlap_weights(n_all, nb, l, d, l_sel,
+                        dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=dev)
     kc, vc = k_cmp.permute(0, 2, 1, 3), v_cmp.permute(0, 2, 1, 3)
     ks, vs = k_sel.permute(0, 2, 1, 3), v_sel.permute(0, 2, 1, 3)
     kw, vw = k_win.permute(0, 2, 1, 3), v_win.permute(0, 2, 1, 3)
@@ -187,7 +189,8 @@ def nsa_attention(
 
         g = gates[:, r0:r1]
         outs.append(
-            g[..., 0:1] * _unfold(o_cmp, h) + g[..., 1:2] * _unfold(o_sel, h) + g[..., 2:3] * _unfold(o_win, h)
+            g[..., 0:1] * _unfold(o_cmp, h) + g[..., 1:2] * _unfold(o_sel, h) + g[..., 2:3]
+                    * _unfold(o_win, h)
         )
     out = torch.cat(outs, dim=1)
     if return_block_idx:

@@ -86,14 +86,15 @@ def path_counts() -> dict[str, int]:
     return dict(_paths)
 
 
-def cmp_path(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, q_start: int, n_keys: int | None = None) -> str:
+def cmp_path(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, q_start: int,
+             n_keys: int | None = None) -> str:
     """The compressed branch's path for this call: the set one where it can serve, else by shape (``kernel``
     for short sequences, queries that do not end with the keys (``n_keys``; unknown: only a whole sequence
     from position 0 does), head dims over 128 and pre-Hopper GPUs)."""
     cc = cc_major(q.device) if q.is_cuda else 0
     ends = q_start == 0 if n_keys is None else q_start + q.shape[1] == n_keys
-    return cmp_path_for(q.shape[1], q.shape[2] // k_cmp.shape[2], q.shape[-1], v_cmp.shape[-1], k_cmp.shape[1],
-                        ends, cc)
+    return cmp_path_for(q.shape[1], q.shape[2] // k_cmp.shape[2], q.shape[-1], v_cmp.shape[-1],
+                        k_cmp.shape[1], ends, cc)
 
 
 def cmp_path_of_shape(S: int, HQ: int, H: int, D: int, hp: NSAParams, device: torch.device) -> str:
@@ -163,7 +164,8 @@ class Stages:
         self.cmp_given = False  # the compressed branch ran outside (cmp_sdpa): its output is handed in
         # the forward's buffers (the backward is handed the saved ones instead); ``o3`` holds the branch
         # outputs in rows, the compressed one in slot 0 unless it is given and kept only in its virtual
-        # layout ``o_v`` (two slots, :func:`o3_slots`); ``o_c``: the compressed output in rows, for the combine
+        # layout ``o_v`` (two slots, :func:`o3_slots`); ``o_c``: the compressed output in rows, for the
+        # combine
         self.o3 = self.out = self.lse_c = self.lse_s = self.lse_w = self.idx = self.work = torch.empty(0)
         self.o_c = self.o_v = torch.empty(0)
 
@@ -203,13 +205,14 @@ class Stages:
         self.idx = canonical_blocks(block_idx, self.hp.l_sel, self.q_start)  # same key set, a new tensor
 
     def sel_fwd(self) -> None:
-        self.lse_s, self.work = sel_fwd(self.q, self.k_sel, self.v_sel, self.idx, self.o3[:, :, :, self.slots - 2],
-                                        l_sel=self.hp.l_sel, scale=self.scale, q_start=self.q_start)
+        self.lse_s, self.work = sel_fwd(self.q, self.k_sel, self.v_sel, self.idx,
+                                        self.o3[:, :, :, self.slots - 2], l_sel=self.hp.l_sel,
+                                        scale=self.scale, q_start=self.q_start)
 
     def win_fwd(self) -> None:
         self.lse_w = range_fwd(self.q if self.q_win is None else self.q_win, self.k_win, self.v_win,
-                               self.o3[:, :, :, self.slots - 1], scale=self.scale, stride=1, off=0, win=self.hp.w,
-                               combine=(self.gates, self.out, self.o_c), q_start=self.q_start)
+                               self.o3[:, :, :, self.slots - 1], scale=self.scale, stride=1, off=0,
+                               win=self.hp.w, combine=(self.gates, self.out, self.o_c), q_start=self.q_start)
 
     def forward(self, block_idx: torch.Tensor | None,
                 cmp_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -233,28 +236,32 @@ class Stages:
         self.dq_out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         # with the compressed branch given, q's gradient here has at most two parts (window, selected): they
         # add in q's dtype (each sum formed in fp32 in the kernel), no fp32 buffer (2 GiB at paper 64k)
-        self.dq = self.dq_out if self.cmp_given else torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        self.dq = self.dq_out if self.cmp_given else torch.empty(q.shape, device=q.device,
+                                                                 dtype=torch.float32)
         self.dq_win = torch.empty(0, device=q.device, dtype=q.dtype)
 
     def cmp_bwd(self) -> None:
-        self.dk_c, self.dv_c = range_bwd(self.q, self.k_cmp, self.v_cmp, self.do, self.lse_c, self.gates, self.dg,
-                                         self.dq, branch=0, accum=False, scale=self.scale, o3=self.o3,
-                                         q_start=self.q_start, **_cmp_geometry(self.hp))
+        self.dk_c, self.dv_c = range_bwd(self.q, self.k_cmp, self.v_cmp, self.do, self.lse_c, self.gates,
+                                         self.dg, self.dq, branch=0, accum=False, scale=self.scale,
+                                         o3=self.o3, q_start=self.q_start, **_cmp_geometry(self.hp))
 
     def cmp_grad(self) -> None:
-        """With the compressed branch given: its output's gradient ``gate * do`` in the virtual layout (and its
-        gate's gradient, when ``o3`` does not hold its output: from the virtual output in the same pass)."""
+        """With the compressed branch given: its output's gradient ``gate * do`` in the virtual layout (and
+        its gate's gradient, when ``o3`` does not hold its output: from the virtual output in the same
+        pass)."""
         hp = self.hp
         dg = self.dg if self.slots == 2 else None
-        self.d_ocmp = cmp_sdpa.grad_out(self.do, self.gates[..., 0], self.k_cmp.shape[2], hp.l, hp.d, self.q_start,
-                                        o_v=self.o_v if dg is not None else None, dg=dg)
+        self.d_ocmp = cmp_sdpa.grad_out(self.do, self.gates[..., 0], self.k_cmp.shape[2], hp.l, hp.d,
+                                        self.q_start, o_v=self.o_v if dg is not None else None, dg=dg)
 
     def sel_bwd(self) -> None:
-        # with the compressed branch given, the window's backward ran first and wrote q's dq unless it has its own
+        # with the compressed branch given, the window's backward ran first and wrote q's dq unless it has its
+        # own
         accum = not self.cmp_given or self.q_win is None
-        self.dk_s, self.dv_s = sel_bwd(self.q, self.k_sel, self.v_sel, self.idx, self.do, self.lse_s, self.gates,
-                                       self.dg, self.dq, branch=1, accum=accum, l_sel=self.hp.l_sel,
-                                       scale=self.scale, work=self.work, q_start=self.q_start)
+        self.dk_s, self.dv_s = sel_bwd(self.q, self.k_sel, self.v_sel, self.idx, self.do, self.lse_s,
+                                       self.gates, self.dg, self.dq, branch=1, accum=accum,
+                                       l_sel=self.hp.l_sel, scale=self.scale, work=self.work,
+                                       q_start=self.q_start)
         if (self.q_win is not None or self.cmp_given) and self.dq is not self.dq_out:
             self.dq_out.copy_(self.dq)  # no later stage adds into q's gradient: into the buffer already there
 
@@ -324,11 +331,12 @@ def _attention_fwd_fake(
     f32, i32 = torch.float32, torch.int32
     chunked = len(query_chunks(B, S, HQ, n_sel, Dv)) > 1
     work = (q.new_empty(0, dtype=i32) if sel_mode(HQ // H, q.device) == "row"
-            else q.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, q_start, chunked=chunked), dtype=i32))
+            else q.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, q_start, chunked=chunked),
+                             dtype=i32))
     slots = o3_slots(o_cmp is not None and lse_cmp is not None)
-    return (q.new_empty(B, S, HQ, Dv), q.new_empty(B, S, H, n_sel, dtype=i32), q.new_empty(B, S, HQ, slots, Dv),
-            q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32),
-            work)
+    return (q.new_empty(B, S, HQ, Dv), q.new_empty(B, S, H, n_sel, dtype=i32),
+            q.new_empty(B, S, HQ, slots, Dv), q.new_empty(B, S, HQ, dtype=f32),
+            q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32), work)
 
 
 _BWD_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -374,8 +382,9 @@ def _attention_bwd_fake(
                                                                       v_cmp.new_empty(v_cmp.shape))
     d_ocmp = (q.new_empty(q.shape[0], q.shape[2] * d, cmp_sdpa.geometry(q.shape[1], l, d, q_start)[2],
                           v_sel.shape[-1]) if cmp_given else q.new_empty(0))
-    return (q.new_empty(q.shape), dk_c, dv_c, *(t.new_empty(t.shape) for t in (k_sel, v_sel, k_win, v_win, gates)),
-            dq_win, d_ocmp)  # type: ignore[return-value]
+    return (q.new_empty(q.shape), dk_c, dv_c,
+            *(t.new_empty(t.shape) for t in (k_sel, v_sel, k_win, v_win, gates)), dq_win,
+            d_ocmp)  # type: ignore[return-value]
 
 
 _HP = ("l", "d", "l_sel", "n_sel", "w", "scale", "q_start")
@@ -389,8 +398,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: _FWD_OUT) -> None:
     ctx.cmp_given = o_cmp is not None
     ctx.keeps_o_cmp = o3.shape[3] == 2  # the compressed output only in its virtual layout (no extra memory:
     # the library kernel's own backward holds the same tensor)
-    ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w, work,
-                          *([q_win] if q_win is not None else []), *([o_cmp] if ctx.keeps_o_cmp else []))
+    ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, idx, o3, lse_c, lse_s, lse_w,
+                          work, *([q_win] if q_win is not None else []),
+                          *([o_cmp] if ctx.keeps_o_cmp else []))
     ctx.hp = dict(zip(_HP, hp, strict=False))  # q_start may be left at its default
     ctx.mark_non_differentiable(idx, o3, lse_c, lse_s, lse_w, work)
 
@@ -478,6 +488,7 @@ def nsa_attention(
     o_cmp = lse_cmp = None
     if path != "kernel":  # the compressed branch by a library kernel, differentiable on its own
         o_cmp, lse_cmp = cmp_sdpa.attend(args[0], args[1], args[2], hp.l, hp.d, sc, path, q_start)
-    fwd_args = (*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start, qw, o_cmp, lse_cmp)
+    fwd_args = (*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start, qw, o_cmp,
+                lse_cmp)
     out, idx, *_ = attention_fwd(*fwd_args) if torch.compiler.is_compiling() else _Eager.apply(*fwd_args)
     return (out, idx) if return_block_idx else out

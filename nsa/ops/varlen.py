@@ -65,7 +65,8 @@ def host_offsets(cu_seqlens: torch.Tensor | Sequence[int], total: int | None = N
     else:
         cu = [int(c) for c in cu_seqlens]
     if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in pairwise(cu)):
-        raise ValueError(f"cu_seqlens must start at 0 and increase strictly, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+        raise ValueError("cu_seqlens must start at 0 and increase strictly, got "
+                         f"{cu[:8]}{'...' if len(cu) > 8 else ''}")
     if total is not None and cu[-1] != total:
         raise ValueError(f"cu_seqlens ends at {cu[-1]} but the packed row has {total} positions")
     return cu
@@ -79,7 +80,8 @@ def cmp_offsets(cu: Sequence[int], l: int, d: int) -> list[int]:  # noqa: E741
     return out
 
 
-def _bucket(docs: list[int], starts: list[int], lengths: list[int], length: int, device: torch.device) -> Bucket:
+def _bucket(docs: list[int], starts: list[int], lengths: list[int], length: int,
+            device: torch.device) -> Bucket:
     pos = torch.arange(length)
     real = (pos[None] < torch.tensor(lengths)[:, None]).reshape(-1)
     src = (torch.tensor(starts)[:, None] + pos[None]).reshape(-1)[real]
@@ -101,7 +103,8 @@ def _plan(cu: tuple[int, ...], device: torch.device, alone_from: int | None) -> 
 
 def plan(cu: Sequence[int], device: torch.device, *, alone_from: int | None = None) -> list[Bucket]:
     """Group the documents of ``cu`` into buckets by length, each document of at least ``alone_from`` rows in
-    one of its own (0: every document); cached per offsets, so the layers of one packed batch share one plan."""
+    one of its own (0: every document); cached per offsets, so the layers of one packed batch share one
+    plan."""
     return list(_plan(tuple(cu), device, alone_from))
 
 
@@ -113,7 +116,8 @@ def take(x: torch.Tensor, b: Bucket) -> torch.Tensor:
 
 
 def scatter(parts: list[torch.Tensor], buckets: list[Bucket], total: int) -> torch.Tensor:
-    """Inverse of :func:`take`: the real rows of each bucket's ``[n, L, ...]`` back in packed order ``[1, T, ...]``."""
+    """Inverse of :func:`take`: the real rows of each bucket's ``[n, L, ...]`` back in packed order ``[1, T,
+    ...]``."""
     shape = parts[0].shape[2:]
     out = parts[0].new_empty(total, *shape)
     for p, b in zip(parts, buckets, strict=True):
@@ -127,7 +131,8 @@ def cmp_bucket(bucket: Bucket, cmp_cu: Sequence[int], l: int, d: int) -> Bucket:
 
 
 @functools.lru_cache(maxsize=64)
-def _cmp_bucket(docs: tuple[int, ...], length: int, device: torch.device, cmp_cu: tuple[int, ...], l: int,  # noqa: E741
+def _cmp_bucket(docs: tuple[int, ...], length: int, device: torch.device, cmp_cu: tuple[int, ...],
+                l: int,  # noqa: E741
                 d: int) -> Bucket:
     return _bucket(list(docs), [cmp_cu[n] for n in docs], [cmp_cu[n + 1] - cmp_cu[n] for n in docs],
                    num_cmp(length, l, d), device)
@@ -143,8 +148,8 @@ def run_packed(
     alone_from: int | None = None,
 ) -> list[torch.Tensor]:
     """``fn(*padded rows, *padded compressed rows)`` per bucket (:func:`plan`); each output ``[n, L, ...]``
-    scattered back to ``[1, T, ...]``. ``rows`` are packed per-position tensors, ``cmp_rows`` packed compressed
-    tokens (the block ``hp.l`` and stride ``hp.d`` say how many each document owns)."""
+    scattered back to ``[1, T, ...]``. ``rows`` are packed per-position tensors, ``cmp_rows`` packed
+    compressed tokens (the block ``hp.l`` and stride ``hp.d`` say how many each document owns)."""
     total = cu[-1]
     device = rows[0].device
     buckets = plan(cu, device, alone_from=alone_from)
@@ -182,7 +187,8 @@ def positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
     Under ``torch.compile`` the start of each row's document is the largest boundary at or before it, a
     reduction Inductor fuses: torch 2.11's Inductor fails to lower ``searchsorted`` over a slice of a
-    dynamic-length ``cu_seqlens`` (``NotImplementedError: SliceView``); eager keeps the ``O(T log n)`` search."""
+    dynamic-length ``cu_seqlens`` (``NotImplementedError: SliceView``); eager keeps the ``O(T log n)``
+    search."""
     cu = cu_seqlens.to(torch.long)
     t = torch.arange(total, device=cu.device)
     if torch.compiler.is_compiling():

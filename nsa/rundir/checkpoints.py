@@ -135,7 +135,8 @@ def newest_verified(run_dir: Path) -> tuple[Path | None, list[Verdict]]:
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return None, []
-    folders = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=step_of, reverse=True)
+    folders = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=step_of,
+                     reverse=True)
     skipped: list[Verdict] = []
     for p in folders:
         v = verify(p)
@@ -154,7 +155,8 @@ def _export_info(folder: Path) -> dict[str, Any] | None:
 
 def recorded_sha256(weights: Path) -> tuple[str | None, Path | None]:
     """``(SHA-256, the file that records it)`` of a weights file: a checkpoint's ``manifest.json`` for its
-    files, an export's ``export.json`` for its ``model.safetensors``; ``(None, None)`` when none is recorded."""
+    files, an export's ``export.json`` for its ``model.safetensors``; ``(None, None)`` when none is
+    recorded."""
     weights = Path(weights)
     manifest = read_manifest(weights.parent)
     if manifest is not None:

@@ -29,7 +29,8 @@ def is_secret(name: str) -> bool:
 
 
 def redact_env(env: dict[str, str]) -> dict[str, str]:
-    """Values of secret names (:func:`is_secret`: TOKEN, KEY, SECRET, PASSWORD, ...) replaced by ``<redacted>``."""
+    """Values of secret names (:func:`is_secret`: TOKEN, KEY, SECRET, PASSWORD, ...) replaced by
+    ``<redacted>``."""
     return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
 
 

@@ -75,7 +75,8 @@ def is_run_dir(path: str | Path) -> bool:
 
 
 def read_lock(run_dir: str | Path) -> Lock | None:
-    """The run lock's holder record ``{"pid", "host", "since"}`` (the holder now, or the last one), or None."""
+    """The run lock's holder record ``{"pid", "host", "since"}`` (the holder now, or the last one), or
+    None."""
     with contextlib.suppress(OSError, ValueError):
         data = json.loads((Path(run_dir) / LOCK_FILE).read_text())
         return data if isinstance(data, dict) else None  # type: ignore[return-value]
@@ -103,7 +104,8 @@ def read_halt(path: str | Path, settle_s: float = 0.0) -> HaltFile | None:
     archived ``halts/HALT-*``), None when there is none. The bytes are decoded leniently (any content asks for
     a halt, none may crash a reader); a file caught mid-write (``echo ... > .HALT`` truncates first: empty,
     or JSON cut short) is re-read for up to ``settle_s`` seconds before it is taken as it stands. ``time``
-    defaults to the file's modification time; an unreadable file is ``{"reason": "halt file (unreadable)"}``."""
+    defaults to the file's modification time; an unreadable file is ``{"reason": "halt file
+    (unreadable)"}``."""
     p = Path(path)
     p = p / HALT_FILE if p.is_dir() else p
     deadline = time.monotonic() + settle_s
@@ -219,7 +221,8 @@ class RunDir:
     def heartbeats(self) -> list[Path]:
         """The heartbeat files on disk, by rank."""
         found = [p for p in self.root.glob("heartbeat_rank*.jsonl") if HEARTBEAT_RE.match(p.name)]
-        return sorted(found, key=lambda p: int(HEARTBEAT_RE.match(p.name).group(1)))  # type: ignore[union-attr]
+        return sorted(found,
+                      key=lambda p: int(HEARTBEAT_RE.match(p.name).group(1)))  # type: ignore[union-attr]
 
     def stackdump(self, rank: int) -> Path:
         return self.root / STACKDUMP.format(rank=rank)

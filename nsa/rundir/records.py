@@ -86,7 +86,8 @@ class ProgressEvent(Event, total=False):
 
 
 SELECTION_FIELDS = ("recall", "recall_best", "recall_forced", "cmp_entropy", "kl")
-"""The numbers of a :class:`LayerSelection` (besides ``layer`` and ``gates``), in the order tables show them."""
+"""The numbers of a :class:`LayerSelection` (besides ``layer`` and ``gates``), in the order tables show
+them."""
 
 
 class LayerSelection(TypedDict, total=False):
@@ -342,5 +343,7 @@ def newer_schema(record: Any, known: int) -> int | None:
 
 
 def schema_note(what: str, schema: int, known: int) -> str:
-    """``metrics.json is schema 2, written by a newer nsa (this one reads schema 1): figures may be missing``."""
-    return f"{what} is schema {schema}, written by a newer nsa (this one reads schema {known}): figures may be missing"
+    """``metrics.json is schema 2, written by a newer nsa (this one reads schema 1): figures may be
+    missing``."""
+    return (f"{what} is schema {schema}, written by a newer nsa (this one reads schema {known}): figures may "
+            "be missing")

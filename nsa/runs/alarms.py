@@ -1,9 +1,9 @@
 """Alarms kept with the run: ``RUN/alarms.jsonl``, one JSON object per line, appended by ``nsa watch``.
 
 ``{"schema": 1, "event": "alarm" | "cleared" | "ack", "time", "rule", "message", "evidence", "step",
-"session", "by"}``: ``session`` is the ``ts`` of rank 0's ``boot`` line (a resumed run starts a new one), ``by``
-the watch (or the operator) that wrote it. An alarm already open for its session and rule (written by this or
-another watch, or an earlier ``--once``) is not written again; ``cleared`` closes it.
+"session", "by"}``: ``session`` is the ``ts`` of rank 0's ``boot`` line (a resumed run starts a new one),
+``by`` the watch (or the operator) that wrote it. An alarm already open for its session and rule (written by
+this or another watch, or an earlier ``--once``) is not written again; ``cleared`` closes it.
 
 A past alarm stops counting against the run in one of two ways (:func:`judge`):
 - *resolved*: a later session of the run ended cleanly (completed, or halted on request); while a later
@@ -74,8 +74,8 @@ class KeptAlarm:
 
 def kept_alarms(run_dir: str | Path, sessions: list[Session] | None = None) -> list[KeptAlarm]:
     """The alarms of ``RUN/alarms.jsonl``, oldest first, each with the time its ``cleared`` record gives and
-    the ``ack`` records applied; ``sessions`` (:func:`nsa.runs.sessions.read_sessions`): also resolve the alarms
-    of earlier sessions (:func:`judge`)."""
+    the ``ack`` records applied; ``sessions`` (:func:`nsa.runs.sessions.read_sessions`): also resolve the
+    alarms of earlier sessions (:func:`judge`)."""
     alarms: list[KeptAlarm] = []
     open_: dict[tuple[Any, str], KeptAlarm] = {}
     acks: list[Alarm] = []
@@ -91,8 +91,8 @@ def kept_alarms(run_dir: str | Path, sessions: list[Session] | None = None) -> l
             continue
         if key in open_:
             continue
-        a = KeptAlarm(rec["rule"], str(rec.get("message") or ""), rec.get("time"), rec.get("step"), rec.get("session"),
-                      by=rec.get("by"))
+        a = KeptAlarm(rec["rule"], str(rec.get("message") or ""), rec.get("time"), rec.get("step"),
+                      rec.get("session"), by=rec.get("by"))
         alarms.append(a)
         open_[key] = a
     return judge(alarms, acks, sessions)
@@ -104,7 +104,8 @@ def judge(alarms: list[KeptAlarm], acks: list[Alarm], sessions: list[Session] | 
     for a in alarms:
         ack = next((r for r in acks if r.get("rule") == a.rule and r.get("session") == a.session), None)
         if ack is not None:
-            a.state, a.note = ACKNOWLEDGED, f"by {ack.get('by') or 'unknown'}: {ack.get('reason') or ''}".rstrip(": ")
+            a.state, a.note = (ACKNOWLEDGED,
+                               f"by {ack.get('by') or 'unknown'}: {ack.get('reason') or ''}".rstrip(": "))
             continue
         if not sessions or not isinstance(a.session, int | float):
             continue
@@ -123,7 +124,8 @@ def acknowledge(run_dir: str | Path, reason: str, by: str, rules: list[str] | No
     ``RUN/alarms.jsonl`` with ``reason`` and ``by``. Returns the alarms acknowledged. ``ConfigError`` without
     a reason, or when a named rule has no open alarm; ``OSError`` when the file cannot be written."""
     if not reason.strip():
-        raise ConfigError("an acknowledgement needs a reason", hint="nsa ack RUN --reason 'why this alarm is fine'")
+        raise ConfigError("an acknowledgement needs a reason",
+                          hint="nsa ack RUN --reason 'why this alarm is fine'")
     pending = [a for a in kept_alarms(run_dir, sessions) if a.counts]
     if rules:
         named = set(rules)
@@ -154,10 +156,12 @@ class Acknowledged(Result):
             for a in self.alarms]}
 
     def view(self) -> list[Block]:
-        return [Line(f"acknowledged {a.describe()}") for a in self.alarms] or [Line(f"no open alarm in {self.run_dir}")]
+        return [Line(f"acknowledged {a.describe()}") for a in self.alarms] or [Line("no open alarm in "
+                                                                                    f"{self.run_dir}")]
 
 
-def ack_run(run_dir: str | Path, reason: str, rules: list[str] | None = None, by: str | None = None) -> Acknowledged:
+def ack_run(run_dir: str | Path, reason: str, rules: list[str] | None = None,
+            by: str | None = None) -> Acknowledged:
     """``nsa ack``: :func:`acknowledge` the open alarms of a run directory (checked), judged against its
     sessions; ``by`` defaults to ``user@host (nsa ack, pid N)``. A run directory that cannot be written: one
     ``NSAError``."""
@@ -170,7 +174,8 @@ def ack_run(run_dir: str | Path, reason: str, rules: list[str] | None = None, by
     st = RunReader(path).poll(final=True)
     sessions = read_sessions(path, st.status(time.time()))
     try:
-        return Acknowledged(str(run_dir), acknowledge(path, reason, by or who_am_i("nsa ack"), rules, sessions))
+        return Acknowledged(str(run_dir),
+                            acknowledge(path, reason, by or who_am_i("nsa ack"), rules, sessions))
     except OSError as exc:
         raise NSAError(write_failure(exc, Path(run_dir) / "alarms.jsonl"),
                        hint="make the run directory writable") from None
@@ -187,7 +192,8 @@ class AlarmFile:
         """Rules with an alarm open (not cleared) for ``session``."""
         return {a.rule for a in kept_alarms(self.path.parent) if a.session == session and a.cleared is None}
 
-    def write(self, event: str, rule: str, message: str, evidence: dict[str, Any], when: float, session: Any) -> None:
+    def write(self, event: str, rule: str, message: str, evidence: dict[str, Any], when: float,
+              session: Any) -> None:
         """Append one alarm or cleared record; ``OSError`` when the run directory cannot be written."""
         self.append({"schema": ALARMS_SCHEMA, "event": event, "time": when, "rule": rule, "message": message,
                      "evidence": evidence, "step": evidence.get("step"), "session": session, "by": self.by})

@@ -152,11 +152,13 @@ def loss_chart(run: RunSeries, path: Path) -> Chart:
         chart.series["training loss"] = len(xs)
     if run.val:
         ax.plot([s for s, _ in run.val], [v for _, v in run.val], linestyle="none", marker="o", markersize=5,
-                color="tab:orange", markeredgecolor="black", markeredgewidth=0.5, label="validation loss", zorder=3)
+                color="tab:orange", markeredgecolor="black", markeredgewidth=0.5, label="validation loss",
+                zorder=3)
         chart.series["validation loss"] = len(run.val)
     marks = {
         "checkpoint": _vlines(ax, run.checkpoints, "checkpoint", color="0.45", linestyle=":", linewidth=0.9),
-        # a resume usually sits on the step of the halt before it: the halt drawn wide, the resume dashed on top
+        # a resume usually sits on the step of the halt before it: the halt drawn wide, the resume dashed on
+        # top
         "halt": _vlines(ax, run.halts, "halt", color="tab:red", linestyle="-", linewidth=2.6, alpha=0.55),
         "resume": _vlines(ax, run.resumes, "resume", color="tab:green", linestyle="--", linewidth=1.3),
     }
@@ -170,7 +172,8 @@ def loss_chart(run: RunSeries, path: Path) -> Chart:
     return chart
 
 
-def _tps_panel(ax: Any, run: RunSeries, color: str | None, label_prefix: str, chart: Chart, floor: bool) -> float | None:
+def _tps_panel(ax: Any, run: RunSeries, color: str | None, label_prefix: str, chart: Chart,
+               floor: bool) -> float | None:
     """Raw tokens/s (faint) and its rolling median on ``ax``; returns the median of the run."""
     xs, ys = xy(run.points, "tokens_per_s")
     if not xs:
@@ -309,7 +312,8 @@ def gates_chart(run: RunSeries, path: Path) -> Chart | None:
 
 
 def fetch_chart(run: RunSeries, path: Path) -> Chart | None:
-    """Data fetch latency p50/p95 (heartbeat windows; training.csv's per-step fetch otherwise), with the ceiling."""
+    """Data fetch latency p50/p95 (heartbeat windows; training.csv's per-step fetch otherwise), with the
+    ceiling."""
     plt = pyplot()
     chart = Chart("fetch", f"data fetch latency - {run.name}", path)
     fig, ax = plt.subplots(figsize=(WIDTH, 3.2), dpi=100)
@@ -400,8 +404,8 @@ def combined_loss_chart(runs: Sequence[RunSeries], path: Path) -> Chart:
             ax.plot(xs, ys, color=color, linewidth=1.2, label=f"{run.name}")
             chart.series[f"{run.name} training loss"] = len(xs)
         if run.val:
-            ax.plot([s for s, _ in run.val], [v for _, v in run.val], linestyle="none", marker="o", markersize=5,
-                    color=color, markeredgecolor="black", markeredgewidth=0.5,
+            ax.plot([s for s, _ in run.val], [v for _, v in run.val], linestyle="none", marker="o",
+                    markersize=5, color=color, markeredgecolor="black", markeredgewidth=0.5,
                     label=f"{run.name} validation", zorder=3)
             chart.series[f"{run.name} validation loss"] = len(run.val)
     if not chart.series:
@@ -462,4 +466,5 @@ def combined_tokens_chart(runs: Sequence[RunSeries], path: Path) -> Chart:
 def combined_charts(runs: Sequence[RunSeries], folder: Path) -> list[Chart]:
     """The comparison charts of several runs: loss and tokens/s."""
     folder.mkdir(parents=True, exist_ok=True)
-    return [combined_loss_chart(runs, folder / "loss.png"), combined_tokens_chart(runs, folder / "tokens_per_s.png")]
+    return [combined_loss_chart(runs, folder / "loss.png"),
+            combined_tokens_chart(runs, folder / "tokens_per_s.png")]

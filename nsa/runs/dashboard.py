@@ -1,6 +1,7 @@
-"""What ``nsa watch``'s dashboard shows, as text: the run's identity, progress, a row per figure (its value now, a
-detail or the series its trend line draws), each rank's heartbeat and the events. The CLI lays it out for its
-terminal's width (``nsa_cli.render.watch``); the figures, their formats and the event texts are decided here."""
+"""What ``nsa watch``'s dashboard shows, as text: the run's identity, progress, a row per figure (its value
+now, a detail or the series its trend line draws), each rank's heartbeat and the events. The CLI lays it out
+for its terminal's width (``nsa_cli.render.watch``); the figures, their formats and the event texts are
+decided here."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def duration(seconds: float | None) -> str:
 
 @dataclass
 class Row:
-    """A figure: ``name``, its value ``now``, and a ``detail`` text or the ``series`` of its trend line; ``tail``:
-    text that keeps its end when the detail must be cut (a file name)."""
+    """A figure: ``name``, its value ``now``, and a ``detail`` text or the ``series`` of its trend line;
+    ``tail``: text that keeps its end when the detail must be cut (a file name)."""
 
     name: str
     now: str
@@ -86,13 +87,15 @@ def _rows(state: Any, s: Any, gpus: Any, now: float) -> list[Row]:
         last = next((v for v in reversed(rss) if isinstance(v, int | float)), s.rss_mib)
         rows.append(Row("host RSS", f"{num(last, ',.0f')} MiB", series=rss))
     shares = s.gate_branch_shares
-    rows.append(Row("gates", f"H {num(s.gate_entropy_mean, '.3f')} coll {num(s.gate_collapse_fraction, '.2f')}",
+    rows.append(Row("gates",
+                    f"H {num(s.gate_entropy_mean, '.3f')} coll {num(s.gate_collapse_fraction, '.2f')}",
                     "cmp/sel/win " + ("/".join(f"{x:.2f}" for x in shares) if shares else "n/a")))
     rows.append(Row("selection", *selection_cells(s)))
-    rows.append(Row("fallbacks", str(s.fallback_total), ", ".join(f"{k}: {v}" for k, v in sorted(s.fallback.items()))))
+    rows.append(Row("fallbacks", str(s.fallback_total),
+                    ", ".join(f"{k}: {v}" for k, v in sorted(s.fallback.items()))))
     if s.data_source or s.data_fallback:
-        rows.append(Row("data", "SYNTHETIC" if s.data_fallback else "ok", s.data_fallback or s.data_source or "",
-                        style="bold red" if s.data_fallback else ""))
+        rows.append(Row("data", "SYNTHETIC" if s.data_fallback else "ok",
+                        s.data_fallback or s.data_source or "", style="bold red" if s.data_fallback else ""))
     if s.gpu_mem_errors:
         rows.append(Row("GPU mem errors", str(sum(s.gpu_mem_errors.values())),
                         ", ".join(f"{k}: {v}" for k, v in sorted(s.gpu_mem_errors.items()))))
@@ -102,13 +105,15 @@ def _rows(state: Any, s: Any, gpus: Any, now: float) -> list[Row]:
     if ck:
         age = now - float(ck["ts"]) if isinstance(ck.get("ts"), int | float) else None
         rows.append(Row("checkpoint", f"step {ck.get('step')} {ck.get('reason') or ''}".rstrip(),
-                        f"{duration(age)} ago  " if age is not None else "", tail=Path(str(ck.get("path") or "")).name))
+                        f"{duration(age)} ago  " if age is not None else "",
+                        tail=Path(str(ck.get("path") or "")).name))
     else:
         rows.append(Row("checkpoint", "none yet"))
     for g in gpus.gpus if gpus is not None and getattr(gpus, "available", False) else []:
         used = g.memory_total_mib - g.memory_free_mib
         rows.append(Row(f"GPU{g.index}", f"{num(g.utilization_pct, '.0f')}% {num(g.temperature_c, '.0f')}C "
-                                         f"{num(g.power_w, '.0f')}W", f"{used:,.0f}/{g.memory_total_mib:,.0f} MiB {g.name}"))
+                                         f"{num(g.power_w, '.0f')}W",
+                        f"{used:,.0f}/{g.memory_total_mib:,.0f} MiB {g.name}"))
     return rows
 
 
@@ -116,22 +121,24 @@ def _events(s: Any, alarms: list[Any], log: Any) -> list[tuple[str, str]]:
     """What happened: a resume pending, a data fallback, the last anomaly and halt, alarms, cleared ones."""
     out = []
     if s.status == "resuming":
-        out.append(("the run ended, and a new session holds its lock: waiting for its first heartbeat", "cyan"))
+        out.append(("the run ended, and a new session holds its lock: waiting for its first heartbeat",
+                    "cyan"))
     if s.data_fallback and not any(a.rule == "data-fallback" for a in alarms):  # else its ALARM line says it
         out.append((f"DATA FALLBACK: {s.data_fallback}", "bold red"))
     if s.anomalies:
         out.append((f"last anomaly: {anomaly_text(s.anomalies[-1])}", "red"))
     if s.halts:
         h = s.halts[-1]
-        out.append((f"last halt: step {h.get('step')} {h.get('reason')} ({halt_checkpoint_text(h.get('checkpoint'))})",
-                    "yellow"))
+        out.append((f"last halt: step {h.get('step')} {h.get('reason')} "
+                    f"({halt_checkpoint_text(h.get('checkpoint'))})", "yellow"))
     if s.pending_halt:
         out.append((f"pending .HALT: {s.pending_halt.get('reason')}", "yellow"))
     if s.end and s.end.get("error"):
         out.append((f"error: {s.end.get('error')}", "red"))
     out += [(f"ALARM {a.rule}: {a.message}", "bold red") for a in alarms]
     for old in [x for x in log.history if x.cleared is not None][-3:] if log is not None else []:
-        out.append((f"cleared {old.rule} at {now_iso(old.cleared)[11:]} (since {now_iso(old.since)[11:]})", "dim"))
+        out.append((f"cleared {old.rule} at {now_iso(old.cleared)[11:]} (since {now_iso(old.since)[11:]})",
+                    "dim"))
     return out
 
 

@@ -39,7 +39,8 @@ class DumpOutcome(Result):
     def view(self) -> list[Block]:
         """The stacks, then what happened (an error line on stderr when no dump appeared)."""
         stacks = [Line(self.text.rstrip(), wrap=False)] if self.text else []
-        return [*stacks, Line(self.message, wrap=False) if self.ok else Line(f"error: {self.message}", err=True,
+        return [*stacks,
+                Line(self.message, wrap=False) if self.ok else Line(f"error: {self.message}", err=True,
                                                                               wrap=False)]
 
 
@@ -60,16 +61,17 @@ def _holds_lock(pid: int, lock: Path) -> bool | None:
 
 def trainer_pids(run_dir: str | Path) -> dict[int, int]:
     """``{rank: pid}`` of the run's live trainer processes on this host: rank 0 from ``RUN/.lock`` (it must
-    hold the lock open), the other ranks from their latest ``boot`` line. ``RunDirError`` (one line) when there
-    is no lock, the trainer runs on another host or belongs to another user; empty when it is not running."""
+    hold the lock open), the other ranks from their latest ``boot`` line. ``RunDirError`` (one line) when
+    there is no lock, the trainer runs on another host or belongs to another user; empty when it is not
+    running."""
     run = check_run_dir(run_dir)
     holder = read_lock(run)
     if not holder or not isinstance(holder.get("pid"), int):
         raise RunDirError(f"{run} has no run lock ({LOCK_FILE}): no trainer has run there",
                           hint="give the train.out_dir of a run started by `nsa train`")
     if holder.get("host") not in (None, socket.gethostname()):
-        raise RunDirError(f"the trainer of {run} runs on host {holder.get('host')} (PID {holder['pid']}), not here",
-                          hint=f"run `nsa dump {run}` on {holder.get('host')}")
+        raise RunDirError(f"the trainer of {run} runs on host {holder.get('host')} (PID {holder['pid']}), "
+                          "not here", hint=f"run `nsa dump {run}` on {holder.get('host')}")
     pid = int(holder["pid"])
     if pid_alive(holder) is not True:
         return {}
@@ -102,8 +104,8 @@ def dump_stacks(run_dir: str | Path, timeout_s: float = 10.0, poll_s: float = 0.
     pids = trainer_pids(run)
     if not pids:
         holder = read_lock(run) or {}
-        return DumpOutcome(False, f"the trainer of {run} (PID {holder.get('pid')}) is not running (the run ended "
-                                  "or crashed); nothing to dump", str(run))
+        return DumpOutcome(False, f"the trainer of {run} (PID {holder.get('pid')}) is not running (the run "
+                                  "ended or crashed); nothing to dump", str(run))
     files = {rank: run / STACKDUMP.format(rank=rank) for rank in pids}
     main = files[min(files)]
     start = _size(main)
@@ -127,6 +129,6 @@ def dump_stacks(run_dir: str | Path, timeout_s: float = 10.0, poll_s: float = 0.
     grown = bool(text)
     shown = ", ".join(f"rank {r} PID {p}" for r, p in pids.items())
     message = (f"stacks of {shown} appended to {', '.join(str(f) for f in files.values())}" if grown else
-               f"sent SIGUSR1 to {shown}, but {main} did not grow within {timeout_s:g} s (the trainer may still be "
-               "starting: its dump handler is installed once set-up is done)")
+               f"sent SIGUSR1 to {shown}, but {main} did not grow within {timeout_s:g} s (the trainer may "
+               "still be starting: its dump handler is installed once set-up is done)")
     return DumpOutcome(grown, message, str(run), pids, [str(f) for f in files.values()], text)

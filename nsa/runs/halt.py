@@ -145,7 +145,8 @@ def wait_for_ack(
         if end is not None and float(end.get("ts", 0)) >= since - 1.0:
             ck = (halt_ev or {}).get("checkpoint")
             if ck is None:
-                ck = next((c.get("path") for c in reversed(st.checkpoints) if c.get("reason") == "halt"), None)
+                ck = next((c.get("path") for c in reversed(st.checkpoints) if c.get("reason") == "halt"),
+                          None)
             status = str(end.get("status"))
             waited = time.monotonic() - t0
             if halt_ev is not None or status == "halted":
@@ -155,7 +156,8 @@ def wait_for_ack(
             return HaltOutcome("ended", f"run ended with status {status} before acting on the halt", run,
                                end_status=status, step=end.get("step"), waited_s=waited)
         if st.status(time.time(), stale_s) == "crashed":
-            return HaltOutcome("crashed", f"trainer process is gone without an end event (last step {st.steps_done})",
+            return HaltOutcome("crashed",
+                               f"trainer process is gone without an end event (last step {st.steps_done})",
                                run, step=st.steps_done, waited_s=time.monotonic() - t0)
         if time.monotonic() - t0 >= timeout_s:
             seen = "saw its halt event but no end yet" if halt_ev else "no halt event yet"
@@ -166,7 +168,8 @@ def wait_for_ack(
 
 def halted_by_watchdog(run_dir: str | Path) -> bool:
     """Whether the run's latest session ended halted by the watchdog (``nsa watch --halt-on``): its ``halt``
-    event's reason starts with ``watchdog:``. What a launcher of several ranks exits with (``EXIT_WATCHDOG``)."""
+    event's reason starts with ``watchdog:``. What a launcher of several ranks exits with
+    (``EXIT_WATCHDOG``)."""
     st = RunReader(run_dir, check=False).poll(final=True)
     t0 = st.session_start or 0.0
     if st.end is None or st.end.get("status") != "halted":
@@ -190,7 +193,8 @@ def halt_run(
     reader = RunReader(path)
     st = reader.poll()
     if st.end is not None and not force:
-        return HaltOutcome("already-ended", f"run already ended (status {st.end.get('status')}); nothing written",
+        return HaltOutcome("already-ended",
+                           f"run already ended (status {st.end.get('status')}); nothing written",
                            str(path), end_status=str(st.end.get("status")), step=st.end.get("step"))
     record = write_halt(path, reason, who=who)
     if not wait:

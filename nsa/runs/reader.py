@@ -89,9 +89,11 @@ def check_run_dir(path: str | Path) -> Path:
     """The path, or ``RunDirError`` saying why it is not a run directory."""
     p = Path(path)
     if not p.exists():
-        raise RunDirError(f"run directory {p} does not exist", hint="give the train.out_dir of a run, e.g. artifacts/tiny")
+        raise RunDirError(f"run directory {p} does not exist",
+                          hint="give the train.out_dir of a run, e.g. artifacts/tiny")
     if not p.is_dir():
-        raise RunDirError(f"{p} is a file, not a run directory", hint="give the folder that holds heartbeat_rank0.jsonl")
+        raise RunDirError(f"{p} is a file, not a run directory",
+                          hint="give the folder that holds heartbeat_rank0.jsonl")
     if not is_run_dir(p):
         raise RunDirError(
             f"{p} is not a run directory (no heartbeat_rank*.jsonl, config.yaml, env.json or training.csv)",
@@ -250,7 +252,8 @@ class RunState:
     halts: list[HaltEvent] = field(default_factory=list)
     loader_ready: LoaderReadyEvent | None = None
     config: dict[str, Any] | None = None
-    config_sources: dict[str, str] = field(default_factory=dict)  # dotted key -> origin (config.yaml comments)
+    # dotted key -> origin (config.yaml comments)
+    config_sources: dict[str, str] = field(default_factory=dict)
     config_error: str | None = None  # why config.yaml (present) could not be read: its settings are unknown
     env: Env | None = None
     metrics: Metrics | None = None
@@ -258,7 +261,8 @@ class RunState:
     corrupt_lines: int = 0
     truncated_lines: int = 0
     files_missing: list[str] = field(default_factory=list)
-    schema_notes: list[str] = field(default_factory=list)  # files written by a newer nsa (records.newer_schema)
+    # files written by a newer nsa (records.newer_schema)
+    schema_notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.files = RunDir(self.run_dir)
@@ -392,7 +396,8 @@ class RunState:
         return pid_alive(holder) is True
 
     def status(self, now: float, stale_s: float = DEFAULT_STALE_S) -> str:
-        """``completed``/``halted``/``failed`` (from the end event), else ``running``, ``stale`` or ``crashed``."""
+        """``completed``/``halted``/``failed`` (from the end event), else ``running``, ``stale`` or
+        ``crashed``."""
         ends = [s.end for s in self.ranks.values() if s.end]
         if self.end is not None or ends:
             statuses = [str(e.get("status", "failed")) for e in ([self.end] if self.end else ends)]
@@ -460,7 +465,8 @@ class RunReader:
             except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
                 why = " ".join(str(exc).split())
                 st.config_error = f"{CONFIG_FILE} cannot be read: {why[:200]}"
-        for path, attr, known in ((self.files.env, "env", ENV_SCHEMA), (self.files.metrics, "metrics", METRICS_SCHEMA)):
+        for path, attr, known in ((self.files.env, "env", ENV_SCHEMA),
+                                  (self.files.metrics, "metrics", METRICS_SCHEMA)):
             name = path.name
             if self._changed(name):
                 try:
@@ -614,7 +620,8 @@ def wait_for_run(path: str | Path, timeout_s: float | None = None, poll_s: float
             return True
         if timeout_s is not None and time.monotonic() - t0 >= timeout_s:
             return False
-        time.sleep(poll_s if timeout_s is None else max(0.0, min(poll_s, timeout_s - (time.monotonic() - t0))))
+        time.sleep(poll_s if timeout_s is None
+                   else max(0.0, min(poll_s, timeout_s - (time.monotonic() - t0))))
 
 
 def read_run(run_dir: str | Path) -> RunState:

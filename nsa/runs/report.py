@@ -62,7 +62,8 @@ from nsa.runs.verdict import (
 from nsa.view import Block, Line, Result
 
 DEFAULT_OUT = Path("Documentation") / "Reports"
-EVAL_TASKS = ("needle", "mqar", "ruler", "loss", "selection")  # RUN/eval/<task>.json written by `nsa eval`, in report order
+# RUN/eval/<task>.json written by `nsa eval`, in report order
+EVAL_TASKS = ("needle", "mqar", "ruler", "loss", "selection")
 
 
 @dataclass
@@ -73,12 +74,14 @@ class ReportResult(Result):
     images: list[Path] = field(default_factory=list)
     checks: list[list[Check]] = field(default_factory=list)
     limits: list[Limits] = field(default_factory=list)
-    charts: list[tuple[str | None, Chart]] = field(default_factory=list)  # (run name or None for combined, chart)
+    # (run name or None for combined, chart)
+    charts: list[tuple[str | None, Chart]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
     def overall(self) -> str:
-        """``FAIL`` if any run failed, else ``RUNNING`` if any runs, ``PASS`` if all passed, else ``INCOMPLETE``."""
+        """``FAIL`` if any run failed, else ``RUNNING`` if any runs, ``PASS`` if all passed, else
+        ``INCOMPLETE``."""
         return overall_verdict(self.verdicts)
 
     @property
@@ -91,15 +94,16 @@ class ReportResult(Result):
 
     def view(self) -> list[Block]:
         """Each run's verdict and why, then where the report is."""
-        lines = [Line(f"{v}  {s.run_name}: {why}", v, lead=len(v)) for s, (v, why) in zip(self.runs, self.verdicts,
+        lines = [Line(f"{v}  {s.run_name}: {why}", v, lead=len(v)) for s,
+                 (v, why) in zip(self.runs, self.verdicts,
                                                                                            strict=True)]
         return [*lines, Line(f"report: {self.path}")]
 
     def to_dict(self) -> dict[str, Any]:
         runs = []
         for i, (s, (v, why)) in enumerate(zip(self.runs, self.verdicts, strict=True)):
-            run: dict[str, Any] = {"run_dir": s.run_dir, "run_name": s.run_name, "status": s.status, "verdict": v,
-                                   "why": why}
+            run: dict[str, Any] = {"run_dir": s.run_dir, "run_name": s.run_name, "status": s.status,
+                                   "verdict": v, "why": why}
             if i < len(self.checks):
                 run["checks"] = [c.to_dict() for c in self.checks[i]]
             if i < len(self.limits):
@@ -120,7 +124,8 @@ def newest_run(root: str | Path = "artifacts") -> Path:
     """The run directory under ``root`` whose files changed last."""
     base = Path(root)
     if not base.is_dir():
-        raise RunDirError(f"no run given and {base}/ does not exist", hint="pass a run directory: nsa report RUN_DIR")
+        raise RunDirError(f"no run given and {base}/ does not exist",
+                          hint="pass a run directory: nsa report RUN_DIR")
     best: tuple[float, Path] | None = None
     for p in [base, *base.rglob("*")]:
         if p.is_dir() and CHECKPOINTS_DIR not in p.parts and is_run_dir(p):
@@ -227,7 +232,8 @@ def session_boots(st: RunState) -> list[dict[str, Any]]:
 
 
 def _steps(events: Sequence[Mapping[str, Any]]) -> list[float]:
-    return [float(e["step"]) for e in events if isinstance(e.get("step"), int | float) and not isinstance(e.get("step"), bool)]
+    return [float(e["step"]) for e in events if isinstance(e.get("step"), int | float)
+            and not isinstance(e.get("step"), bool)]
 
 
 def resume_step(boot: dict[str, Any]) -> int | None:
@@ -260,8 +266,8 @@ def chart_series(run: _Run) -> RunSeries:
 def _checks_section(run: _Run) -> list[str]:
     L = ["### Verdict checks", "",
          "Each check with its figure and limit. Limits are the run's `monitor.*` settings (saved in its "
-         "config.yaml; `--limits PROFILE` overrides them); \"not set\" and \"n/a\" do not judge, WARN = within "
-         f"{WARN_MARGIN:.0%} of the limit.", "",
+         "config.yaml; `--limits PROFILE` overrides them); \"not set\" and \"n/a\" do not judge, WARN = "
+         f"within {WARN_MARGIN:.0%} of the limit.", "",
          "| check | figure | limit | result |", "|---|---|---|---|"]
     for c in run.checks:
         result = f"**{c.result}**" if c.result in ("FAIL", "WARN") else c.result
@@ -288,7 +294,8 @@ def _sessions_section(sessions: Sequence[Session]) -> list[str]:
 
 
 def _env_section(env: Mapping[str, Any]) -> list[str]:
-    """``NSA_*`` settings and the other recorded variables (CUDA_*, NCCL_*, PYTORCH_*, ...), secrets redacted."""
+    """``NSA_*`` settings and the other recorded variables (CUDA_*, NCCL_*, PYTORCH_*, ...), secrets
+    redacted."""
     L = ["### Environment variables", ""]
     nsa: dict[str, Any] = env["nsa_settings"] if isinstance(env.get("nsa_settings"), dict) else {}
     other = env.get("environment")
@@ -299,7 +306,8 @@ def _env_section(env: Mapping[str, Any]) -> list[str]:
         L += [f"| {_cell(k)} | {_cell(REDACTED if is_secret(k) else v)} |" for k, v in rows]
         L.append("")
     if not isinstance(other, dict):
-        L += ["Other variables (CUDA_\\*, NCCL_\\*, PYTORCH_\\*, ...) were not recorded in this run's env.json.", ""]
+        L += ["Other variables (CUDA_\\*, NCCL_\\*, PYTORCH_\\*, ...) were not recorded in this run's "
+              "env.json.", ""]
     elif not rows:
         L += ["None set.", ""]
     L += ["Values of names with a word ending in TOKEN, KEY, SECRET, PASSWORD, CREDENTIAL or AUTH (HF_TOKEN, "
@@ -326,12 +334,14 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     if log.exists():
         L.append(f"| Log | {_link(log, out_dir, log.name)} (every line the trainer printed) |")
     sessions = f", {len(run.sessions)} sessions" if len(run.sessions) > 1 else ""
-    L.append(f"| Status | {s.status} ({s.steps_done}/{s.steps_total or '?'} steps, world size {s.world_size}{sessions}) |")
+    L.append(f"| Status | {s.status} ({s.steps_done}/{s.steps_total or '?'} steps, world size "
+             f"{s.world_size}{sessions}) |")
     dirty = git.get("dirty")
     L.append(f"| Branch / commit | {git.get('branch') or 'n/a'} / `{git.get('commit') or 'n/a'}`"
              f" ({'dirty' if dirty else 'clean' if dirty is False else 'dirty state unknown'}) |")
     gpus = env.get("gpus") or []
-    gpu_text = ", ".join(sorted(set(map(str, gpus)))) + f" x{len(gpus)}" if gpus else (env.get("device_name") or s.device or "n/a")
+    gpu_text = ", ".join(sorted(set(map(str, gpus)))) + f" x{len(gpus)}" if gpus else (env.get("device_name")
+                                                                                       or s.device or "n/a")
     L.append(f"| Device | {gpu_text} ({env.get('device') or 'n/a'}, {env.get('precision') or 'n/a'}) |")
     L.append(f"| Driver | {env.get('driver') or 'n/a'} |")
     L.append("| Python / torch / CUDA / triton / flash-attn | " + " / ".join(
@@ -339,7 +349,8 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append(f"| Profile | {env.get('profile') or 'none'} |")
     settings = env.get("nsa_settings") or {}
     L.append("| NSA_* environment | " + (", ".join(
-        f"`{k}={REDACTED if is_secret(str(k)) else val}`" for k, val in sorted(settings.items())) or "none") + " |")
+        f"`{k}={REDACTED if is_secret(str(k)) else val}`" for k, val in sorted(settings.items())) or "none")
+             + " |")
     overrides = {k: v for k, v in st.config_sources.items() if not v.startswith("config")}
     if overrides:
         L.append("| Settings above the config file | " + ", ".join(
@@ -348,14 +359,15 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     if unknown:
         L.append(f"| Unknown NSA_* (ignored) | {', '.join(unknown)} |")
     if st.config_error is not None:
-        L.append(f"| Config | `{env.get('config_path') or 'n/a'}`; **{st.config_error.replace('|', '/')}**: the run's "
-                 "settings are unknown |")
+        L.append(f"| Config | `{env.get('config_path') or 'n/a'}`; **{st.config_error.replace('|', '/')}**: "
+                 "the run's settings are unknown |")
     else:
-        L.append(f"| Config | `{env.get('config_path') or 'n/a'}`: seq_len {_cfg(st, 'train', 'seq_len')}, batch "
-                 f"{_cfg(st, 'train', 'batch_size')} x accum {_cfg(st, 'train', 'accum')}, steps "
+        L.append(f"| Config | `{env.get('config_path') or 'n/a'}`: seq_len {_cfg(st, 'train', 'seq_len')}, "
+                 f"batch {_cfg(st, 'train', 'batch_size')} x accum {_cfg(st, 'train', 'accum')}, steps "
                  f"{_cfg(st, 'train', 'steps')}, attention backend {_cfg(st, 'runtime', 'attn_backend')} |")
-    data = f"**SYNTHETIC tokens instead of data.source={_cfg(st, 'data', 'source')}**: {s.data_fallback}" if s.data_fallback \
-        else (s.data_source or f"data.source={_cfg(st, 'data', 'source')}")
+    source = _cfg(st, "data", "source")
+    data = (f"**SYNTHETIC tokens instead of data.source={source}**: {s.data_fallback}" if s.data_fallback
+            else (s.data_source or f"data.source={source}"))
     L.append(f"| Data | {data.replace('|', '/')} |")
     for w in s.data_warnings:
         if w != s.data_fallback:
@@ -371,30 +383,38 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L += _sessions_section(run.sessions)
     L += _env_section(env)
     L += ["### Training", "", "| metric | value |", "|---|---|"]
-    L.append(f"| loss first / last / min | {fmt_value(s.first_loss, '.4f')} / {fmt_value(s.last_loss, '.4f')} / {fmt_value(s.min_loss, '.4f')} |")
+    L.append(f"| loss first / last / min | {fmt_value(s.first_loss, '.4f')} / "
+             f"{fmt_value(s.last_loss, '.4f')} / {fmt_value(s.min_loss, '.4f')} |")
     L.append(f"| validation loss (last) | {fmt_value(s.val_loss, '.4f')} |")
-    L.append(f"| tokens/s median / last | {fmt_value(s.tokens_per_s_median, ',.0f')} / {fmt_value(s.tokens_per_s_last, ',.0f')} |")
+    L.append(f"| tokens/s median / last | {fmt_value(s.tokens_per_s_median, ',.0f')} / "
+             f"{fmt_value(s.tokens_per_s_last, ',.0f')} |")
     L.append(f"| step time median | {fmt_value(s.step_time_s_median, '.4f', ' s')} |")
     L.append(f"| tokens seen | {fmt_value(s.tokens_seen, ',.0f')} |")
     L.append(f"| elapsed | {fmt_value(s.elapsed_s, '.1f', ' s')} |")
-    L.append(f"| fetch p50 / p95 | {fmt_value(s.fetch_p50_ms, '.1f', ' ms')} / {fmt_value(s.fetch_p95_ms, '.1f', ' ms')} |")
+    L.append(f"| fetch p50 / p95 | {fmt_value(s.fetch_p50_ms, '.1f', ' ms')} / "
+             f"{fmt_value(s.fetch_p95_ms, '.1f', ' ms')} |")
     L.append(f"| peak GPU memory (allocator peak) | {_mib(s.mem_peak_mib)} |")
     L.append(f"| reserved GPU memory (last) | {_mib(s.mem_reserved_mib)} |")
     L.append(f"| host RSS (peak) | {_mib(s.rss_mib)} |")
     util, used = values(st.progress, "gpu_util_pct"), values(st.progress, "gpu_mem_used_mib")
     if util or used:
-        L.append(f"| GPU utilisation median / min (NVML) | {fmt_value(statistics.median(util) if util else None, '.0f', '%')}"
-                 f" / {fmt_value(min(util) if util else None, '.0f', '%')} |")
+        L.append("| GPU utilisation median / min (NVML) | "
+                 f"{fmt_value(statistics.median(util) if util else None, '.0f', '%')} / "
+                 f"{fmt_value(min(util) if util else None, '.0f', '%')} |")
         L.append(f"| GPU memory used, peak (NVML, every process) | {_mib(max(used) if used else None)} |")
     L.append(f"| MFU | {fmt_value(s.mfu, '.1%') if s.mfu is not None else 'n/a'} |")
     L.append("")
     ranges = step_ranges(st.series())
     if ranges:
-        L += ["### Tokens/s trend", "", "| steps | mean tokens/s | min | max | points |", "|---|---|---|---|---|"]
+        L += ["### Tokens/s trend", "", "| steps | mean tokens/s | min | max | points |",
+              "|---|---|---|---|---|"]
         for r in ranges:
-            L.append(f"| {r['from_step']}–{r['to_step']} | {r['mean']:,.0f} | {r['min']:,.0f} | {r['max']:,.0f} | {r['points']} |")
+            L.append(f"| {r['from_step']}–{r['to_step']} | {r['mean']:,.0f} | {r['min']:,.0f} | "
+                     f"{r['max']:,.0f} | {r['points']} |")
         L.append("")
-    L += _img(run, "loss", "loss curve with validation points; dotted: checkpoints, red: halts, green dashed: resumes", out_dir)
+    L += _img(run, "loss",
+              "loss curve with validation points; dotted: checkpoints, red: halts, green dashed: resumes",
+              out_dir)
     L += _img(run, "tokens_per_s", "tokens/s, rolling median", out_dir)
     L += _img(run, "lr_grad", "learning rate and gradient norm", out_dir)
     L += _img(run, "memory", "memory: GPU allocated/reserved/peak and host RSS", out_dir)
@@ -403,10 +423,12 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L += ["### Gate health and counters", "", "| metric | value |", "|---|---|"]
     shares = s.gate_branch_shares
     L.append(f"| gate entropy (mean) | {fmt_value(s.gate_entropy_mean, '.3f')} |")
-    L.append("| branch shares cmp / sel / win | " + (" / ".join(f"{x:.3f}" for x in shares) if shares else "n/a") + " |")
+    L.append("| branch shares cmp / sel / win | "
+             + (" / ".join(f"{x:.3f}" for x in shares) if shares else "n/a") + " |")
     L.append(f"| collapsed-gate fraction | {fmt_value(s.gate_collapse_fraction, '.3f')} |")
     L.append(f"| selected keys per query (mean) | {fmt_value(s.sel_keys_mean, '.1f')} |")
-    L.append("| fallback counters | " + (", ".join(f"`{k}`: {n}" for k, n in sorted(s.fallback.items())) or "none (0)") + " |")
+    L.append("| fallback counters | "
+             + (", ".join(f"`{k}`: {n}" for k, n in sorted(s.fallback.items())) or "none (0)") + " |")
     L.append(f"| unreadable heartbeat/CSV lines | {s.corrupt_lines} corrupt, {s.truncated_lines} truncated |")
     L.append("")
     L += _img(run, "gates", "gate entropy, collapsed-gate fraction and branch shares", out_dir)
@@ -428,7 +450,8 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
         elif h.where == ".HALT":
             L.append(f"- pending `.HALT` (not yet acted on) by {h.by}{tag}: {h.reason}")
         else:
-            L.append(f"- `.HALT` found at a restart and archived to `{h.where}` (not obeyed) by {h.by}{tag}: {h.reason}")
+            L.append(f"- `.HALT` found at a restart and archived to `{h.where}` (not obeyed) by {h.by}{tag}: "
+                     f"{h.reason}")
     for b in resumes:
         L.append(f"- resumed at step {resume_step(b)} from `{b.get('resumed_from')}`")
     for al in run.alarms:
@@ -438,8 +461,8 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append("")
     L += ["### Artifacts", ""]
     rd = st.files
-    for p in (rd.config, rd.env, rd.train_log, rd.train_csv, rd.val_csv, rd.metrics, rd.heartbeat(0), rd.tensorboard, rd.export,
-              rd.eval, rd.halts, rd.alarms, rd.anomalies):
+    for p in (rd.config, rd.env, rd.train_log, rd.train_csv, rd.val_csv, rd.metrics, rd.heartbeat(0),
+              rd.tensorboard, rd.export, rd.eval, rd.halts, rd.alarms, rd.anomalies):
         name = p.name
         if p.exists():
             L.append(f"- {_link(p, out_dir, name)}")
@@ -455,7 +478,8 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
 
 
 RECALL_LOW = 0.5  # a layer whose selection recall is below this misses most of what dense attention reads
-CMP_FLAT = 0.95  # compressed attention entropy (normalised) above this: near uniform, the block scores say little
+# compressed attention entropy (normalised) above this: near uniform, the block scores say little
+CMP_FLAT = 0.95
 
 
 def selection_reading(layers: Sequence[dict[str, Any]]) -> str:
@@ -463,7 +487,8 @@ def selection_reading(layers: Sequence[dict[str, Any]]) -> str:
     which score blocks from a near-uniform compressed attention."""
     recalls = [(r["layer"], r["recall"]) for r in layers if r.get("recall") is not None]
     if not recalls:
-        return "Every block is selected at this sequence length (seq_len <= n_sel * l_sel): recall is 1 by construction."
+        return ("Every block is selected at this sequence length (seq_len <= n_sel * l_sel): recall is 1 by "
+                "construction.")
     low = [i for i, v in recalls if v < RECALL_LOW]
     flat = [r["layer"] for r in layers if r.get("cmp_entropy") is not None and r["cmp_entropy"] > CMP_FLAT]
     worst = min(recalls, key=lambda x: x[1])
@@ -471,8 +496,9 @@ def selection_reading(layers: Sequence[dict[str, Any]]) -> str:
              "selection misses most of what dense attention reads there" if low else
              f"recall at least {RECALL_LOW:g} in every layer (lowest {worst[1]:.2f}, layer {worst[0]})"]
     if flat:
-        parts.append(f"compressed attention near uniform (entropy > {CMP_FLAT:g}) in layer{'s' if len(flat) > 1 else ''} "
-                     f"{', '.join(map(str, flat))}: its block scores carry little information")
+        parts.append(f"compressed attention near uniform (entropy > {CMP_FLAT:g}) in "
+                     f"layer{'s' if len(flat) > 1 else ''} {', '.join(map(str, flat))}: its block scores "
+                     "carry little information")
     text = "; ".join(parts)
     return text[0].upper() + text[1:] + "."
 
@@ -485,27 +511,29 @@ def selection_section(s: RunSummary) -> list[str]:
     L = [f"### Selection (last evaluation, step {s.selection_step})", "",
          "On the first held-out batch: recall = share of dense attention mass (same q/k) inside the selected "
          "blocks (1 = nothing lost); ceiling = the mass of the best blocks selection could choose (a perfect "
-         "scorer's recall); forced blocks = the share in the blocks every query keeps (first, current, previous); "
-         "compressed entropy = compressed attention entropy / log(visible tokens) "
-         "(1 = uniform); scorer KL = KL(dense block mass || the compressed branch's block scores); gates = mean "
-         "gate per branch.", ""]
+         "scorer's recall); forced blocks = the share in the blocks every query keeps (first, current, "
+         "previous); compressed entropy = compressed attention entropy / log(visible tokens) "
+         "(1 = uniform); scorer KL = KL(dense block mass || the compressed branch's block scores); gates = "
+         "mean gate per branch.", ""]
     if s.selection:
-        L += ["| layer | recall | ceiling | forced blocks | compressed entropy | scorer KL | gates cmp / sel / win |",
-              "|---|---|---|---|---|---|---|"]
+        L += ["| layer | recall | ceiling | forced blocks | compressed entropy | scorer KL | gates cmp / sel "
+              "/ win |", "|---|---|---|---|---|---|---|"]
         for r in s.selection:
             gates = " / ".join(f"{g:.3f}" for g in r["gates"]) if r.get("gates") else "n/a"
-            L.append(f"| {r['layer']} | {fmt_value(r.get('recall'), '.3f')} | {fmt_value(r.get('recall_best'), '.3f')} "
-                     f"| {fmt_value(r.get('recall_forced'), '.3f')} | {fmt_value(r.get('cmp_entropy'), '.3f')} "
-                     f"| {fmt_value(r.get('kl'), '.3f')} | {gates} |")
+            L.append(f"| {r['layer']} | {fmt_value(r.get('recall'), '.3f')} | "
+                     f"{fmt_value(r.get('recall_best'), '.3f')} | {fmt_value(r.get('recall_forced'), '.3f')} "
+                     f"| {fmt_value(r.get('cmp_entropy'), '.3f')} | {fmt_value(r.get('kl'), '.3f')} | "
+                     f"{gates} |")
         L += ["", selection_reading(s.selection), ""]
     else:  # val.csv alone (no heartbeat): the means only
-        L += [f"Mean recall {fmt_value(s.sel_recall_mean, '.3f')}, lowest {fmt_value(s.sel_recall_min, '.3f')}, "
-              f"compressed entropy {fmt_value(s.cmp_entropy_mean, '.3f')} (val.csv; no per-layer figures).", ""]
+        L += [f"Mean recall {fmt_value(s.sel_recall_mean, '.3f')}, lowest "
+              f"{fmt_value(s.sel_recall_min, '.3f')}, compressed entropy "
+              f"{fmt_value(s.cmp_entropy_mean, '.3f')} (val.csv; no per-layer figures).", ""]
     if s.scorer_kl is not None:
         L += [f"Scorer loss (training, last log step): {s.scorer_kl:.4f}.", ""]
     if s.align_nll is not None:
-        L += [f"Alignment loss (training, last log step): {s.align_nll:.4f} (-log of the dense attention mass "
-              f"selection kept: recall about {math.exp(-s.align_nll):.3f} on training batches).", ""]
+        L += [f"Alignment loss (training, last log step): {s.align_nll:.4f} (-log of the dense attention "
+              f"mass selection kept: recall about {math.exp(-s.align_nll):.3f} on training batches).", ""]
     return L
 
 
@@ -542,7 +570,8 @@ def _copy_eval_chart(run_dir: Path, folder: Path) -> Path | None:
 
 
 def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_done: int) -> list[str]:
-    """The "Evaluation" section: one table per ``nsa eval`` task found in ``RUN/eval/`` (nothing when none)."""
+    """The "Evaluation" section: one table per ``nsa eval`` task found in ``RUN/eval/`` (nothing when
+    none)."""
     found = _eval_payloads(run_dir)
     if not found:
         return []
@@ -567,33 +596,37 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_d
             depths = sorted({r.get("depth") for r in rows if isinstance(r.get("depth"), int | float)})
             acc = {(r.get("context"), r.get("depth")): r.get("accuracy") for r in rows}
             L += ["#### Needle retrieval", "",
-                  f"Accuracy of the value after the repeated key; rows = needle depth (0 = first token), columns = "
-                  f"context. {st.get('samples')} samples per cell, haystack {st.get('haystack')}; {source}.", ""]
+                  "Accuracy of the value after the repeated key; rows = needle depth (0 = first token), "
+                  f"columns = context. {st.get('samples')} samples per cell, haystack {st.get('haystack')}; "
+                  f"{source}.", ""]
             L.append("| depth / context | " + " | ".join(context_label(c) for c in contexts) + " |")
             L.append("|---|" + "---|" * len(contexts))
             for d in depths:
-                L.append(f"| {d:g} | " + " | ".join(fmt_value(acc.get((c, d)), ".2f") for c in contexts) + " |")
+                L.append(f"| {d:g} | " + " | ".join(fmt_value(acc.get((c, d)), ".2f") for c in contexts)
+                         + " |")
             L.append("")
             if needle_png is not None:
                 L += [f"![needle retrieval heat map]({_rel(needle_png, out_dir)})", ""]
         elif task == "mqar":
             L += ["#### Multi-query associative recall", "",
-                  f"{st.get('pairs')} pairs, {st.get('queries')} queries, {st.get('samples')} samples per context, "
-                  f"haystack {st.get('haystack')}; {source}.", "",
+                  f"{st.get('pairs')} pairs, {st.get('queries')} queries, {st.get('samples')} samples per "
+                  f"context, haystack {st.get('haystack')}; {source}.", "",
                   "| context | accuracy | keys asked |", "|---|---|---|"]
-            L += [f"| {context_label(r.get('context'))} | {fmt_value(r.get('accuracy'), '.3f')} | {fmt_value(r.get('n'), ',')} |" for r in rows]
+            L += [f"| {context_label(r.get('context'))} | {fmt_value(r.get('accuracy'), '.3f')} | "
+                  f"{fmt_value(r.get('n'), ',')} |" for r in rows]
             L.append("")
         elif task == "ruler":
             contexts = sorted({r.get("context") for r in rows if isinstance(r.get("context"), int)})
             names = list(dict.fromkeys(str(r.get("task")) for r in rows))
             score = {(str(r.get("task")), r.get("context")): r.get("score") for r in rows}
             L += ["#### RULER-style suite", "",
-                  f"Share of answer values right (every token of a value predicted, reading the episode once); rows "
-                  f"= task, columns = context, `mean` = over the tasks. {st.get('samples')} episodes per cell, "
-                  f"haystack {st.get('haystack')}; {source}.", ""]
+                  "Share of answer values right (every token of a value predicted, reading the episode "
+                  f"once); rows = task, columns = context, `mean` = over the tasks. {st.get('samples')} "
+                  f"episodes per cell, haystack {st.get('haystack')}; {source}.", ""]
             L.append("| task / context | " + " | ".join(context_label(c) for c in contexts) + " |")
             L.append("|---|" + "---|" * len(contexts))
-            L += [f"| {n} | " + " | ".join(fmt_value(score.get((n, c)), ".2f") for c in contexts) + " |" for n in names]
+            L += [f"| {n} | " + " | ".join(fmt_value(score.get((n, c)), ".2f") for c in contexts) + " |"
+                  for n in names]
             nll = {r.get("context"): r.get("answer_nll") for r in rows if r.get("task") == "mean"}
             if any(v is not None for v in nll.values()):  # files from before the answer NLL have none
                 L.append("| answer NLL (nats per answer token, over the tasks) | "
@@ -601,8 +634,8 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_d
             L.append("")
         elif task == "selection":
             L += ["#### Selection (nsa eval)", "",
-                  f"Validation split, {st.get('samples')} sequences per context, {st.get('queries')} query positions per "
-                  f"layer; {source}. Recall \"–\": every block is selected at that length.", "",
+                  f"Validation split, {st.get('samples')} sequences per context, {st.get('queries')} query "
+                  f"positions per layer; {source}. Recall \"–\": every block is selected at that length.", "",
                   "| context | layer | recall | ceiling | forced blocks | compressed entropy | scorer KL "
                   "| gates cmp / sel / win |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -611,15 +644,18 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_d
                 shown = " / ".join(fmt_value(g, ".3f") for g in gates) if isinstance(gates, list) else "n/a"
                 recall = "–" if r.get("recall") is None else fmt_value(r.get("recall"), ".3f")
                 L.append(f"| {context_label(r.get('context'))} | {r.get('layer')} | {recall} "
-                         f"| {fmt_value(r.get('recall_best'), '.3f')} | {fmt_value(r.get('recall_forced'), '.3f')} "
-                         f"| {fmt_value(r.get('cmp_entropy'), '.3f')} | {fmt_value(r.get('kl'), '.3f')} | {shown} |")
+                         f"| {fmt_value(r.get('recall_best'), '.3f')} | "
+                         f"{fmt_value(r.get('recall_forced'), '.3f')} | "
+                         f"{fmt_value(r.get('cmp_entropy'), '.3f')} | {fmt_value(r.get('kl'), '.3f')} | "
+                         f"{shown} |")
             L.append("")
         else:
             L += ["#### Held-out loss", "",
                   f"Validation split, {st.get('samples')} sequences per context; {source}.", "",
                   "| context | loss | bits/byte | tokens |", "|---|---|---|---|"]
-            L += [f"| {context_label(r.get('context'))} | {fmt_value(r.get('loss'), '.4f')} | {fmt_value(r.get('bits_per_byte'), '.4f')} "
-                  f"| {fmt_value(r.get('n'), ',')} |" for r in rows]
+            L += [f"| {context_label(r.get('context'))} | {fmt_value(r.get('loss'), '.4f')} | "
+                  f"{fmt_value(r.get('bits_per_byte'), '.4f')} | "
+                  f"{fmt_value(r.get('n'), ',')} |" for r in rows]
             L.append("")
     return L
 
@@ -640,18 +676,23 @@ def kernel_path(st: RunState, s: RunSummary) -> str:
     return f"{backend}; blocks {','.join(map(str, dense))} dense (SDPA)" if dense else backend
 
 
-def _comparison(states: list[RunState], summaries: list[RunSummary], verdicts: list[tuple[str, str]]) -> list[str]:
+def _comparison(states: list[RunState], summaries: list[RunSummary],
+                verdicts: list[tuple[str, str]]) -> list[str]:
     L = ["## Comparison", "",
-         "`kernel path`: the attention path that ran (the configured backend, `auto` resolved; calls that fell back "
-         "to the torch path counted). Tokens/s are of all ranks together.", "",
-         "| run | S | batch x accum | world size | kernel path | device | status | step time (s) | tokens/s | peak memory | final loss | val loss | verdict |",
+         "`kernel path`: the attention path that ran (the configured backend, `auto` resolved; calls that "
+         "fell back to the torch path counted). Tokens/s are of all ranks together.", "",
+         "| run | S | batch x accum | world size | kernel path | device | status | step time (s) | tokens/s "
+         "| peak memory | final loss | val loss | verdict |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for st, s, v in zip(states, summaries, verdicts, strict=True):
+        mem = (_mib(s.mem_peak_mib) if s.mem_peak_mib is not None
+               else _mib(s.rss_mib) + " RSS" if s.rss_mib else "n/a")
         L.append(
-            f"| {s.run_name} | {_cfg(st, 'train', 'seq_len')} | {_cfg(st, 'train', 'batch_size')} x {_cfg(st, 'train', 'accum')} "
-            f"| {s.world_size} | {kernel_path(st, s)} | {s.device or 'n/a'} | {s.status} | {fmt_value(s.step_time_s_median, '.4f')} "
-            f"| {fmt_value(s.tokens_per_s_median, ',.0f')} | {_mib(s.mem_peak_mib) if s.mem_peak_mib is not None else _mib(s.rss_mib) + ' RSS' if s.rss_mib else 'n/a'} "
-            f"| {fmt_value(s.last_loss, '.4f')} | {fmt_value(s.val_loss, '.4f')} | {v[0]} |"
+            f"| {s.run_name} | {_cfg(st, 'train', 'seq_len')} | {_cfg(st, 'train', 'batch_size')} x "
+            f"{_cfg(st, 'train', 'accum')} | {s.world_size} | {kernel_path(st, s)} | {s.device or 'n/a'} | "
+            f"{s.status} | {fmt_value(s.step_time_s_median, '.4f')} | "
+            f"{fmt_value(s.tokens_per_s_median, ',.0f')} | "
+            f"{mem} | {fmt_value(s.last_loss, '.4f')} | {fmt_value(s.val_loss, '.4f')} | {v[0]} |"
         )
     L.append("")
     return L
@@ -741,12 +782,13 @@ def build_report(
     target = Path(out_dir) if out_dir is not None else DEFAULT_OUT
     as_file = not target.is_dir() and (target.suffix.lower() == ".md" or target.exists())
     if as_file and target.exists() and not force:
-        raise NSAError(f"report file {target} already exists", hint="pass --force to replace it, or another --out")
+        raise NSAError(f"report file {target} already exists",
+                       hint="pass --force to replace it, or another --out")
     out = target.parent if as_file else target
     with _writing(target):
         out.mkdir(parents=True, exist_ok=True)
-        return _write_report(runs, out, target if as_file else None, date or dt.date.today().isoformat(), title,
-                             charts, now, list(notes))
+        return _write_report(runs, out, target if as_file else None, date or dt.date.today().isoformat(),
+                             title, charts, now, list(notes))
 
 
 def _write_report(
@@ -761,7 +803,9 @@ def _write_report(
 ) -> ReportResult:
     """Charts, then the markdown (atomically) in ``out`` (at ``file`` when given)."""
     names = [r.s.run_name for r in runs]
-    name = _safe_name(title or (names[0] if len(names) == 1 else " vs ".join(names) if len(names) <= 3 else f"{len(names)} runs"))
+    name = _safe_name(title
+                      or (names[0] if len(names) == 1 else " vs ".join(names) if len(names) <= 3
+                          else f"{len(names)} runs"))
     n = next_version(out, date, name)
     path = file or out / f"{date} Test Engineer Report - {name} v{n}.md"
     heading = f"{date} Test Engineer Report - {name}" + ("" if file else f" v{n}")
@@ -788,8 +832,9 @@ def _write_report(
     verdicts = [r.verdict for r in runs]
     overall = overall_verdict(verdicts)
     L = [f"# {heading}", ""]
-    L.append(f"Generated {dt.datetime.fromtimestamp(now, dt.UTC).strftime('%Y-%m-%d %H:%M UTC')} by `nsa report` from the run "
-             "directories' own files (heartbeat, training.csv, env.json, config.yaml, metrics.json).")
+    L.append(f"Generated {dt.datetime.fromtimestamp(now, dt.UTC).strftime('%Y-%m-%d %H:%M UTC')} by `nsa "
+             "report` from the run directories' own files (heartbeat, training.csv, env.json, config.yaml, "
+             "metrics.json).")
     L.append("")
     L += [f"**Overall verdict: {overall}**", ""]
     for r in runs:

@@ -65,8 +65,8 @@ class Rule:
 
 @dataclass
 class ArmedRule:
-    """A rule as a watch applies it, with its threshold; ``explicit=False`` when the threshold should come from
-    the run's ``monitor`` config (``evaluate`` then uses that instead of ``threshold``)."""
+    """A rule as a watch applies it, with its threshold; ``explicit=False`` when the threshold should come
+    from the run's ``monitor`` config (``evaluate`` then uses that instead of ``threshold``)."""
 
     name: str
     threshold: float | None = None
@@ -106,7 +106,8 @@ def parse_rules(spec: str | None, monitor: MonitorConfig | None = None) -> list[
                 rules.setdefault(n, ArmedRule(n, _monitor_value(mon, n), explicit=False))
             continue
         if name not in RULES:
-            raise ConfigError(f"unknown watch rule '{name}'", hint=f"rules: {', '.join(RULES)} (or all, none)")
+            raise ConfigError(f"unknown watch rule '{name}'",
+                              hint=f"rules: {', '.join(RULES)} (or all, none)")
         threshold = _monitor_value(mon, name)
         explicit = False
         if value.strip():
@@ -125,7 +126,8 @@ def _parse_threshold(part: str, name: str, value: str) -> float:
         raise ConfigError(f"watch rule '{part}': threshold must be a number",
                           hint=f"e.g. {name}={RULES[name].default:g}") from None
     if not math.isfinite(threshold) or threshold <= 0:
-        raise ConfigError(f"watch rule '{part}': threshold must be positive", hint=f"e.g. {name}={RULES[name].default:g}")
+        raise ConfigError(f"watch rule '{part}': threshold must be positive",
+                          hint=f"e.g. {name}={RULES[name].default:g}")
     fld = RULES[name].field
     assert fld is not None
     try:
@@ -152,7 +154,8 @@ def monitor_config(state: RunState) -> MonitorConfig:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ())) or "monitor"
         raise ConfigError(f"{state.files.config}: monitor.{where}: {err.get('msg', 'invalid')}",
-                          hint="fix the run's monitor section, or give thresholds with --alert-on/--halt-on") from None
+                          hint="fix the run's monitor section, or give thresholds with "
+                               "--alert-on/--halt-on") from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{state.files.config}: monitor section is not a mapping ({exc})") from None
 
@@ -162,7 +165,8 @@ def resolve(rules: list[ArmedRule], monitor: MonitorConfig) -> list[ArmedRule]:
     return [r if r.explicit else ArmedRule(r.name, _monitor_value(monitor, r.name), False) for r in rules]
 
 
-def evaluate(rules: list[ArmedRule], state: RunState, now: float, monitor: MonitorConfig | None = None) -> list[RuleHit]:
+def evaluate(rules: list[ArmedRule], state: RunState, now: float,
+             monitor: MonitorConfig | None = None) -> list[RuleHit]:
     """The rules that fire on this state (only those declared ``after_end`` once the run has ended).
     ``monitor``: the thresholds of non-explicit rules and the rules' windows (default: the run's own,
     ``monitor_config``)."""
@@ -193,10 +197,11 @@ def _crashed(th: float | None, state: RunState, now: float, mon: MonitorConfig) 
     last = (state.rank0.last if state.rank0 else None) or {}
     ages = state.heartbeat_age(now)
     age = ages.get(state.rank0.rank) if state.rank0 else None
-    return RuleHit("crashed", f"trainer process {boot.get('pid')} on {boot.get('host')} is gone without an end "
-                   f"event (last step {state.steps_done}, last heartbeat {age or 0:.0f} s ago)",
+    return RuleHit("crashed", f"trainer process {boot.get('pid')} on {boot.get('host')} is gone without an "
+                   f"end event (last step {state.steps_done}, last heartbeat {age or 0:.0f} s ago)",
                    {"pid": boot.get("pid"), "host": boot.get("host"), "step": state.steps_done,
-                    "last_event": last.get("event"), "heartbeat_age_s": None if age is None else round(age, 1)})
+                    "last_event": last.get("event"),
+                    "heartbeat_age_s": None if age is None else round(age, 1)})
 
 
 def _stale(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
@@ -207,8 +212,10 @@ def _stale(th: float | None, state: RunState, now: float, mon: MonitorConfig) ->
         return None
     rank, age = max(old.items(), key=lambda kv: kv[1])
     last = state.ranks[rank].last or {}
-    return RuleHit("stale", f"rank {rank} heartbeat is {age:.0f} s old (> {limit:g} s) at step {last.get('step')}",
-                   {"rank": rank, "age_s": round(age, 1), "last_event": last.get("event"), "step": last.get("step")})
+    return RuleHit("stale",
+                   f"rank {rank} heartbeat is {age:.0f} s old (> {limit:g} s) at step {last.get('step')}",
+                   {"rank": rank, "age_s": round(age, 1), "last_event": last.get("event"),
+                    "step": last.get("step")})
 
 
 def _nonfinite(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
@@ -262,7 +269,8 @@ def _grad_spike(th: float | None, state: RunState, now: float, mon: MonitorConfi
     _, i, value, med = worst
     return RuleHit("grad-spike", f"grad norm {value:.3g} at step {pts[i][0]} > {ratio:g} x median {med:.3g} "
                    f"of the previous {SPIKE_HISTORY} points",
-                   {"step": pts[i][0], "grad_norm": value, "median_previous": med, "ratio": round(value / med, 2)})
+                   {"step": pts[i][0], "grad_norm": value, "median_previous": med,
+                    "ratio": round(value / med, 2)})
 
 
 def _loss_plateau(th: float | None, state: RunState, now: float, mon: MonitorConfig) -> RuleHit | None:
@@ -279,7 +287,8 @@ def _loss_plateau(th: float | None, state: RunState, now: float, mon: MonitorCon
         return None  # not enough history
     w = max(1, span // 10)  # compare medians of a tenth of the span at each end (noise)
     now_vals = [by_step[s] for s in steps if s > last - w]
-    then_steps = [s for s in steps if last - span - w < s <= last - span] or [max(s for s in steps if s <= last - span)]
+    then_steps = [s for s in steps if last - span - w < s <= last
+                  - span] or [max(s for s in steps if s <= last - span)]
     then_vals = [by_step[s] for s in then_steps]
     before, after = statistics.median(then_vals), statistics.median(now_vals)
     if before == 0:
@@ -287,8 +296,8 @@ def _loss_plateau(th: float | None, state: RunState, now: float, mon: MonitorCon
     drop = (before - after) / abs(before)
     if drop >= min_drop:
         return None
-    return RuleHit("loss-plateau", f"loss fell {drop:.2%} over the last {span} steps ({before:.4f} -> {after:.4f}; "
-                   f"< {min_drop:.2%})",
+    return RuleHit("loss-plateau", f"loss fell {drop:.2%} over the last {span} steps ({before:.4f} -> "
+                   f"{after:.4f}; < {min_drop:.2%})",
                    {"from_step": then_steps[-1], "to_step": last, "loss_then": before, "loss_now": after,
                     "relative_drop": drop, "plateau_steps": span})
 
@@ -341,8 +350,8 @@ def _throughput_drop(th: float | None, state: RunState, now: float, mon: Monitor
     if base <= 0 or lasted < mon.throughput_window_s:
         return None
     recent = statistics.median(v for _, v, _ in slow)
-    return RuleHit("throughput-drop", f"tokens/s {recent:,.0f} < {ratio:g} x the run's median {base:,.0f} for "
-                   f"{lasted:.0f} s (>= {mon.throughput_window_s:g} s) since step {slow[0][2]}",
+    return RuleHit("throughput-drop", f"tokens/s {recent:,.0f} < {ratio:g} x the run's median {base:,.0f} "
+                   f"for {lasted:.0f} s (>= {mon.throughput_window_s:g} s) since step {slow[0][2]}",
                    {"step": slow[-1][2], "since_step": slow[0][2], "recent_tokens_per_s": recent,
                     "baseline_tokens_per_s": base, "seconds": round(lasted, 1)})
 
@@ -364,9 +373,10 @@ def _data_fallback(th: float | None, state: RunState, now: float, mon: MonitorCo
     if why is None:
         return None
     ready = state.loader_ready or {}
-    return RuleHit("data-fallback", f"training on synthetic data, not data.source={ready.get('source', '?')}: {why}",
-                   {"step": ready.get("step"), "source": ready.get("source"), "source_used": ready.get("source_used"),
-                    "warning": why})
+    return RuleHit("data-fallback",
+                   f"training on synthetic data, not data.source={ready.get('source', '?')}: {why}",
+                   {"step": ready.get("step"), "source": ready.get("source"),
+                    "source_used": ready.get("source_used"), "warning": why})
 
 
 def _counter_total(value: Any) -> int | None:
@@ -385,8 +395,8 @@ def _fallback_rise(th: float | None, state: RunState, now: float, mon: MonitorCo
     if after <= before or not rose:
         return None
     reasons = ", ".join(f"{k}: {v}" for k, v in sorted(last.items()))
-    return RuleHit("fallback-rise", f"backend fallback counters rose {before} -> {after} over steps {s0}-{s1} "
-                   f"(torch path used for: {reasons})",
+    return RuleHit("fallback-rise", f"backend fallback counters rose {before} -> {after} over steps "
+                   f"{s0}-{s1} (torch path used for: {reasons})",
                    {"step": s1, "from_step": s0, "before": before, "after": after, "fallback": last})
 
 
@@ -399,31 +409,37 @@ def _gpu_errors(th: float | None, state: RunState, now: float, mon: MonitorConfi
             continue
         assert isinstance(e0, dict) and isinstance(e1, dict)
         changes = ", ".join(f"{k} {e0.get(k, 0)} -> {v}" for k, v in sorted(e1.items()) if v != e0.get(k, 0))
-        return RuleHit("gpu-errors", f"GPU memory errors on rank {rank} rose during the run ({changes}; steps "
-                       f"{first.get('step')}-{last.get('step')}); Xid events are in the kernel log (dmesg | grep -i xid)",
+        return RuleHit("gpu-errors", f"GPU memory errors on rank {rank} rose during the run ({changes}; "
+                       f"steps {first.get('step')}-{last.get('step')}); Xid events are in the kernel log "
+                       "(dmesg | grep -i xid)",
                        {"step": last.get("step"), "rank": rank, "before": e0, "now": e1})
     return None
 
 
 RULES: dict[str, Rule] = {r.name: r for r in (
-    Rule("crashed", _crashed, "the trainer process (rank 0, this host) is gone and the heartbeat has no end event",
+    Rule("crashed", _crashed,
+         "the trainer process (rank 0, this host) is gone and the heartbeat has no end event",
          aliases=("crash", "dead")),
     Rule("stale", _stale, "a rank's heartbeat is older than S seconds and the run has not ended", "stale_s",
          "SECONDS", ("heartbeat",)),
-    Rule("nonfinite", _nonfinite, "a non-finite loss in the log, or an anomaly event", aliases=("nan", "non-finite"),
-         after_end=True),
-    Rule("gate-entropy", _gate_entropy, "mean gate entropy below H for the last 3 points (gate_entropy_early_min "
-         "before step gate_entropy_early_steps)", "gate_entropy_min", "NATS", ("entropy",)),
+    Rule("nonfinite", _nonfinite, "a non-finite loss in the log, or an anomaly event",
+         aliases=("nan", "non-finite"), after_end=True),
+    Rule("gate-entropy", _gate_entropy, "mean gate entropy below H for the last 3 points "
+         "(gate_entropy_early_min before step gate_entropy_early_steps)", "gate_entropy_min", "NATS",
+         ("entropy",)),
     Rule("gate-collapse", _gate_collapse, "collapsed-gate fraction above F for the last 3 points",
          "gate_collapse_max", "FRACTION", ("collapse",)),
-    Rule("grad-spike", _grad_spike, "a grad norm among the last 5 points above R x the median of the 20 before it",
-         "grad_spike_ratio", "RATIO", ("grad", "spike")),
+    Rule("grad-spike", _grad_spike,
+         "a grad norm among the last 5 points above R x the median of the 20 before it", "grad_spike_ratio",
+         "RATIO", ("grad", "spike")),
     Rule("loss-plateau", _loss_plateau, "relative loss drop over the last plateau_steps steps below D",
          "plateau_min_drop", "DROP", ("plateau",)),
-    Rule("memory-creep", _memory_creep, "reserved GPU memory (RSS on a CPU run) above R x its level after warm-up",
-         "memory_creep_ratio", "RATIO", ("memory", "mem")),
-    Rule("throughput-drop", _throughput_drop, "tokens/s below R x the run's median for throughput_window_s seconds",
-         "throughput_drop_ratio", "RATIO", ("throughput",)),
+    Rule("memory-creep", _memory_creep,
+         "reserved GPU memory (RSS on a CPU run) above R x its level after warm-up", "memory_creep_ratio",
+         "RATIO", ("memory", "mem")),
+    Rule("throughput-drop", _throughput_drop,
+         "tokens/s below R x the run's median for throughput_window_s seconds", "throughput_drop_ratio",
+         "RATIO", ("throughput",)),
     Rule("fetch-stall", _fetch_stall, "data fetch p95 above MS", "fetch_stall_ms", "MS", ("fetch",)),
     Rule("data-fallback", _data_fallback, "the run trains on synthetic tokens because its data source failed",
          aliases=("data", "synthetic"), after_end=True),

@@ -41,7 +41,8 @@ class Session:
         return self.status in CLEAN and not (self.halt_reason or "").startswith("watchdog:")
 
     def how(self) -> str:
-        """How it ended, in words: ``crashed (no end event)``, ``failed: OSError: ...``, ``halted (reason)``."""
+        """How it ended, in words: ``crashed (no end event)``, ``failed: OSError: ...``, ``halted
+        (reason)``."""
         if self.status == "crashed":
             return "crashed (the trainer is gone without an end event)"
         if self.status == "interrupted":
@@ -57,9 +58,10 @@ class Session:
 
 
 def read_sessions(run_dir: str | Path, current_status: str | None = None) -> list[Session]:
-    """The sessions of rank 0's heartbeat, oldest first. ``current_status``: the run's status now (``running``,
-    ``stale``, ``crashed``, ... from :meth:`nsa.runs.reader.RunState.status`), for the last session when it has
-    no end event; earlier sessions without one crashed."""
+    """The sessions of rank 0's heartbeat, oldest first. ``current_status``: the run's status now
+    (``running``,
+    ``stale``, ``crashed``, ... from :meth:`nsa.runs.reader.RunState.status`), for the last session when it
+    has no end event; earlier sessions without one crashed."""
     rd = RunDir(run_dir)
     files = rd.heartbeats()
     path = files[0] if files else rd.heartbeat(0)
@@ -77,7 +79,8 @@ def read_sessions(run_dir: str | Path, current_status: str | None = None) -> lis
             if kind == "boot":
                 resumed = ev.get("resumed_from")
                 first = max(0, step_of(str(resumed or "")))
-                out.append(Session(len(out) + 1, ts, None, "", first, first, str(resumed) if resumed else None,
+                out.append(Session(len(out) + 1, ts, None, "", first, first,
+                                   str(resumed) if resumed else None,
                                    pid=ev.get("pid") if isinstance(ev.get("pid"), int) else None,
                                    host=str(ev["host"]) if ev.get("host") else None))
                 continue

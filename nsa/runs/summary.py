@@ -36,7 +36,8 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def anomaly_text(a: Mapping[str, Any]) -> str:
-    """``nonfinite_loss at step 7 (value nan)``: a non-finite value the heartbeat wrote as null reads as such."""
+    """``nonfinite_loss at step 7 (value nan)``: a non-finite value the heartbeat wrote as null reads as
+    such."""
     value = a.get("value")
     shown = "non-finite" if value is None else str(value)
     return f"{a.get('kind')} at step {a.get('step')} (value {shown})"
@@ -47,7 +48,8 @@ def halt_checkpoint_text(checkpoint: Any) -> str:
     return f"checkpoint {checkpoint}" if checkpoint else "no checkpoint to resume from"
 
 
-def step_ranges(points: Sequence[Mapping[str, Any]], n: int = 5, key: str = "tokens_per_s") -> list[dict[str, Any]]:
+def step_ranges(points: Sequence[Mapping[str, Any]], n: int = 5,
+                key: str = "tokens_per_s") -> list[dict[str, Any]]:
     """Split the points into up to ``n`` step ranges with the mean and count of ``key`` (a trend table)."""
     pts = [(int(p["step"]), float(p[key])) for p in points if finite(p.get("step")) and finite(p.get(key))]
     if not pts:
@@ -115,7 +117,8 @@ class RunSummary:
     data_source: str | None = None  # what the loader read (its description at start)
     data_warnings: list[str] = field(default_factory=list)
     data_fallback: str | None = None  # why the run trained on synthetic tokens instead of its source
-    gpu_mem_errors: dict[str, int] | None = None  # GPU memory error counters (all ranks' last), when telemetry has them
+    # GPU memory error counters (all ranks' last), when telemetry has them
+    gpu_mem_errors: dict[str, int] | None = None
     gpu_mem_errors_new: int | None = None  # how many of them appeared during the current session
     scorer_kl: float | None = None  # the scorer loss of the last progress line (scorer.weight > 0)
     align_nll: float | None = None  # the alignment loss of the last progress line (scorer.align > 0)
@@ -190,14 +193,17 @@ def summarize(state: RunState, now: float, stale_s: float = DEFAULT_STALE_S) -> 
         fetch = values(state.csv_rows, "fetch_ms")
         s.fetch_p50_ms, s.fetch_p95_ms = percentile(fetch, 0.5), percentile(fetch, 0.95)
     peaks = values(state.progress, "mem_peak_mib")
-    peaks += values([rs.last_progress for rs in state.ranks.values() if rs.last_progress], "mem_peak_mib")  # every rank's latest
+    # every rank's latest
+    peaks += values([rs.last_progress for rs in state.ranks.values() if rs.last_progress], "mem_peak_mib")
     s.mem_peak_mib = max(peaks) if peaks else None
     s.mem_reserved_mib = _num(last.get("mem_reserved_mib"))
     rss = values(state.progress, "rss_mib")
     s.rss_mib = max(rss) if rss else None
     s.gate_entropy_mean = _num(last.get("gate_entropy_mean"))
     shares = last.get("gate_branch_shares")
-    s.gate_branch_shares = [float(x) for x in shares] if isinstance(shares, list) and all(finite(x) for x in shares) else None
+    s.gate_branch_shares = [float(x) for x in shares] if isinstance(shares,
+                                                                    list) and all(finite(x)
+                                                                                  for x in shares) else None
     s.gate_collapse_fraction = _num(last.get("gate_collapse_fraction"))
     s.sel_keys_mean = _num(last.get("sel_keys_mean"))
     s.mfu = _num(last.get("mfu"))
@@ -231,19 +237,23 @@ def summarize(state: RunState, now: float, stale_s: float = DEFAULT_STALE_S) -> 
     s.profile = env.get("profile") if isinstance(env.get("profile"), str) else None
     s.config_path = env.get("config_path") if isinstance(env.get("config_path"), str) else None
     git: dict[str, Any] = env["git"] if isinstance(env.get("git"), dict) else {}
-    s.commit = str(git.get("commit") or env.get("commit") or "") or None  # type: ignore[typeddict-item]  # older env.json
+    s.commit = str(git.get("commit") or env.get("commit")
+                   or "") or None  # type: ignore[typeddict-item]  # older env.json
     s.host = str(boot["host"]) if boot.get("host") else None
-    s.pid = int(boot["pid"]) if isinstance(boot.get("pid"), int) and not isinstance(boot.get("pid"), bool) else None
+    s.pid = int(boot["pid"]) if isinstance(boot.get("pid"), int) and not isinstance(boot.get("pid"),
+                                                                                    bool) else None
     return s
 
 
 def _layer(r: Any) -> dict[str, Any] | None:
-    """One layer of an ``eval`` event's ``selection`` with its numbers checked (None when it is not a layer)."""
+    """One layer of an ``eval`` event's ``selection`` with its numbers checked (None when it is not a
+    layer)."""
     if not isinstance(r, dict) or not finite(r.get("layer")):
         return None
     gates = r.get("gates")
     return {"layer": int(r["layer"]), **{k: _num(r.get(k)) for k in SELECTION_FIELDS},
-            "gates": [float(g) for g in gates] if isinstance(gates, list) and all(finite(g) for g in gates) else None}
+            "gates": [float(g) for g in gates] if isinstance(gates, list) and all(finite(g) for g in gates)
+            else None}
 
 
 def last_selection(state: RunState) -> dict[str, Any] | None:
@@ -268,8 +278,9 @@ def last_selection(state: RunState) -> dict[str, Any] | None:
     for row in reversed(state.val_rows):
         if _num(row.get("sel_recall_mean")) is not None or _num(row.get("cmp_entropy_mean")) is not None:
             return {"step": int(row["step"]) if finite(row.get("step")) else None, "layers": [],
-                    "recall_mean": _num(row.get("sel_recall_mean")), "recall_min": _num(row.get("sel_recall_min")),
-                    "recall_min_layer": None, "cmp_entropy_mean": _num(row.get("cmp_entropy_mean"))}
+                    "recall_mean": _num(row.get("sel_recall_mean")),
+                    "recall_min": _num(row.get("sel_recall_min")), "recall_min_layer": None,
+                    "cmp_entropy_mean": _num(row.get("cmp_entropy_mean"))}
     return None
 
 

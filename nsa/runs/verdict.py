@@ -29,7 +29,8 @@ LIMIT_KEYS = ("min_tokens_per_s", "max_fetch_p95_ms", "gate_entropy_min", "gate_
               "gate_entropy_early_steps", "gate_collapse_max", "max_memory_gib", "min_eval_accuracy",
               "throughput_drop_ratio", "throughput_tail_min_s", "min_selection_recall")
 WINDOW_MIN_POINTS = 3  # a throughput window holds at least this many progress points (and a tenth of the run)
-FETCH_SETTLED_STEP = 20  # fetch p95 windows from this step on hold >= 20 fetches: one slow first fetch is no p95
+# fetch p95 windows from this step on hold >= 20 fetches: one slow first fetch is no p95
+FETCH_SETTLED_STEP = 20
 WARN_MARGIN = 0.1  # a figure within 10% of its limit (still on the right side) is a WARN
 def fmt_value(v: Any, spec: str = ".4g", unit: str = "") -> str:
     """A figure as the report shows it (``n/a`` for a missing one)."""
@@ -136,7 +137,8 @@ def run_limits(config: dict[str, Any] | None, sources: dict[str, str] | None = N
     values: dict[str, float | None] = {}
     where: dict[str, str] = {}
     for key in LIMIT_KEYS:
-        values[key], where[key] = getattr(defaults, key), "default, config.yaml unreadable" if unreadable else "default"
+        values[key], where[key] = getattr(defaults,
+                                          key), "default, config.yaml unreadable" if unreadable else "default"
         if key in saved:
             try:
                 values[key] = _limit_value(key, saved[key])
@@ -150,12 +152,14 @@ def run_limits(config: dict[str, Any] | None, sources: dict[str, str] | None = N
 
 
 def profile_limits(name_or_path: str | Path) -> tuple[dict[str, Any], str]:
-    """``(monitor block, label)`` of a hardware profile, for ``--limits``; ``ConfigError`` when it has none."""
+    """``(monitor block, label)`` of a hardware profile, for ``--limits``; ``ConfigError`` when it has
+    none."""
 
     prof = load_profile(name_or_path)
     if not prof.monitor:
         raise ConfigError(f"profile '{prof.name}' has no monitor: block, so --limits would change nothing",
-                          hint="add e.g. monitor: {min_tokens_per_s: 20000, max_memory_gib: 70} to it, or leave out --limits")
+                          hint="add e.g. monitor: {min_tokens_per_s: 20000, max_memory_gib: 70} to it, or "
+                               "leave out --limits")
     return dict(prof.monitor), f"--limits {prof.name}"
 
 
@@ -190,7 +194,8 @@ def classify_halts(s: RunSummary) -> list[HaltRecord]:
                     used.add(i)
                     rec = r
                     break
-        rule = next((r for r in (h.get("rule"), rec.get("rule"), watchdog_rule(reason)) if isinstance(r, str)), None)
+        rule = next((r for r in (h.get("rule"), rec.get("rule"), watchdog_rule(reason))
+                     if isinstance(r, str)), None)
         by = ("anomaly" if source == "anomaly" else "signal" if source in ("SIGTERM", "SIGINT")
               else by_of(reason, rule))
         step = h.get("step") if isinstance(h.get("step"), int) else None
@@ -221,7 +226,8 @@ def _judge(name: str, key: str, limits: Limits, figure: float | None, shown: str
     lim = limits.values.get(key)
     src = limits.sources.get(key, "default")
     if lim is None:
-        return Check(name, shown if figure is not None else missing, f"not set (`monitor.{key}`)", "not set", key=key)
+        return Check(name, shown if figure is not None else missing, f"not set (`monitor.{key}`)", "not set",
+                     key=key)
     op = ">=" if floor else "<" if strict else "<="
     limit_text = f"{op} {_g(lim)}{unit} (`monitor.{key}`, {src})"
     if figure is None:
@@ -232,7 +238,8 @@ def _judge(name: str, key: str, limits: Limits, figure: float | None, shown: str
         return Check(name, shown, limit_text, "FAIL", f"{name} {shown} {side} {_g(lim)}{unit}", key)
     near = margin and (figure < lim * (1 + WARN_MARGIN) if floor else figure > lim * (1 - WARN_MARGIN))
     if near:
-        return Check(name, shown, limit_text, "WARN", f"{name} {shown} within {WARN_MARGIN:.0%} of its limit {_g(lim)}{unit}", key)
+        return Check(name, shown, limit_text, "WARN",
+                     f"{name} {shown} within {WARN_MARGIN:.0%} of its limit {_g(lim)}{unit}", key)
     return Check(name, shown, limit_text, "PASS", key=key)
 
 
@@ -249,7 +256,9 @@ def eval_accuracy(evals: Sequence[tuple[str, dict[str, Any] | None]]) -> tuple[f
             continue
         for r in data["results"]:
             acc = r.get("accuracy")
-            if isinstance(acc, int | float) and not isinstance(acc, bool) and math.isfinite(acc) and (low is None or acc < low):
+            if isinstance(acc, int | float) and not isinstance(acc,
+                                                               bool) and math.isfinite(acc) and (low is None
+                                                                   or acc < low):
                 low = float(acc)
                 depth = f" depth {r['depth']:g}" if isinstance(r.get("depth"), int | float) else ""
                 where = f"{task} context {context_label(r.get('context'))}{depth}"
@@ -297,9 +306,11 @@ def throughput_windows(points: Sequence[Mapping[str, Any]]) -> tuple[float, Wind
     wins = []
     for end in range(len(body), width - 1, -width):
         chunk = body[end - width:end]
-        before = pts[skip + end - width - 1][2] if skip + end - width > 0 else chunk[0][2]  # the window's start
+        # the window's start
+        before = pts[skip + end - width - 1][2] if skip + end - width > 0 else chunk[0][2]
         seconds = chunk[-1][2] - before if chunk[-1][2] is not None and before is not None else None
-        wins.append(Window(statistics.median(v for _, v, _ in chunk), chunk[0][0], chunk[-1][0], len(chunk), seconds))
+        wins.append(Window(statistics.median(v for _, v, _ in chunk), chunk[0][0], chunk[-1][0], len(chunk),
+                           seconds))
     median = statistics.median(v for _, v, _ in body)
     return median, min(wins, key=lambda w: w.tokens_per_s), wins[0]
 
@@ -309,19 +320,22 @@ def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[Mapping
     wins = throughput_windows(progress)
     tps = s.tokens_per_s_median
     if wins is None:
-        floor = _judge("throughput", "min_tokens_per_s", limits, tps, f"median {fmt_value(tps, ',.0f')} tokens/s",
-                       " tokens/s", floor=True)
-        return [floor, Check("throughput tail", "too few progress points for windows", ">= ratio x the median",
+        floor = _judge("throughput", "min_tokens_per_s", limits, tps,
+                       f"median {fmt_value(tps, ',.0f')} tokens/s", " tokens/s", floor=True)
+        return [floor,
+                Check("throughput tail", "too few progress points for windows", ">= ratio x the median",
                              "n/a", key="throughput_drop_ratio")]
     median, worst, tail = wins
     shown = f"median {median:,.0f} tokens/s, slowest window {worst.tokens_per_s:,.0f} ({worst.steps()})"
-    floor = _judge("throughput", "min_tokens_per_s", limits, min(worst.tokens_per_s, median), shown, " tokens/s",
-                   floor=True)
+    floor = _judge("throughput", "min_tokens_per_s", limits, min(worst.tokens_per_s, median), shown,
+                   " tokens/s", floor=True)
     ratio = limits.values.get("throughput_drop_ratio") or MonitorConfig().throughput_drop_ratio
     src = limits.sources.get("throughput_drop_ratio", "default")
     limit = f">= {ratio:g} x the median (`monitor.throughput_drop_ratio`, {src})"
-    tail_x, worst_x = tail.tokens_per_s / median if median else 1.0, worst.tokens_per_s / median if median else 1.0
-    figure = f"last {tail.points} points ({tail.steps()}) {tail.tokens_per_s:,.0f} tokens/s = {tail_x:.2f}x the median {median:,.0f}"
+    tail_x, worst_x = (tail.tokens_per_s / median if median else 1.0,
+                       worst.tokens_per_s / median if median else 1.0)
+    figure = (f"last {tail.points} points ({tail.steps()}) {tail.tokens_per_s:,.0f} tokens/s = {tail_x:.2f}x "
+              f"the median {median:,.0f}")
     min_s = limits.values.get("throughput_tail_min_s")
     min_s = MonitorConfig().throughput_tail_min_s if min_s is None else min_s
     brief = tail.seconds is not None and tail.seconds < min_s
@@ -332,40 +346,48 @@ def _throughput_checks(s: RunSummary, limits: Limits, progress: Sequence[Mapping
                       "throughput_drop_ratio")
     elif tail_x < ratio:
         check = Check("throughput tail", figure, limit, "FAIL",
-                      f"throughput collapsed at the end: {tail.tokens_per_s:,.0f} tokens/s over {tail.steps()}, "
-                      f"{tail_x:.2f}x the run's median {median:,.0f}", "throughput_drop_ratio")
+                      f"throughput collapsed at the end: {tail.tokens_per_s:,.0f} tokens/s over "
+                      f"{tail.steps()}, {tail_x:.2f}x the run's median {median:,.0f}",
+                      "throughput_drop_ratio")
     elif worst_x < ratio:
-        check = Check("throughput tail", f"{figure}; slowest {worst.tokens_per_s:,.0f} ({worst.steps()}) = {worst_x:.2f}x",
-                      limit, "WARN", f"throughput dipped to {worst_x:.2f}x the median over {worst.steps()} and recovered",
+        check = Check("throughput tail",
+                      f"{figure}; slowest {worst.tokens_per_s:,.0f} ({worst.steps()}) = {worst_x:.2f}x",
+                      limit, "WARN",
+                      f"throughput dipped to {worst_x:.2f}x the median over {worst.steps()} and recovered",
                       "throughput_drop_ratio")
     else:
         check = Check("throughput tail", figure, limit, "PASS", key="throughput_drop_ratio")
     return [floor, check]
 
 
-def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tuple[str, dict[str, Any] | None]] = (),
-               halts: list[HaltRecord] | None = None, progress: Sequence[Mapping[str, Any]] = (),
-               alarms: Sequence[KeptAlarm] = (), sessions: Sequence[Session] = (),
-               config_error: str | None = None, schema_notes: Sequence[str] = ()) -> list[Check]:
+def run_checks(s: RunSummary, limits: Limits | None = None,
+               evals: Sequence[tuple[str, dict[str, Any] | None]] = (), halts: list[HaltRecord] | None = None,
+               progress: Sequence[Mapping[str, Any]] = (), alarms: Sequence[KeptAlarm] = (),
+               sessions: Sequence[Session] = (), config_error: str | None = None,
+               schema_notes: Sequence[str] = ()) -> list[Check]:
     """Every check of the verdict, in report order (see :class:`Check`); ``progress``: the rank-0 heartbeat
     points, for the throughput windows and the worst fetch p95 (else the summary's figures); ``alarms``: those
-    ``nsa watch`` kept with the run (``RUN/alarms.jsonl``, judged: only open ones fail); ``sessions``: the run's
-    history (an earlier session that crashed, failed or was interrupted is a WARN); ``config_error``: why the
-    run's ``config.yaml`` cannot be read (a WARN: its limits are unknown, the defaults judge)."""
+    ``nsa watch`` kept with the run (``RUN/alarms.jsonl``, judged: only open ones fail); ``sessions``: the
+    run's history (an earlier session that crashed, failed or was interrupted is a WARN); ``config_error``:
+    why the run's ``config.yaml`` cannot be read (a WARN: its limits are unknown, the defaults judge)."""
     limits = limits or run_limits(None)
     halts = classify_halts(s) if halts is None else halts
     out: list[Check] = []
     if config_error is not None:
         out.append(Check("run config", config_error, "config.yaml readable", "WARN",
-                         f"{config_error}; the run's settings are unknown and every limit below is the default"))
+                         f"{config_error}; the run's settings are unknown and every limit below is the "
+                         "default"))
     if schema_notes:
         out.append(Check("record formats", "; ".join(schema_notes), "formats this nsa reads", "WARN",
                          "; ".join(schema_notes)))
     n_bad = s.nonfinite_losses + len(s.anomalies)
-    out.append(Check("non-finite values", f"{s.nonfinite_losses} loss(es), {len(s.anomalies)} anomaly record(s)", "none",
+    out.append(Check("non-finite values",
+                     f"{s.nonfinite_losses} loss(es), {len(s.anomalies)} anomaly record(s)", "none",
                      "FAIL" if n_bad else "PASS",
-                     f"{s.nonfinite_losses} non-finite loss(es), {len(s.anomalies)} anomaly record(s)" if n_bad else ""))
-    out.append(Check("backend fallbacks", f"{s.fallback_total}", "none", "FAIL" if s.fallback_total else "PASS",
+                     f"{s.nonfinite_losses} non-finite loss(es), {len(s.anomalies)} anomaly "
+                     "record(s)" if n_bad else ""))
+    out.append(Check("backend fallbacks", f"{s.fallback_total}", "none",
+                     "FAIL" if s.fallback_total else "PASS",
                      f"{s.fallback_total} backend fallback(s)" if s.fallback_total else ""))
     out.append(_data_check(s))
     if s.first_loss is not None and s.last_loss is not None and s.steps_done > 1:
@@ -378,7 +400,8 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
     if wd:
         h = wd[0]
         what = "hung: the watchdog's stale-heartbeat rule" if h.hung else f"watchdog rule `{h.rule or '?'}`"
-        act = (f"halted the run at step {h.step}" if h.acted else "wrote .HALT, not acted on yet" if h.where == ".HALT"
+        act = (f"halted the run at step {h.step}" if h.acted else "wrote .HALT, not acted on "
+                                                                  "yet" if h.where == ".HALT"
                else f"wrote a .HALT that a restart archived unobeyed ({h.where})")
         more = f" (+{len(wd) - 1} more watchdog halt(s))" if len(wd) > 1 else ""
         out.append(Check("halts", "; ".join(x.describe() for x in halts), "no watchdog halt", "FAIL",
@@ -392,33 +415,40 @@ def run_checks(s: RunSummary, limits: Limits | None = None, evals: Sequence[tupl
     worst = fetch_p95_worst(progress)
     fetch: float | None
     if worst is not None:
-        fetch, fetch_text = worst[0], f"worst {worst[0]:,.1f} ms at step {worst[1]} (last {fmt_value(s.fetch_p95_ms, ',.1f')} ms)"
+        fetch, fetch_text = (worst[0],
+                             f"worst {worst[0]:,.1f} ms at step {worst[1]} (last "
+                             f"{fmt_value(s.fetch_p95_ms, ',.1f')} ms)")
     else:
         fetch, fetch_text = s.fetch_p95_ms, f"{fmt_value(s.fetch_p95_ms, ',.1f')} ms"
     out.append(_judge("fetch p95", "max_fetch_p95_ms", limits, fetch, fetch_text, " ms", floor=False))
     early = limits.values.get("gate_entropy_early_steps")
-    entropy_key = "gate_entropy_early_min" if early is not None and s.steps_done < early else "gate_entropy_min"
+    entropy_key = ("gate_entropy_early_min" if early is not None and s.steps_done < early
+                   else "gate_entropy_min")
     out.append(_judge("gate entropy", entropy_key, limits, s.gate_entropy_mean,
-                      f"{fmt_value(s.gate_entropy_mean, '.3f')} nats (last, step {s.steps_done})", " nats", floor=True,
-                      missing="no gate statistics (dense model or no progress yet)"))
+                      f"{fmt_value(s.gate_entropy_mean, '.3f')} nats (last, step {s.steps_done})", " nats",
+                      floor=True, missing="no gate statistics (dense model or no progress yet)"))
     out.append(_judge("gate collapse", "gate_collapse_max", limits, s.gate_collapse_fraction,
                       f"{fmt_value(s.gate_collapse_fraction, '.3f')} (last)", "", floor=False,
                       missing="no gate statistics (dense model or no progress yet)"))
     gib = s.mem_peak_mib / 1024 if s.mem_peak_mib is not None else None
-    out.append(_judge("peak GPU memory", "max_memory_gib", limits, gib, f"{fmt_value(gib, '.2f')} GiB", " GiB", floor=False,
-                      missing="no GPU memory figure (CPU run" + (f"; host RSS peak {s.rss_mib / 1024:.2f} GiB)"
+    out.append(_judge("peak GPU memory", "max_memory_gib", limits, gib, f"{fmt_value(gib, '.2f')} GiB",
+                      " GiB", floor=False,
+                      missing="no GPU memory figure (CPU run" + (f"; host RSS peak {s.rss_mib / 1024:.2f} "
+                                                                 "GiB)"
                                                                  if s.rss_mib is not None else ")")))
     out.append(_gpu_errors_check(s))
     out.append(_selection_check(s, limits))
     low, where, bad = eval_accuracy(evals)
     if bad and limits.values.get("min_eval_accuracy") is not None:
-        out.append(Check("eval accuracy", f"{', '.join(bad)} unreadable", f">= {limits.values['min_eval_accuracy']:g}",
-                         "WARN", f"{', '.join(bad)} could not be read", "min_eval_accuracy"))
+        out.append(Check("eval accuracy", f"{', '.join(bad)} unreadable",
+                         f">= {limits.values['min_eval_accuracy']:g}", "WARN",
+                         f"{', '.join(bad)} could not be read", "min_eval_accuracy"))
     else:
         check = _judge("eval accuracy", "min_eval_accuracy", limits, low,
                        f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
                        missing="no needle/mqar results in eval/")
-        stale = [f"eval/{task}.json {why}" for task, data in evals if task in RETRIEVAL_TASKS and data is not None
+        stale = [f"eval/{task}.json {why}" for task,
+                 data in evals if task in RETRIEVAL_TASKS and data is not None
                  and (why := eval_staleness(data, s.steps_done, s.run_dir))]
         if stale:
             check.figure += f" (STALE: {'; '.join(stale)})"
@@ -440,7 +470,8 @@ def eval_staleness(data: dict[str, Any], steps_done: int, run_dir: str | Path | 
     if isinstance(path, str) and isinstance(want, str) and run_dir is not None:
         try:
             file = Path(path).resolve()
-            if Path(run_dir).resolve() not in file.parents:  # recorded relative to another directory, or not ours
+            # recorded relative to another directory, or not ours
+            if Path(run_dir).resolve() not in file.parents:
                 return None
             got = sha256_file(file)
         except OSError:  # the file is gone (pruned): nothing to compare
@@ -457,15 +488,18 @@ def _eval_freshness_check(evals: Sequence[tuple[str, dict[str, Any] | None]], st
     found = [(task, data) for task, data in evals if data is not None]
     if not found:
         return Check("eval freshness", "no results in eval/", limit, "n/a")
-    stale = [f"eval/{task}.json {why}" for task, data in found if (why := eval_staleness(data, steps_done, run_dir))]
+    stale = [f"eval/{task}.json {why}" for task,
+             data in found if (why := eval_staleness(data, steps_done, run_dir))]
     if stale:
-        return Check("eval freshness", "STALE: " + "; ".join(stale), limit, "WARN", f"{stale[0]}: re-run nsa eval")
-    return Check("eval freshness", ", ".join(f"eval/{task}.json" for task, _ in found) + " current", limit, "PASS")
+        return Check("eval freshness", "STALE: " + "; ".join(stale), limit, "WARN",
+                     f"{stale[0]}: re-run nsa eval")
+    return Check("eval freshness", ", ".join(f"eval/{task}.json" for task, _ in found) + " current", limit,
+                 "PASS")
 
 
 def weights_check(run_dir: str | Path) -> Check:
-    """FAIL when ``export/model.safetensors`` does not match the SHA-256 that ``export.json`` records (computed
-    from the file: bytes corrupted on disk or changed since the run wrote them)."""
+    """FAIL when ``export/model.safetensors`` does not match the SHA-256 that ``export.json`` records
+    (computed from the file: bytes corrupted on disk or changed since the run wrote them)."""
     weights = RunDir(run_dir).export / EXPORT_WEIGHTS
     limit = f"the SHA-256 recorded in {EXPORT_DIR}/{EXPORT_INFO}"
     if not weights.is_file():
@@ -480,8 +514,8 @@ def weights_check(run_dir: str | Path) -> Check:
                      f"{EXPORT_DIR}/{EXPORT_WEIGHTS} cannot be read: {exc.strerror or exc}")
     if got != want:
         return Check("export weights", f"SHA-256 {got[:12]}... (recorded {want[:12]}...)", limit, "FAIL",
-                     f"{EXPORT_DIR}/{EXPORT_WEIGHTS} does not match the SHA-256 in {EXPORT_INFO} (corrupted on disk "
-                     f"or changed since the run wrote it)")
+                     f"{EXPORT_DIR}/{EXPORT_WEIGHTS} does not match the SHA-256 in {EXPORT_INFO} (corrupted "
+                     f"on disk or changed since the run wrote it)")
     return Check("export weights", f"SHA-256 {got[:12]}... matches", limit, "PASS")
 
 
@@ -496,8 +530,8 @@ def _alarms_check(alarms: Sequence[KeptAlarm]) -> Check:
     if open_:
         rules = sorted({a.rule for a in open_})
         return Check("watch alarms", figure, limit, "FAIL",
-                     f"{len(open_)} open alarm(s) raised by nsa watch ({', '.join(rules)}): {open_[0].describe()} "
-                     f"(close one with nsa ack RUN --reason TEXT)")
+                     f"{len(open_)} open alarm(s) raised by nsa watch ({', '.join(rules)}): "
+                     f"{open_[0].describe()} (close one with nsa ack RUN --reason TEXT)")
     superseded = [a for a in alarms if a.state == "superseded"]
     if superseded:
         return Check("watch alarms", figure, limit, "WARN",
@@ -534,8 +568,8 @@ def _selection_check(s: RunSummary, limits: Limits) -> Check:
                  f"(evaluation at step {s.selection_step})")
     missing = ("sequence too short to select (seq_len <= n_sel * l_sel)" if s.selection_step is not None
                else "no selection diagnostics (dense model, eval.selection_queries 0, or no evaluation yet)")
-    return _judge("selection recall", "min_selection_recall", limits, s.sel_recall_mean, shown, "", floor=True,
-                  margin=False, missing=missing)
+    return _judge("selection recall", "min_selection_recall", limits, s.sel_recall_mean, shown, "",
+                  floor=True, margin=False, missing=missing)
 
 
 def _data_check(s: RunSummary) -> Check:
@@ -546,15 +580,16 @@ def _data_check(s: RunSummary) -> Check:
                      f"trained on synthetic data, not its configured source: {s.data_fallback}")
     shown = s.data_source or "n/a"
     if s.data_warnings:
-        return Check("data source", f"{shown}; {len(s.data_warnings)} warning(s): {s.data_warnings[0]}", limit, "WARN",
-                     f"data warnings: {'; '.join(s.data_warnings)}")
+        return Check("data source", f"{shown}; {len(s.data_warnings)} warning(s): {s.data_warnings[0]}",
+                     limit, "WARN", f"data warnings: {'; '.join(s.data_warnings)}")
     return Check("data source", shown, limit, "PASS" if s.data_source else "n/a")
 
 
 def _gpu_errors_check(s: RunSummary) -> Check:
     """GPU memory errors (uncorrected ECC, retired pages) that appeared during the run: FAIL."""
     if s.gpu_mem_errors is None:
-        return Check("GPU memory errors", "no GPU error telemetry (CPU run, or NVML unavailable)", "none new", "n/a")
+        return Check("GPU memory errors", "no GPU error telemetry (CPU run, or NVML unavailable)", "none new",
+                     "n/a")
     shown = ", ".join(f"{k} {v}" for k, v in sorted(s.gpu_mem_errors.items())) or "0"
     if s.gpu_mem_errors_new:
         return Check("GPU memory errors", f"{s.gpu_mem_errors_new} new ({shown})", "none new", "FAIL",
@@ -572,7 +607,8 @@ def verdict(s: RunSummary, checks: list[Check] | None = None) -> tuple[str, str]
     extra = "".join(f"; {f}" for f in fails)
     if s.status in ("failed", "crashed"):
         err = (s.end or {}).get("error")
-        return "FAIL", f"run {s.status} at step {s.steps_done}" + (f": {err}" if err else "") + resume_hint(s) + extra
+        return "FAIL", f"run {s.status} at step {s.steps_done}" + (f": {err}" if err
+                                                                   else "") + resume_hint(s) + extra
     if s.status == "interrupted":
         return "INCOMPLETE", f"interrupted by the operator (Ctrl-C) at {progress}" + resume_hint(s) + extra
     if s.status == "stale":
@@ -586,7 +622,8 @@ def verdict(s: RunSummary, checks: list[Check] | None = None) -> tuple[str, str]
         why = (s.halts[-1].get("reason") if s.halts else None) or "halt"
         return "PASS", f"halted on request ({why}) at {progress}, healthy until then" + warned
     if s.status == "completed":
-        loss = f", loss {s.first_loss:.3f} -> {s.last_loss:.3f}" if s.first_loss is not None and s.last_loss is not None else ""
+        loss = (f", loss {s.first_loss:.3f} -> "
+                f"{s.last_loss:.3f}" if s.first_loss is not None and s.last_loss is not None else "")
         return "PASS", f"completed {progress}{loss}" + warned
     return "INCOMPLETE", f"status {s.status}, {progress}" + warned
 

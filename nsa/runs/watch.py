@@ -1,6 +1,6 @@
 """``nsa watch`` as one call: :func:`open_watch` waits for the run to start (as asked), sets up its
-:class:`~nsa.runs.watchdog.Watchdog` and returns a :class:`Watch`: the snapshots to show, and what each says as a
-JSON record, as plain log lines, as a dashboard (:mod:`nsa.runs.dashboard`) and as an exit code."""
+:class:`~nsa.runs.watchdog.Watchdog` and returns a :class:`Watch`: the snapshots to show, and what each says
+as a JSON record, as plain log lines, as a dashboard (:mod:`nsa.runs.dashboard`) and as an exit code."""
 
 from __future__ import annotations
 
@@ -29,17 +29,19 @@ class WatchRequest:
     once: bool = option(False, "--once", "Print one snapshot and exit.")
     wait: bool | None = option(None, "--wait", "Wait for a run directory that does not exist yet or has no "
                                "heartbeat yet (default: wait in live mode, not with --once).", switch=True)
-    alert_on: str | None = option(None, "--alert-on", "Rules that raise an alarm (default all; thresholds from the "
-                                  "run's monitor config), e.g. all,stale=60 or none.")
+    alert_on: str | None = option(None, "--alert-on", "Rules that raise an alarm (default all; thresholds "
+                                  "from the run's monitor config), e.g. all,stale=60 or none.")
     halt_on: str | None = option(None, "--halt-on", "Watchdog rules that write .HALT (e.g. all, "
                                  "stale=600,nonfinite).")
-    notify: str | None = option(None, "--notify", "Shell command run once per new alarm with the alarm as JSON on "
-                                "stdin (default: the run's monitor.notify in live mode; '' for none).")
+    notify: str | None = option(None, "--notify", "Shell command run once per new alarm with the alarm as "
+                                "JSON on stdin (default: the run's monitor.notify in live mode; '' for "
+                                "none).")
     notify_timeout: float = option(10.0, "--notify-timeout", "Seconds a --notify command may run.", min=0.1)
     refresh: float = option(2.0, "--refresh", "Seconds between reads.", min=0.01)
-    stale_after: float | None = option(None, "--stale-after", "Heartbeat age (s) for the stale status and rule "
-                                       "(default: monitor.stale_s).", min=1)
-    timeout: float | None = option(None, "--timeout", "Stop after this many seconds (waiting included).", min=0)
+    stale_after: float | None = option(None, "--stale-after", "Heartbeat age (s) for the stale status and "
+                                       "rule (default: monitor.stale_s).", min=1)
+    timeout: float | None = option(None, "--timeout", "Stop after this many seconds (waiting included).",
+                                   min=0)
 
 
 @dataclass
@@ -50,7 +52,8 @@ class OnceResult(Result):
     snap: Snapshot
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.watch.dog.payload(self.snap), "config": self.snap.state.config, "env": self.snap.state.env}
+        return {**self.watch.dog.payload(self.snap), "config": self.snap.state.config,
+                "env": self.snap.state.env}
 
     @property
     def exit_code(self) -> int:
@@ -63,7 +66,8 @@ class Watch:
     def __init__(self, req: WatchRequest, reader: RunReader, warn: Callable[[str], None]) -> None:
         self.req, self.reader = req, reader
         self.dog = Watchdog(reader, parse_rules("all" if req.alert_on is None else req.alert_on),
-                            parse_rules(req.halt_on), notify_cmd=(req.notify or "") if req.once else req.notify,
+                            parse_rules(req.halt_on),
+                            notify_cmd=(req.notify or "") if req.once else req.notify,
                             notify_timeout=req.notify_timeout, stale_after=req.stale_after, on_warning=warn)
         self.gpu_local: bool | None = None
         self.announced_halt: list[Any] = []  # the .HALT times already reported (lines mode)
@@ -74,7 +78,8 @@ class Watch:
 
     def follow(self) -> Iterator[Snapshot]:
         """Snapshots until the run is over (or ``--timeout``, waiting included)."""
-        left = None if self.req.timeout is None else max(0.0, self.req.timeout - (time.monotonic() - self.start))
+        left = None if self.req.timeout is None else max(0.0,
+                                                         self.req.timeout - (time.monotonic() - self.start))
         return follow(self.dog, self.req.refresh, left)
 
     def exit_code(self, snap: Snapshot) -> int:
@@ -100,7 +105,8 @@ class Watch:
         return json.dumps(json_safe(line_record(self.dog, snap)), default=str)
 
     def lines(self, snap: Snapshot) -> list[str]:
-        """A refresh as plain log lines: the status, new and cleared alarms, a .HALT written, pending or acted on."""
+        """A refresh as plain log lines: the status, new and cleared alarms, a .HALT written, pending or acted
+        on."""
         st, summ, stamp = snap.state, snap.summary, now_iso(snap.time)
         out = [status_line(summ, snap.alarms, snap.time)]
         out += [f"{stamp} ALARM {a.rule}: {a.message}" for a in snap.new]
@@ -111,11 +117,14 @@ class Watch:
         if ph is not None and ph.get("time") not in self.announced_halt:
             self.announced_halt.append(ph.get("time"))
             out.append(f"{stamp} pending .HALT: {ph.get('reason')} ({ph.get('who') or 'unknown'})")
-        elif ph is None and self.announced_halt:  # acted on (the trainer retires the file into halts/), or removed
+        # acted on (the trainer retires the file into halts/), or removed
+        elif ph is None and self.announced_halt:
             since = self.announced_halt.pop()
-            acted = [h for h in st.halts if not isinstance(since, int | float) or float(h.get("ts", 0)) >= since - 1.0]
+            acted = [h for h in st.halts if not isinstance(since, int | float) or float(h.get("ts", 0))
+                     >= since - 1.0]
             if acted or st.end is not None:
-                out.append(f"{stamp} .HALT acted on at step {(acted[-1] if acted else st.end or {}).get('step')}")
+                out.append(f"{stamp} .HALT acted on at step "
+                           f"{(acted[-1] if acted else st.end or {}).get('step')}")
             else:
                 out.append(f"{stamp} .HALT removed before the trainer acted on it")
         return out
@@ -131,8 +140,10 @@ class Watch:
 
 
 def open_watch(req: WatchRequest, say: Callable[[str], None], warn: Callable[[str], None]) -> Watch:
-    """A watch over ``req.run_dir``: its rules checked, the run waited for (``say`` hears the one waiting line;
-    ``RunDirError`` when it did not start within ``req.timeout``); ``warn`` hears what goes wrong on the way."""
+    """A watch over ``req.run_dir``: its rules checked, the run waited for (``say`` hears the one waiting
+    line;
+    ``RunDirError`` when it did not start within ``req.timeout``); ``warn`` hears what goes wrong on the
+    way."""
     parse_rules(req.halt_on)
     parse_rules("all" if req.alert_on is None else req.alert_on)
     start = time.monotonic()

@@ -46,8 +46,9 @@ class Watchdog:
     notification."""
 
     def __init__(self, reader: RunReader, alert_rules: list[ArmedRule], halt_rules: list[ArmedRule], *,
-                 notify_cmd: str | None = None, notify_timeout: float = 10.0, stale_after: float | None = None,
-                 on_warning: Callable[[str], None] | None = None, keep: bool = True) -> None:
+                 notify_cmd: str | None = None, notify_timeout: float = 10.0,
+                 stale_after: float | None = None, on_warning: Callable[[str], None] | None = None,
+                 keep: bool = True) -> None:
         """``keep``: write the alarms to ``RUN/alarms.jsonl`` (a run directory that cannot be written is one
         warning, and the watch goes on)."""
         self.reader, self.alert_rules, self.halt_rules = reader, alert_rules, halt_rules
@@ -74,7 +75,8 @@ class Watchdog:
         if self.stale_after is not None:
             mon = mon.model_copy(update={"stale_s": self.stale_after})
         summ = summarize(st, now, mon.stale_s)
-        hits = evaluate(self.alert_rules + [r for r in self.halt_rules if r.name not in self._alert_names], st, now, mon)
+        hits = evaluate(self.alert_rules + [r for r in self.halt_rules if r.name not in self._alert_names],
+                        st, now, mon)
         if summ.status == "running" and any(h.rule == "stale" for h in hits):
             summ.status = "stale"  # a stale alarm (e.g. --alert-on stale=15) is what the header says
         elif summ.status in ("completed", "halted", "failed", "crashed") and st.new_session_pending():
@@ -93,7 +95,8 @@ class Watchdog:
         return snap
 
     def _keep(self, snap: Snapshot) -> None:
-        """Write new and cleared alarms to ``RUN/alarms.jsonl`` (an alarm already open there is not repeated)."""
+        """Write new and cleared alarms to ``RUN/alarms.jsonl`` (an alarm already open there is not
+        repeated)."""
         if self._kept is None or not (snap.new or snap.cleared):
             return
         session = snap.state.session_start
@@ -109,7 +112,8 @@ class Watchdog:
             self.on_warning(f"could not keep alarms: {write_failure(exc, self._kept.path)}")
             self._kept = None
 
-    def _maybe_halt(self, st: RunState, summ: RunSummary, hits: list[RuleHit], now: float, mon: MonitorConfig) -> None:
+    def _maybe_halt(self, st: RunState, summ: RunSummary, hits: list[RuleHit], now: float,
+                    mon: MonitorConfig) -> None:
         if not self.halt_rules or self.halted or st.end is not None or st.halt_file is not None:
             return
         if summ.status == "crashed":
@@ -119,8 +123,8 @@ class Watchdog:
             return
         h = firing[0]
         try:
-            rec = write_halt(self.reader.run_dir, watchdog_reason(h.rule, h.message), who=who_am_i("nsa watch"),
-                             rule=h.rule, evidence=h.evidence)
+            rec = write_halt(self.reader.run_dir, watchdog_reason(h.rule, h.message),
+                             who=who_am_i("nsa watch"), rule=h.rule, evidence=h.evidence)
         except NSAError as exc:  # a read-only run directory: one line, and the watch stops
             raise RunDirError(f"watchdog rule {h.rule} fired but {exc.message}", exc.hint) from None
         self.halted.append(rec)
@@ -139,7 +143,8 @@ class Watchdog:
         """The crash alarm of a crashed run (evaluated even when ``crashed`` is not an alert rule)."""
         hit = next((h for h in snap.alarms if h.rule == "crashed"), None)
         if hit is None:
-            hit = next(iter(evaluate([ArmedRule("crashed")], snap.state, time.time(), monitor_config(snap.state))), None)
+            hit = next(iter(evaluate([ArmedRule("crashed")], snap.state, time.time(),
+                                     monitor_config(snap.state))), None)
         return hit
 
     def halted_the_run(self, snap: Snapshot) -> bool:

@@ -40,8 +40,8 @@ from nsa.rundir.checkpoints import (
 from nsa.rundir.layout import CHECKPOINTS_DIR
 from nsa.train import distributed as D
 
-__all__ = ["clean_partials", "find_resume", "is_sharded", "load_sharded", "load_state", "prune", "resolve_resume",
-           "save_checkpoint", "save_sharded_checkpoint"]
+__all__ = ["clean_partials", "find_resume", "is_sharded", "load_sharded", "load_state", "prune",
+           "resolve_resume", "save_checkpoint", "save_sharded_checkpoint"]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -214,7 +214,8 @@ def find_resume(run_dir: Path, resume: str | None) -> tuple[Path | None, list[Ve
                                   hint=skipped[0].reason if skipped else None)
         return newest, skipped
     if not p.exists():
-        raise CheckpointError(f"train.resume={resume}: no such checkpoint", hint="use 'auto' or a step_* folder")
+        raise CheckpointError(f"train.resume={resume}: no such checkpoint",
+                              hint="use 'auto' or a step_* folder")
     verdict = verify(p)
     if not verdict.ok:
         raise CheckpointError(

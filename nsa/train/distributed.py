@@ -50,13 +50,15 @@ def layout(info: DistInfo, context: int, device_type: str) -> Layout:
         return Layout(info.rank, info.world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (info.world_size // context, context), mesh_dim_names=("data", "context"))
+    mesh = init_device_mesh(device_type, (info.world_size // context, context),
+                            mesh_dim_names=("data", "context"))
     return Layout(info.rank // context, info.world_size // context, info.rank % context, context,
                   mesh.get_group("context"))
 
 
 def env_info() -> DistInfo:
-    """Rank, world size and local rank from torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
+    """Rank, world size and local rank from torchrun's variables (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", str(rank)))

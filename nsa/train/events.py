@@ -36,7 +36,8 @@ class Event:
     def figures(self) -> dict[str, str]:
         """A log step's figures as a progress bar shows them: ``loss``, ``tps`` (tokens/s), ``eta``."""
         row = self.row or {}
-        return {"loss": f"{row['loss']:.4f}", "tps": rate_text(row.get("tokens_per_s")), "eta": eta_text(row.get("eta_s"))}
+        return {"loss": f"{row['loss']:.4f}", "tps": rate_text(row.get("tokens_per_s")),
+                "eta": eta_text(row.get("eta_s"))}
 
 
 Reporter = Callable[[Event], None]
@@ -138,7 +139,8 @@ class Output:
         self._emit(Event("step", step=step, total=self.total, row=row))
 
     def log(self, row: dict[str, Any]) -> None:
-        self._emit(Event("log", step=int(row["step"]), total=self.total, text=log_line(row, self.total), row=row))
+        self._emit(Event("log", step=int(row["step"]), total=self.total, text=log_line(row, self.total),
+                         row=row))
 
     def stop(self) -> None:
         self._emit(Event("stop"))

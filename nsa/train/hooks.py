@@ -24,7 +24,8 @@ class StepHook:
         """Step ``step`` (1-based) is about to run."""
 
     def on_micro_batch(self, out: Any, y: torch.Tensor) -> None:
-        """A micro-batch's forward and backward ran: the model's output ``out`` (``LMOutput``) for targets ``y``."""
+        """A micro-batch's forward and backward ran: the model's output ``out`` (``LMOutput``) for targets
+        ``y``."""
 
     def step_sums(self) -> list[torch.Tensor]:
         """This step's 0-d device values, each summed over the ranks (no host sync of its own)."""
@@ -36,8 +37,8 @@ class StepHook:
 
 
 class ScorerWarmup(StepHook):
-    """``scorer.until``: the scorer (and alignment) loss trains steps ``1 .. until``, then is switched off for good
-    (also on a resume past it)."""
+    """``scorer.until``: the scorer (and alignment) loss trains steps ``1 .. until``, then is switched off for
+    good (also on a resume past it)."""
 
     def __init__(self, model: Any, until: int) -> None:
         self.model = model
@@ -75,7 +76,8 @@ def answer_scores(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> 
     """``[cross-entropy summed, hits, answers]`` of the predictions at a synthetic task's answer positions
     (sums, so ranks holding different numbers of answers combine exactly; none: zeros)."""
     picked, want = logits[:, mask].float(), y[:, mask]
-    loss = torch.nn.functional.cross_entropy(picked.reshape(-1, picked.shape[-1]), want.reshape(-1), reduction="sum")
+    loss = torch.nn.functional.cross_entropy(picked.reshape(-1, picked.shape[-1]), want.reshape(-1),
+                                             reduction="sum")
     hits = (picked.argmax(-1) == want).float().sum()
     return torch.stack([loss, hits, torch.tensor(float(want.numel()), device=logits.device)])
 

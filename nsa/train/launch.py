@@ -71,7 +71,8 @@ def torchrun_argv(nproc: int, program: Sequence[str], rdzv: Rendezvous | None = 
         return [*head, "--standalone", f"--nproc-per-node={nproc}", *program]
     rdzv.check()
     return [*head, f"--nnodes={rdzv.nnodes}", f"--node-rank={rdzv.node_rank}", "--rdzv-backend=static",
-            f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--nproc-per-node={nproc}", *program]
+            f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}", f"--nproc-per-node={nproc}",
+            *program]
 
 
 EXIT_INTERRUPTED = 130  # a second signal stopped the ranks at once (as Ctrl-C twice does one rank)
@@ -106,10 +107,12 @@ def _relay(stream: IO[str], say: Callable[[str], None], seen: _Relay) -> None:
             sys.stderr.write(line)
             sys.stderr.flush()
     if seen.codes:
-        say(f"error: a rank exited with code {seen.codes[0]}; its own message is above (torchrun's report omitted)")
+        say(f"error: a rank exited with code {seen.codes[0]}; its own message is above (torchrun's report "
+            "omitted)")
 
 
-def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None, run_dir: str | Path | None = None) -> int:
+def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None,
+           run_dir: str | Path | None = None) -> int:
     """Run torchrun (``argv``) as a child; SIGTERM/SIGINT here halt the ranks gracefully; its exit code.
 
     The first signal is passed as SIGTERM to the rank processes only (each checkpoints and exits 0, so
@@ -172,7 +175,8 @@ def launch(argv: Sequence[str], notice: Callable[[str], None] | None = None, run
         if code and received and run_dir is not None and _halted(run_dir, started):
             say(f"torchrun exited {code} after every rank halted cleanly: exit 0")
             return 0
-        if code and len(received) > 1:  # the operator's second request: torchrun stopped, its traceback omitted
+        # the operator's second request: torchrun stopped, its traceback omitted
+        if code and len(received) > 1:
             say(f"stopped at once: {received[1]} again terminated torchrun before every rank had halted")
             return EXIT_INTERRUPTED
         sys.stderr.writelines(seen.held)
@@ -219,8 +223,8 @@ def relaunch(nproc: int, program: Sequence[str], argv: Sequence[str], rdzv: Rend
              say: Callable[[str], None] | None = None, run_dir: str | Path | None = None) -> int:
     """Run a command again on ``nproc`` ranks of this node through torchrun: ``python <program> <argv>``
     (``program``: e.g. ``["-m", "nsa_cli"]``, ``argv`` this process's arguments, the launcher's own options
-    left out); ``say`` hears the launch line; ``run_dir``: the run the ranks write (a clean halt of all of them
-    is exit 0, :func:`launch`). torchrun's exit code."""
+    left out); ``say`` hears the launch line; ``run_dir``: the run the ranks write (a clean halt of all of
+    them is exit 0, :func:`launch`). torchrun's exit code."""
     cmd = torchrun_argv(nproc, [*program, *strip_launch_options(argv)], rdzv)
     (say or (lambda line: print(line, file=sys.stderr, flush=True)))(f"launching: {' '.join(cmd[1:])}")
     return launch(cmd, run_dir=run_dir)

@@ -40,7 +40,8 @@ class RunLock:
             who = (f"PID {holder.get('pid')} on {holder.get('host')}" if holder else "another process")
             raise RunDirError(
                 f"run directory {self.path.parent} is in use by {who} (another nsa train is writing it)",
-                hint=f"wait for it to end, stop it with: nsa halt {self.path.parent}, or choose another --out-dir",
+                hint=f"wait for it to end, stop it with: nsa halt {self.path.parent}, or choose another "
+                     "--out-dir",
             ) from None
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}) + "\n"
         with contextlib.suppress(OSError):

@@ -116,7 +116,8 @@ class Recorder:
         record = environment_record(
             device=str(plan.rt.device), device_name=s.device_name, precision=plan.rt.precision,
             world_size=s.dist.world_size, backend=s.dist.backend, profile=plan.resolved.profile,
-            config_path=plan.resolved.config_path, nsa_settings=settings, unknown_nsa=plan.resolved.unknown_env,
+            config_path=plan.resolved.config_path, nsa_settings=settings,
+                                    unknown_nsa=plan.resolved.unknown_env,
         )
         record["run_name"] = plan.run_name
         record["resumed_from"] = str(plan.resume_from) if plan.resume_from else None
@@ -128,7 +129,8 @@ class Recorder:
         s, tr = self.s, self.s.cfg.train
         warnings = self.new_data_warnings()
         s.hb.emit("loader-ready", s.state.step, source=s.cfg.data.source, source_used=s.loader.source.name,
-                  description=s.loader.description, tokenizer=getattr(s.plan.tokenizer, "name", s.cfg.data.tokenizer),
+                  description=s.loader.description,
+                  tokenizer=getattr(s.plan.tokenizer, "name", s.cfg.data.tokenizer),
                   first_batch_s=s.first_batch_s, warnings=warnings)
         if s.dist.is_main:
             self.write_env()
@@ -164,11 +166,14 @@ class Recorder:
         self.new_data_warnings()
         row = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
-            "step_time_s": step_time, "fetch_ms": 1000 * fetch_s / max(n, 1), "tokens_seen": s.state.tokens_seen,
+            "step_time_s": step_time, "fetch_ms": 1000 * fetch_s / max(n, 1),
+               "tokens_seen": s.state.tokens_seen,
             "elapsed_s": self.clock.elapsed(), "eta_s": eta,
             "answer_loss": fields.get("answer_loss"), "answer_acc": fields.get("answer_acc"),
-            "fetch_p50_ms": loader_stats.get("fetch_p50_ms"), "fetch_p95_ms": loader_stats.get("fetch_p95_ms"),
-            "scorer_kl": _float(stats.get("scorer_kl")), "align_nll": _float(stats.get("align_nll")), **mem, **gpu,
+            "fetch_p50_ms": loader_stats.get("fetch_p50_ms"),
+               "fetch_p95_ms": loader_stats.get("fetch_p95_ms"),
+            "scorer_kl": _float(stats.get("scorer_kl")), "align_nll": _float(stats.get("align_nll")), **mem,
+               **gpu,
         }
         shares = stats.get("gate_branch_shares")
         s.hb.emit(
@@ -206,7 +211,8 @@ class Recorder:
         }
         scalars.update({f"train/{name}": value for name, value in fields.items()})
         if shares is not None:
-            scalars.update({f"gate/share_{b}": float(x) for b, x in zip(("cmp", "sel", "win"), shares, strict=False)})
+            scalars.update({f"gate/share_{b}": float(x) for b,
+                            x in zip(("cmp", "sel", "win"), shares, strict=False)})
         s.tb.scalars(scalars, step)
         s.out.step(step, row)
         s.out.log(row)
@@ -222,8 +228,9 @@ class Recorder:
                   cmp_entropy_mean=fig["cmp_entropy_mean"])
         if s.dist.is_main:
             assert s.val_csv is not None and s.tb is not None
-            s.val_csv.row({"step": step, "val_loss": val_loss, "val_ppl": ppl, "sel_recall_mean": fig["sel_recall_mean"],
-                           "sel_recall_min": fig["sel_recall_min"], "cmp_entropy_mean": fig["cmp_entropy_mean"]})
+            s.val_csv.row({"step": step, "val_loss": val_loss, "val_ppl": ppl,
+                           "sel_recall_mean": fig["sel_recall_mean"], "sel_recall_min": fig["sel_recall_min"],
+                           "cmp_entropy_mean": fig["cmp_entropy_mean"]})
             s.tb.scalars({"val/loss": val_loss, "val/ppl": ppl, **selection_scalars(selection or [])}, step)
             s.out.message(f"eval step {step}: val_loss {val_loss:.4f} | ppl {ppl:.2f}{selection_text(fig)}")
 
@@ -241,8 +248,8 @@ class Recorder:
             "final_loss": st.last_loss, "last_val_loss": st.last_val_loss, "best_val_loss": st.best_val_loss,
             "tokens_seen": st.tokens_seen, "tokens_per_step": s.tokens_per_step, "tokens_per_s": tps,
             "tokens_per_s_note": (
-                "tokens of this session's steps after its first, over the wall time from the end of the first "
-                "step to the end of the last (evaluations and periodic checkpoints in between included)"
+                "tokens of this session's steps after its first, over the wall time from the end of the "
+                "first step to the end of the last (evaluations and periodic checkpoints in between included)"
             ),
             "train_time_s": c.train_s,
             "mean_step_time_s": c.train_s / done_here if done_here else None,
@@ -283,8 +290,8 @@ def _layer_record(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def selection_figures(layers: list[dict[str, Any]]) -> dict[str, Any]:
-    """``sel_recall_mean``, ``sel_recall_min`` (and ``sel_recall_min_layer``) and ``cmp_entropy_mean`` over the
-    layers that have them (None each when none does: a dense model, or a sequence too short to select)."""
+    """``sel_recall_mean``, ``sel_recall_min`` (and ``sel_recall_min_layer``) and ``cmp_entropy_mean`` over
+    the layers that have them (None each when none does: a dense model, or a sequence too short to select)."""
     recalls = [(r["recall"], r["layer"]) for r in layers if r.get("recall") is not None]
     ents = [r["cmp_entropy"] for r in layers if r.get("cmp_entropy") is not None]
     low = min(recalls) if recalls else None
@@ -294,8 +301,8 @@ def selection_figures(layers: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def selection_scalars(layers: list[dict[str, Any]]) -> dict[str, float | None]:
-    """TensorBoard scalars: ``sel/recall_L{i}``, ``sel/cmp_entropy_L{i}``, ``sel/kl_L{i}``, ``gate/L{i}_{cmp|sel|win}``
-    and ``sel/recall_mean``."""
+    """TensorBoard scalars: ``sel/recall_L{i}``, ``sel/cmp_entropy_L{i}``, ``sel/kl_L{i}``,
+    ``gate/L{i}_{cmp|sel|win}`` and ``sel/recall_mean``."""
     out: dict[str, float | None] = {}
     for r in layers:
         i = r["layer"]
@@ -312,7 +319,8 @@ def selection_text(fig: dict[str, Any]) -> str:
     """`` | recall 0.83 (min L3 0.61)`` for the eval line; empty without a recall."""
     if fig.get("sel_recall_mean") is None:
         return ""
-    return f" | recall {fig['sel_recall_mean']:.2f} (min L{fig['sel_recall_min_layer']} {fig['sel_recall_min']:.2f})"
+    return (f" | recall {fig['sel_recall_mean']:.2f} (min L{fig['sel_recall_min_layer']} "
+            f"{fig['sel_recall_min']:.2f})")
 
 
 def _gpu_probe(s: Session) -> Any:

@@ -3,11 +3,11 @@ block: parameters, gradients and optimizer state sharded over the ranks; ``runti
 
 FSDP: bf16 parameters with fp32 gradient reduction when the run trains in bf16 (fp16 likewise), full
 precision otherwise; ``runtime.fsdp_cpu_offload`` keeps the sharded parameters and optimizer state in
-host memory. ``torch.compile`` wraps each block before it is sharded (``runtime.compile_scope``: the whole model
-instead). The blocks are sharded in units of ``runtime.fsdp_unit_blocks`` (auto: the whole model one unit up to
-1B parameters, else one block a unit), and the last unit stays gathered after its forward (the backward needs it
-first). A sharded model's checkpoint state is a ``torch.distributed.checkpoint`` (DCP) state: every rank writes its
-own shards (:mod:`nsa.train.state`).
+host memory. ``torch.compile`` wraps each block before it is sharded (``runtime.compile_scope``: the whole
+model instead). The blocks are sharded in units of ``runtime.fsdp_unit_blocks`` (auto: the whole model one
+unit up to 1B parameters, else one block a unit), and the last unit stays gathered after its forward (the
+backward needs it first). A sharded model's checkpoint state is a ``torch.distributed.checkpoint`` (DCP)
+state: every rank writes its own shards (:mod:`nsa.train.state`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def sharded(cfg: RunConfig, dist: D.DistInfo) -> bool:
 
 
 def shard(model: Any, cfg: RunConfig, precision: str, device_type: str) -> None:
-    """``fully_shard`` each unit of ``runtime.fsdp_unit_blocks`` blocks, then the root (embedding, final norm, head),
-    in place."""
+    """``fully_shard`` each unit of ``runtime.fsdp_unit_blocks`` blocks, then the root (embedding, final norm,
+    head), in place."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -43,22 +43,24 @@ def shard(model: Any, cfg: RunConfig, precision: str, device_type: str) -> None:
     for last, unit in units(model.block_list(), per_unit):
         # the last unit's parameters are gathered again at once by the backward: kept
         fully_shard(unit, **{**kw, "reshard_after_forward": kw["reshard_after_forward"] and not last})
-    # the root (embedding, final norm, head; every block when units are 0) is the backward's first unit too: kept
+    # the root (embedding, final norm, head; every block when units are 0) is the backward's first unit too:
+    # kept
     # gathered (resharding it cost a second whole-model gather a step at 125M: 5 ms of host time on 2x H200)
     fully_shard(model, **{**kw, "reshard_after_forward": False})
 
 
 def units(blocks: list[Any], per_unit: int) -> list[tuple[bool, Any]]:
     """The ``fully_shard`` units of the blocks, ``per_unit`` consecutive blocks each (a block alone, or a list
-    that FSDP2 gathers and reduce-scatters as one), with whether each is the last; none for ``per_unit`` 0 (the
-    root unit holds every block)."""
+    that FSDP2 gathers and reduce-scatters as one), with whether each is the last; none for ``per_unit`` 0
+    (the root unit holds every block)."""
     if per_unit <= 0:
         return []
     groups = [blocks[i:i + per_unit] for i in range(0, len(blocks), per_unit)]
     return [(j == len(groups) - 1, g[0] if len(g) == 1 else g) for j, g in enumerate(groups)]
 
 
-def wrap(model: Any, cfg: RunConfig, dist: D.DistInfo, precision: str, device_type: str, compiled: bool) -> Any:
+def wrap(model: Any, cfg: RunConfig, dist: D.DistInfo, precision: str, device_type: str,
+         compiled: bool) -> Any:
     """The module the training step calls: sharded (FSDP) or replicated (DDP), then compiled when asked.
 
     DDP is compiled from the outside (``torch.compile(DDP(model))``, as PyTorch advises): Dynamo's DDP
@@ -67,7 +69,8 @@ def wrap(model: Any, cfg: RunConfig, dist: D.DistInfo, precision: str, device_ty
     per_block = compiled and cfg.runtime.compiles_blocks(sharded(cfg, dist))
     if compiled:
         # a fresh compile per training session: graphs left by an earlier session of this process (a length
-        # curriculum's short phase) would make this one's new sizes symbolic ("automatic dynamic"), which broke
+        # curriculum's short phase) would make this one's new sizes symbolic ("automatic dynamic"), which
+        # broke
         # Inductor on the NSA operator (an AssertionError at the 8k phase of `nsa bench quality` curricula)
         torch._dynamo.reset()
     mode = cfg.torch_compile_mode(dist.world_size)
@@ -104,8 +107,9 @@ def gradient_sync(train_model: Any, model: Any, enabled: bool) -> Iterator[None]
 
 
 def grad_shards(params: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """This rank's gradient shards as plain tensors (views: scaling them scales the gradients) when the parameters
-    are FSDP2's DTensors, else None. Every element of a sharded gradient lives on exactly one rank."""
+    """This rank's gradient shards as plain tensors (views: scaling them scales the gradients) when the
+    parameters are FSDP2's DTensors, else None. Every element of a sharded gradient lives on exactly one
+    rank."""
     from torch.distributed.tensor import DTensor
 
     if not any_dtensor(params):
@@ -121,10 +125,10 @@ def any_dtensor(params: Sequence[torch.Tensor]) -> bool:
 
 
 class ShardAdamW(torch.optim.AdamW):
-    """AdamW whose update runs on this rank's shards of FSDP2's DTensor parameters, gradients and moments as plain
-    tensors: AdamW is elementwise, so the arithmetic is the same, and the fused kernel launches without DTensor's
-    dispatch (m7c-125m on 2x H200: 6.2 ms of host time a step against 1.0 for DDP's whole tensors). The state
-    stays DTensors, so checkpoints (DCP) are unchanged."""
+    """AdamW whose update runs on this rank's shards of FSDP2's DTensor parameters, gradients and moments as
+    plain tensors: AdamW is elementwise, so the arithmetic is the same, and the fused kernel launches without
+    DTensor's dispatch (m7c-125m on 2x H200: 6.2 ms of host time a step against 1.0 for DDP's whole tensors).
+    The state stays DTensors, so checkpoints (DCP) are unchanged."""
 
     def _init_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
                     *lists_and_steps: Any) -> Any:
@@ -150,11 +154,13 @@ def sum_of_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Te
 
 @torch.no_grad()
 def clip_shards(shards: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
-    """``clip_grad_norm_``'s scaling of the gradient shards by the whole gradient's norm (a device tensor: no sync).
+    """``clip_grad_norm_``'s scaling of the gradient shards by the whole gradient's norm (a device tensor: no
+    sync).
 
-    The norm's squares ride the step's one all-reduce (:class:`nsa.train.step.Stepper`), where ``clip_grad_norm_`` over
-    DTensors would all-reduce it on its own and dispatch through DTensor's sharding propagation (host time on meta
-    tensors, m7c-125m, 2 ranks: 4.9 ms against 4.2 here; `scripts/fsdp_host_overhead.py`)."""
+    The norm's squares ride the step's one all-reduce (:class:`nsa.train.step.Stepper`), where
+    ``clip_grad_norm_`` over DTensors would all-reduce it on its own and dispatch through DTensor's sharding
+    propagation (host time on meta tensors, m7c-125m, 2 ranks: 4.9 ms against 4.2 here;
+    `scripts/fsdp_host_overhead.py`)."""
     if shards:
         torch._foreach_mul_(shards, (max_norm / (total_norm + 1e-6)).clamp(max=1.0))
 
@@ -183,7 +189,8 @@ class ShardedState:
 class WholeIntoShards:
     """A sharded model's ``model`` or (with ``optimizer``) ``optimizer`` component in the whole form of an
     unsharded checkpoint: loading gives every rank the whole state and each keeps its shards
-    (``set_*_state_dict(full_state_dict=True)``); ``state_dict`` gathers the whole state back (a collective)."""
+    (``set_*_state_dict(full_state_dict=True)``); ``state_dict`` gathers the whole state back (a
+    collective)."""
 
     def __init__(self, model: Any, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model, self.optimizer = model, optimizer
@@ -198,7 +205,8 @@ class WholeIntoShards:
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if self.optimizer is None:
             return get_model_state_dict(self.model, options=full)
-        return by_number(self.model, self.optimizer, get_optimizer_state_dict(self.model, self.optimizer, options=full))
+        return by_number(self.model, self.optimizer,
+                         get_optimizer_state_dict(self.model, self.optimizer, options=full))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -230,7 +238,8 @@ def by_name(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any])
     numbers = [i for g in state["param_groups"] for i in g["params"]]
     name_of = dict(zip(numbers, _numbering(model, optimizer, len(numbers)), strict=True))
     return {"state": {name_of[i]: v for i, v in state["state"].items()},
-            "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in state["param_groups"]]}
+            "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]}
+                             for g in state["param_groups"]]}
 
 
 def by_number(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -238,7 +247,8 @@ def by_number(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any
     names = [n for g in state["param_groups"] for n in g["params"]]
     number_of = {n: i for i, n in enumerate(_numbering(model, optimizer, len(names)))}
     return {"state": {number_of[n]: v for n, v in state["state"].items()},
-            "param_groups": [{**g, "params": [number_of[n] for n in g["params"]]} for g in state["param_groups"]]}
+            "param_groups": [{**g, "params": [number_of[n] for n in g["params"]]}
+                             for g in state["param_groups"]]}
 
 
 def load_views(model: Any, optimizer: torch.optim.Optimizer, *, run_sharded: bool,

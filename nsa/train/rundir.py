@@ -71,7 +71,8 @@ def halt_request(run_dir: Path, settle_s: float = 0.25) -> tuple[str, str | None
     if record is None:
         return None
     rule = record.get("rule")
-    return (str(record.get("reason") or "").strip()[:500] or "halt file"), (rule if isinstance(rule, str) else None)
+    return (str(record.get("reason") or "").strip()[:500] or "halt file"), (rule if isinstance(rule, str)
+                                                                            else None)
 
 
 def archive_stale_halt(files: RunDir) -> Path | None:
@@ -114,7 +115,8 @@ def write_anomaly(files: RunDir, step: int, record: Anomaly) -> Path:
 
 def export_model(files: RunDir, model: Any, resolved: ResolvedConfig, tokenizer: Any,
                  full_state: dict[str, Any] | None = None, step: int | None = None) -> Path:
-    """``export/``: ``model.safetensors`` (shared tensors stored once), ``config.yaml``, ``tokenizer.json`` and
+    """``export/``: ``model.safetensors`` (shared tensors stored once), ``config.yaml``, ``tokenizer.json``
+    and
     ``export.json`` (the step and the weights' SHA-256, which ``nsa eval`` records with its results).
 
     ``full_state``: the whole model's weights gathered from a sharded model; they are loaded into a fresh

@@ -93,7 +93,8 @@ def check_training_config(cfg: RunConfig) -> None:
         raise ConfigError(
             f"data.loss_on=answers needs a task with answers (data.source={data.source}, "
             f"data.synthetic_task={data.synthetic_task})",
-            hint="use data.source=synthetic with data.synthetic_task=needle, mqar or assoc_recall, or data.loss_on=all",
+            hint="use data.source=synthetic with data.synthetic_task=needle, mqar or assoc_recall, or "
+                 "data.loss_on=all",
         )
 
 
@@ -105,15 +106,17 @@ def long_run_warnings(cfg: RunConfig) -> list[str]:
     tr, ck, out = cfg.train, cfg.checkpoint, []
     long = tr.steps >= LONG_RUN_STEPS
     if long and (ck.every == 0 or ck.every >= tr.steps):
-        out.append(f"checkpoint.every={ck.every}: no periodic checkpoint in a {tr.steps}-step run, so a crash "
-                   f"loses everything since the start (set e.g. checkpoint.every={max(100, tr.steps // 20)})")
+        out.append(f"checkpoint.every={ck.every}: no periodic checkpoint in a {tr.steps}-step run, so a "
+                   "crash loses everything since the start (set e.g. "
+                   f"checkpoint.every={max(100, tr.steps // 20)})")
     if long and cfg.eval.every == 0:
         out.append(f"eval.every=0: no held-out loss over {tr.steps} steps (set e.g. eval.every="
                    f"{max(100, tr.steps // 20)})")
     if long and cfg.logging.every > tr.steps // 20:
         out.append(f"logging.every={cfg.logging.every}: fewer than 20 progress points over {tr.steps} steps")
     if ck.keep_last < 2 and ck.every > 0:
-        out.append("checkpoint.keep_last=1: a corrupted newest checkpoint leaves none to fall back to (keep 2 or more)")
+        out.append("checkpoint.keep_last=1: a corrupted newest checkpoint leaves none to fall back to (keep "
+                   "2 or more)")
     if cfg.data.synthetic_on_fail and cfg.data.source != "synthetic":
         out.append(f"data.synthetic_on_fail=true: an outage of data.source={cfg.data.source} would train on "
                    "synthetic tokens (loudly recorded, but the run goes on)")
@@ -136,7 +139,8 @@ def apply_alloc_conf(cfg: RunConfig) -> str | None:
         return (f"runtime.alloc_conf={want!r} not applied: CUDA was initialised before the trainer "
                 "(set PYTORCH_CUDA_ALLOC_CONF before starting Python)")
     if have is not None and have != want:
-        return f"runtime.alloc_conf={want!r} not applied: PYTORCH_CUDA_ALLOC_CONF={have!r} is set in the environment"
+        return (f"runtime.alloc_conf={want!r} not applied: PYTORCH_CUDA_ALLOC_CONF={have!r} is set in the "
+                "environment")
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = want
     return None
 
@@ -192,13 +196,15 @@ def rng_state() -> dict[str, Any]:
 def _numpy_state() -> dict[str, Any]:
     """NumPy's legacy generator state as plain values (loadable with ``weights_only=True``)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-    return {"name": name, "keys": np.asarray(keys).tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+    return {"name": name, "keys": np.asarray(keys).tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+            "cached": float(cached)}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     n = state["numpy"]
-    np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached"]))
     torch.set_rng_state(state["torch"])
     if not torch.cuda.is_available():
         return

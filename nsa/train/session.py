@@ -130,9 +130,11 @@ class Session:
             batch = next(self.loader)
         return self.rows(batch)
 
-    def rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(inputs, labels, cu_seqlens)``: the inputs and labels at this rank's positions (all of them without
-        context parallelism), and the packed documents' boundaries of the whole batch (:meth:`documents`)."""
+    def rows(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor | None]:
+        """``(inputs, labels, cu_seqlens)``: the inputs and labels at this rank's positions (all of them
+        without context parallelism), and the packed documents' boundaries of the whole batch
+        (:meth:`documents`)."""
         cu = self.documents(batch[0])
         if self.context is None:
             return batch[0], batch[1], cu
@@ -174,7 +176,8 @@ def _lock_run_dir(plan: Plan, dist: D.DistInfo, closers: contextlib.ExitStack) -
         except RunDirError as exc:
             refused = (exc.message, exc.hint)
         except OSError as exc:
-            refused = (f"cannot write run directory {plan.run_dir}: {exc.strerror or exc}", "choose a writable --out-dir")
+            refused = (f"cannot write run directory {plan.run_dir}: {exc.strerror or exc}",
+                       "choose a writable --out-dir")
     refused = D.broadcast_object(refused, dist)
     if refused is not None:
         raise RunDirError(*refused)
@@ -192,9 +195,9 @@ def _announce(plan: Plan, dist: D.DistInfo, out: Output, archived: Path | None) 
     out.message(f"nsa train run {plan.run_name} -> {plan.run_dir} | {plan.rt.device} {plan.rt.precision} | "
                 f"{dist.world_size} rank(s){grid}", tone="headline")
     if cp > 1:
-        out.message(f"context parallelism: each sequence of {plan.cfg.train.seq_len} positions over {cp} ranks, "
-                    f"{plan.cfg.train.seq_len // cp} each (a head and a tail chunk); the selection diagnostics "
-                    "of evaluation are off")
+        out.message(f"context parallelism: each sequence of {plan.cfg.train.seq_len} positions over {cp} "
+                    f"ranks, {plan.cfg.train.seq_len // cp} each (a head and a tail chunk); the selection "
+                    "diagnostics of evaluation are off")
     out.message("resolved config (saved as config.yaml):")
     for line in rundir.config_summary(plan.resolved):
         out.message(line)
@@ -289,7 +292,8 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
 
     t_loader = time.perf_counter()
     # the ranks of one sequence read the same batches: the loaders are per data rank
-    common: dict[str, Any] = dict(seq_len=tr.seq_len, batch_size=tr.batch_size, seed=tr.seed, rank=grid.data_rank,
+    common: dict[str, Any] = dict(seq_len=tr.seq_len, batch_size=tr.batch_size, seed=tr.seed,
+                                  rank=grid.data_rank,
                   world_size=grid.data_size, device=rt.device)
     loader = build_loader(cfg.data, plan.tokenizer, split="train", **common)
     _on_close(closers, loader.close)
@@ -318,16 +322,17 @@ def _build(plan: Plan, dist: D.DistInfo, out: Output, hb: Heartbeat, device_name
                                                  ckpt_sharded=ckpt.is_sharded(path)))
         loading.load_state_dict(ckpt.load_state(path), lambda template: ckpt.load_sharded(path, template))
         if per_rank_loader.saved_by != grid.data_size:
-            out.warn(f"resumed a checkpoint of {per_rank_loader.saved_by} data rank(s) on {grid.data_size}: model, "
-                     "optimizer, schedule "
-                     "and counters exactly; each rank's data continues from the slowest saved rank's document")
+            out.warn(f"resumed a checkpoint of {per_rank_loader.saved_by} data rank(s) on {grid.data_size}: "
+                     "model, optimizer, schedule "
+                     "and counters exactly; each rank's data continues from the slowest saved rank's "
+                     "document")
 
     first_batch = next(loader)  # used by the first step, not discarded
     mask = getattr(loader, "answer_mask", None)
     if mask is not None and context is not None:
         mask = context.shard(mask, dim=0)
-    s = Session(plan=plan, dist=dist, out=out, hb=hb, signals=SignalFlags(), device_name=device_name, model=model,
-                train_model=train_model, optimizer=optimizer, scheduler=scheduler, loader=loader,
+    s = Session(plan=plan, dist=dist, out=out, hb=hb, signals=SignalFlags(), device_name=device_name,
+                model=model, train_model=train_model, optimizer=optimizer, scheduler=scheduler, loader=loader,
                 val_loader=val_loader, val_start=val_start, state=state, checkpointable=checkpointable,
                 compiled=compiled, first_batch=first_batch,
                 hooks=step_hooks(cfg, model, mask.to(rt.device) if mask is not None else None),

@@ -9,8 +9,8 @@ do not stop at once (a scheduler and torchrun may both send one).
 One request is one signal: the same signal again within :data:`SAME_REQUEST_S` seconds is a copy, not a
 second request. A signal sent to a process group reaches the trainer and its parent, and ``uv run`` forwards
 it once more (SIGTERM at once, SIGINT 200 ms later): without this, one SIGINT from a scheduler read as
-Ctrl-C twice. For the same reason the handlers stay a moment after the run ends (:meth:`SignalFlags.uninstall`),
-so a copy still on its way does not kill a process that halted cleanly.
+Ctrl-C twice. For the same reason the handlers stay a moment after the run ends
+(:meth:`SignalFlags.uninstall`), so a copy still on its way does not kill a process that halted cleanly.
 SIGUSR1: append the stacks of all threads to ``stackdump_rank{r}.txt``. The C-level signal handler
 writes the signal number to a wakeup pipe (``signal.set_wakeup_fd``) and a dumper thread formats
 ``sys._current_frames()`` under the GIL, so the dump works while the main thread is blocked inside C
@@ -69,8 +69,8 @@ class SignalFlags:
         if self._closing:  # the run is over; a copy of its last signal is no new request
             return
         if is_copy(signum, self._last, now):
-            self._say(f"{name} again within {SAME_REQUEST_S:g} s: the same request (a copy, e.g. forwarded by "
-                      f"uv run), not a second one")
+            self._say(f"{name} again within {SAME_REQUEST_S:g} s: the same request (a copy, e.g. forwarded "
+                      f"by uv run), not a second one")
             return
         self._last = (signum, now)
         if self.halt_source is not None and signum == signal.SIGINT:  # Ctrl-C twice: stop now
@@ -79,7 +79,8 @@ class SignalFlags:
                 self._say("Ctrl-C again: stopping as soon as the checkpoint being written is complete "
                           "(Ctrl-C once more drops it)")
                 return
-            self._say("Ctrl-C again: stopping now" + (", dropping the partial checkpoint" if self._critical else ""))
+            self._say("Ctrl-C again: stopping now" + (", dropping the partial "
+                                                      "checkpoint" if self._critical else ""))
             self._dropping = bool(self._critical)
             raise KeyboardInterrupt(INTERRUPTED)
         if self.halt_source is None:  # repeated SIGTERMs (scheduler + torchrun) keep the graceful halt
@@ -107,7 +108,8 @@ class SignalFlags:
         try:
             yield
         except BaseException as exc:
-            if self._dropping and not isinstance(exc, KeyboardInterrupt):  # torch.save's RuntimeError around it
+            # torch.save's RuntimeError around it
+            if self._dropping and not isinstance(exc, KeyboardInterrupt):
                 raise KeyboardInterrupt(INTERRUPTED) from None
             raise
         finally:
@@ -137,7 +139,8 @@ class SignalFlags:
             self._pipe = (r, w)
             self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
             self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-            self._dumper = threading.Thread(target=self._dump_loop, args=(r,), name="nsa-stackdump", daemon=True)
+            self._dumper = threading.Thread(target=self._dump_loop, args=(r,), name="nsa-stackdump",
+                                            daemon=True)
             self._dumper.start()
 
     def _dump_loop(self, fd: int) -> None:
@@ -160,7 +163,8 @@ class SignalFlags:
 
     def uninstall(self) -> None:
         """Restore the previous handlers, first waiting out :data:`SAME_REQUEST_S` after the last signal (a
-        copy of it still on its way is absorbed here, not by a default handler that would kill the process)."""
+        copy of it still on its way is absorbed here, not by a default handler that would kill the
+        process)."""
         self._closing = True
         if self._last is not None and self._previous:
             time.sleep(max(0.0, self._last[1] + SAME_REQUEST_S - time.monotonic()))

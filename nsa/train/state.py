@@ -127,7 +127,8 @@ class Checkpointable:
 
     def state_dict(self) -> dict[str, Any]:
         """The components that every checkpoint holds whole (on rank 0)."""
-        return {name: c.state_dict() for name, c in self.components.items() if not getattr(c, "sharded", False)}
+        return {name: c.state_dict() for name,
+                c in self.components.items() if not getattr(c, "sharded", False)}
 
     def sharded_state_dict(self) -> dict[str, Any]:
         return {name: c.state_dict() for name, c in self.components.items() if getattr(c, "sharded", False)}
@@ -137,12 +138,14 @@ class Checkpointable:
         plain = [name for name, c in self.components.items() if not getattr(c, "sharded", False)]
         missing = [name for name in plain if name not in state]
         if missing:
-            raise CheckpointError(f"checkpoint lacks {', '.join(missing)}", hint="resume from a complete checkpoint")
+            raise CheckpointError(f"checkpoint lacks {', '.join(missing)}",
+                                  hint="resume from a complete checkpoint")
         for name, c in self.components.items():
             if getattr(c, "sharded", False):
                 if load_sharded is None:
                     raise CheckpointError("this run shards its model but the checkpoint holds no shards",
-                                          hint="resume with the runtime.parallel setting the run was saved with")
+                                          hint="resume with the runtime.parallel setting the run was saved "
+                                               "with")
                 template = {name: c.state_dict()}
                 load_sharded(template)  # in place, each rank its shards
                 c.load_state_dict(template[name])

@@ -1,6 +1,7 @@
-"""One training step, the trainer's and its benchmark's (``nsa bench train`` times this code, so what it says is
-what ``nsa train`` does): forward and backward over ``train.accum`` micro-batches, the gradient norm and clipping,
-one all-reduce of everything the ranks must agree on (the step's one host sync), then the optimizer and schedule."""
+"""One training step, the trainer's and its benchmark's (``nsa bench train`` times this code, so what it says
+is what ``nsa train`` does): forward and backward over ``train.accum`` micro-batches, the gradient norm and
+clipping, one all-reduce of everything the ranks must agree on (the step's one host sync), then the optimizer
+and schedule."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class StepOutcome:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str) -> torch.optim.Optimizer:
-    """AdamW, weight decay on matrices only, fused on CUDA; on FSDP2's shards (:class:`parallel.ShardAdamW`)."""
+    """AdamW, weight decay on matrices only, fused on CUDA; on FSDP2's shards
+    (:class:`parallel.ShardAdamW`)."""
     opt = cfg.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -97,7 +99,8 @@ class Stepper:
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.cfg.optimizer.grad_clip
         dev = self.device
-        shards = parallel.grad_shards(params)  # FSDP2: this rank's shards; the norm is summed with the flags below
+        # FSDP2: this rank's shards; the norm is summed with the flags below
+        shards = parallel.grad_shards(params)
         if shards is None:  # whole gradients, identical on all ranks after DDP's all-reduce
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).float()
         else:
@@ -105,7 +108,8 @@ class Stepper:
         halt = self.halt_request()
         flags = torch.stack([
             loss_sum, (~torch.isfinite(loss_sum)).float(), (~torch.isfinite(grad_norm)).float(),
-            torch.tensor(float(halt is not None), device=dev), torch.tensor(float(self.save_requested()), device=dev),
+            torch.tensor(float(halt is not None), device=dev),
+                             torch.tensor(float(self.save_requested()), device=dev),
             grad_norm,  # DDP: the norm (the same on every rank); FSDP2: this rank's share of its square
             *self.hooks.step_sums(),
         ])

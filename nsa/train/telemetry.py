@@ -141,8 +141,8 @@ def _fmt(v: Any) -> str:
 
 
 class TensorBoard:
-    """Scalars under ``folder`` (the run's ``tb/``; rank 0). Rows after a resumed step are purged by TensorBoard
-    itself."""
+    """Scalars under ``folder`` (the run's ``tb/``; rank 0). Rows after a resumed step are purged by
+    TensorBoard itself."""
 
     def __init__(self, folder: Path, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter

@@ -104,8 +104,10 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         self._expected_world = world_size or dist.world_size
         cp = cfg.runtime.context_parallel
         if self._expected_world % cp:
-            raise ConfigError(f"runtime.context_parallel={cp} must divide the {self._expected_world} rank(s) of the run",
-                              hint=f"launch a multiple of {cp} ranks (--nproc-per-node) or lower --context-parallel")
+            raise ConfigError(f"runtime.context_parallel={cp} must divide the {self._expected_world} rank(s) "
+                              "of the run",
+                              hint=f"launch a multiple of {cp} ranks (--nproc-per-node) or lower "
+                                   "--context-parallel")
         rt = resolve_runtime(cfg, dist.local_rank)
         if rt.device_type == "cuda":
             local = local_ranks or world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -133,10 +135,10 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
                 f"'{cfg.data.tokenizer}' vocabulary ({tokenizer.vocab_size})",
                 hint=f"set model.vocab_size >= {tokenizer.vocab_size}",
             )
-        self.plan = Plan(resolved=resolved, rt=rt, run_dir=run_dir, run_name=tr.run_name or run_dir.resolve().name,
-                         resume_from=resume_from, skipped=skipped, tokenizer=tokenizer,
-                         alloc_conf_note=alloc_conf_note, init_state=init_state, init_source=init_source,
-                         init_fresh=init_fresh,
+        self.plan = Plan(resolved=resolved, rt=rt, run_dir=run_dir,
+                         run_name=tr.run_name or run_dir.resolve().name, resume_from=resume_from,
+                         skipped=skipped, tokenizer=tokenizer, alloc_conf_note=alloc_conf_note,
+                         init_state=init_state, init_source=init_source, init_fresh=init_fresh,
                          lock=run_lock)
         self.state = TrainState()  # replaced by the session's (restored) state in fit
 
@@ -166,7 +168,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         stop_at = self.cfg.train.stop_at
         if stop_at is not None and stop_at <= done:
             raise ConfigError(f"train.stop_at={stop_at} is not after the step of checkpoint {path} ({done})",
-                              hint=f"stop at a later step (up to train.steps={self.cfg.train.steps}) or unset it")
+                              hint=f"stop at a later step (up to train.steps={self.cfg.train.steps}) or "
+                                   "unset it")
 
     # ================================================================================================
     def fit(self) -> TrainResult:
@@ -190,8 +193,9 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         s.out.start(s.state.step)
         s.train_model.train()
         end = tr.stop_at or tr.steps
-        stepper = Stepper(s.cfg, s.model, s.train_model, s.optimizer, s.scheduler, s.plan.rt.autocast, s.plan.rt.device,
-                          s.dist, s.hooks, s.next_batch, halt_request=lambda: _local_halt_request(s),
+        stepper = Stepper(s.cfg, s.model, s.train_model, s.optimizer, s.scheduler, s.plan.rt.autocast,
+                          s.plan.rt.device, s.dist, s.hooks, s.next_batch,
+                          halt_request=lambda: _local_halt_request(s),
                           save_requested=lambda: s.signals.save_now)
         while s.state.step < end:
             step = s.state.step + 1
@@ -201,7 +205,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
             r = stepper.forward_backward()
             if r.bad is not None:
                 stepper.discard()  # the step is not applied
-                return self._anomaly(s, rec, step, r.bad, r.loss if r.bad == "nonfinite_loss" else r.grad_norm, r)
+                return self._anomaly(s, rec, step, r.bad,
+                                     r.loss if r.bad == "nonfinite_loss" else r.grad_norm, r)
             stepper.apply()
             s.state.step, s.state.last_loss = step, r.loss
             s.state.tokens_seen += s.tokens_per_step
@@ -231,10 +236,11 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         if s.state.step < tr.steps:  # train.stop_at: a planned pause, resumed later
             return self._stop_at(s, rec, clock)
         self._save(s, clock, "final")
-        full = parallel.full_model_state(s.model, s.dist) if s.checkpointable.is_sharded else None  # a collective
+        # a collective
+        full = parallel.full_model_state(s.model, s.dist) if s.checkpointable.is_sharded else None
         if s.dist.is_main:
-            path = rundir.export_model(s.plan.files, s.model, s.plan.resolved, s.plan.tokenizer, full_state=full,
-                                       step=s.state.step)
+            path = rundir.export_model(s.plan.files, s.model, s.plan.resolved, s.plan.tokenizer,
+                                       full_state=full, step=s.state.step)
             s.out.stop()
             s.out.message(f"exported {path}")
             if s.cfg.checkpoint.export_hf:
@@ -268,8 +274,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         s.state.last_val_loss = val_loss
         if s.state.best_val_loss is None or val_loss < s.state.best_val_loss:
             s.state.best_val_loss = val_loss
-        rec.eval_row(step, val_loss, math.exp(val_loss) if val_loss < 700 else float("inf"), time.perf_counter() - t0,
-                     selection)
+        rec.eval_row(step, val_loss, math.exp(val_loss) if val_loss < 700 else float("inf"),
+                     time.perf_counter() - t0, selection)
 
     # -- checkpoints and endings ---------------------------------------------------------------------
     def _save(self, s: Session, clock: Clock, reason: str) -> Path:
@@ -296,7 +302,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         }
         path: Path | None = None
         if s.checkpointable.is_sharded:  # every rank writes its shards
-            path = ckpt.save_sharded_checkpoint(s.plan.run_dir, s.state.step, state if s.dist.is_main else None,
+            path = ckpt.save_sharded_checkpoint(s.plan.run_dir, s.state.step,
+                                                state if s.dist.is_main else None,
                                                 s.checkpointable.sharded_state_dict(), extra, s.dist)
         elif s.dist.is_main:
             path = ckpt.save_checkpoint(s.plan.run_dir, s.state.step, state, extra)
@@ -324,7 +331,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         """``train.stop_at`` reached: a checkpoint, and the run ends halted so a resume goes on from it."""
         step = s.state.step
         path = self._save(s, clock, "stop_at")
-        s.hb.emit("halt", step, reason=f"train.stop_at={step}", source="stop_at", checkpoint=str(path), rule=None)
+        s.hb.emit("halt", step, reason=f"train.stop_at={step}", source="stop_at", checkpoint=str(path),
+                  rule=None)
         s.out.stop()
         s.out.message(f"stopped at step {step} of {s.cfg.train.steps} (train.stop_at); checkpoint {path}; "
                       f"resume to go on")
@@ -332,12 +340,14 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         result.halted_by = "stop_at"
         return result
 
-    def _anomaly(self, s: Session, rec: Recorder, step: int, kind: str, value: float, r: StepOutcome) -> TrainResult:
+    def _anomaly(self, s: Session, rec: Recorder, step: int, kind: str, value: float,
+                 r: StepOutcome) -> TrainResult:
         last_good, _ = newest_verified(s.plan.run_dir)
         record_path = s.plan.files.anomaly(step)
         if s.dist.is_main:
             record: Anomaly = {
-                "step": step, "kind": kind, "value": repr(value), "loss": repr(r.loss), "grad_norm": repr(r.grad_norm),
+                "step": step, "kind": kind, "value": repr(value), "loss": repr(r.loss),
+                               "grad_norm": repr(r.grad_norm),
                 "lr": s.optimizer.param_groups[0]["lr"], "time": time.time(), "applied": False,
                 "last_good_checkpoint": str(last_good) if last_good else None,
                 "fault_injected": self.step_hook is not None,  # a test's hook ran (real runs have none)
@@ -348,8 +358,8 @@ or torchrun's ``LOCAL_WORLD_SIZE``). ``step_hook(step)`` runs at the end of ever
         s.hb.emit("halt", step - 1, reason=f"{kind} at step {step}", source="anomaly",
                   checkpoint=str(last_good) if last_good else None, rule=None)
         s.out.stop()
-        s.out.message(f"anomaly {kind} at step {step} (value {value}); step not applied; record {record_path}; "
-                      f"last good checkpoint {last_good}", tone="bad")
+        s.out.message(f"anomaly {kind} at step {step} (value {value}); step not applied; record "
+                      f"{record_path}; last good checkpoint {last_good}", tone="bad")
         return self._finish(s, rec, "failed", f"{kind} at step {step}")
 
     def _finish(self, s: Session, rec: Recorder, status: Status, error: str | None) -> TrainResult:
@@ -375,10 +385,13 @@ def check_same_model(mine: dict[str, Any], saved: dict[str, Any], path: Path) ->
         if theirs is None or theirs == mine[section]:
             continue
         diff = sorted(k for k in mine[section] if theirs.get(k) != mine[section][k])
-        sets = " ".join(f"--set {section}.{k}={json.dumps(theirs.get(k), separators=(',', ':'))}" for k in diff)
+        sets = " ".join("--set "
+                        f"{section}.{k}={json.dumps(theirs.get(k), separators=(',', ':'))}" for k in diff)
         raise CheckpointError(
-            f"checkpoint {path} has a different '{section}' section ({', '.join(f'{section}.{k}' for k in diff)})",
-            hint=f"resume with the config the run was started with (see its config.yaml): {sets}",
+            f"checkpoint {path} has a different '{section}' section "
+            f"({', '.join(f'{section}.{k}' for k in diff)})",
+                              hint="resume with the config the run was started with (see its config.yaml): "
+                                   f"{sets}",
         )
 
 

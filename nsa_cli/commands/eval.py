@@ -45,17 +45,19 @@ def _floats(text: str, flag: str) -> list[float]:
     try:
         out = [float(p) for p in text.replace(" ", "").split(",") if p]
     except ValueError:
-        raise fail(f"{flag} {text!r} must be comma-separated numbers", hint="e.g. 0,0.25,0.5,0.75,1") from None
+        raise fail(f"{flag} {text!r} must be comma-separated numbers",
+                   hint="e.g. 0,0.25,0.5,0.75,1") from None
     if not out:
         raise fail(f"{flag} {text!r} lists nothing", hint="e.g. 0,0.5,1")
     return out
 
 
-Contexts = Annotated[str | None, typer.Option("--contexts", help="Comma-separated context lengths (4k = 4096); "
-                                              "default the run's train.seq_len.")]
+Contexts = Annotated[str | None, typer.Option("--contexts", help="Comma-separated context lengths (4k = "
+                                              "4096); default the run's train.seq_len.")]
 Depths = Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1] (0 = first token).")]
-Samples = Annotated[int | None, typer.Option("--samples", min=1, help="Episodes per cell (needle 32, mqar 32, "
-                                             "ruler 16) or val sequences per context (loss 16, selection 8).")]
+Samples = Annotated[int | None, typer.Option("--samples", min=1, help="Episodes per cell (needle 32, mqar "
+                                             "32, ruler 16) or val sequences per context (loss 16, selection "
+                                             "8).")]
 Queries = Annotated[int | None, typer.Option("--queries", min=1, help="MQAR keys asked (default: --pairs); "
                                              "selection: query positions per layer (default 64).")]
 Haystack = Annotated[str, typer.Option("--haystack", help="random (uniform filler; ruler: RULER's noise "
@@ -93,8 +95,8 @@ def eval_cmd(
         from nsa.eval.view import evaluate
 
         spec = EvalSpec(task, options.ints(contexts, "--contexts", "4096,16384 or 4k,16k", kilo=True),
-                        _floats(depths, "--depths") if task == "needle" else [], samples, pairs, queries, haystack,
-                        seed, batch_size, device)
+                        _floats(depths, "--depths") if task == "needle" else [], samples, pairs, queries,
+                        haystack, seed, batch_size, device)
         if ruler_tasks is not None:
             spec.ruler_tasks = [t for t in ruler_tasks.replace(" ", "").split(",") if t]
         json_file = None if json_out is None or str(json_out) == "-" else json_out

@@ -33,7 +33,9 @@ whose files are not on this machine).
 def export(
     path: Annotated[Path, options.run_dir("Run directory, its export/ folder, a checkpoint folder or file.")],
     out: Annotated[Path, typer.Argument(help="Folder to write (created; must be empty unless --overwrite).")],
-    fmt: Annotated[str, typer.Option("--format", help=f"Output format: {', '.join(FORMATS)} (Hugging Face).")] = "hf",
+    fmt: Annotated[str,
+                   typer.Option("--format",
+                                help=f"Output format: {', '.join(FORMATS)} (Hugging Face).")] = "hf",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier export at OUT.")] = False,
     as_json: Annotated[bool, options.json_flag("what was written")] = False,
 ) -> None:

@@ -38,7 +38,8 @@ from typing import Any
 from nsa.data.split import is_val
 from nsa.errors import DataError
 
-SUFFIXES = (".py", ".pyi", ".pyx", ".pxd", ".md", ".rst", ".txt", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh")
+SUFFIXES = (".py", ".pyi", ".pyx", ".pxd", ".md", ".rst", ".txt", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu",
+            ".cuh")
 DATA_PATH = "text"  # the shards' folder inside OUT: what data.path points at
 SIZE_HINT = "install more packages into the environment, add --path folders, or pass a smaller --min-mb"
 
@@ -99,7 +100,8 @@ def iter_package_files(
     over ``max_line`` characters (generated tables, minified data).
     """
     wanted = {s.lower() for s in suffixes}
-    found = importlib.metadata.distributions() if paths is None else importlib.metadata.distributions(path=paths)
+    found = (importlib.metadata.distributions() if paths is None
+             else importlib.metadata.distributions(path=paths))
     dists: list[tuple[str, str, str, importlib.metadata.Distribution]] = []
     for dist in found:
         name = dist.metadata["Name"]
@@ -176,10 +178,11 @@ def build_corpus(
     out = Path(out)
     _check_out(out)
     if not 0 <= val_fraction < 1:
-        raise DataError(f"val_fraction={val_fraction} is outside [0, 1)", hint="e.g. 0.02, as data.val_fraction")
+        raise DataError(f"val_fraction={val_fraction} is outside [0, 1)",
+                        hint="e.g. 0.02, as data.val_fraction")
     if max_total_bytes is not None and max_total_bytes < min_total_bytes:
-        raise DataError(f"the maximum ({max_total_bytes:,} bytes) is below the minimum ({min_total_bytes:,} bytes)",
-                        hint="raise --max-mb or lower --min-mb")
+        raise DataError(f"the maximum ({max_total_bytes:,} bytes) is below the minimum ({min_total_bytes:,} "
+                        "bytes)", hint="raise --max-mb or lower --min-mb")
     docs: list[tuple[CorpusFile, int]] = []
     seen: set[bytes] = set()
     duplicates = 0
@@ -255,8 +258,10 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m nsa.data.corpus.packages",
         description="Build a JSONL text corpus from the files of the installed Python distributions.",
     )
-    parser.add_argument("out", type=Path, metavar="OUT", help="new (or empty) folder for text/ and manifest.json")
-    parser.add_argument("--min-mb", type=float, default=300.0, help="fail below this many MB of text (default 300)")
+    parser.add_argument("out", type=Path, metavar="OUT",
+                        help="new (or empty) folder for text/ and manifest.json")
+    parser.add_argument("--min-mb", type=float, default=300.0,
+                        help="fail below this many MB of text (default 300)")
     parser.add_argument("--max-mb", type=float, default=None, help="stop at this many MB of text")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
     parser.add_argument("--val-fraction", type=float, default=0.02,
@@ -282,9 +287,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{p['name']}=={p['version']}: {p['files']:,} files, {p['bytes'] / 1e6:.1f} MB")
     held = manifest["held_out"]
     print(
-        f"{args.out}: {manifest['files']:,} files, {manifest['bytes'] / 1e6:.1f} MB in {len(manifest['shards'])} "
-        f"shard(s) from {len(manifest['packages'])} packages; held out {held['files']:,} files, "
-        f"{held['bytes'] / 1e6:.1f} MB (val_fraction {manifest['val_fraction']:g}); "
+        f"{args.out}: {manifest['files']:,} files, {manifest['bytes'] / 1e6:.1f} MB in "
+        f"{len(manifest['shards'])} shard(s) from {len(manifest['packages'])} packages; held out "
+        f"{held['files']:,} files, {held['bytes'] / 1e6:.1f} MB (val_fraction {manifest['val_fraction']:g}); "
         f"{manifest['duplicates_dropped']:,} duplicates dropped; {seconds:.1f}s"
     )
 

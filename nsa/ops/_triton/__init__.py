@@ -80,27 +80,32 @@ class TileConfig:
 TILE_KINDS = ("cmp", "cmpdq", "cmpdkdv", "win", "windq", "windkdv", "sel", "seldq", "seldkdv", "score")
 TUNE_KEYS = frozenset(
     [f"{k}_{x}" for k in TILE_KINDS for x in ("bm", "bn", "warps", "stages")]
-    + ["sel_mode", "sel_dq", "sel_ch", "selbwd_ch", "sel_partial_mib", "sel_wl", "rot_launch", "cmp_copy", "cmp_bwd_mib", "o3_slots", "sel_tma", "cmp_qch", "score_prec", "score_slab", "score_reshape", "score_pad", "topn_elems", "topn_warps", "dec_waves", "dec_cmp_min_tiles",
+    + ["sel_mode", "sel_dq", "sel_ch", "selbwd_ch", "sel_partial_mib", "sel_wl", "rot_launch", "cmp_copy",
+       "cmp_bwd_mib", "o3_slots", "sel_tma", "cmp_qch", "score_prec", "score_slab", "score_reshape",
+       "score_pad", "topn_elems", "topn_warps", "dec_waves", "dec_cmp_min_tiles",
        "dec_win_min_tiles", "dec_part_prec", "dec_cmp_warps", "dec_cmp_stages", "dec_score_cols",
        "dec_rank_block", "dec_score_warps", "dec_sel_min_tiles", "dec_sel_warps", "dec_sel_stages",
        "dec_combine_cols", "dec_combine_warps"]
 )
-# the process's overrides, not a context variable's: the backward of CUDA tensors runs in autograd's device thread,
-# which a context variable does not reach (a selected-branch order chosen by an override in the forward and the
+# the process's overrides, not a context variable's: the backward of CUDA tensors runs in autograd's device
+# thread,
+# which a context variable does not reach (a selected-branch order chosen by an override in the forward and
+# the
 # default one in the backward's trace failed to compile)
 _OVERRIDES: list[Mapping[str, int | str]] = [MappingProxyType({})]
 
 
 @contextlib.contextmanager
 def tile_overrides(overrides: Mapping[str, int | str] | None) -> Iterator[None]:
-    """Kernel block shapes for the calls inside this block, in every thread of the process (the backward runs in
-    autograd's threads), restored at its end (tuning sweeps).
+    """Kernel block shapes for the calls inside this block, in every thread of the process (the backward runs
+    in autograd's threads), restored at its end (tuning sweeps).
 
     Keys are :data:`TUNE_KEYS` (``{"sel_bm": 16, "dec_waves": 3}``); an unknown key is a ``ValueError``."""
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - TUNE_KEYS)
     if unknown:
-        raise ValueError(f"unknown tile override {', '.join(unknown)}: choose from {', '.join(sorted(TUNE_KEYS))}")
+        raise ValueError(f"unknown tile override {', '.join(unknown)}: choose from "
+                         f"{', '.join(sorted(TUNE_KEYS))}")
     before = _OVERRIDES[0]
     _OVERRIDES[0] = MappingProxyType({**before, **overrides})
     try:
@@ -111,8 +116,8 @@ def tile_overrides(overrides: Mapping[str, int | str] | None) -> Iterator[None]:
 
 @_constant_under_compile
 def tuned(key: str, default: int | str) -> int | str:
-    """The override of ``key`` in the current :func:`tile_overrides` block, else ``default``; a constant of the
-    graph under ``torch.compile`` (Dynamo reads it once, at tracing: inside the compressed branch's
+    """The override of ``key`` in the current :func:`tile_overrides` block, else ``default``; a constant of
+    the graph under ``torch.compile`` (Dynamo reads it once, at tracing: inside the compressed branch's
     ``autograd.Function`` it could not trace the lookup)."""
     return _OVERRIDES[0].get(key, default)
 
@@ -123,7 +128,8 @@ def is_tuned(key: str) -> bool:
 
 
 def tile_config(device: torch.device, h: int, dk: int, dv: int, kind: str) -> TileConfig:
-    """Heuristic block shapes (GPU) or small ones (the CPU interpreter); ``kind`` one of :data:`TILE_KINDS`."""
+    """Heuristic block shapes (GPU) or small ones (the CPU interpreter); ``kind`` one of
+    :data:`TILE_KINDS`."""
     if device.type != "cuda":
         return TileConfig(bm=max(16, next_pow2(h)), bn=16, num_warps=4, num_stages=1)
     dmax = max(next_pow2(dk), next_pow2(dv))

@@ -6,8 +6,9 @@ rows of a tile) and splits long key ranges over several programs (split-KV), so 
 fills the GPU:
 
 1. ``_cmp_win_kernel``: the compressed branch over the visible compressed tokens and the sliding
-   window (queried with ``q_win``'s rows when given), as split partials (running max, sum, weighted values; log2 domain). Each compressed tile
-   also turns its probabilities into *block partials*: ``p @ W`` with the tile's overlap weights
+   window (queried with ``q_win``'s rows when given), as split partials (running max, sum, weighted values;
+   log2 domain). Each compressed tile also turns its probabilities into *block partials*: ``p @ W`` with the
+   tile's overlap weights
    ``W[j, b] = overlap(j, b) / l`` (block-aligned tiles, so one ``W`` serves every tile), stored per
    head relative to the tile's running max; the part that spills into the next tile's first blocks
    is stored apart. No ``[h, N_c]`` score matrix is written.
@@ -38,7 +39,8 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _online_update(q, k, v, valid, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
-    """One key tile of online softmax in the log2 domain; returns the new state and the tile's probabilities."""
+    """One key tile of online softmax in the log2 domain; returns the new state and the tile's
+    probabilities."""
     s = (tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2).to(tl.float32)
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -57,7 +59,8 @@ def _visible_cmp(t, L: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _group_queries(Q, b, g, sqb, sqh, HG: tl.constexpr, HP: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr):
+def _group_queries(Q, b, g, sqb, sqh, HG: tl.constexpr, HP: tl.constexpr, DK: tl.constexpr,
+                   BDK: tl.constexpr):
     """The ``HG`` query heads of KV group ``g`` of sequence ``b`` as the rows of a ``[HP, BDK]`` tile."""
     r = tl.arange(0, HP)
     ck = tl.arange(0, BDK)
@@ -80,7 +83,8 @@ def _cmp_win_kernel(
     sqb, sqh, sqwb, sqwh, skcb, skch, skcs, svcb, svch, svcs, skwb, skwh, skws, svwb, svwh, svws,
     C, R, NB, scale_log2,
     H: tl.constexpr, HG: tl.constexpr, HP: tl.constexpr, NS_C: tl.constexpr, NS_W: tl.constexpr,
-    NT_C: tl.constexpr, NT_W: tl.constexpr, L: tl.constexpr, D: tl.constexpr, LSEL: tl.constexpr, W: tl.constexpr,
+    NT_C: tl.constexpr, NT_W: tl.constexpr, L: tl.constexpr, D: tl.constexpr, LSEL: tl.constexpr,
+                    W: tl.constexpr,
     NBT: tl.constexpr, NBT2: tl.constexpr, X: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BC: tl.constexpr,
     PREC: tl.constexpr, PREC_W: tl.constexpr,
@@ -298,7 +302,8 @@ def _sel_kernel(
 @triton.jit
 def _merge(M_IN, L_IN, A_IN, bh, hr, c, c_ok, NS: tl.constexpr, S0: tl.constexpr, SN: tl.constexpr,
            NSP: tl.constexpr, HG: tl.constexpr, DV: tl.constexpr):
-    """Normalised output of splits ``S0 .. S0+SN-1`` (of ``NS`` per group) for head row ``hr``, columns ``c``."""
+    """Normalised output of splits ``S0 .. S0+SN-1`` (of ``NS`` per group) for head row ``hr``, columns
+    ``c``."""
     sp = tl.arange(0, NSP)
     row = (bh * NS + S0 + sp) * HG + hr
     ok = sp < SN
@@ -428,13 +433,15 @@ def nsa_decode_triton(
     scale_log2 = scale * LOG2E
     _cmp_win_kernel[(ns1, G)](
         qc, qw, k_cmp, v_cmp, k_win, v_win, t, m1, l1, a1, part, spill, mt,
-        qc.stride(0), qc.stride(1), qw.stride(0), qw.stride(1), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+        qc.stride(0), qc.stride(1), qw.stride(0), qw.stride(1), k_cmp.stride(0), k_cmp.stride(1),
+                              k_cmp.stride(2),
         v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
         v_win.stride(0), v_win.stride(1), v_win.stride(2),
         C, R, NB, scale_log2,
         H=H, HG=h, HP=HP, NS_C=ns_c, NS_W=ns_w, NT_C=NT_C, NT_W=NT_W, L=l, D=d, LSEL=l_sel, W=w,
         NBT=NBT, NBT2=NBT2, X=X, DK=Dk, DV=Dv, BDK=BDK, BDV=BDV, BC=BC, PREC=prec,
-        PREC_W=str(tuned("dec_part_prec", "tf32x3")) if cuda else "ieee", num_warps=int(tuned("dec_cmp_warps", 4)),
+        PREC_W=str(tuned("dec_part_prec", "tf32x3")) if cuda else "ieee",
+                              num_warps=int(tuned("dec_cmp_warps", 4)),
         num_stages=int(tuned("dec_cmp_stages", 3 if BDK <= 64 else 2)) if cuda else 1,
     )
     block_idx = torch.empty(B, H, n_sel, dtype=torch.int32, device=dev)

@@ -29,8 +29,8 @@ def _program_rows(S, N, origin, HQ: tl.constexpr, DD: tl.constexpr, BR: tl.const
 
 @triton.jit
 def _to_virtual_kernel(X, M, Y, OV, DG, sxb, sxs, sxh, smb, sms, smh, sob, soh, son, S, N, origin,
-                       HQ: tl.constexpr, DD: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                       MUL: tl.constexpr, DOT: tl.constexpr):
+                       HQ: tl.constexpr, DD: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                       BR: tl.constexpr, MUL: tl.constexpr, DOT: tl.constexpr):
     row, b, hq, n, t, ok = _program_rows(S, N, origin, HQ, DD, BR)
     c = tl.arange(0, BD)
     x = tl.load(X + b * sxb + t[:, None] * sxs + hq * sxh + c[None, :], mask=ok[:, None] & (c[None, :] < D),
@@ -82,7 +82,8 @@ def to_virtual(x: torch.Tensor, mul: torch.Tensor | None, d: int, origin: int, N
 
 
 def to_rows(y: torch.Tensor, x: torch.Tensor, d: int, origin: int) -> None:
-    """Write ``y [B, HQ*d, N, D]`` into the rows of ``x [B, S, HQ, D]`` (``D`` contiguous) its virtual rows hold."""
+    """Write ``y [B, HQ*d, N, D]`` into the rows of ``x [B, S, HQ, D]`` (``D`` contiguous) its virtual rows
+    hold."""
     B, S, HQ, D = x.shape
     N = y.shape[2]
     if y.numel() == 0:

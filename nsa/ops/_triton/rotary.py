@@ -1,11 +1,11 @@
-"""Column ranges of a projection ``[rows, N]`` moved to or from tensors of their own, rotated (RoPE, rotate-half
-layout, per head of ``D`` columns) or copied, by Triton (:mod:`nsa.ops.rotary`).
+"""Column ranges of a projection ``[rows, N]`` moved to or from tensors of their own, rotated (RoPE,
+rotate-half layout, per head of ``D`` columns) or copied, by Triton (:mod:`nsa.ops.rotary`).
 
-:func:`move` moves one range, :func:`move_parts` every part of a split in one launch (the parts' tensors given as
-a tuple; a program's tile says which part it serves), so a layer's split and its backward cost one launch each
-instead of one per part. A program moves ``BR`` rows of one head (rotated: the two halves of each head, the angle
-table read once per row) or of ``BC`` columns (copied). ``SIGN = -1`` rotates by minus the angle: the backward of
-a rotation."""
+:func:`move` moves one range, :func:`move_parts` every part of a split in one launch (the parts' tensors given
+as a tuple; a program's tile says which part it serves), so a layer's split and its backward cost one launch
+each instead of one per part. A program moves ``BR`` rows of one head (rotated: the two halves of each head,
+the angle table read once per row) or of ``BC`` columns (copied). ``SIGN = -1`` rotates by minus the angle:
+the backward of a rotation."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ def _copy_kernel(SRC, DST, s_src, s_dst, rows, width, BR: tl.constexpr, BC: tl.c
 
 @triton.jit
 def _parts_kernel(SRCS, DSTS, S_SRC, S_DST, COS, SIN, rows, S, cos_batch,
-                  TSTART: tl.constexpr, ROT: tl.constexpr, ZERO: tl.constexpr, WID: tl.constexpr, NP: tl.constexpr,
-                  HALF: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, SIGN: tl.constexpr):
+                  TSTART: tl.constexpr, ROT: tl.constexpr, ZERO: tl.constexpr, WID: tl.constexpr,
+                  NP: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+                  SIGN: tl.constexpr):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     t = tl.program_id(1)
     r64 = r.to(tl.int64)
@@ -82,8 +83,8 @@ def _parts_kernel(SRCS, DSTS, S_SRC, S_DST, COS, SIN, rows, S, cos_batch,
                     tl.store(dst, x.to(DSTS[i].dtype.element_ty), mask=ok)
 
 
-def move_parts(srcs: list[torch.Tensor | None], dsts: list[torch.Tensor], rotate: list[bool], cos: torch.Tensor,
-               sin: torch.Tensor, S: int, head_dim: int, sign: int = 1) -> None:
+def move_parts(srcs: list[torch.Tensor | None], dsts: list[torch.Tensor], rotate: list[bool],
+               cos: torch.Tensor, sin: torch.Tensor, S: int, head_dim: int, sign: int = 1) -> None:
     """:func:`move` for every part at once (one launch): ``dsts[i] = rotate(srcs[i])`` or a copy, zeros where
     ``srcs[i]`` is None. Each ``[rows, width_i]`` with contiguous columns (any row stride)."""
     rows = dsts[0].shape[0]
@@ -98,18 +99,21 @@ def move_parts(srcs: list[torch.Tensor | None], dsts: list[torch.Tensor], rotate
         starts.append(starts[-1] + n)
     src = [d if x is None else x for x, d in zip(srcs, dsts, strict=True)]  # a zero part reads nothing
     _parts_kernel[(triton.cdiv(rows, br), starts[-1])](
-        tuple(src), tuple(dsts), tuple(x.stride(0) for x in src), tuple(d.stride(0) for d in dsts), cos, sin, rows,
+        tuple(src), tuple(dsts), tuple(x.stride(0) for x in src), tuple(d.stride(0) for d in dsts), cos, sin,
+                                                       rows,
         S, S if cos.shape[0] > 1 else 0, TSTART=tuple(starts), ROT=tuple(bool(x) for x in rotate),
         ZERO=tuple(x is None for x in srcs), WID=tuple(widths), NP=len(dsts), HALF=half, BH=bh, BC=bc, BR=br,
         SIGN=sign, num_warps=4,
-        enable_fp_fusion=False)  # a product and a difference rounded apart, as PyTorch's rotation does (no FMA)
+        # a product and a difference rounded apart, as PyTorch's rotation does (no FMA)
+        enable_fp_fusion=False)
 
 
 def move(src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
          S: int, head_dim: int, sign: int = 1) -> None:
-    """``dst[r, :] = rotate(src[r, :])`` (``cos``/``sin`` ``[1|B, S, head_dim/2]`` contiguous, float32; row ``r`` is
-    position ``r % S`` of batch row ``r // S``), or a copy when ``cos`` is None. ``src``/``dst``: ``[rows, width]``
-    with contiguous columns (any row stride), ``width`` a multiple of ``head_dim`` when rotating."""
+    """``dst[r, :] = rotate(src[r, :])`` (``cos``/``sin`` ``[1|B, S, head_dim/2]`` contiguous, float32; row
+    ``r`` is position ``r % S`` of batch row ``r // S``), or a copy when ``cos`` is None. ``src``/``dst``:
+    ``[rows, width]`` with contiguous columns (any row stride), ``width`` a multiple of ``head_dim`` when
+    rotating."""
     rows, width = src.shape
     if rows == 0 or width == 0:
         return
@@ -126,4 +130,5 @@ def move(src: torch.Tensor, dst: torch.Tensor, cos: torch.Tensor | None, sin: to
     _rotate_kernel[(triton.cdiv(rows, br), width // head_dim)](
         src, dst, cos, sin, src.stride(0), dst.stride(0), rows, S, S if cos.shape[0] > 1 else 0,
         HALF=half, BH=bh, BR=br, SIGN=sign, num_warps=4,
-        enable_fp_fusion=False)  # a product and a difference rounded apart, as PyTorch's rotation does (no FMA)
+        # a product and a difference rounded apart, as PyTorch's rotation does (no FMA)
+        enable_fp_fusion=False)

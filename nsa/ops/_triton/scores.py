@@ -82,7 +82,8 @@ def _block_scores_kernel(
             p_pos = tl.dot(E, p_rows, input_precision="ieee")
             tpos = (t0 + ti).to(tl.int64)
             tl.store(P + (bh * (T1 - T0) + tpos[:, None] - T0) * NB + blk[None, :], p_pos,
-                     mask=(ti[:, None] < BT) & (tpos[:, None] < T1) & (bb[None, :] < NBC) & (blk[None, :] < NB))
+                     mask=(ti[:, None] < BT) & (tpos[:, None] < T1) & (bb[None, :] < NBC)
+                     & (blk[None, :] < NB))
 
 
 @triton.jit
@@ -126,8 +127,8 @@ def _top_blocks_kernel(
     tl.store(IDX + row[:, None] + rank, (blk[None, :] + 0 * rank).to(tl.int32), mask=chosen)
 
 
-def _block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, P: torch.Tensor, t0: int, t1: int, *,
-                  l: int, d: int, l_sel: int, scale: float, q_start: int = 0) -> None:  # noqa: E741
+def _block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, P: torch.Tensor, t0: int, t1: int,
+                  *, l: int, d: int, l_sel: int, scale: float, q_start: int = 0) -> None:  # noqa: E741
     """Group-summed block importance of query rows ``[t0, t1)`` (positions ``q_start + t``) into
     ``P [B*H, t1-t0, n_blocks]`` (fp32; entries past ``(q_start + t) // l_sel`` unset)."""
     B, S, HQ, DK = q.shape
@@ -162,7 +163,8 @@ def top_blocks(P: torch.Tensor, idx: torch.Tensor, t0: int, t1: int, *, l_sel: i
     br = max(1, min(64, int(tuned("topn_elems", 1024)) // nbp))
     warps = int(tuned("topn_warps", 1))  # H100 sweep: 1 warp per row beat 2, 4 and 8
     _top_blocks_kernel[(triton.cdiv(t1 - t0, br), B * H)](
-        P, idx, S, t0, t1, NB, H, q_start, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)), BR=br,
+        P, idx, S, t0, t1, NB, H, q_start, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)),
+                                                          BR=br,
         num_warps=warps,
     )
 

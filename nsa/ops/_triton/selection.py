@@ -324,13 +324,13 @@ def _sel_dkdv_kernel(
         dv = tl.zeros([BLS, BDV], tl.float32)
         mid = tl.minimum(start + tl.cdiv(LS, BM) * BM, end)
         for e0 in range(start, mid, BM):
-            dk, dv = _dkdv_tile(Q, DOG, LSE, DELTA, DQP, WORK, k, v, dk, dv, e0, end, wbase, b, hq, kpos, kmask,
-                                ck, cv, sqb, sqs, sqh, sdb, sds, sdh, S, HQ, Q0, scale_log2, scale, N_SEL, DK, DV,
-                                BM, WRITE_DQ, True, I32)
+            dk, dv = _dkdv_tile(Q, DOG, LSE, DELTA, DQP, WORK, k, v, dk, dv, e0, end, wbase, b, hq, kpos,
+                                kmask, ck, cv, sqb, sqs, sqh, sdb, sds, sdh, S, HQ, Q0, scale_log2, scale,
+                                N_SEL, DK, DV, BM, WRITE_DQ, True, I32)
         for e0 in range(mid, end, BM):
-            dk, dv = _dkdv_tile(Q, DOG, LSE, DELTA, DQP, WORK, k, v, dk, dv, e0, end, wbase, b, hq, kpos, kmask,
-                                ck, cv, sqb, sqs, sqh, sdb, sds, sdh, S, HQ, Q0, scale_log2, scale, N_SEL, DK, DV,
-                                BM, WRITE_DQ, False, I32)
+            dk, dv = _dkdv_tile(Q, DOG, LSE, DELTA, DQP, WORK, k, v, dk, dv, e0, end, wbase, b, hq, kpos,
+                                kmask, ck, cv, sqb, sqs, sqh, sdb, sds, sdh, S, HQ, Q0, scale_log2, scale,
+                                N_SEL, DK, DV, BM, WRITE_DQ, False, I32)
         dk = dk * scale
         tl.atomic_add(DK_ + (b * SK + kpos64[:, None]) * H * DK + g * DK + ck[None, :], dk,
                       mask=kmask[:, None] & (ck[None, :] < DK), sem="relaxed")
@@ -409,21 +409,28 @@ def _pairs_per_program(device: torch.device, backward: bool = False) -> int:
 
 
 def num_blocks(S: int, l_sel: int, q_start: int = 0) -> int:
-    """Selection blocks the ``S`` query rows at positions ``q_start ..`` may choose (block numbers ``< NB``)."""
+    """Selection blocks the ``S`` query rows at positions ``q_start ..`` may choose (block numbers ``<
+    NB``)."""
     return -(-(q_start + S) // l_sel)
 
 
-# The FSA order's per-pair buffers (the forward's partial outputs, the backward's dq partials: one row of D per
-# query head and slot) of one call at most this large (the tile override ``sel_partial_mib``, MiB): a larger call runs
-# each batch row in chunks of query rows (each a launch at its offset, as context parallelism runs one), so they
-# stop growing with B and S. Chunks cost time: at m7c 64k (1.6 GB each unchunked) chunks of 256 MiB took the op's
-# peak from 2,156 to 943 MiB and its fwd+bwd from 16.5 to 20.1 ms (128k: 4,306 -> 1,886 MiB, 46.7 -> 55.2 ms; H200,
+# The FSA order's per-pair buffers (the forward's partial outputs, the backward's dq partials: one row of D
+# per
+# query head and slot) of one call at most this large (the tile override ``sel_partial_mib``, MiB): a larger
+# call runs
+# each batch row in chunks of query rows (each a launch at its offset, as context parallelism runs one), so
+# they
+# stop growing with B and S. Chunks cost time: at m7c 64k (1.6 GB each unchunked) chunks of 256 MiB took the
+# op's
+# peak from 2,156 to 943 MiB and its fwd+bwd from 16.5 to 20.1 ms (128k: 4,306 -> 1,886 MiB, 46.7 -> 55.2 ms;
+# H200,
 # docs/kernels.md), so the default keeps whole calls up to m7c 128k at batch 1 and bounds what is beyond.
 PARTIAL_BYTES = 4 * 2**30
 CHUNK_ROWS = 1024  # chunks are whole multiples of this many query rows (of every selection block length used)
 
 
-def query_chunks(B: int, S: int, HQ: int, n_sel: int, D: int, itemsize: int = 2) -> list[tuple[int, int, int]]:
+def query_chunks(B: int, S: int, HQ: int, n_sel: int, D: int,
+                 itemsize: int = 2) -> list[tuple[int, int, int]]:
     """``(batch row, first, end)`` query-row chunks of the FSA order's launches: ``[(-1, 0, S)]`` (the whole
     call) while the call's per-pair buffers fit :data:`PARTIAL_BYTES`, else each batch row in chunks of a
     multiple of :data:`CHUNK_ROWS` rows that fit (shapes only: also under fake tensors)."""
@@ -447,13 +454,13 @@ def work_shape(B: int, S: int, H: int, n_sel: int, l_sel: int, device: torch.dev
 
 
 def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = False) -> torch.Tensor:
-    """Pairs sorted by chosen block, and the programs' work items, in one int32 tensor (device ops only): by three
-    Triton launches up to 255 blocks (:mod:`nsa.ops._triton.worklist`; tile key ``sel_wl=ops``: PyTorch operators
-    throughout, as the operators below compute it everywhere else).
+    """Pairs sorted by chosen block, and the programs' work items, in one int32 tensor (device ops only): by
+    three Triton launches up to 255 blocks (:mod:`nsa.ops._triton.worklist`; tile key ``sel_wl=ops``: PyTorch
+    operators throughout, as the operators below compute it everywhere else).
 
     Row ``b*H + g``: ``S*n`` flat pair indices ``pos * n + slot`` ordered by block, then per work item
-    ``(block, first, end)``: the pairs ``[first, end)`` of ``block``, at most ``CH`` of them (a block chosen by
-    more pairs is split over several items). Items past the last have ``block = NB`` (:func:`num_blocks`;
+    ``(block, first, end)``: the pairs ``[first, end)`` of ``block``, at most ``CH`` of them (a block chosen
+    by more pairs is split over several items). Items past the last have ``block = NB`` (:func:`num_blocks`;
     rows at positions ``q_start ..`` choose absolute block numbers). ``backward``: a list for the
     backward alone (larger chunks)."""
     B, S, H, n = idx.shape
@@ -560,7 +567,8 @@ def sel_fwd(
 
 def _sel_fwd_fsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, o: torch.Tensor,
                  lse: torch.Tensor, l_sel: int, scale: float, q_start: int) -> torch.Tensor:
-    """The FSA order's forward of these query rows into ``o`` and ``lse`` (contiguous); returns its work list."""
+    """The FSA order's forward of these query rows into ``o`` and ``lse`` (contiguous); returns its work
+    list."""
     B, S, HQ, _ = q.shape
     SK = k.shape[1]
     H, n_sel = k.shape[2], idx.shape[-1]
@@ -590,8 +598,9 @@ def sel_bwd(
     lse: torch.Tensor, gates: torch.Tensor, dg: torch.Tensor, dq: torch.Tensor, *, branch: int,
     accum: bool, l_sel: int, scale: float, work: torch.Tensor | None = None, q_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add the selected branch's dq into ``dq`` (fp32 or q's dtype, the sum formed in fp32); return fp32 ``dk, dv`` of every key row (zeros
-    where no query row reads it; ``work``: the forward's). Query row ``i`` sits at position ``q_start + i``."""
+    """Add the selected branch's dq into ``dq`` (fp32 or q's dtype, the sum formed in fp32); return fp32 ``dk,
+    dv`` of every key row (zeros where no query row reads it; ``work``: the forward's). Query row ``i`` sits
+    at position ``q_start + i``."""
     B, S, HQ, _ = q.shape
     SK = k.shape[1]
     H, n_sel = k.shape[2], idx.shape[-1]
@@ -617,15 +626,16 @@ def sel_bwd(
     for b, a, e in chunks:  # each chunk a launch at its offset (its own work list); dk/dv add up over them
         rows = (slice(b, b + 1), slice(a, e))
         idx_c = idx[rows].contiguous()
-        _sel_dkdv(q[rows], k[b:b + 1], v[b:b + 1], idx_c, do[rows], lse[rows], gates[rows], dg[rows], dq[rows],
-                  dk[b:b + 1], dv[b:b + 1], work_list(idx_c, l_sel, q_start + a, backward=True), branch=branch,
-                  accum=accum, l_sel=l_sel, scale=scale, q_start=q_start + a, dq_how=dq_how)
+        _sel_dkdv(q[rows], k[b:b + 1], v[b:b + 1], idx_c, do[rows], lse[rows], gates[rows], dg[rows],
+                  dq[rows], dk[b:b + 1], dv[b:b + 1], work_list(idx_c, l_sel, q_start + a, backward=True),
+                  branch=branch, accum=accum, l_sel=l_sel, scale=scale, q_start=q_start + a, dq_how=dq_how)
     return dk, dv
 
 
 def _sel_dkdv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    gates: torch.Tensor, dg: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, work: torch.Tensor,
+    gates: torch.Tensor, dg: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+              work: torch.Tensor,
     *, branch: int, accum: bool, l_sel: int, scale: float, q_start: int, dq_how: str,
 ) -> None:
     """dk/dv of these query rows added into ``dk``/``dv`` (contiguous fp32), and in ``part`` mode their dq

@@ -1,21 +1,26 @@
 """The FSA order's work list built by three Triton launches instead of ~25 PyTorch operators.
 
-:func:`nsa.ops._triton.selection.work_list` sorts each row's ``(position, slot)`` pairs by chosen block (stable)
-and cuts every block's pairs into work items; on the device as PyTorch operators that is a permute, a cast, a
-``where``, a stable sort, a scatter-add, two cumulative sums, a search, three gathers, a stack and a concatenation:
-about 45 kernel launches and 1 ms of host time a call (m7c 2k, H200; docs/kernels.md), as long as the call's own
-kernels take at that size once no CUDA graph replays it. Here the same list, bit for bit, is a counting sort:
+:func:`nsa.ops._triton.selection.work_list` sorts each row's ``(position, slot)`` pairs by chosen block
+(stable) and cuts every block's pairs into work items; on the device as PyTorch operators that is a permute, a
+cast, a
+``where``, a stable sort, a scatter-add, two cumulative sums, a search, three gathers, a stack and a
+concatenation: about 45 kernel launches and 1 ms of host time a call (m7c 2k, H200; docs/kernels.md), as long
+as the call's own kernels take at that size once no CUDA graph replays it. Here the same list, bit for bit, is
+a counting sort:
 
 1. ``_hist_kernel`` (a program per row and segment of ``SEG`` pairs): each segment's histogram of blocks;
-2. ``_scan_kernel`` (a program per row): each segment's first slot per block (prefix sums over the blocks, then
+2. ``_scan_kernel`` (a program per row): each segment's first slot per block (prefix sums over the blocks,
+then
    over the segments), and the work items ``(block, first, end)`` from the totals;
-3. ``_scatter_kernel`` (a program per row and segment): each pair to its slot, ties in pair order (a pair's rank
+3. ``_scatter_kernel`` (a program per row and segment): each pair to its slot, ties in pair order (a pair's
+rank
    among its chunk's pairs of the same block, from a cumulative sum of the chunk's one-hot matrix).
 
-Blocks are counted in one-hot tiles of ``NBP`` bins (the block count plus one for "none", to a power of two), so
-this serves up to :data:`MAX_BINS` bins (``l_sel = 64``: 16k positions); longer lists stay with the operators, where
-the kernels' own time dwarfs the host's. The default (tile key ``sel_wl``: ``kernel``; ``ops`` for the operators);
-a Triton that cannot compile these kernels falls back to the operators once, counted.
+Blocks are counted in one-hot tiles of ``NBP`` bins (the block count plus one for "none", to a power of two),
+so this serves up to :data:`MAX_BINS` bins (``l_sel = 64``: 16k positions); longer lists stay with the
+operators, where the kernels' own time dwarfs the host's. The default (tile key ``sel_wl``: ``kernel``;
+``ops`` for the operators); a Triton that cannot compile these kernels falls back to the operators once,
+counted.
 """
 
 from __future__ import annotations
@@ -115,12 +120,14 @@ def fits(n_blocks: int) -> bool:
     return next_pow2(n_blocks + 1) <= MAX_BINS
 
 
-# the first build of the process is guarded: a Triton that cannot compile these kernels leaves the operators in charge
+# the first build of the process is guarded: a Triton that cannot compile these kernels leaves the operators
+# in charge
 FIRST_BUILD = FirstLaunch("work_list:kernels->operators")
 
 
 def build(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int) -> torch.Tensor:
-    """:func:`nsa.ops._triton.selection.work_list`'s tensor ``[B*H, width]`` (int32) for the block lists ``idx``
+    """:func:`nsa.ops._triton.selection.work_list`'s tensor ``[B*H, width]`` (int32) for the block lists
+    ``idx``
     ``[B, S, H, n]`` over ``n_blocks`` blocks, work items of at most ``pairs_per_item`` pairs."""
     B, S, H, n = idx.shape
     rows, sn = B * H, S * n
@@ -132,10 +139,11 @@ def build(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int) -> 
     st = idx.stride()
     if rows == 0 or sn == 0:
         return out
-    _hist_kernel[(rows, nseg)](idx, hist, *st[:3], st[3], H, sn, n_blocks, nseg, NSEL=n, SEG=SEG, C=c, NBP=nbp)
+    _hist_kernel[(rows, nseg)](idx, hist, *st[:3], st[3], H, sn, n_blocks, nseg, NSEL=n, SEG=SEG, C=c,
+                               NBP=nbp)
     nw = (width - sn) // 3
     _scan_kernel[(rows,)](hist, out, width, sn, n_blocks, nseg, nw, pairs_per_item, NBP=nbp,
                           CW=max(16, min(128, 8192 // nbp)))
-    _scatter_kernel[(rows, nseg)](idx, hist, out, *st[:3], st[3], H, width, sn, n_blocks, nseg, NSEL=n, SEG=SEG,
-                                  C=c, NBP=nbp)
+    _scatter_kernel[(rows, nseg)](idx, hist, out, *st[:3], st[3], H, width, sn, n_blocks, nseg, NSEL=n,
+                                  SEG=SEG, C=c, NBP=nbp)
     return out

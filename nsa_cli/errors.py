@@ -13,7 +13,7 @@ import typer
 from nsa.errors import NSAError
 from nsa_cli import render
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_USAGE = 0, 2
 EXIT_INTERRUPTED = 130  # the operator's Ctrl-C (128 + SIGINT, as shells report it)
 
 # process-wide CLI state: ``--debug`` (set by the app's callback) shows tracebacks instead of one line

@@ -16,7 +16,6 @@ import typer
 from nsa_cli.compat import CONFIG_NAMES
 from nsa_cli.errors import fail
 
-RUN_DIR_HELP = "Run directory (train.out_dir)."
 # a short flag means one thing in every command
 SHORT = {"--config": "-c", "--profile": "-p", "--out-dir": "-o"}
 
@@ -54,7 +53,7 @@ def out_dir(what: str) -> Any:
     return typer.Option("--out-dir", "-o", help=what)
 
 
-def run_dir(help: str = RUN_DIR_HELP) -> Any:
+def run_dir(help: str = "Run directory (train.out_dir).") -> Any:
     """The run-directory argument of watch, halt, dump, sample and eval (a ``Path`` everywhere)."""
     return typer.Argument(help=help)
 

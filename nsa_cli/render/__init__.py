@@ -30,10 +30,6 @@ def console(stderr: bool = False, width: int | None = None) -> Console:
                    soft_wrap=False)
 
 
-def style(name: str) -> str:
-    return STYLES.get(name, name)
-
-
 def echo(text: str, err: bool = False, nl: bool = True) -> None:
     """A line as it is (no colour, no wrapping): errors, usage lines, JSON lines, streamed text."""
     typer.echo(text, err=err, nl=nl)
@@ -47,10 +43,11 @@ def error(message: str, hint: str | None = None) -> None:
 def table(t: Any) -> Table:
     """A view's table (``nsa.view.Table``) as a Rich table."""
     out = Table(title=t.title, caption=t.caption, title_justify="left" if t.title_left else "center")
+    get = STYLES.get  # a style name of the view, else a Rich style
     for c in t.columns:
-        out.add_column(c.name, justify=c.justify, style=style(c.style) or None, no_wrap=c.no_wrap)
+        out.add_column(c.name, justify=c.justify, style=get(c.style, c.style) or None, no_wrap=c.no_wrap)
     for row in t.rows:
-        out.add_row(*(Text(c) if isinstance(c, str) else Text(c[0], style=style(c[1])) for c in row))
+        out.add_row(*(Text(c) if isinstance(c, str) else Text(c[0], style=get(c[1], c[1])) for c in row))
     return out
 
 
@@ -74,7 +71,7 @@ class Output:
         characters only, when given); ``err``: on stderr in every mode; ``wrap``: at the console's width."""
         line = Text(text)
         if style_name:
-            line.stylize(style(style_name), 0, lead or len(text))
+            line.stylize(STYLES.get(style_name, style_name), 0, lead or len(text))
         (console(stderr=True) if err and not self.as_json else self.console).print(line, soft_wrap=not wrap)
 
     def show(self, blocks: list[Any]) -> None:

@@ -75,7 +75,9 @@ def test_every_config_flag_of_nsa_train_comes_from_the_metadata() -> None:
         name = options[flag].name
         assert flags_to_keys(**{name.rstrip("_"): 1}) == {dotted: 1}
         assert key_flags()[dotted] == flag
-        assert dotted.split(".")[-1] in (options[flag].help or "") or options[flag].help, flag
+        # the help starts with the key that --set would name, then the field's own description
+        assert (options[flag].help or "").startswith(f"{dotted}: "), (flag, options[flag].help)
+        assert len((options[flag].help or "").split(": ", 1)[1]) > 3, (flag, options[flag].help)
 
 
 def test_moved_keys_are_read_with_one_note_each(tmp_path: Path) -> None:

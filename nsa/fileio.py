@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import Any
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself when it exists, else its nearest existing parent (where it would be made)."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """``write(tmp)`` into a temporary file beside ``path``, then rename it over ``path``. On any error
     (a full disk, a read-only folder) the temporary file is removed and ``path`` keeps what it had."""

@@ -508,12 +508,9 @@ def test_remote_code_is_self_contained() -> None:
 def test_speed_benchmark_script_runs_on_a_cpu(tmp_path: Path) -> None:
     """scripts/hf_generate_bench.py (run on the GPU for the issue's speed criterion), checked here on the tiny
     config: both paths generate, the greedy tokens agree, the JSON has both speeds."""
-    import importlib.util
+    from tests.script_module import script_module
 
-    spec = importlib.util.spec_from_file_location("hf_generate_bench", ROOT / "scripts" / "hf_generate_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script_module("hf_generate_bench")
     out = tmp_path / "bench.json"
     result = bench.main(["--tiny", "--device", "cpu", "--new-tokens", "8", "--repeats", "1",
                          "--work-dir", str(tmp_path / "work"), "--json-out", str(out)])

@@ -3,31 +3,21 @@ definitions, no re-export facades, no blank runs; and it does catch each of them
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.script_module import script_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _lint() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("lint_structure", ROOT / "scripts" / "lint_structure.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["lint_structure"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_tree_is_clean() -> None:
-    assert _lint().findings() == []
+    assert script_module("lint_structure").findings() == []
 
 
 def test_it_finds_each_kind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lint = _lint()
+    lint = script_module("lint_structure")
     (tmp_path / "nsa").mkdir()
     (tmp_path / "nsa_cli").mkdir()
     (tmp_path / "nsa" / "a.py").write_text(

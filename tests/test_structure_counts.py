@@ -4,25 +4,15 @@ function over 50 lines, at most 8 library parts imported, every command writing 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
+
+from tests.script_module import script_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _counts() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("structure_counts", ROOT / "scripts" / "structure_counts.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["structure_counts"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_cli_is_a_skin() -> None:
-    counts = _counts()
+    counts = script_module("structure_counts")
     skin, targets = counts.skin(ROOT), counts.TARGETS
     assert skin["cli_lines"] <= targets["cli_lines"]
     assert skin["longest_command_function"] <= targets["longest_command_function"], skin["longest_command"]
@@ -35,7 +25,7 @@ def test_the_cli_is_a_skin() -> None:
 def test_the_counts_see_what_they_count(tmp_path: Path) -> None:
     """A print outside the rendering module, and a script that patches the library or reads the profiler,
     are counted."""
-    counts = _counts()
+    counts = script_module("structure_counts")
     (tmp_path / "nsa_cli" / "commands").mkdir(parents=True)
     (tmp_path / "scripts").mkdir()
     (tmp_path / "nsa_cli" / "commands" / "x.py").write_text(

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from nsa.config import RunConfig
 from nsa.data.tokenizers import get_tokenizer
 from nsa.errors import NSAError, RunDirError
-from nsa.fileio import free_space, named, os_error_in, write_failure
+from nsa.fileio import free_space, named, nearest_existing, os_error_in, write_failure
 from nsa.hf.format import (
     CONFIG_JSON,
     FORMAT_VERSION,
@@ -111,9 +111,7 @@ def check_out(out: Path, overwrite: bool, reads: list[Path]) -> None:
     what the export reads (``reads``), a run directory or a part of one (``checkpoints/``, ``export/``, ...),
     or a non-empty folder that is not an earlier export (``overwrite`` replaces only those)."""
     hint = "give a new folder outside the run, e.g. artifacts/NAME-hf"
-    p = out
-    while not p.exists() and p != p.parent:
-        p = p.parent
+    p = nearest_existing(out)
     if p.exists() and not p.is_dir():
         raise RunDirError(f"cannot write {out}: {p} is a file, not a folder",
                           hint="give a folder path for OUT")

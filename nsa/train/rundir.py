@@ -12,7 +12,7 @@ from typing import Any
 
 from nsa.config import ResolvedConfig
 from nsa.errors import ConfigError, RunDirError
-from nsa.fileio import surface_os_error
+from nsa.fileio import nearest_existing, surface_os_error
 from nsa.model import build_model
 from nsa.rundir import RunDir
 from nsa.rundir.checkpoints import list_checkpoints, sha256_file
@@ -30,10 +30,7 @@ from nsa.train.telemetry import write_json_atomic
 def check_writable(run_dir: Path) -> None:
     """``RunDirError`` naming ``run_dir`` when it (or the folder it would be made in) cannot be written:
     a read-only filesystem, missing permissions, or a file in the way. Creates nothing."""
-    p = Path(run_dir)
-    probe = p
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = nearest_existing(Path(run_dir))
     if probe.exists() and not probe.is_dir():
         raise RunDirError(f"train.out_dir={run_dir}: {probe} is a file, not a directory",
                           hint="choose another --out-dir")

@@ -69,10 +69,10 @@ def test_invalid_config_is_a_fail_not_a_crash(tmp_path) -> None:
 def test_layout_check_counts_gpus_and_their_links_for_the_context_layout() -> None:
     """``nsa preflight`` judges the data x context layout against the node's GPUs and NVML's peer-to-peer
     status of the pairs that would share a sequence (faked probes: this machine has no GPU)."""
-    from nsa.checks.gpu import GpuInfo, GpuProbe
     from nsa.checks.preflight import _check_layout, _Context
     from nsa.checks.result import Status
     from nsa.config import load_run_config
+    from nsa.gpuinfo import GpuInfo, GpuProbe
 
     def check(n: int, cp: int, links: dict[str, str], device: str = "cuda") -> tuple[Status, str]:
         sets = [f"runtime.context_parallel={cp}", f"runtime.device={device}"]

@@ -21,8 +21,8 @@ import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
-from nsa.checks.gpu import GpuInfo, GpuProbe
 from nsa.errors import ConfigError
+from nsa.gpuinfo import GpuInfo, GpuProbe
 from nsa.runs.halt import write_halt
 from nsa.runs.reader import RunReader, read_run
 from nsa.runs.rules import AlarmLog, RuleHit, evaluate, monitor_config, notify, parse_rules

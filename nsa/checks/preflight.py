@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nsa.checks.gpu import query_gpus
 from nsa.checks.result import Check, CheckReport, failed, passed, warned
 from nsa.config import find_config, load_run_config
 from nsa.config.profiles import find_profile, load_profile, profile_names
@@ -25,6 +24,7 @@ from nsa.config.resolve import default_config_note
 from nsa.config.settings import describe_unknown_env, settings_table, unknown_variables
 from nsa.envinfo import git_snapshot, library_versions, package_version
 from nsa.errors import NSAError
+from nsa.gpuinfo import query_gpus
 
 GIB = 1024**3
 

@@ -10,13 +10,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nsa.checks.gpu import query_gpus
 from nsa.checks.parity import SHAPES, check_backend
 from nsa.checks.preflight import run_preflight
 from nsa.checks.result import Check, CheckReport, Status, failed, passed, warned
 from nsa.config import load_run_config
 from nsa.config.profiles import list_profiles, load_profile
 from nsa.errors import NSAError
+from nsa.gpuinfo import query_gpus
 from nsa.ops import available_backends
 from nsa.runs.reader import read_run
 from nsa.runs.summary import summarize

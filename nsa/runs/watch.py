@@ -90,7 +90,7 @@ class Watch:
 
     def gpus(self) -> Any:
         """This host's GPUs (NVML) when the run trains here on CUDA, else None."""
-        from nsa.checks.gpu import query_gpus
+        from nsa.gpuinfo import query_gpus
 
         boot = self.reader.state.boot
         if self.gpu_local is None and boot is not None:

@@ -28,9 +28,7 @@ import typer
 from typer.core import TyperCommand
 
 from nsa_cli import render
-
-# in an option's help: the shipped config names, filled in when the options are read
-CONFIG_NAMES = "{configs}"
+from nsa_cli.options import CONFIG_NAMES, request_params
 
 
 def deprecation(old: str, new: str, why: str = "") -> str:
@@ -208,7 +206,5 @@ def command_class(*, json_path: bool = False, short: dict[str, tuple[str, str]] 
     body: dict[str, Any] = {"json_path": json_path, "short_aliases": dict(short or {}), "derive_first": first,
                             "texts": staticmethod(texts) if texts else None}
     if request is not None:
-        from nsa_cli.options import request_params
-
         body["derive"] = lambda self: request_params(request())
     return type("Command", (Command,), body)

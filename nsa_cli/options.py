@@ -13,8 +13,10 @@ from typing import Annotated, Any
 
 import typer
 
-from nsa_cli.compat import CONFIG_NAMES
 from nsa_cli.errors import fail
+
+# in an option's help: the shipped config names, filled in when the options are read (nsa_cli.compat.Command)
+CONFIG_NAMES = "{configs}"
 
 # a short flag means one thing in every command
 SHORT = {"--config": "-c", "--profile": "-p", "--out-dir": "-o"}

@@ -366,3 +366,17 @@ def test_the_launcher_reads_a_clean_halt_of_every_rank(tmp_path: Path) -> None:
     assert not _halted(run, t0)
     hb1.unlink()
     assert not _halted(run, t0)  # world_size 2, one rank's record
+
+
+def test_a_session_reports_only_its_own_fallbacks() -> None:
+    """``metrics.fallback_counts(since)``: counts of the process less those before the session (a second run in
+    one process, e.g. ``nsa bench quality``'s arms, does not inherit the first's fallbacks)."""
+    from nsa.ops import record_fallback
+    from nsa.train.metrics import fallback_counts
+
+    record_fallback("test-earlier-session")
+    before = fallback_counts()
+    assert fallback_counts(before) == {}
+    record_fallback("test-earlier-session")
+    record_fallback("test-this-session")
+    assert fallback_counts(before) == {"test-earlier-session": 1, "test-this-session": 1}

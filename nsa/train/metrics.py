@@ -76,8 +76,11 @@ def memory(device_type: str, device: torch.device) -> dict[str, float | None]:
     }
 
 
-def fallback_counts() -> dict[str, int]:
-    return dict(counts())
+def fallback_counts(since: dict[str, int] | None = None) -> dict[str, int]:
+    """The process's fallbacks to the torch path (``nsa.ops.fallback_counts``), less those counted by
+    ``since``: a session's own when several run in one process (``nsa bench quality``'s arms, tests)."""
+    before = since or {}
+    return {k: n - before.get(k, 0) for k, n in counts().items() if n > before.get(k, 0)}
 
 
 class Recorder:
@@ -85,6 +88,7 @@ class Recorder:
 
     def __init__(self, s: Session, clock: Clock) -> None:
         self.s, self.clock = s, clock
+        self.fallbacks_before = fallback_counts()  # this session reports only its own
         self.flops_per_token = float(s.model.flops_per_token(s.cfg.train.seq_len))
         self.num_params = int(s.model.num_params())
         self.warnings: list[str] = []
@@ -183,7 +187,8 @@ class Recorder:
             gate_entropy_mean=_float(stats.get("gate_entropy_mean")),
             gate_branch_shares=[float(x) for x in shares] if shares is not None else None,
             gate_collapse_fraction=_float(stats.get("gate_collapse_fraction")),
-            sel_keys_mean=_float(stats.get("sel_keys_mean")), fallback=fallback_counts(), mfu=mfu,
+            sel_keys_mean=_float(stats.get("sel_keys_mean")), mfu=mfu,
+            fallback=fallback_counts(self.fallbacks_before),
             data_skipped=_skipped(loader_stats), data_warnings=list(self.warnings),
             answer_loss=row["answer_loss"], answer_acc=row["answer_acc"],
             gpu_mem_errors=self.gpu.read() if self.gpu is not None else None,
@@ -264,7 +269,7 @@ class Recorder:
             "resumed_from": str(plan.resume_from) if plan.resume_from else None,
             "last_checkpoint": str(p) if (p := latest_checkpoint(plan.run_dir)) else None,
             "memory": memory(plan.rt.device_type, plan.rt.device),
-            "fallback": fallback_counts(),
+            "fallback": fallback_counts(self.fallbacks_before),
             "data": {k: v for k, v in loader_stats.items() if k != "warnings"},
             "data_warnings": list(self.warnings),
         }

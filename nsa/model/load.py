@@ -48,7 +48,9 @@ def _read_config(path: Path) -> RunConfig:
 def find_weights(path: str | Path) -> tuple[Path, Path | None]:
     """``(weights, config.yaml or None)`` for a run directory, an ``export/`` folder, a checkpoint
     folder, a ``model.safetensors`` or a ``state.pt``. Exports win over checkpoints; of a run's
-    checkpoints the newest that verifies (complete, checksums equal) is taken."""
+    checkpoints the newest that verifies (complete, checksums equal) is taken. The file is checked against
+    the SHA-256 its checkpoint manifest or ``export.json`` records, each file hashed once
+    (``CheckpointError``)."""
     p = Path(path)
     if not p.exists():
         raise RunDirError(f"{p} does not exist",
@@ -58,18 +60,23 @@ def find_weights(path: str | Path) -> tuple[Path, Path | None]:
             cfg = p.parent / CONFIG_FILE
             if not cfg.is_file():
                 raise RunDirError(f"{p} has no {CONFIG_FILE} next to it")
+            check_weights(p)
             return p, cfg
         if p.suffix == ".pt":
+            check_weights(p)
             return p, None
         raise RunDirError(f"{p} is neither a {EXPORT_WEIGHTS} nor a {STATE_FILE}")
     for folder in (RunDir(p).export, p):
         if (folder / EXPORT_WEIGHTS).is_file() and (folder / CONFIG_FILE).is_file():
+            check_weights(folder / EXPORT_WEIGHTS)
             return folder / EXPORT_WEIGHTS, folder / CONFIG_FILE
     if (p / STATE_FILE).is_file():
-        verdict = verify(p)
+        verdict = verify(p)  # hashes every file of the folder against its manifest
         if step_of(p) >= 0 and not verdict.ok:
             raise CheckpointError(f"checkpoint {p} is not usable: {verdict.reason}",
                                   hint="give the run directory to take its newest checkpoint that verifies")
+        if not verdict.ok:  # a folder of another name: its manifest's digest, where it records one
+            check_weights(p / STATE_FILE)
         return p / STATE_FILE, None
     newest, skipped = newest_verified(p)
     if newest is not None:
@@ -101,9 +108,8 @@ def _with_tied(state: dict[str, torch.Tensor], cfg: RunConfig) -> dict[str, torc
 
 def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], RunConfig, Path]:
     """``(state dict on the CPU, its run config, its file)`` for anything :func:`find_weights` takes; the file
-    must match the SHA-256 its checkpoint manifest or ``export.json`` records (``CheckpointError``)."""
+    matches the SHA-256 its checkpoint manifest or ``export.json`` records (:func:`find_weights`)."""
     weights, cfg_path = find_weights(path)
-    check_weights(weights)  # against its manifest.json or export.json (hashed once: verify() did it already)
     if weights.suffix == ".safetensors":
         assert cfg_path is not None
         cfg = _read_config(cfg_path)

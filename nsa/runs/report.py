@@ -51,12 +51,12 @@ from nsa.runs.verdict import (
     anomaly_record_path,
     classify_halts,
     context_label,
-    eval_staleness,
     fmt_value,
     overall_verdict,
     profile_limits,
     run_checks,
     run_limits,
+    stale_evals,
     verdict,
 )
 from nsa.view import Block, Line, Result
@@ -207,6 +207,7 @@ class _Run:
     alarms: list[KeptAlarm] = field(default_factory=list)
     sessions: list[Session] = field(default_factory=list)
     charts: dict[str, Path] = field(default_factory=dict)
+    stale: dict[str, str] = field(default_factory=dict)  # eval results not of the model as it is now, by task
 
 
 def _cell(text: Any) -> str:
@@ -433,7 +434,7 @@ def _run_section(run: _Run, out_dir: Path) -> list[str]:
     L.append("")
     L += _img(run, "gates", "gate entropy, collapsed-gate fraction and branch shares", out_dir)
     L += selection_section(s)
-    L += _eval_section(st.run_dir, out_dir, run.charts.get("needle"), s.steps_done)
+    L += _eval_section(run, out_dir, run.charts.get("needle"))
     L += ["### Anomalies, halts and alarms", ""]
     resumes = [b for b in run.boots if b.get("resumed_from")]
     if not s.anomalies and not run.halts and not resumes and not run.alarms:
@@ -569,10 +570,10 @@ def _copy_eval_chart(run_dir: Path, folder: Path) -> Path | None:
     return dst
 
 
-def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_done: int) -> list[str]:
+def _eval_section(run: _Run, out_dir: Path, needle_png: Path | None) -> list[str]:
     """The "Evaluation" section: one table per ``nsa eval`` task found in ``RUN/eval/`` (nothing when
     none)."""
-    found = _eval_payloads(run_dir)
+    found, run_dir = run.evals, run.st.run_dir
     if not found:
         return []
     L = ["### Evaluation", ""]
@@ -588,7 +589,7 @@ def _eval_section(run_dir: Path, out_dir: Path, needle_png: Path | None, steps_d
         step = data.get("step")
         source = (f"weights `{ckpt}` (step {step if isinstance(step, int) else 'not recorded'}), {when}, "
                   f"seed {st.get('seed')}")
-        stale = eval_staleness(data, steps_done, run_dir)
+        stale = run.stale.get(task)
         if stale:
             L += [f"**STALE** `eval/{task}.json`: {stale}.", ""]
         if task == "needle":
@@ -749,8 +750,10 @@ def _prepare(run_dir: Path, now: float, override: tuple[dict[str, Any], str] | N
     alarms = kept_alarms(st.run_dir, sessions)
     notes = [*st.schema_notes, *(schema_note(f"eval/{task}.json", v, EVAL_SCHEMA) for task, data in evals
                                  if (v := newer_schema(data, EVAL_SCHEMA)) is not None)]
-    checks = run_checks(s, limits, evals, halts, st.progress, alarms, sessions, st.config_error, notes)
-    return _Run(st, s, limits, evals, halts, session_boots(st), checks, verdict(s, checks), alarms, sessions)
+    stale = stale_evals(evals, s.steps_done, st.run_dir)
+    checks = run_checks(s, limits, evals, halts, st.progress, alarms, sessions, st.config_error, notes, stale)
+    return _Run(st, s, limits, evals, halts, session_boots(st), checks, verdict(s, checks), alarms, sessions,
+                stale=stale)
 
 
 def build_report(

@@ -364,12 +364,13 @@ def run_checks(s: RunSummary, limits: Limits | None = None,
                evals: Sequence[tuple[str, dict[str, Any] | None]] = (), halts: list[HaltRecord] | None = None,
                progress: Sequence[Mapping[str, Any]] = (), alarms: Sequence[KeptAlarm] = (),
                sessions: Sequence[Session] = (), config_error: str | None = None,
-               schema_notes: Sequence[str] = ()) -> list[Check]:
+               schema_notes: Sequence[str] = (), stale: Mapping[str, str] | None = None) -> list[Check]:
     """Every check of the verdict, in report order (see :class:`Check`); ``progress``: the rank-0 heartbeat
     points, for the throughput windows and the worst fetch p95 (else the summary's figures); ``alarms``: those
     ``nsa watch`` kept with the run (``RUN/alarms.jsonl``, judged: only open ones fail); ``sessions``: the
     run's history (an earlier session that crashed, failed or was interrupted is a WARN); ``config_error``:
-    why the run's ``config.yaml`` cannot be read (a WARN: its limits are unknown, the defaults judge)."""
+    why the run's ``config.yaml`` cannot be read (a WARN: its limits are unknown, the defaults judge);
+    ``stale``: :func:`stale_evals` of ``evals`` when the caller has it (each weights file hashed once)."""
     limits = limits or run_limits(None)
     halts = classify_halts(s) if halts is None else halts
     out: list[Check] = []
@@ -438,6 +439,8 @@ def run_checks(s: RunSummary, limits: Limits | None = None,
                                                                  if s.rss_mib is not None else ")")))
     out.append(_gpu_errors_check(s))
     out.append(_selection_check(s, limits))
+    if stale is None:
+        stale = stale_evals(evals, s.steps_done, s.run_dir)
     low, where, bad = eval_accuracy(evals)
     if bad and limits.values.get("min_eval_accuracy") is not None:
         out.append(Check("eval accuracy", f"{', '.join(bad)} unreadable",
@@ -447,13 +450,12 @@ def run_checks(s: RunSummary, limits: Limits | None = None,
         check = _judge("eval accuracy", "min_eval_accuracy", limits, low,
                        f"lowest {low:.3f} ({where})" if low is not None else "", "", floor=True, margin=False,
                        missing="no needle/mqar results in eval/")
-        stale = [f"eval/{task}.json {why}" for task,
-                 data in evals if task in RETRIEVAL_TASKS and data is not None
-                 and (why := eval_staleness(data, s.steps_done, s.run_dir))]
-        if stale:
-            check.figure += f" (STALE: {'; '.join(stale)})"
+        stale_retrieval = [f"eval/{task}.json {why}" for task, why in stale.items()
+                           if task in RETRIEVAL_TASKS]
+        if stale_retrieval:
+            check.figure += f" (STALE: {'; '.join(stale_retrieval)})"
         out.append(check)
-    out.append(_eval_freshness_check(evals, s.steps_done, s.run_dir))
+    out.append(_eval_freshness_check(evals, stale))
     out.append(weights_check(s.run_dir))
     return out
 
@@ -481,18 +483,25 @@ def eval_staleness(data: dict[str, Any], steps_done: int, run_dir: str | Path | 
     return None
 
 
-def _eval_freshness_check(evals: Sequence[tuple[str, dict[str, Any] | None]], steps_done: int,
-                          run_dir: str | Path) -> Check:
-    """WARN for each ``nsa eval`` result that is not of the model as it is now (:func:`eval_staleness`)."""
+def stale_evals(evals: Sequence[tuple[str, dict[str, Any] | None]], steps_done: int,
+                run_dir: str | Path | None) -> dict[str, str]:
+    """``{task: why}`` for each ``nsa eval`` result that is not of the model as it is now
+    (:func:`eval_staleness`)."""
+    return {task: why for task, data in evals
+            if data is not None and (why := eval_staleness(data, steps_done, run_dir))}
+
+
+def _eval_freshness_check(evals: Sequence[tuple[str, dict[str, Any] | None]],
+                          stale: Mapping[str, str]) -> Check:
+    """WARN for each ``nsa eval`` result that is not of the model as it is now (:func:`stale_evals`)."""
     limit = "of the run's last step and its weights as they are"
     found = [(task, data) for task, data in evals if data is not None]
     if not found:
         return Check("eval freshness", "no results in eval/", limit, "n/a")
-    stale = [f"eval/{task}.json {why}" for task,
-             data in found if (why := eval_staleness(data, steps_done, run_dir))]
-    if stale:
-        return Check("eval freshness", "STALE: " + "; ".join(stale), limit, "WARN",
-                     f"{stale[0]}: re-run nsa eval")
+    stale_lines = [f"eval/{task}.json {why}" for task, why in stale.items()]
+    if stale_lines:
+        return Check("eval freshness", "STALE: " + "; ".join(stale_lines), limit, "WARN",
+                     f"{stale_lines[0]}: re-run nsa eval")
     return Check("eval freshness", ", ".join(f"eval/{task}.json" for task, _ in found) + " current", limit,
                  "PASS")
 

@@ -7,6 +7,7 @@ colour)."""
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,14 +76,16 @@ def json_default(obj: Any) -> Any:
     return str(obj)
 
 
-class Result:
-    """A library call's answer to a command: ``to_dict()`` (the ``--json`` payload), ``view()`` (what a person
-    reads) and ``exit_code`` (0 unless the result is a failure the command reports with its code)."""
+class Result(ABC):
+    """A library call's answer to a command: ``to_dict()`` (the ``--json`` payload, every result's own),
+    ``view()`` (what a person reads) and ``exit_code`` (0 unless the result is a failure the command reports
+    with its code)."""
 
     json_indent = 2
 
+    @abstractmethod
     def to_dict(self) -> Any:
-        raise NotImplementedError
+        """The ``--json`` payload."""
 
     def view(self) -> list[Block]:
         return []
@@ -130,9 +133,8 @@ def option(default: Any, flag: str, help: str = "", *, kind: str = "", min: floa
     """A request's field that is a command-line option (``dataclasses.field``): its ``flag`` (``switch``: also
     ``--no-...``), ``help``, bounds, and ``kind``, how the command line's text becomes the value: ``ints``
     (comma-separated positive integers), ``seeds`` (comma-separated integers), ``csv`` (comma-separated
-    words),
-    ``repeat`` (the option given again for each value), ``config``/``sets`` (the CLI's shared ``--config`` and
-    ``--set``, ``help`` saying what they configure)."""
+    words), ``repeat`` (the option given again for each value), ``config``/``sets`` (the CLI's shared
+    ``--config`` and ``--set``, ``help`` saying what they configure)."""
     meta = {"flag": flag, "help": help, "kind": kind, "min": min, "max": max, "switch": switch}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)

@@ -3,8 +3,8 @@
 A field declared with ``json_schema_extra=exposed(env="NSA_LR", flag="--lr")``
 (:func:`nsa.config.section.exposed`) is set by that ``NSA_*`` variable and that ``nsa train`` flag.
 :mod:`nsa.config.settings` builds its fields and its variable -> key map from :func:`env_keys`; the CLI builds
-``nsa train``'s config flags from
-:func:`train_flags` and reads what was given with :func:`flag_values` and :func:`flags_as_typed`.
+``nsa train``'s config flags from :func:`train_flags` and reads what was given with :func:`flag_values` and
+:func:`flags_as_typed`.
 """
 
 from __future__ import annotations

@@ -73,8 +73,8 @@ class ModelConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _layer_words(cls, data: Any) -> Any:
-        """``dense_layers: even`` (blocks 0, 2, 4, ...), ``odd`` (1, 3, 5, ...) or ``thirds`` (all but 2, 5,
-        8, ...) as the list for ``n_layers``;
+        """``dense_layers: even`` (blocks 0, 2, 4, ...), ``odd`` (1, 3, 5, ...) or ``thirds``
+        (all but 2, 5, 8, ...) as the list for ``n_layers``;
         none for a dense model (``attention: dense``: a config's hybrid list does not stop a dense
         baseline)."""
         if not isinstance(data, dict):

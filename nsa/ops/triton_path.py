@@ -143,15 +143,14 @@ class Stages:
     this order, and ``nsa.bench.attention.kernel_breakdown`` times each one alone.
 
     Forward, after :meth:`start_forward`: :meth:`cmp_fwd` (compressed branch, its lse) -> :meth:`select`
-    (block scores + top-n;
-    skipped when ``block_idx`` is given) -> :meth:`sel_fwd` -> :meth:`win_fwd` (also the gated sum of the
-    three branches). Backward, after :meth:`start_backward`: :meth:`cmp_bwd` (also the gate gradient of
-    all three branches) -> :meth:`sel_bwd` -> :meth:`win_bwd` (also the final dq in q's dtype); dq
-    accumulates in fp32 between them (in q's dtype when the compressed branch was given: two parts, and no
-    fp32 buffer of q's size). Every kernel takes ``q_start`` as a runtime integer: query row ``i``
-    (of ``q``, ``gates`` and the row buffers) sits at position ``q_start + i`` of the keys. ``q_win``: the
-    window branch's own queries (``None``: ``q``); then :meth:`win_bwd` writes their gradient ``dq_win``
-    and :meth:`sel_bwd` finishes ``q``'s."""
+    (block scores + top-n; skipped when ``block_idx`` is given) -> :meth:`sel_fwd` -> :meth:`win_fwd` (also
+    the gated sum of the three branches). Backward, after :meth:`start_backward`: :meth:`cmp_bwd` (also the
+    gate gradient of all three branches) -> :meth:`sel_bwd` -> :meth:`win_bwd` (also the final dq in q's
+    dtype); dq accumulates in fp32 between them (in q's dtype when the compressed branch was given: two parts,
+    and no fp32 buffer of q's size). Every kernel takes ``q_start`` as a runtime integer: query row ``i`` (of
+    ``q``, ``gates`` and the row buffers) sits at position ``q_start + i`` of the keys. ``q_win``: the window
+    branch's own queries (``None``: ``q``); then :meth:`win_bwd` writes their gradient ``dq_win`` and
+    :meth:`sel_bwd` finishes ``q``'s."""
 
     def __init__(self, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
                  v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,

@@ -328,8 +328,8 @@ def range_bwd(
     dq_out: torch.Tensor | None = None, q_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add this branch's dq into ``dq`` (fp32, or q's dtype where one rounding more is fine; store when not
-    ``accum``); return ``dk, dv`` (every key
-    row; keys no query row sees get zeros). Query row ``i`` sits at position ``q_start + i``.
+    ``accum``); return ``dk, dv`` (every key row; keys no query row sees get zeros). Query row ``i`` sits at
+    position ``q_start + i``.
 
     ``o3 [B,S,HQ,slots,Dv]``: compute the gate gradient ``dg`` of the branches it holds from it first (``dg``
     is written; two slots: the selected and window branches only);

@@ -13,8 +13,7 @@ a counting sort:
 then
    over the segments), and the work items ``(block, first, end)`` from the totals;
 3. ``_scatter_kernel`` (a program per row and segment): each pair to its slot, ties in pair order (a pair's
-rank
-   among its chunk's pairs of the same block, from a cumulative sum of the chunk's one-hot matrix).
+   rank among its chunk's pairs of the same block, from a cumulative sum of the chunk's one-hot matrix).
 
 Blocks are counted in one-hot tiles of ``NBP`` bins (the block count plus one for "none", to a power of two),
 so this serves up to :data:`MAX_BINS` bins (``l_sel = 64``: 16k positions); longer lists stay with the

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from nsa.errors import ConfigError
-from nsa.rundir.layout import EXIT_WATCHDOG
+from nsa.rundir.layout import EXIT_INTERRUPTED, EXIT_WATCHDOG
 from nsa.train.launch import Rendezvous
 from nsa.view import Block, Line, Result, option
 
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+EXIT_OK, EXIT_FAILED = 0, 1
 
 
 @dataclass

@@ -42,6 +42,7 @@ STACKDUMP = "stackdump_rank{rank}.txt"  # SIGUSR1 appends every thread's stack (
 # a watchdog .HALT's reason starts with this (`nsa watch --halt-on`); the trainer exits EXIT_WATCHDOG on it
 WATCHDOG_PREFIX = "watchdog:"
 EXIT_WATCHDOG = 3  # `nsa train` (and `nsa watch` that wrote .HALT) when the watchdog halted the run
+EXIT_INTERRUPTED = 130  # `nsa train` stopped at once by a second request (Ctrl-C twice; 128 + SIGINT)
 
 
 def watchdog_reason(rule: str, message: str) -> str:

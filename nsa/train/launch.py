@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nsa.errors import ConfigError
+from nsa.rundir.layout import EXIT_INTERRUPTED
 
 
 def strip_option(argv: Sequence[str], option: str) -> list[str]:
@@ -75,7 +76,6 @@ def torchrun_argv(nproc: int, program: Sequence[str], rdzv: Rendezvous | None = 
             *program]
 
 
-EXIT_INTERRUPTED = 130  # a second signal stopped the ranks at once (as Ctrl-C twice does one rank)
 _FAILED = re.compile(r"torch/distributed/elastic/multiprocessing/api\.py.*\bfailed \(exitcode: (-?\d+)\)")
 
 

@@ -26,7 +26,7 @@ def _attention() -> type:
 
 
 @bench_app.command("attention", cls=command_class(json_path=True, request=_attention))
-def attention(as_json: options.RowsJson = False, json_out: options.RowsJsonOut = None, **fields: Any) -> None:
+def attention(as_json: options.RowsJson = False, json_out: options.RowsJsonOut = None, **fields: str) -> None:
     """Forward and forward+backward time and peak memory: NSA vs dense causal SDPA (and fla-core); with
     --stages each Triton stage's time against the machine's bound."""
     out = Output(as_json, json_out, always_human=True, wide=True)
@@ -45,7 +45,7 @@ def _train() -> type:
 
 
 @bench_app.command("train", cls=command_class(json_path=True, request=_train))
-def train(as_json: options.RowsJson = False, json_out: options.RowsJsonOut = None, **fields: Any) -> None:
+def train(as_json: options.RowsJson = False, json_out: options.RowsJsonOut = None, **fields: str) -> None:
     """Training-step tokens/s, MFU and peak memory: NSA model vs the same model with dense attention,
     eager and compiled; on several ranks with --nproc-per-node (and context parallelism)."""
     out = Output(as_json, json_out, always_human=True, wide=True)

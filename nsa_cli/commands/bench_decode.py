@@ -18,7 +18,7 @@ def _request() -> type:
     return DecodeRequest
 
 
-def decode(as_json: options.RowsJson = False, json_out: options.RowsJsonOut = None, **fields: Any) -> None:
+def decode(as_json: options.RowsJson = False, json_out: options.RowsJsonOut = None, **fields: str) -> None:
     """Milliseconds per decode step and keys read per step: NSA caches vs a dense KV cache."""
     with user_errors():
         from nsa.bench.decode import decode_command

@@ -18,7 +18,7 @@ def _request() -> type:
     return QualityRequest
 
 
-def quality(as_json: options.RowsJson = False, json_out: options.RowsJsonOut = None, **fields: Any) -> None:
+def quality(as_json: options.RowsJson = False, json_out: options.RowsJsonOut = None, **fields: str) -> None:
     """Train every arm on the same data and tokens; print held-out loss, selection recall and needle
     accuracy."""
     out = Output(as_json or str(json_out) == "-", always_human=True, wide=True)

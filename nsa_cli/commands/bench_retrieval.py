@@ -22,7 +22,7 @@ def _request() -> type:
 def retrieval(
     as_json: Annotated[bool, options.json_flag("the curves and environment")] = False,
     json_out: Annotated[Path | None, options.json_out("the curves and environment")] = None,
-    **fields: Any,
+    **fields: str,
 ) -> None:
     """Train each variant from scratch on key/value retrieval beyond the window; report steps to --target."""
     out = Output(as_json, json_out, always_human=True, wide=True)

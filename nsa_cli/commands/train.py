@@ -18,7 +18,7 @@ from nsa_cli.errors import user_errors
 from nsa_cli.render import Output
 
 
-def train(**given: Any) -> None:
+def train(**given: str) -> None:
     """Train a model; writes the run directory (checkpoints, heartbeats, CSV, TensorBoard, export).
 
     Halt with a .HALT file in the run directory (nsa halt), SIGTERM or Ctrl-C: checkpoint, then exit 0.

@@ -47,7 +47,7 @@ def watch(
     run_dir: Annotated[Path, options.run_dir()],
     as_json: Annotated[bool, options.json_flag("the state (one object with --once, else one per refresh: "
                                                "JSON lines)")] = False,
-    **fields: Any,
+    **fields: str,
 ) -> None:
     """Live dashboard: identity, progress/ETA, loss, tokens/s and grad-norm sparklines, lr, fetch p50/p95,
     memory, per-GPU utilisation/memory/temperature/power (NVML), gate health, selection recall and compressed

@@ -82,7 +82,7 @@ TUNE_KEYS = frozenset(
     [f"{k}_{x}" for k in TILE_KINDS for x in ("bm", "bn", "warps", "stages")]
     + ["sel_mode", "sel_dq", "sel_ch", "selbwd_ch", "sel_partial_mib", "sel_wl", "rot_launch", "cmp_copy",
        "cmp_bwd_mib", "o3_slots", "sel_tma", "cmp_qch", "score_prec", "score_slab", "score_reshape",
-       "score_pad", "topn_elems", "topn_warps", "dec_waves", "dec_cmp_min_tiles",
+       "score_bj", "score_pad", "topn_elems", "topn_warps", "topn_forced", "dec_waves", "dec_cmp_min_tiles",
        "dec_win_min_tiles", "dec_part_prec", "dec_cmp_warps", "dec_cmp_stages", "dec_score_cols",
        "dec_rank_block", "dec_score_warps", "dec_sel_min_tiles", "dec_sel_warps", "dec_sel_stages",
        "dec_combine_cols", "dec_combine_warps"]
@@ -138,7 +138,7 @@ def tile_config(device: torch.device, h: int, dk: int, dv: int, kind: str) -> Ti
     # kernels at D <= 128; these kinds measured faster with other shapes
     if dmax <= 128:
         if kind == "score" and h >= 16:
-            bm, warps = 128, 8
+            bm = 128  # 4 warps: paper 64k select 9.0 ms against 9.5 with 8 (H200, issue 53)
         elif kind == "cmp":
             bm, warps, stages = 128, 8, 3
         elif kind == "cmpdkdv" and dmax > 64:

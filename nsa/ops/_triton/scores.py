@@ -35,6 +35,8 @@ def _block_scores_kernel(
     g = bh % H
     # HGP >= HG rows per position (padded to a power of two: the head sum is then a reshape)
     BT: tl.constexpr = BM // HGP
+    PB: tl.constexpr = LS // D  # compressed tokens per selection block
+    HALO: tl.constexpr = L // D - 1  # earlier tokens that reach into a block
     t0 = T0 + pid * BT
     r = tl.arange(0, BM)
     pos = t0 + r // HGP
@@ -47,49 +49,95 @@ def _block_scores_kernel(
     lse = tl.load(LSE + (b * S + pos64) * HQ + head, mask=row_ok, other=float("inf"))
     apos = Q0 + pos  # absolute positions of the rows (queries at an offset)
     t_last = Q0 + tl.minimum(t0 + BT - 1, T1 - 1)
-    n_blk = t_last // LS + 1
+    n_all = (t_last // LS + NBC) // NBC  # chunks of NBC blocks up to the tile's last block
+    # chunk c holds blocks c*NBC .. and the tokens from c*NBC*PB - HALO on, so the overlap matrix
+    # W[j, b] = overlap(token, block) / l is the same for every chunk (built once)
+    jj = tl.arange(0, BJ)
+    bb = tl.arange(0, NBCP)
+    o = jj[:, None] - bb[None, :] * PB - HALO
+    overlap = tl.maximum(tl.minimum(o + HALO + 1, PB) - tl.maximum(o, 0), 0)
+    w = tl.where(bb[None, :] < NBC, overlap.to(tl.float32) * D / L, 0.0)
     # head-sum matrix: E[i, r] = 1 iff row r belongs to the tile's i-th position
     ti = tl.arange(0, BTP)
     E = tl.where((r[None, :] // HGP == ti[:, None]) & (r[None, :] < BT * HGP), 1.0, 0.0)
-    jj = tl.arange(0, BJ)
-    bb = tl.arange(0, NBCP)
-    for c0 in range(0, n_blk, NBC):
-        first = c0 * LS - L + 1
-        j_a = tl.where(first > 0, (first + D - 1) // D, 0)
-        j = j_a + jj
-        j64 = j.to(tl.int64)
-        k = tl.load(K + b * skb + j64[:, None] * sks + g * skh + ck[None, :],
-                    mask=(j[:, None] < NK) & (ck[None, :] < DK), other=0.0)
-        s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
-        vis = (j[None, :] * D + L - 1 <= apos[:, None]) & (j[None, :] < NK)
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-        blk = c0 + bb
-        lo = tl.maximum(j[:, None] * D, blk[None, :] * LS)
-        hi = tl.minimum(j[:, None] * D + L, blk[None, :] * LS + LS)
-        w = tl.where((bb[None, :] < NBC) & (hi > lo), (hi - lo).to(tl.float32) / L, 0.0)
-        if PREC == "bf16":
-            p_rows = tl.dot(p.to(tl.bfloat16), w.to(tl.bfloat16))
-        else:
-            p_rows = tl.dot(p, w, input_precision=PREC)
-        if RESHAPE:
-            # the tile's rows are [BT, HGP] and the head sum is a reduction (padded rows hold zeros)
-            p_pos2 = tl.sum(tl.reshape(p_rows, [BT, HGP, NBCP]), 1)
-            t2 = tl.arange(0, BT)
-            tpos2 = (t0 + t2).to(tl.int64)
-            tl.store(P + (bh * (T1 - T0) + tpos2[:, None] - T0) * NB + blk[None, :], p_pos2,
-                     mask=(tpos2[:, None] < T1) & (bb[None, :] < NBC) & (blk[None, :] < NB))
-        else:
-            p_pos = tl.dot(E, p_rows, input_precision="ieee")
-            tpos = (t0 + ti).to(tl.int64)
-            tl.store(P + (bh * (T1 - T0) + tpos[:, None] - T0) * NB + blk[None, :], p_pos,
-                     mask=(ti[:, None] < BT) & (tpos[:, None] < T1) & (bb[None, :] < NBC)
-                     & (blk[None, :] < NB))
+    # the chunks every row of the tile sees whole need no mask: their last token c*NBC*PB - HALO + BJ - 1
+    # is at most the last token the tile's first position sees
+    num = (Q0 + t0 - L + 1) // D + HALO - BJ + 1
+    n_full = tl.minimum(tl.where(num >= 0, num // (NBC * PB) + 1, 0), n_all)
+    # chunk 0 reaches before token 0 (masked), then the whole chunks, then the partly visible ones
+    _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, 0, T0, T1, NK, NB, skb, sks, skh, scale_log2,
+                 jj, bb,
+                 HGP, L, D, DK, BDK, BJ, NBC, NBCP, BT, BTP, PB, HALO, PREC, RESHAPE, True)
+    for c in range(1, n_full):
+        _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb, sks, skh, scale_log2,
+                     jj, bb,
+                     HGP, L, D, DK, BDK, BJ, NBC, NBCP, BT, BTP, PB, HALO, PREC, RESHAPE, False)
+    for c in range(tl.maximum(n_full, 1), n_all):
+        _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb, sks, skh, scale_log2,
+                     jj, bb,
+                     HGP, L, D, DK, BDK, BJ, NBC, NBCP, BT, BTP, PB, HALO, PREC, RESHAPE, True)
+
+
+@triton.jit
+def _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb, sks, skh, scale_log2,
+                 jj, bb,
+                 HGP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr,
+                 BJ: tl.constexpr, NBC: tl.constexpr, NBCP: tl.constexpr, BT: tl.constexpr, BTP: tl.constexpr,
+                 PB: tl.constexpr, HALO: tl.constexpr, PREC: tl.constexpr, RESHAPE: tl.constexpr,
+                 MASK: tl.constexpr):
+    """Blocks ``c*NBC ..`` of the tile's positions: the compressed probabilities of the chunk's tokens,
+    weighted by ``w`` and summed over the group's heads, stored into ``P``. ``MASK``: some token is not
+    visible to some row (or lies before token 0)."""
+    ck = tl.arange(0, BDK)
+    j = c * NBC * PB - HALO + jj
+    j64 = j.to(tl.int64)
+    k = tl.load(K + b * skb + j64[:, None] * sks + g * skh + ck[None, :],
+                mask=(j[:, None] >= 0) & (j[:, None] < NK) & (ck[None, :] < DK), other=0.0)
+    s = tl.dot(q, tl.trans(k))
+    p = tl.exp2(s * scale_log2 - lse[:, None])
+    if MASK:
+        vis = (j[None, :] * D + L - 1 <= apos[:, None]) & (j[None, :] >= 0) & (j[None, :] < NK)
+        p = tl.where(vis, p, 0.0)
+    if PREC == "bf16":
+        p_rows = tl.dot(p.to(tl.bfloat16), w.to(tl.bfloat16))
+    elif PREC == "bf16x2":  # p as the sum of two bf16 numbers (16 bits of mantissa); w: multiples of d/l
+        p_hi = p.to(tl.bfloat16)
+        p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+        wb = w.to(tl.bfloat16)
+        p_rows = tl.dot(p_lo, wb, tl.dot(p_hi, wb))
+    else:
+        p_rows = tl.dot(p, w, input_precision=PREC)
+    blk = c * NBC + bb
+    if RESHAPE:
+        # the tile's rows are [BT, HGP] and the head sum is a reduction (padded rows hold zeros)
+        p_pos = tl.sum(tl.reshape(p_rows, [BT, HGP, NBCP]), 1)
+        t2 = tl.arange(0, BT)
+        tpos = (t0 + t2).to(tl.int64)
+        tl.store(P + (bh * (T1 - T0) + tpos[:, None] - T0) * NB + blk[None, :], p_pos,
+                 mask=(tpos[:, None] < T1) & (bb[None, :] < NBC) & (blk[None, :] < NB))
+    else:
+        p_pos = tl.dot(E, p_rows, input_precision="ieee")
+        ti = tl.arange(0, BTP)
+        tpos = (t0 + ti).to(tl.int64)
+        tl.store(P + (bh * (T1 - T0) + tpos[:, None] - T0) * NB + blk[None, :], p_pos,
+                 mask=(ti[:, None] < BT) & (tpos[:, None] < T1) & (bb[None, :] < NBC) & (blk[None, :] < NB))
+
+
+@triton.jit
+def _nth_below(key, below, R: tl.constexpr):
+    """The ``R``-th largest key of each row below ``below`` (or the lowest there is): one max per round over
+    the keys below the previous round's."""
+    for _ in range(R):
+        m = tl.max(tl.where(key < below[:, None], key, -1), 1)
+        below = tl.where(m >= 0, m, below)
+    return below
 
 
 @triton.jit
 def _top_blocks_kernel(
     P, IDX, S, T0, T1, NB, H, Q0,
     LS: tl.constexpr, N_SEL: tl.constexpr, NBP: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr,
+    SKIP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -113,9 +161,11 @@ def _top_blocks_kernel(
     # the n_sel-th largest key, one max per round over the keys below the previous round's: the chosen
     # blocks are then exactly the valid keys at or above it (keys are unique)
     below = tl.full([BR], 0x7FFFFFFFFFFFFFFF, tl.int64)
-    for _ in range(N_SEL):
-        m = tl.max(tl.where(key < below[:, None], key, -1), 1)
-        below = tl.where(m >= 0, m, below)
+    if SKIP and N_SEL >= 3:
+        # the forced blocks (at most three) are the highest keys: start below the lowest of them
+        below = tl.min(tl.where(key >= 0x7F00000100000000, key, 0x7FFFFFFFFFFFFFFF), 1)
+    R: tl.constexpr = N_SEL - 3 if SKIP and N_SEL >= 3 else N_SEL  # rounds left
+    below = _nth_below(key, below, R)
     chosen = (key >= below[:, None]) & (key >= 0) & t_ok[:, None]
     # ascending output: each chosen block goes to the slot given by the number chosen below it
     n_chosen = tl.sum(chosen.to(tl.int32), 1)
@@ -138,7 +188,7 @@ def _block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, P: to
     cfg = tile_config(q.device, h, DK, DK, "score")
     halo = l // d - 1
     per_blk = l_sel // d
-    bj = max(next_pow2(per_blk + halo), 64 if q.is_cuda else 16)
+    bj = max(next_pow2(per_blk + halo), int(tuned("score_bj", 64)) if q.is_cuda else 16)
     nbc = (bj - halo) // per_blk
     # a group of h heads takes hp rows per position: padded to a power of two, the head sum is a reshape
     # instead of a product with a 0/1 matrix
@@ -159,13 +209,13 @@ def top_blocks(P: torch.Tensor, idx: torch.Tensor, t0: int, t1: int, *, l_sel: i
     ``idx [B, S, H, n_sel]``: ascending, ``-1`` padded."""
     B, S, H, n_sel = idx.shape
     NB = P.shape[-1]
-    nbp = max(16, next_pow2(NB))
+    # the rows' candidates end at the slab's last block: keys for those only (causal: early slabs need few)
+    nbp = max(16, next_pow2(min(NB, (q_start + t1 - 1) // l_sel + 1)))
     br = max(1, min(64, int(tuned("topn_elems", 1024)) // nbp))
     warps = int(tuned("topn_warps", 1))  # H100 sweep: 1 warp per row beat 2, 4 and 8
     _top_blocks_kernel[(triton.cdiv(t1 - t0, br), B * H)](
         P, idx, S, t0, t1, NB, H, q_start, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)),
-                                                          BR=br,
-        num_warps=warps,
+        BR=br, SKIP=bool(tuned("topn_forced", 1)), num_warps=warps,
     )
 
 

@@ -1,7 +1,7 @@
 """Designs of the block-scoring pass (issue 53), timed beside the library's in one process (CUDA).
 
 Usage (repo root, GPU): python3 scripts/score_designs.py [shape:S ...]   (default paper:65536 paper:131072
-m7c:65536). For each shape: the library's scoring pass and top-n alone, then each design of the scoring kernel
+m7c:65536; env SCORE_DESIGNS=next: only the designs not yet measured, SCORE_LIBRARY_ONLY=1: the library's alone). For each shape: the library's scoring pass and top-n alone, then each design of the scoring kernel
 (one Triton kernel, its choices as constexpr flags), its P checked against the library's on the rows' visible
 blocks; ablations (no exp, no head sum) bound what the products alone cost. JSON lines go to $OUT/score.jsonl.
 """
@@ -33,7 +33,7 @@ def _scores_design(
     S, T0, T1, NK, NB, HQ, Q0, scale_log2,
     HG: tl.constexpr, HGP: tl.constexpr, H: tl.constexpr, L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr,
     DK: tl.constexpr, BDK: tl.constexpr, BM: tl.constexpr, BJ: tl.constexpr, NBC: tl.constexpr,
-    NBCP: tl.constexpr, HS: tl.constexpr, SPLIT: tl.constexpr, AB: tl.constexpr,
+    NBCP: tl.constexpr, HS: tl.constexpr, SPLIT: tl.constexpr, AB: tl.constexpr, WS: tl.constexpr,
 ):
     """HS 0: W product (tf32) then the head sum as a reshape (the library's); 1: head sum (reshape) first,
     then W elementwise on [BT, BJ]; 2: head sum as a tf32 product with a 0/1 matrix first, then W elementwise.
@@ -78,7 +78,7 @@ def _scores_design(
     # chunk 0 holds the tokens before 0 (masked); then the whole chunks without masks, then the rest
     _chunk(q, K, P, lse, apos, b, g, bh, 0, jj, bb, tpos2, w_inv, E, skb, sks, skh, T0, T1, NK, NB,
            scale_log2, HGP, L, D, BT, PB, HALO, BJ, NBC, NBCP, DK, BDK, HS, AB, True)
-    for ci in range(1, n_full):
+    for ci in tl.range(1, n_full, warp_specialize=WS):  # WS: Triton's warp specialisation of the loop
         _chunk(q, K, P, lse, apos, b, g, bh, ci, jj, bb, tpos2, w_inv, E, skb, sks, skh, T0, T1, NK, NB,
                scale_log2, HGP, L, D, BT, PB, HALO, BJ, NBC, NBCP, DK, BDK, HS, AB, False)
     for ci in range(tl.maximum(n_full, 1), n_all):
@@ -129,7 +129,7 @@ def _chunk(q, K, P, lse, apos, b, g, bh, ci, jj, bb, tpos2, w_inv, E, skb, sks, 
 
 
 def design_scores(q, k_cmp, lse, P, t0, t1, *, p: NSAParams, scale: float, bm: int, warps: int, stages: int,
-                  bj: int, hs: int, split: int, ab: int = 0) -> None:  # type: ignore[no-untyped-def]
+                  bj: int, hs: int, split: int, ab: int = 0, ws: int = 0) -> None:  # type: ignore[no-untyped-def]
     B, S, HQ, DK = q.shape
     NK, H = k_cmp.shape[1], k_cmp.shape[2]
     h = HQ // H
@@ -142,7 +142,8 @@ def design_scores(q, k_cmp, lse, P, t0, t1, *, p: NSAParams, scale: float, bm: i
     _scores_design[(triton.cdiv(t1 - t0, bt), B * H)](
         q, k_cmp, lse, P, *q.stride()[:3], *k_cmp.stride()[:3], S, t0, t1, NK, P.shape[-1], HQ, 0,
         scale * LOG2E, HG=h, HGP=hp, H=H, L=p.l, D=p.d, LS=p.l_sel, DK=DK, BDK=max(16, next_pow2(DK)), BM=bm, BJ=bj,
-        NBC=nbc, NBCP=max(16, next_pow2(nbc)), HS=hs, SPLIT=split, AB=ab, num_warps=warps, num_stages=stages)
+        NBC=nbc, NBCP=max(16, next_pow2(nbc)), HS=hs, SPLIT=split, AB=ab, WS=bool(ws),
+        num_warps=warps, num_stages=stages)
 
 
 def bench(fn) -> float:  # type: ignore[no-untyped-def]
@@ -191,13 +192,18 @@ def run(shape: str, S: int, log) -> None:  # type: ignore[no-untyped-def]
     big = HQ // H >= 16
     bms = [(128, 8), (64, 4)] if big else [(64, 4), (128, 8), (128, 4)]
     P = torch.zeros_like(P_ref)
-    for (bm, warps), stages, bj, hs, split in [
+    designs = [(*d, 0) for d in (
         (bms[0], 2, 64, 0, 0), (bms[0], 2, 64, 0, 1), (bms[0], 2, 64, 1, 1), (bms[0], 2, 64, 2, 1),
         (bms[0], 2, 128, 1, 1), (bms[0], 2, 128, 2, 1), (bms[0], 3, 64, 1, 1), (bms[1], 2, 64, 1, 1),
         (bms[1], 2, 64, 2, 1), (bms[-1], 2, 64, 2, 1),
-    ]:
-        name = f"bm{bm}-w{warps}-s{stages}-bj{bj}-hs{hs}-split{split}"
-        kw = dict(p=p, scale=scale, bm=bm, warps=warps, stages=stages, bj=bj, hs=hs, split=split)
+    )]
+    # the kept design (4 warps), and its loop under Triton's warp specialisation (issue 53's next design)
+    designs += [((128, 4), st, 64, 0, 1, ws) for st, ws in ((2, 0), (2, 1), (3, 1))] + [(bms[0], 2, 64, 0, 1, 1)]
+    if os.environ.get("SCORE_DESIGNS") == "next":
+        designs = designs[-4:]
+    for (bm, warps), stages, bj, hs, split, ws in designs:
+        name = f"bm{bm}-w{warps}-s{stages}-bj{bj}-hs{hs}-split{split}" + ("-ws" if ws else "")
+        kw = dict(p=p, scale=scale, bm=bm, warps=warps, stages=stages, bj=bj, hs=hs, split=split, ws=ws)
         try:
             P.zero_()
             design_scores(q, k_cmp, lse, P, t0, S, **kw)  # type: ignore[arg-type]

@@ -100,11 +100,6 @@ def _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb,
         p = tl.where(vis, p, 0.0)
     if PREC == "bf16":
         p_rows = tl.dot(p.to(tl.bfloat16), w.to(tl.bfloat16))
-    elif PREC == "bf16x2":  # p as the sum of two bf16 numbers (16 bits of mantissa); w: multiples of d/l
-        p_hi = p.to(tl.bfloat16)
-        p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-        wb = w.to(tl.bfloat16)
-        p_rows = tl.dot(p_lo, wb, tl.dot(p_hi, wb))
     else:
         p_rows = tl.dot(p, w, input_precision=PREC)
     blk = c * NBC + bb

@@ -165,10 +165,11 @@ def _chunked_case() -> None:
 
 
 def _work_list_case(device: str = "cpu") -> None:
-    """The work list by three Triton launches (the default) is the operators' list (``sel_wl=ops``) bit for bit:
-    random block lists with ``-1`` holes (seed 7), several segments, queries at an offset, a strided view, the
-    backward's item size; lists too long for its bins stay with the operators."""
-    from nsa.ops import tile_overrides
+    """The work list by three Triton launches (the default, and ``sel_wl=sort`` for any number of blocks) is
+    the operators' list (``sel_wl=ops``) bit for bit: random block lists with ``-1`` holes (seed 7), several
+    segments, queries at an offset, a strided view, the backward's item size; lists too long for the default's
+    bins stay with the operators."""
+    from nsa.ops import fallback_counts, reset_fallback_counts, tile_overrides
     from nsa.ops._triton import selection, worklist
 
     gen = torch.Generator().manual_seed(7)
@@ -181,13 +182,27 @@ def _work_list_case(device: str = "cpu") -> None:
             want = selection.work_list(idx, l_sel, q_start, backward)
         got = selection.work_list(idx, l_sel, q_start, backward)  # the default: the kernels
         assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want), (B, S, H, n, l_sel, q_start)
+        with tile_overrides({"sel_wl": "sort"}):
+            got = selection.work_list(idx, l_sel, q_start, backward)
+        assert got.dtype == torch.int32 and torch.equal(got, want), ("sort", B, S, H, n, l_sel, q_start)
     assert worklist.fits(255) and not worklist.fits(256)
+    # the segment sorts serve any number of blocks: 300 and 1,100 (past the one-hot kernels' 255), 3 segments
+    reset_fallback_counts()
+    for B2, S2, H2, n2, l_sel2, q2, bwd2 in ((1, 300, 2, 3, 1, 0, False), (1, 700, 1, 5, 1, 400, True)):
+        nb = selection.num_blocks(S2, l_sel2, q2)
+        many = torch.randint(-1, nb, (B2, H2, S2, n2), generator=gen, dtype=torch.int32).permute(0, 2, 1, 3)
+        many[:, :5] = 0  # one block chosen by many pairs: several work items
+        many = many.to(device)
+        with tile_overrides({"sel_wl": "ops"}):
+            want2 = selection.work_list(many, l_sel2, q2, bwd2)
+        with tile_overrides({"sel_wl": "sort"}):
+            got2 = selection.work_list(many, l_sel2, q2, bwd2)
+        assert torch.equal(got2, want2), ("sort", nb)
+    assert fallback_counts() == {}  # the sorts ran (a failed launch would have handed the list to the operators)
     if device != "cpu":
         return
     # a Triton that cannot compile the kernels: the operators' list, the fallback counted once
     from triton.compiler.errors import CompilationError
-
-    from nsa.ops import fallback_counts, reset_fallback_counts
 
     def refuse(*_args: object) -> None:
         raise CompilationError(None, None, "forced by the test")

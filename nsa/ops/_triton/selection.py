@@ -456,7 +456,8 @@ def work_shape(B: int, S: int, H: int, n_sel: int, l_sel: int, device: torch.dev
 def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = False) -> torch.Tensor:
     """Pairs sorted by chosen block, and the programs' work items, in one int32 tensor (device ops only): by
     three Triton launches up to 255 blocks (:mod:`nsa.ops._triton.worklist`; tile key ``sel_wl=ops``: PyTorch
-    operators throughout, as the operators below compute it everywhere else).
+    operators throughout, as the operators below compute it everywhere else; ``sel_wl=sort``: three Triton
+    launches for any number of blocks, segment histograms and sorts, not yet the default).
 
     Row ``b*H + g``: ``S*n`` flat pair indices ``pos * n + slot`` ordered by block, then per work item
     ``(block, first, end)``: the pairs ``[first, end)`` of ``block``, at most ``CH`` of them (a block chosen
@@ -468,10 +469,14 @@ def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = 
     NB = num_blocks(S, l_sel, q_start)
     rows, width = work_shape(B, S, H, n, l_sel, idx.device, q_start, backward)
     how = str(tuned("sel_wl", "kernel"))
-    if how not in ("ops", "kernel"):
-        raise ValueError(f"sel_wl must be ops or kernel, got {how!r}")
+    if how not in ("ops", "kernel", "sort"):
+        raise ValueError(f"sel_wl must be ops, kernel or sort, got {how!r}")
     if how == "kernel" and (idx.is_cuda or interpreting()) and worklist.fits(NB):
         built = worklist.FIRST_BUILD.run(lambda: worklist.build(idx, NB, ch, width))
+        if built is not None:
+            return built
+    if how == "sort" and (idx.is_cuda or interpreting()):
+        built = worklist.FIRST_SORTED.run(lambda: worklist.build_sorted(idx, NB, ch, width))
         if built is not None:
             return built
     sn = S * n

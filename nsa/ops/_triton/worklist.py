@@ -114,14 +114,118 @@ def _scatter_kernel(IDX, HIST, OUT, s_b, s_s, s_h, s_n, H, W, SN, NB, NSEG,
         run += tl.sum(oh, axis=0)
 
 
+# Any number of blocks (tile key ``sel_wl=sort``): per segment a histogram (``tl.histogram``) and a sort of
+# the segment's (block, pair) keys (``tl.sort``), so no one-hot tile grows with the block count; the work
+# items written block by block. The same list, bit for bit; not yet the default (issue 53: to be measured).
+
+
+@triton.jit
+def _seg_keys(IDX, b, g, sg, s_b, s_s, s_h, s_n, SN, NB, NSEL: tl.constexpr, SEG: tl.constexpr,
+              SPARE: tl.constexpr):
+    """A segment's chosen blocks (``NB`` for none); pairs past the row's end in a bin of their own,
+    ``SPARE``."""
+    p = sg * SEG + tl.arange(0, SEG)
+    m = p < SN
+    return tl.where(m, _keys(IDX, b, g, p, m, s_b, s_s, s_h, s_n, NSEL, NB), SPARE)
+
+
+@triton.jit
+def _hist_sorted_kernel(IDX, HIST, s_b, s_s, s_h, s_n, H, SN, NB, NSEG,
+                        NSEL: tl.constexpr, SEG: tl.constexpr, NBP: tl.constexpr):
+    r = tl.program_id(0)
+    sg = tl.program_id(1)
+    k = _seg_keys(IDX, r // H, r % H, sg, s_b, s_s, s_h, s_n, SN, NB, NSEL, SEG, NBP - 1)
+    tl.store(HIST + (r * NSEG + sg) * NBP + tl.arange(0, NBP), tl.histogram(k, NBP))
+
+
+@triton.jit
+def _scan_by_block_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH, NBP: tl.constexpr, FW: tl.constexpr):
+    """Each segment's first slot per block (in place of its histogram), then the work items block by block:
+    item ``excl[b] + j`` holds pairs ``starts[b] + j*CH ..`` of block ``b``; items past the last take block
+    ``NB`` and the arithmetic of block ``NB - 1`` (as the operators' search gives them)."""
+    r = tl.program_id(0)
+    bins = tl.arange(0, NBP)
+    tot = tl.zeros([NBP], dtype=tl.int32)
+    for sg in range(0, NSEG):
+        tot += tl.load(HIST + (r * NSEG + sg) * NBP + bins)
+    starts = tl.cumsum(tot, 0) - tot
+    run = starts
+    for sg in range(0, NSEG):
+        h = tl.load(HIST + (r * NSEG + sg) * NBP + bins)
+        tl.store(HIST + (r * NSEG + sg) * NBP + bins, run)
+        run += h
+    valid = bins < NB
+    cnt = tl.where(valid, tot, 0)
+    nch = (cnt + CH - 1) // CH
+    excl = tl.cumsum(nch, 0) - nch
+    base = OUT + r * W + SN
+    for j in range(0, tl.max(nch, 0)):
+        m = valid & (j < nch)
+        first = starts + j * CH
+        w = excl + j
+        tl.store(base + 3 * w, bins, mask=m)
+        tl.store(base + 3 * w + 1, first, mask=m)
+        tl.store(base + 3 * w + 2, tl.minimum(starts + cnt, first + CH), mask=m)
+    last = bins == NB - 1
+    l_start = tl.sum(tl.where(last, starts, 0), 0)
+    l_excl = tl.sum(tl.where(last, excl, 0), 0)
+    l_cnt = tl.sum(tl.where(last, cnt, 0), 0)
+    for w0 in range(tl.sum(nch, 0), NW, FW):
+        w = w0 + tl.arange(0, FW)
+        m = w < NW
+        first = l_start + (w - l_excl) * CH
+        tl.store(base + 3 * w, tl.full([FW], 0, tl.int32) + NB, mask=m)
+        tl.store(base + 3 * w + 1, first, mask=m)
+        tl.store(base + 3 * w + 2, tl.minimum(l_start + l_cnt, first + CH), mask=m)
+
+
+@triton.jit
+def _scatter_sorted_kernel(IDX, HIST, OUT, s_b, s_s, s_h, s_n, H, W, SN, NB, NSEG,
+                           NSEL: tl.constexpr, SEG: tl.constexpr, NBP: tl.constexpr):
+    """Each pair of a segment to its slot: the segment's first slot of its block plus its rank among the
+    segment's pairs of that block (the sorted order of ``block * SEG + pair``)."""
+    r = tl.program_id(0)
+    sg = tl.program_id(1)
+    bins = tl.arange(0, NBP)
+    k = _seg_keys(IDX, r // H, r % H, sg, s_b, s_s, s_h, s_n, SN, NB, NSEL, SEG, NBP - 1)
+    loc = tl.arange(0, SEG)
+    s = tl.sort(k * SEG + loc)
+    kb = s // SEG
+    h = tl.histogram(k, NBP)
+    adj = tl.load(HIST + (r * NSEG + sg) * NBP + bins) - (tl.cumsum(h, 0) - h)  # sorted i's slot: adj + i
+    slot = tl.gather(adj, kb, 0) + loc
+    tl.store(OUT + r * W + slot, sg * SEG + s - kb * SEG, mask=kb < NBP - 1)
+
+
 def fits(n_blocks: int) -> bool:
     """Whether these kernels serve a list of ``n_blocks`` blocks (plus "none")."""
     return next_pow2(n_blocks + 1) <= MAX_BINS
 
 
+def build_sorted(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int) -> torch.Tensor:
+    """:func:`build`'s list for any number of blocks (segment histograms and sorts)."""
+    B, S, H, n = idx.shape
+    rows, sn = B * H, S * n
+    nbp = max(16, next_pow2(n_blocks + 2))  # the blocks, "none" and the spare bin of pairs past the end
+    nseg = -(-sn // SEG)
+    hist = torch.empty(rows, nseg, nbp, device=idx.device, dtype=torch.int32)
+    out = torch.empty(rows, width, device=idx.device, dtype=torch.int32)
+    st = idx.stride()
+    if rows == 0 or sn == 0:
+        return out
+    _hist_sorted_kernel[(rows, nseg)](idx, hist, *st[:3], st[3], H, sn, n_blocks, nseg, NSEL=n, SEG=SEG,
+                                      NBP=nbp)
+    _scan_by_block_kernel[(rows,)](hist, out, width, sn, n_blocks, nseg, (width - sn) // 3, pairs_per_item,
+                                   NBP=nbp, FW=128)
+    _scatter_sorted_kernel[(rows, nseg)](idx, hist, out, *st[:3], st[3], H, width, sn, n_blocks, nseg, NSEL=n,
+                                         SEG=SEG, NBP=nbp)
+    return out
+
+
 # the first build of the process is guarded: a Triton that cannot compile these kernels leaves the operators
 # in charge
 FIRST_BUILD = FirstLaunch("work_list:kernels->operators")
+FIRST_SORTED = FirstLaunch("work_list:sort->operators")
 
 
 def build(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int) -> torch.Tensor:

@@ -285,7 +285,7 @@ def main() -> None:
                 else:
                     grid += [{"score_bm": bm, "score_warps": w, "score_stages": st, "score_bj": bj}
                              for bm, w in tiles for st in (2, 3) for bj in (64, 128)]
-                    grid += [{"score_prec": "bf16"}]
+                    grid += [{"score_prec": "bf16"}, {"score_prec": "fp16"}, {"score_prec": "fp16", "score_warps": 8}]
                 best[shape] = sweep(shape, int(S), log, grid)
             return
         for item in args or ["paper:65536", "paper:131072", "m7c:65536"]:

@@ -100,6 +100,9 @@ def _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb,
         p = tl.where(vis, p, 0.0)
     if PREC == "bf16":
         p_rows = tl.dot(p.to(tl.bfloat16), w.to(tl.bfloat16))
+    elif PREC == "fp16":  # tf32's 10-bit mantissa at fp16's rate: p scaled by 2**14 (p <= 1: no overflow, and
+        # normal down to 4e-9), w's multiples of d/l, the sum scaled back exactly
+        p_rows = tl.dot((p * 16384.0).to(tl.float16), w.to(tl.float16)) * (1.0 / 16384.0)
     else:
         p_rows = tl.dot(p, w, input_precision=PREC)
     blk = c * NBC + bb

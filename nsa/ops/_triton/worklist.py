@@ -60,22 +60,31 @@ def _hist_kernel(IDX, HIST, s_b, s_s, s_h, s_n, H, SN, NB, NSEG,
 
 
 @triton.jit
-def _scan_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH,
-                 NBP: tl.constexpr, CW: tl.constexpr):
-    r = tl.program_id(0)
+def _segment_bases(HIST, r, NB, NSEG, CH, NBP: tl.constexpr):
+    """Row ``r``'s histograms ``HIST[r, segment, bin]`` replaced by each segment's first slot per block;
+    returns every block's first slot ("none" last: the largest key), its pair count (0 for "none" and past
+    it) and its work items of at most ``CH`` pairs."""
     bins = tl.arange(0, NBP)
     tot = tl.zeros([NBP], dtype=tl.int32)
     for sg in range(0, NSEG):
         tot += tl.load(HIST + (r * NSEG + sg) * NBP + bins)
-    starts = tl.cumsum(tot, 0) - tot  # every block's first slot ("none" last: the largest key)
+    starts = tl.cumsum(tot, 0) - tot
     run = starts
-    for sg in range(0, NSEG):  # each segment's first slot per block, in place of its histogram
+    for sg in range(0, NSEG):
         h = tl.load(HIST + (r * NSEG + sg) * NBP + bins)
         tl.store(HIST + (r * NSEG + sg) * NBP + bins, run)
         run += h
+    cnt = tl.where(bins < NB, tot, 0)
+    return starts, cnt, (cnt + CH - 1) // CH
+
+
+@triton.jit
+def _scan_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH,
+                 NBP: tl.constexpr, CW: tl.constexpr):
+    r = tl.program_id(0)
+    bins = tl.arange(0, NBP)
+    starts, cnt, nch = _segment_bases(HIST, r, NB, NSEG, CH, NBP)
     valid = bins < NB
-    cnt = tl.where(valid, tot, 0)
-    nch = (cnt + CH - 1) // CH
     cum = tl.cumsum(nch, 0)
     excl = cum - nch
     for w0 in range(0, NW, CW):
@@ -145,18 +154,8 @@ def _scan_by_block_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH, NBP: tl.constexpr,
     ``NB`` and the arithmetic of block ``NB - 1`` (as the operators' search gives them)."""
     r = tl.program_id(0)
     bins = tl.arange(0, NBP)
-    tot = tl.zeros([NBP], dtype=tl.int32)
-    for sg in range(0, NSEG):
-        tot += tl.load(HIST + (r * NSEG + sg) * NBP + bins)
-    starts = tl.cumsum(tot, 0) - tot
-    run = starts
-    for sg in range(0, NSEG):
-        h = tl.load(HIST + (r * NSEG + sg) * NBP + bins)
-        tl.store(HIST + (r * NSEG + sg) * NBP + bins, run)
-        run += h
+    starts, cnt, nch = _segment_bases(HIST, r, NB, NSEG, CH, NBP)
     valid = bins < NB
-    cnt = tl.where(valid, tot, 0)
-    nch = (cnt + CH - 1) // CH
     excl = tl.cumsum(nch, 0) - nch
     base = OUT + r * W + SN
     for j in range(0, tl.max(nch, 0)):

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import typer
 

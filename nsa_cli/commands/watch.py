@@ -5,7 +5,7 @@ refresh, so the output is a log of what it saw."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 

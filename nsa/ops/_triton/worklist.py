@@ -60,10 +60,11 @@ def _hist_kernel(IDX, HIST, s_b, s_s, s_h, s_n, H, SN, NB, NSEG,
 
 
 @triton.jit
-def _segment_bases(HIST, r, NB, NSEG, CH, NBP: tl.constexpr):
-    """Row ``r``'s histograms ``HIST[r, segment, bin]`` replaced by each segment's first slot per block;
-    returns every block's first slot ("none" last: the largest key), its pair count (0 for "none" and past
-    it) and its work items of at most ``CH`` pairs."""
+def _segment_bases(HIST, r, NB, NSEG, CH, NBP: tl.constexpr, SORTED: tl.constexpr):
+    """Row ``r``'s histograms ``HIST[r, segment, bin]`` replaced by each segment's first slot per block
+    (``SORTED``: less the segment's earlier pairs of lower blocks, so a pair at place ``i`` of the segment's
+    sorted order goes to that plus ``i``); returns every block's first slot ("none" last: the largest key),
+    its pair count (0 for "none" and past it) and its work items of at most ``CH`` pairs."""
     bins = tl.arange(0, NBP)
     tot = tl.zeros([NBP], dtype=tl.int32)
     for sg in range(0, NSEG):
@@ -72,7 +73,7 @@ def _segment_bases(HIST, r, NB, NSEG, CH, NBP: tl.constexpr):
     run = starts
     for sg in range(0, NSEG):
         h = tl.load(HIST + (r * NSEG + sg) * NBP + bins)
-        tl.store(HIST + (r * NSEG + sg) * NBP + bins, run)
+        tl.store(HIST + (r * NSEG + sg) * NBP + bins, run - (tl.cumsum(h, 0) - h) if SORTED else run)
         run += h
     cnt = tl.where(bins < NB, tot, 0)
     return starts, cnt, (cnt + CH - 1) // CH
@@ -83,7 +84,7 @@ def _scan_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH,
                  NBP: tl.constexpr, CW: tl.constexpr):
     r = tl.program_id(0)
     bins = tl.arange(0, NBP)
-    starts, cnt, nch = _segment_bases(HIST, r, NB, NSEG, CH, NBP)
+    starts, cnt, nch = _segment_bases(HIST, r, NB, NSEG, CH, NBP, False)
     valid = bins < NB
     cum = tl.cumsum(nch, 0)
     excl = cum - nch
@@ -154,7 +155,7 @@ def _scan_by_block_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH, NBP: tl.constexpr,
     ``NB`` and the arithmetic of block ``NB - 1`` (as the operators' search gives them)."""
     r = tl.program_id(0)
     bins = tl.arange(0, NBP)
-    starts, cnt, nch = _segment_bases(HIST, r, NB, NSEG, CH, NBP)
+    starts, cnt, nch = _segment_bases(HIST, r, NB, NSEG, CH, NBP, True)
     valid = bins < NB
     excl = tl.cumsum(nch, 0) - nch
     base = OUT + r * W + SN
@@ -181,8 +182,8 @@ def _scan_by_block_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH, NBP: tl.constexpr,
 @triton.jit
 def _scatter_sorted_kernel(IDX, HIST, OUT, s_b, s_s, s_h, s_n, H, W, SN, NB, NSEG,
                            NSEL: tl.constexpr, SEG: tl.constexpr, NBP: tl.constexpr):
-    """Each pair of a segment to its slot: the segment's first slot of its block plus its rank among the
-    segment's pairs of that block (the sorted order of ``block * SEG + pair``)."""
+    """Each pair of a segment to its slot: its place in the segment's sorted order of ``block * SEG + pair``
+    plus the scan's base for its block (:func:`_segment_bases` with ``SORTED``)."""
     r = tl.program_id(0)
     sg = tl.program_id(1)
     bins = tl.arange(0, NBP)
@@ -190,9 +191,7 @@ def _scatter_sorted_kernel(IDX, HIST, OUT, s_b, s_s, s_h, s_n, H, W, SN, NB, NSE
     loc = tl.arange(0, SEG)
     s = tl.sort(k * SEG + loc)
     kb = s // SEG
-    h = tl.histogram(k, NBP)
-    adj = tl.load(HIST + (r * NSEG + sg) * NBP + bins) - (tl.cumsum(h, 0) - h)  # sorted i's slot: adj + i
-    slot = tl.gather(adj, kb, 0) + loc
+    slot = tl.gather(tl.load(HIST + (r * NSEG + sg) * NBP + bins), kb, 0) + loc
     tl.store(OUT + r * W + slot, sg * SEG + s - kb * SEG, mask=kb < NBP - 1)
 
 

@@ -1,9 +1,11 @@
 """Designs of the block-scoring pass (issue 53), timed beside the library's in one process (CUDA).
 
 Usage (repo root, GPU): python3 scripts/score_designs.py [shape:S ...]   (default paper:65536 paper:131072
-m7c:65536; env SCORE_DESIGNS=next: only the designs not yet measured, SCORE_LIBRARY_ONLY=1: the library's alone). For each shape: the library's scoring pass and top-n alone, then each design of the scoring kernel
-(one Triton kernel, its choices as constexpr flags), its P checked against the library's on the rows' visible
-blocks; ablations (no exp, no head sum) bound what the products alone cost. JSON lines go to $OUT/score.jsonl.
+m7c:65536; env SCORE_DESIGNS=next: only the designs not yet measured, SCORE_LIBRARY_ONLY=1: the library's alone;
+--sweep with SCORE_SWEEP=prec: only the product's precisions, SCORE_REF=ieee: blocks against the fp32 product).
+For each shape: the library's scoring pass and top-n alone, then each design of the scoring kernel (one Triton
+kernel, its choices as constexpr flags), its P checked against the library's on the rows' visible blocks;
+ablations (no exp, no head sum) bound what the products alone cost. JSON lines go to $OUT/score.jsonl.
 """
 
 from __future__ import annotations
@@ -247,7 +249,9 @@ def sweep(shape: str, S: int, log, tunes: list[dict[str, int | str]]) -> dict[st
         log.write(json.dumps(row) + "\n")
         log.flush()
 
-    ref = select_top(q, k_cmp, st.lse_c, **kw)  # type: ignore[arg-type]
+    # SCORE_REF=ieee: blocks compared with the overlap product in fp32 (the spec's arithmetic), else the default's
+    with tile_overrides({"score_prec": "ieee"} if os.environ.get("SCORE_REF") == "ieee" else {}):
+        ref = select_top(q, k_cmp, st.lse_c, **kw)  # type: ignore[arg-type]
     if os.path.exists("old_scores.py"):
         spec = importlib.util.spec_from_file_location("old_scores", "old_scores.py")
         old = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
@@ -283,9 +287,10 @@ def main() -> None:
                 if shape in best:
                     grid.append(best[shape])
                 else:
-                    grid += [{"score_bm": bm, "score_warps": w, "score_stages": st, "score_bj": bj}
-                             for bm, w in tiles for st in (2, 3) for bj in (64, 128)]
-                    grid += [{"score_prec": "bf16"}, {"score_prec": "fp16"}, {"score_prec": "fp16", "score_warps": 8}]
+                    if os.environ.get("SCORE_SWEEP") != "prec":
+                        grid += [{"score_bm": bm, "score_warps": w, "score_stages": st, "score_bj": bj}
+                                 for bm, w in tiles for st in (2, 3) for bj in (64, 128)]
+                    grid += [{"score_prec": x} for x in ("tf32", "bf16", "fp16", "ieee")]
                 best[shape] = sweep(shape, int(S), log, grid)
             return
         for item in args or ["paper:65536", "paper:131072", "m7c:65536"]:

@@ -167,8 +167,8 @@ def _chunked_case() -> None:
 def _work_list_case(device: str = "cpu") -> None:
     """The work list by three Triton launches (the default, and ``sel_wl=sort`` for any number of blocks) is
     the operators' list (``sel_wl=ops``) bit for bit: random block lists with ``-1`` holes (seed 7), several
-    segments, queries at an offset, a strided view, the backward's item size; lists too long for the default's
-    bins stay with the operators."""
+    segments, queries at an offset, a strided view, the backward's item size; lists too long for the one-hot
+    bins go to the sorts by default."""
     from nsa.ops import fallback_counts, reset_fallback_counts, tile_overrides
     from nsa.ops._triton import selection, worklist
 
@@ -198,6 +198,7 @@ def _work_list_case(device: str = "cpu") -> None:
         with tile_overrides({"sel_wl": "sort"}):
             got2 = selection.work_list(many, l_sel2, q2, bwd2)
         assert torch.equal(got2, want2), ("sort", nb)
+        assert torch.equal(selection.work_list(many, l_sel2, q2, bwd2), want2), ("default", nb)
     assert fallback_counts() == {}  # the sorts ran (a failed launch would have handed the list to the operators)
     if device != "cpu":
         return
@@ -345,14 +346,15 @@ def test_gpu_sel_dq_ways_match_torch_path(sel_dq: str, HQ: int, window_query: bo
 
 @pytest.mark.gpu
 def test_gpu_work_list_kernels_equal_the_operators() -> None:
-    """The work-list kernels on the GPU: the operators' list (``sel_wl=ops``) bit for bit (random lists, several segments, an offset), and at
-    m7c's 2k-16k shapes (h = 6, l_sel = 64, n_sel = 16) from real top-n block lists."""
+    """The work-list kernels on the GPU: the operators' list (``sel_wl=ops``) bit for bit (random lists, several
+    segments, an offset), and at m7c's 2k-16k shapes (h = 6, l_sel = 64, n_sel = 16) and 64k (1,024 blocks: the
+    sorts) from random block lists (seed 11)."""
     from nsa.ops import tile_overrides
     from nsa.ops._triton import selection
 
     _work_list_case("cuda")
     gen = torch.Generator(device="cuda").manual_seed(11)
-    for B, S in ((16, 2048), (4, 8192), (1, 16320)):
+    for B, S in ((16, 2048), (4, 8192), (1, 16320), (1, 65536)):
         nb = selection.num_blocks(S, 64)
         idx = torch.randint(-1, nb, (B, S, 2, 16), device="cuda", dtype=torch.int32, generator=gen)
         for backward in (False, True):

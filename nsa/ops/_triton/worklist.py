@@ -16,10 +16,10 @@ then
    rank among its chunk's pairs of the same block, from a cumulative sum of the chunk's one-hot matrix).
 
 Blocks are counted in one-hot tiles of ``NBP`` bins (the block count plus one for "none", to a power of two),
-so this serves up to :data:`MAX_BINS` bins (``l_sel = 64``: 16k positions); longer lists stay with the
-operators, where the kernels' own time dwarfs the host's. The default (tile key ``sel_wl``: ``kernel``;
-``ops`` for the operators); a Triton that cannot compile these kernels falls back to the operators once,
-counted.
+so this serves up to :data:`MAX_BINS` bins (``l_sel = 64``: 16k positions); longer lists are built by
+:func:`build_sorted` (segment histograms and sorts, below). The default (tile key ``sel_wl``: ``kernel``;
+``sort`` for the sorts at every length, ``ops`` for the operators); a Triton that cannot compile these kernels
+falls back to the operators once, counted.
 """
 
 from __future__ import annotations
@@ -124,9 +124,9 @@ def _scatter_kernel(IDX, HIST, OUT, s_b, s_s, s_h, s_n, H, W, SN, NB, NSEG,
         run += tl.sum(oh, axis=0)
 
 
-# Any number of blocks (tile key ``sel_wl=sort``): per segment a histogram (``tl.histogram``) and a sort of
-# the segment's (block, pair) keys (``tl.sort``), so no one-hot tile grows with the block count; the work
-# items written block by block. The same list, bit for bit; not yet the default (issue 53: to be measured).
+# Any number of blocks (the default past the one-hot bins; tile key ``sel_wl=sort`` everywhere): per segment
+# a histogram (``tl.histogram``) and a sort of the segment's (block, pair) keys (``tl.sort``), so no one-hot
+# tile grows with the block count; the work items written block by block. The same list, bit for bit.
 
 
 @triton.jit

@@ -128,6 +128,9 @@ CPU_TUNED_CASES = {
     "h16-part-dq": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {"sel_dq": "part"}),
     # the FSA order's work list by the PyTorch operators (the kernels are the default; forward and backward read it)
     "h6-worklist-ops": (CPU_CASES["h6"], {"sel_wl": "ops"}),
+    # the overlap product as the GPU runs it by default (p scaled by 2**14 in fp16; the interpreter's own is fp32)
+    "h6-score-fp16": (CPU_CASES["h6"], {"score_prec": "fp16"}),
+    "h16-score-fp16": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {"score_prec": "fp16"}),
 }
 
 

@@ -100,8 +100,10 @@ def _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb,
         p = tl.where(vis, p, 0.0)
     if PREC == "bf16":
         p_rows = tl.dot(p.to(tl.bfloat16), w.to(tl.bfloat16))
-    elif PREC == "fp16":  # tf32's 10-bit mantissa at fp16's rate: p scaled by 2**14 (p <= 1: no overflow, and
-        # normal down to 4e-9), w's multiples of d/l, the sum scaled back exactly
+    elif PREC == "fp16":
+        # the default on CUDA: tf32's 10-bit mantissa, rounded, at fp16's rate (12-14% off the select stage,
+        # as many blocks as tf32's agree with the fp32 product: H200, issue 53); p scaled by 2**14 (p <= 1: no
+        # overflow, normal down to 4e-9), w's multiples of d/l, the sum scaled back exactly
         p_rows = tl.dot((p * 16384.0).to(tl.float16), w.to(tl.float16)) * (1.0 / 16384.0)
     else:
         p_rows = tl.dot(p, w, input_precision=PREC)
@@ -196,7 +198,7 @@ def _block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, P: to
         q, k_cmp, lse, P, *q.stride()[:3], *k_cmp.stride()[:3], S, t0, t1, NK, NB, HQ, q_start, scale * LOG2E,
         HG=h, HGP=hp, H=H, L=l, D=d, LS=l_sel, DK=DK, BDK=max(16, next_pow2(DK)), BM=cfg.bm, BJ=bj,
         NBC=nbc, NBCP=max(16, next_pow2(nbc)), BTP=max(16, next_pow2(bt)),
-        PREC=str(tuned("score_prec", "tf32")) if q.is_cuda else "ieee",
+        PREC=str(tuned("score_prec", "fp16" if q.is_cuda else "ieee")),
         RESHAPE=bool(tuned("score_reshape", 1)) and q.is_cuda and hp & (hp - 1) == 0 and cfg.bm == bt * hp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

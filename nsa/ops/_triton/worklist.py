@@ -60,11 +60,10 @@ def _hist_kernel(IDX, HIST, s_b, s_s, s_h, s_n, H, SN, NB, NSEG,
 
 
 @triton.jit
-def _segment_bases(HIST, r, NB, NSEG, CH, NBP: tl.constexpr, SORTED: tl.constexpr):
-    """Row ``r``'s histograms ``HIST[r, segment, bin]`` replaced by each segment's first slot per block
-    (``SORTED``: less the segment's earlier pairs of lower blocks, so a pair at place ``i`` of the segment's
-    sorted order goes to that plus ``i``); returns every block's first slot ("none" last: the largest key),
-    its pair count (0 for "none" and past it) and its work items of at most ``CH`` pairs."""
+def _segment_bases(HIST, r, NB, NSEG, CH, NBP: tl.constexpr):
+    """Row ``r``'s histograms ``HIST[r, segment, bin]`` replaced by each segment's first slot per block;
+    returns every block's first slot ("none" last: the largest key), its pair count (0 for "none" and past
+    it) and its work items of at most ``CH`` pairs."""
     bins = tl.arange(0, NBP)
     tot = tl.zeros([NBP], dtype=tl.int32)
     for sg in range(0, NSEG):
@@ -73,7 +72,7 @@ def _segment_bases(HIST, r, NB, NSEG, CH, NBP: tl.constexpr, SORTED: tl.constexp
     run = starts
     for sg in range(0, NSEG):
         h = tl.load(HIST + (r * NSEG + sg) * NBP + bins)
-        tl.store(HIST + (r * NSEG + sg) * NBP + bins, run - (tl.cumsum(h, 0) - h) if SORTED else run)
+        tl.store(HIST + (r * NSEG + sg) * NBP + bins, run)
         run += h
     cnt = tl.where(bins < NB, tot, 0)
     return starts, cnt, (cnt + CH - 1) // CH
@@ -84,7 +83,7 @@ def _scan_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH,
                  NBP: tl.constexpr, CW: tl.constexpr):
     r = tl.program_id(0)
     bins = tl.arange(0, NBP)
-    starts, cnt, nch = _segment_bases(HIST, r, NB, NSEG, CH, NBP, False)
+    starts, cnt, nch = _segment_bases(HIST, r, NB, NSEG, CH, NBP)
     valid = bins < NB
     cum = tl.cumsum(nch, 0)
     excl = cum - nch
@@ -149,14 +148,35 @@ def _hist_sorted_kernel(IDX, HIST, s_b, s_s, s_h, s_n, H, SN, NB, NSEG,
 
 
 @triton.jit
-def _scan_by_block_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH, NBP: tl.constexpr, FW: tl.constexpr):
-    """Each segment's first slot per block (in place of its histogram), then the work items block by block:
-    item ``excl[b] + j`` holds pairs ``starts[b] + j*CH ..`` of block ``b``; items past the last take block
+def _segment_prefix_kernel(HIST, TOT, NSEG, NBP: tl.constexpr, BT: tl.constexpr, SGT: tl.constexpr):
+    """A program per row and tile of ``BT`` bins: ``HIST[r, segment, bin]`` replaced by the pairs of that bin
+    in the row's earlier segments (tiles of ``SGT`` segments at a time), ``TOT[r, bin]`` the row's total."""
+    r = tl.program_id(0)
+    bins = tl.program_id(1) * BT + tl.arange(0, BT)
+    run = tl.zeros([BT], dtype=tl.int32)
+    for s0 in range(0, NSEG, SGT):
+        sg = s0 + tl.arange(0, SGT)
+        m = (sg < NSEG)[:, None]
+        ptr = HIST + (r * NSEG + sg[:, None]).to(tl.int64) * NBP + bins[None, :]
+        h = tl.load(ptr, mask=m, other=0)
+        tl.store(ptr, run[None, :] + tl.cumsum(h, 0) - h, mask=m)
+        run += tl.sum(h, 0)
+    tl.store(TOT + r * NBP + bins, run)
+
+
+@triton.jit
+def _scan_by_block_kernel(TOT, OUT, W, SN, NB, NW, CH, NBP: tl.constexpr, FW: tl.constexpr):
+    """Every block's first slot (in place of its total), then the work items block by block: item
+    ``excl[b] + j`` holds pairs ``starts[b] + j*CH ..`` of block ``b``; items past the last take block
     ``NB`` and the arithmetic of block ``NB - 1`` (as the operators' search gives them)."""
     r = tl.program_id(0)
     bins = tl.arange(0, NBP)
-    starts, cnt, nch = _segment_bases(HIST, r, NB, NSEG, CH, NBP, True)
+    tot = tl.load(TOT + r * NBP + bins)
+    starts = tl.cumsum(tot, 0) - tot
+    tl.store(TOT + r * NBP + bins, starts)
     valid = bins < NB
+    cnt = tl.where(valid, tot, 0)
+    nch = (cnt + CH - 1) // CH
     excl = tl.cumsum(nch, 0) - nch
     base = OUT + r * W + SN
     for j in range(0, tl.max(nch, 0)):
@@ -180,18 +200,22 @@ def _scan_by_block_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH, NBP: tl.constexpr,
 
 
 @triton.jit
-def _scatter_sorted_kernel(IDX, HIST, OUT, s_b, s_s, s_h, s_n, H, W, SN, NB, NSEG,
+def _scatter_sorted_kernel(IDX, HIST, TOT, OUT, s_b, s_s, s_h, s_n, H, W, SN, NB, NSEG,
                            NSEL: tl.constexpr, SEG: tl.constexpr, NBP: tl.constexpr):
-    """Each pair of a segment to its slot: its place in the segment's sorted order of ``block * SEG + pair``
-    plus the scan's base for its block (:func:`_segment_bases` with ``SORTED``)."""
+    """Each pair of a segment to its slot: its block's first slot, plus the block's pairs in earlier segments,
+    plus its rank among the segment's pairs of that block (its place in the segment's sorted order of
+    ``block * SEG + pair`` less the segment's pairs of lower blocks)."""
     r = tl.program_id(0)
     sg = tl.program_id(1)
     bins = tl.arange(0, NBP)
     k = _seg_keys(IDX, r // H, r % H, sg, s_b, s_s, s_h, s_n, SN, NB, NSEL, SEG, NBP - 1)
+    h = tl.histogram(k, NBP)
     loc = tl.arange(0, SEG)
     s = tl.sort(k * SEG + loc)
     kb = s // SEG
-    slot = tl.gather(tl.load(HIST + (r * NSEG + sg) * NBP + bins), kb, 0) + loc
+    earlier = tl.load(HIST + (r * NSEG + sg) * NBP + bins)  # the block's pairs in earlier segments
+    base = tl.load(TOT + r * NBP + bins) + earlier - (tl.cumsum(h, 0) - h)
+    slot = tl.gather(base, kb, 0) + loc
     tl.store(OUT + r * W + slot, sg * SEG + s - kb * SEG, mask=kb < NBP - 1)
 
 
@@ -201,22 +225,26 @@ def fits(n_blocks: int) -> bool:
 
 
 def build_sorted(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int) -> torch.Tensor:
-    """:func:`build`'s list for any number of blocks (segment histograms and sorts)."""
+    """:func:`build`'s list for any number of blocks, in four launches: segment histograms, their prefix over
+    the segments (a program per tile of bins), the blocks' first slots and the work items, the sorts."""
     B, S, H, n = idx.shape
     rows, sn = B * H, S * n
     nbp = max(16, next_pow2(n_blocks + 2))  # the blocks, "none" and the spare bin of pairs past the end
     nseg = -(-sn // SEG)
     hist = torch.empty(rows, nseg, nbp, device=idx.device, dtype=torch.int32)
+    tot = torch.empty(rows, nbp, device=idx.device, dtype=torch.int32)
     out = torch.empty(rows, width, device=idx.device, dtype=torch.int32)
     st = idx.stride()
     if rows == 0 or sn == 0:
         return out
     _hist_sorted_kernel[(rows, nseg)](idx, hist, *st[:3], st[3], H, sn, n_blocks, nseg, NSEL=n, SEG=SEG,
                                       NBP=nbp)
-    _scan_by_block_kernel[(rows,)](hist, out, width, sn, n_blocks, nseg, (width - sn) // 3, pairs_per_item,
-                                   NBP=nbp, FW=128)
-    _scatter_sorted_kernel[(rows, nseg)](idx, hist, out, *st[:3], st[3], H, width, sn, n_blocks, nseg, NSEL=n,
-                                         SEG=SEG, NBP=nbp)
+    bt = min(nbp, 128)
+    _segment_prefix_kernel[(rows, nbp // bt)](hist, tot, nseg, NBP=nbp, BT=bt, SGT=32)
+    _scan_by_block_kernel[(rows,)](tot, out, width, sn, n_blocks, (width - sn) // 3, pairs_per_item, NBP=nbp,
+                                   FW=128)
+    _scatter_sorted_kernel[(rows, nseg)](idx, hist, tot, out, *st[:3], st[3], H, width, sn, n_blocks, nseg,
+                                         NSEL=n, SEG=SEG, NBP=nbp)
     return out
 
 

@@ -194,7 +194,9 @@ def _work_list_case(device: str = "cpu") -> None:
     for B2, S2, H2, n2, l_sel2, q2, bwd2 in ((1, 300, 2, 3, 1, 0, False), (1, 700, 1, 5, 1, 400, True)):
         nb = selection.num_blocks(S2, l_sel2, q2)
         many = torch.randint(-1, nb, (B2, H2, S2, n2), generator=gen, dtype=torch.int32).permute(0, 2, 1, 3)
-        many[:, :5] = 0  # one block chosen by many pairs: several work items
+        many[..., 0] = 0  # every position chooses block 0 (the forced first block): the most work items
+        if bwd2:
+            many[..., 1] = 1  # and block 1 as often: two blocks share the largest count
         many = many.to(device)
         with tile_overrides({"sel_wl": "ops"}):
             want2 = selection.work_list(many, l_sel2, q2, bwd2)

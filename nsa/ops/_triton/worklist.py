@@ -168,7 +168,9 @@ def _segment_prefix_kernel(HIST, TOT, NSEG, NBP: tl.constexpr, BT: tl.constexpr,
 def _scan_by_block_kernel(TOT, OUT, W, SN, NB, NW, CH, NBP: tl.constexpr, FW: tl.constexpr):
     """Every block's first slot (in place of its total), then the work items block by block: item
     ``excl[b] + j`` holds pairs ``starts[b] + j*CH ..`` of block ``b``; items past the last take block
-    ``NB`` and the arithmetic of block ``NB - 1`` (as the operators' search gives them)."""
+    ``NB`` and the arithmetic of block ``NB - 1`` (as the operators' search gives them). Every block's items
+    up to the second-largest count go out a pass each over the blocks; the largest block's rest (block 0,
+    which every position chooses: ``S / CH`` items) ``FW`` at a time."""
     r = tl.program_id(0)
     bins = tl.arange(0, NBP)
     tot = tl.load(TOT + r * NBP + bins)
@@ -179,13 +181,26 @@ def _scan_by_block_kernel(TOT, OUT, W, SN, NB, NW, CH, NBP: tl.constexpr, FW: tl
     nch = (cnt + CH - 1) // CH
     excl = tl.cumsum(nch, 0) - nch
     base = OUT + r * W + SN
-    for j in range(0, tl.max(nch, 0)):
+    top = tl.argmax(nch, 0)
+    second = tl.max(tl.where(bins == top, 0, nch), 0)
+    for j in range(0, second):
         m = valid & (j < nch)
         first = starts + j * CH
         w = excl + j
         tl.store(base + 3 * w, bins, mask=m)
         tl.store(base + 3 * w + 1, first, mask=m)
         tl.store(base + 3 * w + 2, tl.minimum(starts + cnt, first + CH), mask=m)
+    t_start = tl.sum(tl.where(bins == top, starts, 0), 0)
+    t_excl = tl.sum(tl.where(bins == top, excl, 0), 0)
+    t_cnt = tl.sum(tl.where(bins == top, cnt, 0), 0)
+    for j0 in range(second, tl.max(nch, 0), FW):
+        j = j0 + tl.arange(0, FW)
+        m = j < tl.max(nch, 0)
+        first = t_start + j * CH
+        w = t_excl + j
+        tl.store(base + 3 * w, tl.full([FW], 0, tl.int32) + top, mask=m)
+        tl.store(base + 3 * w + 1, first, mask=m)
+        tl.store(base + 3 * w + 2, tl.minimum(t_start + t_cnt, first + CH), mask=m)
     last = bins == NB - 1
     l_start = tl.sum(tl.where(last, starts, 0), 0)
     l_excl = tl.sum(tl.where(last, excl, 0), 0)

@@ -13,7 +13,11 @@
 #          on and off (`--tune sel_wl=ops --tune rot_launch=parts`): `nsa bench train` 125M at S=2048 on one GPU, DDP
 #          and FSDP2 over two, and DDP and FSDP2 with CUDA graphs on two ranks (`runtime.compile_mode=reduce-overhead`)
 #          (~7 min)
-# Usage: scripts/multigpu_rows.sh OUT_DIR fsdp|sizes|ckpt|cp|train|host ...   (JSON and logs into OUT_DIR)
+#   units  issue 54's next FSDP2 designs in `nsa train` (125M, S=2048, 80 steps on local text): one GPU, DDP, FSDP2 as
+#          one unit, two units of six blocks (the first half's reduce-scatter under the second half's backward), the
+#          reduce-scatter in bf16 (`runtime.fsdp_reduce_dtype=low`), both; and `nsa bench train` FSDP2 beside (~9 min;
+#          needs python -m nsa.data.corpus.packages /tmp/corpus first)
+# Usage: scripts/multigpu_rows.sh OUT_DIR fsdp|sizes|ckpt|cp|train|units|host ...   (JSON and logs into OUT_DIR)
 set -u
 out=${1:?out dir}; shift
 mkdir -p "$out"
@@ -70,6 +74,24 @@ for part in "$@"; do
         esac
         run "train-$arm" "${T[@]}" "${x[@]}" -o "/tmp/train-$arm" && cp "/tmp/train-$arm/training.csv" "$out/train-$arm.csv"
       done ;;
+    units)
+      T=(python3 -m nsa_cli train --config m7c-125m --seq-len 2048 --batch-size 16 --dataset local
+         --data-path /tmp/corpus/text --tokenizer byte --set data.val_fraction=0.02 --set eval.every=0
+         --set checkpoint.every=0 --set logging.every=10 --steps 80)
+      F=(--nproc-per-node 2 --set runtime.parallel=fsdp)
+      for arm in one ddp fsdp fsdp-2units fsdp-low fsdp-2units-low; do
+        case $arm in
+          one) x=() ;;
+          ddp) x=(--nproc-per-node 2) ;;
+          fsdp) x=("${F[@]}") ;;  # 125M: the whole model one unit (auto)
+          fsdp-2units) x=("${F[@]}" --set runtime.fsdp_unit_blocks=6) ;;  # the first half's reduce-scatter overlaps
+          fsdp-low) x=("${F[@]}" --set runtime.fsdp_reduce_dtype=low) ;;  # the reduce-scatter in bf16
+          fsdp-2units-low) x=("${F[@]}" --set runtime.fsdp_unit_blocks=6 --set runtime.fsdp_reduce_dtype=low) ;;
+        esac
+        run "units-$arm" "${T[@]}" "${x[@]}" -o "/tmp/units-$arm" && cp "/tmp/units-$arm/training.csv" "$out/units-$arm.csv"
+      done
+      run units-bench-fsdp $B --modes compiled --seq-lens 2048 --batch-sizes 16 --steps 40 --warmup 10 "${F[@]}" \
+        --json-out "$out/units-bench-fsdp.json" ;;
     host)
       H=($B --modes compiled --seq-lens 2048 --batch-sizes 16 --steps 20 --warmup 5)
       OLD=(--tune sel_wl=ops --tune rot_launch=parts)
@@ -86,6 +108,6 @@ for part in "$@"; do
         esac
         run "host-$arm" "${H[@]}" "${x[@]}" --json-out "$out/host-$arm.json"
       done ;;
-    *) echo "unknown part $part (fsdp, sizes, ckpt, cp, train, host)"; exit 2 ;;
+    *) echo "unknown part $part (fsdp, sizes, ckpt, cp, train, units, host)"; exit 2 ;;
   esac
 done

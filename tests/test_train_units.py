@@ -288,6 +288,34 @@ def test_fsdp_units_group_consecutive_blocks() -> None:
     assert units(blocks, 5) == [(True, blocks)] and units(blocks, 0) == []
 
 
+@pytest.mark.parametrize("reduce,want", [("fp32", torch.float32), ("low", torch.bfloat16)])
+def test_shard_gives_fully_shard_the_reduce_dtype(reduce: str, want: torch.dtype,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``runtime.fsdp_reduce_dtype``: bf16 parameters on CUDA reduce-scatter their gradients in fp32 by default,
+    in bf16 with ``low``; every unit and the root get the same policy (``fully_shard`` recorded, not run)."""
+    import torch.distributed.fsdp as fsdp
+
+    from nsa.config import load_run_config
+    from nsa.train import parallel
+
+    cfg = load_run_config(config="tiny", sets=[f"runtime.fsdp_reduce_dtype={reduce}",
+                                               "runtime.fsdp_unit_blocks=1"]).config
+    seen: list[object] = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: seen.append(kw["mp_policy"]))
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+
+        def block_list(self) -> list[torch.nn.Module]:
+            return list(self.blocks)
+
+    parallel.shard(Model(), cfg, "bf16", "cuda")
+    assert len(seen) == 3  # two blocks, then the root
+    assert all(p.param_dtype == torch.bfloat16 and p.reduce_dtype == want for p in seen)  # type: ignore[attr-defined]
+
+
 def test_shard_adamw_steps_fsdp2_shards_as_adamw_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``parallel.ShardAdamW`` on FSDP2's DTensor parameters (one gloo rank in this process) gives AdamW's
     parameters and moments exactly over three steps (weight decay on one group), and the update it launches sees

@@ -283,6 +283,10 @@ class RuntimeConfig(_Section):
         "auto", description="fsdp: blocks per fully_shard unit (gathered and reduce-scattered together: "
         "fewer units, less host work a step, more memory); 0: the whole model one unit (one gather and one "
         "reduce-scatter a step); auto: 0 up to 1B parameters, else 1")
+    fsdp_reduce_dtype: Literal["fp32", "low"] = Field(
+        "fp32", description="fsdp with bf16/fp16 parameters: the gradients' reduce-scatter in fp32 (each "
+        "rank's gradient summed exactly) or in the parameters' low precision (half the bytes and copies; "
+        "each rank's gradient rounded before the sum)")
     deterministic: bool = Field(False, json_schema_extra=exposed(env="NSA_DETERMINISTIC"))
     tf32: bool = Field(True, json_schema_extra=exposed(env="NSA_TF32"))
     alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the run",

@@ -36,7 +36,8 @@ def shard(model: Any, cfg: RunConfig, precision: str, device_type: str) -> None:
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     kw: dict[str, Any] = {"reshard_after_forward": cfg.runtime.fsdp_reshard_after_forward}
     if low is not None and device_type == "cuda":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        reduce = low if cfg.runtime.fsdp_reduce_dtype == "low" else torch.float32
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
     if cfg.runtime.fsdp_cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
     per_unit = cfg.runtime.fsdp_units(sum(p.numel() for p in model.parameters()))

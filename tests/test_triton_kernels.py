@@ -7,6 +7,7 @@ Outputs are poisoned (NaN-filled allocator memory on GPU) before each call; inpu
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -415,24 +416,34 @@ def test_gpu_window_query_matches_torch_path(HQ: int) -> None:
 
 
 def _top_blocks_case(device: str) -> None:
-    """The top-n kernel on scores full of ties (small integers) equals the spec's choice row by row."""
+    """The top-n kernel on scores full of ties (small integers) and on distinct scores (a permutation of
+    1 .. n_blocks scaled by 2**-20) equals the spec's choice row by row, with 64-bit keys and with 32-bit ones
+    (``topn_key=32``: the scores keep 8 exponent and at least 11 mantissa bits here)."""
+    from nsa.ops import tile_overrides
     from nsa.ops._triton.scores import top_blocks
     from nsa.ops.reference import _choose
 
     gen = torch.Generator().manual_seed(12)
-    for B, H, S, l_sel, n_sel in ((1, 1, 40, 4, 3), (2, 3, 77, 8, 5), (1, 2, 150, 4, 16)):
+    cases = [(1, 1, 40, 4, 3, "ties"), (2, 3, 77, 8, 5, "ties"), (1, 2, 150, 4, 16, "ties"),
+             (1, 2, 600, 2, 16, "distinct")]
+    for (B, H, S, l_sel, n_sel, kind), bits in itertools.product(cases, (64, 32)):
         nb = -(-S // l_sel)
-        P = torch.randint(0, 4, (B * H, S, nb), generator=gen).float()
-        P[:, :, 1] = 0.0  # a column of equal zeros next to the forced block 0
+        if kind == "ties":
+            P = torch.randint(0, 4, (B * H, S, nb), generator=gen).float()
+            P[:, :, 1] = 0.0  # a column of equal zeros next to the forced block 0
+        else:
+            P = torch.stack([torch.randperm(nb, generator=gen) for _ in range(B * H * S)]).view(B * H, S, nb)
+            P = (P.float() + 1) * 2.0**-20
         idx = torch.full((B, S, H, n_sel), -7, dtype=torch.int32, device=device)
-        top_blocks(P.to(device), idx, 0, S, l_sel=l_sel)
+        with tile_overrides({"topn_key": bits}):
+            top_blocks(P.to(device), idx, 0, S, l_sel=l_sel)
         idx = idx.cpu()
         for b in range(B):
             for g in range(H):
                 for t in range(S):
                     want = _choose(P[b * H + g, t].tolist(), t, l_sel, n_sel)
                     got = idx[b, t, g].tolist()
-                    assert got == want + [-1] * (n_sel - len(want)), (B, H, S, t, got, want)
+                    assert got == want + [-1] * (n_sel - len(want)), (B, H, S, bits, t, got, want)
 
 
 @pytest.mark.gpu

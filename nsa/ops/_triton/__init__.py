@@ -82,10 +82,10 @@ TUNE_KEYS = frozenset(
     [f"{k}_{x}" for k in TILE_KINDS for x in ("bm", "bn", "warps", "stages")]
     + ["sel_mode", "sel_dq", "sel_ch", "selbwd_ch", "sel_partial_mib", "sel_wl", "rot_launch", "cmp_copy",
        "cmp_bwd_mib", "o3_slots", "sel_tma", "cmp_qch", "score_prec", "score_slab", "score_reshape",
-       "score_bj", "score_pad", "topn_elems", "topn_warps", "topn_forced", "dec_waves", "dec_cmp_min_tiles",
-       "dec_win_min_tiles", "dec_part_prec", "dec_cmp_warps", "dec_cmp_stages", "dec_score_cols",
-       "dec_rank_block", "dec_score_warps", "dec_sel_min_tiles", "dec_sel_warps", "dec_sel_stages",
-       "dec_combine_cols", "dec_combine_warps"]
+       "score_bj", "score_pad", "topn_elems", "topn_warps", "topn_forced", "topn_key", "dec_waves",
+       "dec_cmp_min_tiles", "dec_win_min_tiles", "dec_part_prec", "dec_cmp_warps", "dec_cmp_stages",
+       "dec_score_cols", "dec_rank_block", "dec_score_warps", "dec_sel_min_tiles", "dec_sel_warps",
+       "dec_sel_stages", "dec_combine_cols", "dec_combine_warps"]
 )
 # the process's overrides, not a context variable's: the backward of CUDA tensors runs in autograd's device
 # thread,

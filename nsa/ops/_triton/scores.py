@@ -137,7 +137,7 @@ def _nth_below(key, below, R: tl.constexpr):
 def _top_blocks_kernel(
     P, IDX, S, T0, T1, NB, H, Q0,
     LS: tl.constexpr, N_SEL: tl.constexpr, NBP: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr,
-    SKIP: tl.constexpr,
+    SKIP: tl.constexpr, IB: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -155,15 +155,24 @@ def _top_blocks_kernel(
     key32 = tl.where(blk[None, :] == 0, 0x7F000002, key32)
     key32 = tl.where(blk[None, :] == bt[:, None], 0x7F000003, key32)
     key32 = tl.where(cand, key32, -1)
-    # one unique 64-bit key per block: the score above, the reversed index below, so a single max per
-    # round picks the highest score with ties to the lower index; non-candidates and picks are negative
-    key = (key32.to(tl.int64) << 32) | (NBP - 1 - blk)[None, :].to(tl.int64)
+    if IB == 0:
+        # one unique 64-bit key per block: the score above, the reversed index below, so a single max per
+        # round picks the highest score with ties to the lower index; non-candidates and picks are negative
+        key = (key32.to(tl.int64) << 32) | (NBP - 1 - blk)[None, :].to(tl.int64)
+        top = 0x7FFFFFFFFFFFFFFF
+        forced = 0x7F00000100000000
+    else:
+        # 32-bit keys (tile key topn_key=32): the score's lowest IB bits give way to the reversed index (the
+        # score keeps 8 exponent and 23 - IB mantissa bits; the forced blocks stay above every score)
+        key = ((key32 >> IB) << IB) | (NBP - 1 - blk)[None, :]
+        top = 0x7FFFFFFF
+        forced = (0x7F000001 >> IB) << IB
     # the n_sel-th largest key, one max per round over the keys below the previous round's: the chosen
     # blocks are then exactly the valid keys at or above it (keys are unique)
-    below = tl.full([BR], 0x7FFFFFFFFFFFFFFF, tl.int64)
+    below = tl.full([BR], top, key.dtype)
     if SKIP and N_SEL >= 3:
         # the forced blocks (at most three) are the highest keys: start below the lowest of them
-        below = tl.min(tl.where(key >= 0x7F00000100000000, key, 0x7FFFFFFFFFFFFFFF), 1)
+        below = tl.min(tl.where(key >= forced, key, top), 1)
     R: tl.constexpr = N_SEL - 3 if SKIP and N_SEL >= 3 else N_SEL  # rounds left
     below = _nth_below(key, below, R)
     chosen = (key >= below[:, None]) & (key >= 0) & t_ok[:, None]
@@ -213,9 +222,11 @@ def top_blocks(P: torch.Tensor, idx: torch.Tensor, t0: int, t1: int, *, l_sel: i
     nbp = max(16, next_pow2(min(NB, (q_start + t1 - 1) // l_sel + 1)))
     br = max(1, min(64, int(tuned("topn_elems", 1024)) // nbp))
     warps = int(tuned("topn_warps", 1))  # H100 sweep: 1 warp per row beat 2, 4 and 8
+    # topn_key=32: 32-bit keys while the index takes at most 12 bits (4,096 blocks): 11+ mantissa bits left
+    ib = nbp.bit_length() - 1 if int(tuned("topn_key", 64)) == 32 and nbp <= 4096 else 0
     _top_blocks_kernel[(triton.cdiv(t1 - t0, br), B * H)](
         P, idx, S, t0, t1, NB, H, q_start, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)),
-        BR=br, SKIP=bool(tuned("topn_forced", 1)), num_warps=warps,
+        BR=br, SKIP=bool(tuned("topn_forced", 1)), IB=ib, num_warps=warps,
     )
 
 

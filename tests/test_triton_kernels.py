@@ -206,6 +206,20 @@ def _work_list_case(device: str = "cpu") -> None:
         assert torch.equal(got2, want2), ("sort", nb)
         assert torch.equal(selection.work_list(many, l_sel2, q2, bwd2), want2), ("default", nb)
     assert fallback_counts() == {}  # the sorts ran (a failed launch would have handed the list to the operators)
+    # histograms past their memory budget (quadratic in S): the operators build the list, nothing counted
+    saved_budget, saved_build = worklist.SORT_HIST_BYTES, worklist.build_sorted
+    worklist.SORT_HIST_BYTES = 1024
+
+    def never(*_args: object) -> None:
+        raise AssertionError("the sorts ran past their budget")
+
+    worklist.build_sorted = never  # type: ignore[assignment]
+    try:
+        assert not worklist.sorted_fits(1, 900, 300)
+        assert torch.equal(selection.work_list(many, l_sel2, q2, bwd2), want2)
+        assert fallback_counts() == {}
+    finally:
+        worklist.SORT_HIST_BYTES, worklist.build_sorted = saved_budget, saved_build
     if device != "cpu":
         return
     # a Triton that cannot compile the kernels: the operators' list, the fallback counted once

@@ -458,7 +458,7 @@ def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = 
     three Triton launches (:mod:`nsa.ops._triton.worklist`): one-hot counts up to 255 blocks, segment
     histograms and sorts beyond (m7c 64k chunked: 18.6 -> 17.0 ms fwd+bwd against the operators, H200);
     tile key ``sel_wl=sort``: the sorts at every block count, ``sel_wl=ops``: PyTorch operators throughout, as
-    below.
+    below (also where the sorts' histograms would pass :data:`~nsa.ops._triton.worklist.SORT_HIST_BYTES`).
 
     Row ``b*H + g``: ``S*n`` flat pair indices ``pos * n + slot`` ordered by block, then per work item
     ``(block, first, end)``: the pairs ``[first, end)`` of ``block``, at most ``CH`` of them (a block chosen
@@ -476,7 +476,8 @@ def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = 
         built = worklist.FIRST_BUILD.run(lambda: worklist.build(idx, NB, ch, width))
         if built is not None:
             return built
-    if how in ("kernel", "sort") and (idx.is_cuda or interpreting()):
+    sorts = how in ("kernel", "sort") and worklist.sorted_fits(rows, S * n, NB)
+    if sorts and (idx.is_cuda or interpreting()):
         built = worklist.FIRST_SORTED.run(lambda: worklist.build_sorted(idx, NB, ch, width))
         if built is not None:
             return built

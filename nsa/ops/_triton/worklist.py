@@ -33,6 +33,9 @@ from nsa.ops.fallbacks import FirstLaunch
 
 MAX_BINS = 256  # blocks + 1, to a power of two: one-hot tiles of C x NBP stay at 8,192 elements
 SEG = 1024  # pairs per segment (a program of the histogram and scatter passes)
+# the sorts' segment histograms grow as S**2 (segments x blocks): past this the operators (memory linear in S)
+# build the list (paper shape: 134 MiB at 128k, 537 MiB at 256k)
+SORT_HIST_BYTES = 256 * 2**20
 
 
 @triton.jit
@@ -237,6 +240,12 @@ def _scatter_sorted_kernel(IDX, HIST, TOT, OUT, s_b, s_s, s_h, s_n, H, W, SN, NB
 def fits(n_blocks: int) -> bool:
     """Whether these kernels serve a list of ``n_blocks`` blocks (plus "none")."""
     return next_pow2(n_blocks + 1) <= MAX_BINS
+
+
+def sorted_fits(rows: int, pairs: int, n_blocks: int) -> bool:
+    """Whether :func:`build_sorted`'s segment histograms for ``rows`` rows of ``pairs`` pairs over
+    ``n_blocks`` blocks stay within :data:`SORT_HIST_BYTES`."""
+    return rows * -(-pairs // SEG) * max(16, next_pow2(n_blocks + 2)) * 4 <= SORT_HIST_BYTES
 
 
 def build_sorted(idx: torch.Tensor, n_blocks: int, pairs_per_item: int, width: int) -> torch.Tensor:

@@ -83,7 +83,7 @@ def window_bwd(do: torch.Tensor, st: dict[str, Any], w: int, scale: float,
     B, S, HQ, _ = do.shape
     qc, kc, vc, o, lse = st["qc"], st["kc"], st["vc"], st["o"], st["lse"]
     seed_a, off_a, seed_b, off_b = st["seeds"]
-    doc = _chunks(do, w)
+    doc = _chunks(do, w).contiguous()  # the library's backward reads do in o's layout (o is contiguous)
     dq, dk, dv = (g.contiguous() for g in _lib_bwd(impl, doc, qc, kc, vc, o, lse, seed_a, off_a, True, scale))
     later, earlier, qkeep, kkeep = slice(1, None), slice(0, -1), slice(1, None), slice(0, w - 1)
     do_b, o_b = _rev(doc, B, later, qkeep), _rev(o, B, later, qkeep)

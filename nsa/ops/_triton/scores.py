@@ -65,22 +65,18 @@ def _block_scores_kernel(
     num = (Q0 + t0 - L + 1) // D + HALO - BJ + 1
     n_full = tl.minimum(tl.where(num >= 0, num // (NBC * PB) + 1, 0), n_all)
     # chunk 0 reaches before token 0 (masked), then the whole chunks, then the partly visible ones
-    _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, 0, T0, T1, NK, NB, skb, sks, skh, scale_log2,
-                 jj, bb,
-                 HGP, L, D, DK, BDK, BJ, NBC, NBCP, BT, BTP, PB, HALO, PREC, RESHAPE, True)
+    _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, 0, T0, T1, NK, NB, skb, sks, skh, scale_log2, jj, bb,
+                 HGP, L, D, DK, BDK, BJ, NBC, NBCP, BT, BTP, PB, HALO, PREC, RESHAPE, MASK=True)
     for c in range(1, n_full):
-        _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb, sks, skh, scale_log2,
-                     jj, bb,
-                     HGP, L, D, DK, BDK, BJ, NBC, NBCP, BT, BTP, PB, HALO, PREC, RESHAPE, False)
+        _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb, sks, skh, scale_log2, jj,
+                     bb, HGP, L, D, DK, BDK, BJ, NBC, NBCP, BT, BTP, PB, HALO, PREC, RESHAPE, MASK=False)
     for c in range(tl.maximum(n_full, 1), n_all):
-        _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb, sks, skh, scale_log2,
-                     jj, bb,
-                     HGP, L, D, DK, BDK, BJ, NBC, NBCP, BT, BTP, PB, HALO, PREC, RESHAPE, True)
+        _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb, sks, skh, scale_log2, jj,
+                     bb, HGP, L, D, DK, BDK, BJ, NBC, NBCP, BT, BTP, PB, HALO, PREC, RESHAPE, MASK=True)
 
 
 @triton.jit
-def _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb, sks, skh, scale_log2,
-                 jj, bb,
+def _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb, sks, skh, scale_log2, jj, bb,
                  HGP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr,
                  BJ: tl.constexpr, NBC: tl.constexpr, NBCP: tl.constexpr, BT: tl.constexpr, BTP: tl.constexpr,
                  PB: tl.constexpr, HALO: tl.constexpr, PREC: tl.constexpr, RESHAPE: tl.constexpr,

@@ -455,10 +455,11 @@ def work_shape(B: int, S: int, H: int, n_sel: int, l_sel: int, device: torch.dev
 
 def work_list(idx: torch.Tensor, l_sel: int, q_start: int = 0, backward: bool = False) -> torch.Tensor:
     """Pairs sorted by chosen block, and the programs' work items, in one int32 tensor (device ops only): by
-    three Triton launches (:mod:`nsa.ops._triton.worklist`): one-hot counts up to 255 blocks, segment
-    histograms and sorts beyond (m7c 64k chunked: 18.6 -> 17.0 ms fwd+bwd against the operators, H200);
-    tile key ``sel_wl=sort``: the sorts at every block count, ``sel_wl=ops``: PyTorch operators throughout, as
-    below (also where the sorts' histograms would pass :data:`~nsa.ops._triton.worklist.SORT_HIST_BYTES`).
+    Triton launches (:mod:`nsa.ops._triton.worklist`): three of one-hot counts up to 255 blocks, four of
+    segment histograms and sorts beyond (m7c 64k chunked: 18.6 -> 16.2 ms fwd+bwd against the operators,
+    H200); tile key ``sel_wl=sort``: the sorts at every block count, ``sel_wl=ops``: PyTorch operators
+    throughout, as below (also where the sorts' histograms would pass
+    :data:`~nsa.ops._triton.worklist.SORT_HIST_BYTES`).
 
     Row ``b*H + g``: ``S*n`` flat pair indices ``pos * n + slot`` ordered by block, then per work item
     ``(block, first, end)``: the pairs ``[first, end)`` of ``block``, at most ``CH`` of them (a block chosen

@@ -82,6 +82,22 @@ def _segment_bases(HIST, r, NB, NSEG, CH, NBP: tl.constexpr):
 
 
 @triton.jit
+def _items(base, w, blk, start, cnt, j, CH, m):
+    """Work items ``w`` (at ``base``, three int32 each): block ``blk``'s pairs from ``start + j*CH``, at most
+    ``CH`` of them and none past ``start + cnt``."""
+    first = start + j * CH
+    tl.store(base + 3 * w, blk, mask=m)
+    tl.store(base + 3 * w + 1, first, mask=m)
+    tl.store(base + 3 * w + 2, tl.minimum(start + cnt, first + CH), mask=m)
+
+
+@triton.jit
+def _at(values, sel):
+    """The one entry of ``values`` where ``sel`` holds."""
+    return tl.sum(tl.where(sel, values, 0), 0)
+
+
+@triton.jit
 def _scan_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH,
                  NBP: tl.constexpr, CW: tl.constexpr):
     r = tl.program_id(0)
@@ -99,12 +115,7 @@ def _scan_kernel(HIST, OUT, W, SN, NB, NSEG, NW, CH,
         st = tl.sum(tl.where(sel, starts[None, :], 0), axis=1)
         ex = tl.sum(tl.where(sel, excl[None, :], 0), axis=1)
         ct = tl.sum(tl.where(sel, cnt[None, :], 0), axis=1)
-        first = st + (w - ex) * CH
-        end = tl.minimum(st + ct, first + CH)
-        base = OUT + r * W + SN + 3 * w
-        tl.store(base, blk, mask=mw)
-        tl.store(base + 1, first, mask=mw)
-        tl.store(base + 2, end, mask=mw)
+        _items(OUT + r * W + SN, w, blk, st, ct, w - ex, CH, mw)
 
 
 @triton.jit
@@ -187,34 +198,17 @@ def _scan_by_block_kernel(TOT, OUT, W, SN, NB, NW, CH, NBP: tl.constexpr, FW: tl
     top = tl.argmax(nch, 0)
     second = tl.max(tl.where(bins == top, 0, nch), 0)
     for j in range(0, second):
-        m = valid & (j < nch)
-        first = starts + j * CH
-        w = excl + j
-        tl.store(base + 3 * w, bins, mask=m)
-        tl.store(base + 3 * w + 1, first, mask=m)
-        tl.store(base + 3 * w + 2, tl.minimum(starts + cnt, first + CH), mask=m)
-    t_start = tl.sum(tl.where(bins == top, starts, 0), 0)
-    t_excl = tl.sum(tl.where(bins == top, excl, 0), 0)
-    t_cnt = tl.sum(tl.where(bins == top, cnt, 0), 0)
-    for j0 in range(second, tl.max(nch, 0), FW):
+        _items(base, excl + j, bins, starts, cnt, j, CH, valid & (j < nch))
+    is_top = bins == top
+    t_start, t_excl, t_cnt, most = _at(starts, is_top), _at(excl, is_top), _at(cnt, is_top), tl.max(nch, 0)
+    for j0 in range(second, most, FW):
         j = j0 + tl.arange(0, FW)
-        m = j < tl.max(nch, 0)
-        first = t_start + j * CH
-        w = t_excl + j
-        tl.store(base + 3 * w, tl.full([FW], 0, tl.int32) + top, mask=m)
-        tl.store(base + 3 * w + 1, first, mask=m)
-        tl.store(base + 3 * w + 2, tl.minimum(t_start + t_cnt, first + CH), mask=m)
+        _items(base, t_excl + j, tl.full([FW], 0, tl.int32) + top, t_start, t_cnt, j, CH, j < most)
     last = bins == NB - 1
-    l_start = tl.sum(tl.where(last, starts, 0), 0)
-    l_excl = tl.sum(tl.where(last, excl, 0), 0)
-    l_cnt = tl.sum(tl.where(last, cnt, 0), 0)
+    l_start, l_excl, l_cnt = _at(starts, last), _at(excl, last), _at(cnt, last)
     for w0 in range(tl.sum(nch, 0), NW, FW):
         w = w0 + tl.arange(0, FW)
-        m = w < NW
-        first = l_start + (w - l_excl) * CH
-        tl.store(base + 3 * w, tl.full([FW], 0, tl.int32) + NB, mask=m)
-        tl.store(base + 3 * w + 1, first, mask=m)
-        tl.store(base + 3 * w + 2, tl.minimum(l_start + l_cnt, first + CH), mask=m)
+        _items(base, w, tl.full([FW], 0, tl.int32) + NB, l_start, l_cnt, w - l_excl, CH, w < NW)
 
 
 @triton.jit

@@ -67,8 +67,8 @@ def _rotary_case(device: str, dtype: torch.dtype, tol: float) -> None:
 
 
 def _one_launch_fallback_case() -> None:
-    """Where Triton cannot compile the one-launch kernel, the parts move a launch each: the same results, the
-    fallback counted once, and the one-launch kernel not tried again in the process."""
+    """Where Triton cannot compile the one-launch kernel, the parts move a launch each: the same results, every
+    call counted as a fallback, and the one-launch kernel not tried again in the process."""
     from triton.compiler.errors import CompilationError
 
     from nsa.ops import fallback_counts, reset_fallback_counts, rotary
@@ -86,7 +86,9 @@ def _one_launch_fallback_case() -> None:
     try:
         _rotary_case("cpu", torch.float32, 1e-5)
         assert len(tried) == 1 and rotary._ONE_LAUNCH.ok is False
-        assert fallback_counts() == {"split_rotate:one launch->a launch per part:CompilationError": 1}
+        counts = fallback_counts()
+        assert list(counts) == ["split_rotate:one launch->a launch per part:CompilationError"], counts
+        assert sum(counts.values()) > 1, counts  # the calls after the first are counted too
     finally:
         kernels.move_parts, rotary._ONE_LAUNCH.ok = saved, None
 

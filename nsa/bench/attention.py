@@ -21,7 +21,15 @@ from nsa.bench.profile import profile_kernels
 from nsa.bench.requests import PEAK_TBPS, PEAK_TFLOPS, AttentionRequest
 from nsa.bench.timing import make_timer, noise_note
 from nsa.errors import ConfigError
-from nsa.ops import NSAParams, compress_avg, nsa_attention, tile_overrides, use_backend
+from nsa.ops import (
+    NSAParams,
+    compress_avg,
+    fallback_counts,
+    nsa_attention,
+    reset_fallback_counts,
+    tile_overrides,
+    use_backend,
+)
 from nsa.view import Block, Line, Payload, Table, fig
 
 DEFAULT_SEQ_LENS = (2048, 4096, 8192, 16384, 32768, 65536, 131072)  # 128k: issue 53's row
@@ -61,6 +69,8 @@ class AttentionRow:
     dense_fwd_gflop: float = 0.0
     notes: list[str] = field(default_factory=list)
     noisy: list[str] = field(default_factory=list)  # timings whose repetitions spread too much to be read
+    # NSA calls a fast path sent back to a slower one while this row was measured (``op:from->to:why``)
+    fallbacks: dict[str, int] = field(default_factory=dict)
     # ``profile=True``: one NSA forward+backward under the profiler (nsa.bench.profile): kernels by device
     # time
     kernels: list[dict[str, Any]] | None = None
@@ -237,11 +247,13 @@ def bench_one(
     row.nsa_fwd_gflop = nsa_fwd_flops(S, HQ, D, D, p, batch) / 1e9
     row.dense_fwd_gflop = dense_fwd_flops(S, HQ, D, D, batch) / 1e9
     say(f"{shape} S={S}: NSA ({backend})")
+    reset_fallback_counts()
     with torch.no_grad():
         row.nsa_fwd_ms = timer(nsa, grad=False, what="NSA forward")
     row.nsa_fwdbwd_ms = timer(_fwdbwd(nsa, grad, leaves), what="NSA forward+backward")
     row.nsa_peak_mib = _peak_mib(dev, _fwdbwd(nsa, grad, leaves))
     row.nsa_saved_mib = saved_mib(nsa, leaves)
+    row.fallbacks = fallback_counts()
     if profile:
         say(f"{shape} S={S}: NSA forward+backward under the profiler")
         prof = profile_kernels(_fwdbwd(nsa, grad, leaves), dev, warmup=1)
@@ -525,6 +537,9 @@ def attention_command(req: AttentionRequest, say: Callable[[str], None] | None =
     for r in rows:
         blocks += [Line(f"note ({r.shape}, S={r.seq_len}): {n}", wrap=False) for n in r.notes]
         blocks += [Line(f"warning ({r.shape}, S={r.seq_len}): {n}", err=True, wrap=False) for n in r.noisy]
+        if r.fallbacks:
+            blocks.append(Line(f"warning ({r.shape}, S={r.seq_len}): NSA calls sent to a slower path: "
+                               f"{r.fallbacks}", err=True, wrap=False))
         if r.kernels:
             top = ", ".join(f"{k['name'][:40]} {k['ms']:.1f} ms" for k in r.kernels[:5])
             blocks.append(Line(f"profile ({r.shape}, S={r.seq_len}): {r.launches} launches; {top}",

@@ -31,16 +31,19 @@ def record_fallback(reason: str) -> None:
 class FirstLaunch:
     """A fast path whose Triton kernels this Triton may not compile: the process's first launch is guarded (a
     compile error, or a ``RuntimeError`` from compiling, sends that call and every later one back to the
-    former path, counted once under ``reason``); once it has run, later launches fail loudly. ``ok``: ``None``
-    before the first launch, then whether it ran."""
+    former path, each counted under ``reason`` and the error's class, so every row measured after it shows
+    the fallback); once it has run, later launches fail loudly. ``ok``: ``None`` before the first launch,
+    then whether it ran."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
         self.ok: bool | None = None
+        self.why = reason  # the counter's key once given up: the reason and the error's class
 
     def run(self, launch: Callable[[], R]) -> R | None:
         """``launch()``, or None where the path is given up (the caller takes the former one)."""
         if self.ok is False:
+            record_fallback(self.why)
             return None
         if self.ok:
             return launch()
@@ -49,8 +52,8 @@ class FirstLaunch:
         try:
             out = launch()
         except (CompilationError, RuntimeError) as exc:
-            self.ok = False
-            record_fallback(f"{self.reason}:{type(exc).__name__}")
+            self.ok, self.why = False, f"{self.reason}:{type(exc).__name__}"
+            record_fallback(self.why)
             return None
         self.ok = True
         return out

@@ -201,9 +201,9 @@ def _scan_by_block_kernel(TOT, OUT, W, SN, NB, NW, CH, NBP: tl.constexpr, FW: tl
         _items(base, excl + j, bins, starts, cnt, j, CH, valid & (j < nch))
     is_top = bins == top
     t_start, t_excl, t_cnt, most = _at(starts, is_top), _at(excl, is_top), _at(cnt, is_top), tl.max(nch, 0)
-    for j0 in range(second, most, FW):
-        j = j0 + tl.arange(0, FW)
-        _items(base, t_excl + j, tl.full([FW], 0, tl.int32) + top, t_start, t_cnt, j, CH, j < most)
+    for j0 in range(second, most, FW):  # (a name apart from the loop above's scalar ``j``: Triton types it)
+        jv = j0 + tl.arange(0, FW)
+        _items(base, t_excl + jv, tl.full([FW], 0, tl.int32) + top, t_start, t_cnt, jv, CH, jv < most)
     last = bins == NB - 1
     l_start, l_excl, l_cnt = _at(starts, last), _at(excl, last), _at(cnt, last)
     for w0 in range(tl.sum(nch, 0), NW, FW):

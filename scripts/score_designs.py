@@ -188,8 +188,11 @@ def run(shape: str, S: int, log) -> None:  # type: ignore[no-untyped-def]
     emit("library-topn", bench(lambda: top_blocks(P_ref, idx, t0, S, l_sel=p.l_sel)))
     with tile_overrides({"topn_forced": 0}):  # every round searched, the forced blocks' too (before)
         emit("library-topn-all-rounds", bench(lambda: top_blocks(P_ref, idx, t0, S, l_sel=p.l_sel)))
-    with tile_overrides({"topn_key": 32}):  # 32-bit keys: the score's low bits give way to the index
-        emit("library-topn-key32", bench(lambda: top_blocks(P_ref, idx, t0, S, l_sel=p.l_sel)))
+    with tile_overrides({"topn_key": 64}):  # 64-bit keys alone (before: the rounds without the 32-bit pass)
+        emit("library-topn-key64", bench(lambda: top_blocks(P_ref, idx, t0, S, l_sel=p.l_sel)))
+    for warps in (2, 4):  # more warps a row (1 was best for the 64-bit keys)
+        with tile_overrides({"topn_warps": warps}):
+            emit(f"library-topn-warps{warps}", bench(lambda: top_blocks(P_ref, idx, t0, S, l_sel=p.l_sel)))
     emit("library-select-whole-op", bench(st.select) / n_slabs)
     if os.environ.get("SCORE_LIBRARY_ONLY"):
         return
@@ -292,7 +295,7 @@ def main() -> None:
                     if os.environ.get("SCORE_SWEEP") != "prec":
                         grid += [{"score_bm": bm, "score_warps": w, "score_stages": st, "score_bj": bj}
                                  for bm, w in tiles for st in (2, 3) for bj in (64, 128)]
-                    grid += [{"score_prec": x} for x in ("tf32", "bf16", "fp16", "ieee")] + [{"topn_key": 32}]
+                    grid += [{"score_prec": x} for x in ("tf32", "bf16", "fp16", "ieee")] + [{"topn_key": 64}]
                 best[shape] = sweep(shape, int(S), log, grid)
             return
         for item in args or ["paper:65536", "paper:131072", "m7c:65536"]:

@@ -130,10 +130,31 @@ def _nth_below(key, below, R: tl.constexpr):
 
 
 @triton.jit
+def _rounds_below(key, forced, top, BR: tl.constexpr, N_SEL: tl.constexpr, SKIP: tl.constexpr):
+    """The ``N_SEL``-th largest key of each row (unique keys), one max per round over the keys below the
+    previous round's; the forced blocks (at most three, the highest keys) are skipped in one min."""
+    below = tl.full([BR], top, key.dtype)
+    if SKIP and N_SEL >= 3:
+        below = tl.min(tl.where(key >= forced, key, top), 1)
+    R: tl.constexpr = N_SEL - 3 if SKIP and N_SEL >= 3 else N_SEL  # rounds left
+    return _nth_below(key, below, R)
+
+
+@triton.jit
+def _chosen64(key32, blk, t_ok, NBP: tl.constexpr, BR: tl.constexpr, N_SEL: tl.constexpr, SKIP: tl.constexpr):
+    """The spec's choice: one unique 64-bit key per block, the score above and the reversed index below, so
+    a round's max picks the highest score with ties to the lower index; the chosen blocks are exactly the
+    valid keys at or above the n_sel-th (non-candidates are negative)."""
+    key = (key32.to(tl.int64) << 32) | (NBP - 1 - blk)[None, :].to(tl.int64)
+    below = _rounds_below(key, 0x7F00000100000000, 0x7FFFFFFFFFFFFFFF, BR, N_SEL, SKIP)
+    return (key >= below[:, None]) & (key >= 0) & t_ok[:, None]
+
+
+@triton.jit
 def _top_blocks_kernel(
     P, IDX, S, T0, T1, NB, H, Q0,
     LS: tl.constexpr, N_SEL: tl.constexpr, NBP: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr,
-    SKIP: tl.constexpr, IB: tl.constexpr,
+    SKIP: tl.constexpr, K32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -151,27 +172,16 @@ def _top_blocks_kernel(
     key32 = tl.where(blk[None, :] == 0, 0x7F000002, key32)
     key32 = tl.where(blk[None, :] == bt[:, None], 0x7F000003, key32)
     key32 = tl.where(cand, key32, -1)
-    if IB == 0:
-        # one unique 64-bit key per block: the score above, the reversed index below, so a single max per
-        # round picks the highest score with ties to the lower index; non-candidates and picks are negative
-        key = (key32.to(tl.int64) << 32) | (NBP - 1 - blk)[None, :].to(tl.int64)
-        top = 0x7FFFFFFFFFFFFFFF
-        forced = 0x7F00000100000000
+    if K32:
+        # 32-bit rounds over the scores alone (the default; tile key topn_key=64 for the 64-bit keys only):
+        # exact when no score repeats at or above the n_sel-th, i.e. when exactly n_sel keys are chosen
+        below32 = _rounds_below(key32, 0x7F000001, 0x7FFFFFFF, BR, N_SEL, SKIP)
+        chosen = (key32 >= below32[:, None]) & (key32 >= 0) & t_ok[:, None]
+        if tl.max(tl.sum(chosen.to(tl.int32), 1)) > N_SEL:
+            # a tie there (rare: equal fp32 sums): the tile again with the index breaking it, as below
+            chosen = _chosen64(key32, blk, t_ok, NBP, BR, N_SEL, SKIP)
     else:
-        # 32-bit keys (tile key topn_key=32): the score's lowest IB bits give way to the reversed index (the
-        # score keeps 8 exponent and 23 - IB mantissa bits; the forced blocks stay above every score)
-        key = ((key32 >> IB) << IB) | (NBP - 1 - blk)[None, :]
-        top = 0x7FFFFFFF
-        forced = (0x7F000001 >> IB) << IB
-    # the n_sel-th largest key, one max per round over the keys below the previous round's: the chosen
-    # blocks are then exactly the valid keys at or above it (keys are unique)
-    below = tl.full([BR], top, key.dtype)
-    if SKIP and N_SEL >= 3:
-        # the forced blocks (at most three) are the highest keys: start below the lowest of them
-        below = tl.min(tl.where(key >= forced, key, top), 1)
-    R: tl.constexpr = N_SEL - 3 if SKIP and N_SEL >= 3 else N_SEL  # rounds left
-    below = _nth_below(key, below, R)
-    chosen = (key >= below[:, None]) & (key >= 0) & t_ok[:, None]
+        chosen = _chosen64(key32, blk, t_ok, NBP, BR, N_SEL, SKIP)
     # ascending output: each chosen block goes to the slot given by the number chosen below it
     n_chosen = tl.sum(chosen.to(tl.int32), 1)
     rank = tl.cumsum(chosen.to(tl.int32), 1) - 1
@@ -217,12 +227,13 @@ def top_blocks(P: torch.Tensor, idx: torch.Tensor, t0: int, t1: int, *, l_sel: i
     # the rows' candidates end at the slab's last block: keys for those only (causal: early slabs need few)
     nbp = max(16, next_pow2(min(NB, (q_start + t1 - 1) // l_sel + 1)))
     br = max(1, min(64, int(tuned("topn_elems", 1024)) // nbp))
-    warps = int(tuned("topn_warps", 1))  # H100 sweep: 1 warp per row beat 2, 4 and 8
-    # topn_key=32: 32-bit keys while the index takes at most 12 bits (4,096 blocks): 11+ mantissa bits left
-    ib = nbp.bit_length() - 1 if int(tuned("topn_key", 64)) == 32 and nbp <= 4096 else 0
+    # a warp per 512 keys of a row (H200, 32-bit rounds: 1,024 keys 1 or 2 warps alike, 2,048 keys 4 warps 27%
+    # faster than 1; the H100's sweep of the 64-bit keys at fewer keys had 1 warp first)
+    warps = int(tuned("topn_warps", min(8, max(1, nbp // 512))))
     _top_blocks_kernel[(triton.cdiv(t1 - t0, br), B * H)](
         P, idx, S, t0, t1, NB, H, q_start, LS=l_sel, N_SEL=n_sel, NBP=nbp, NSP=max(2, next_pow2(n_sel)),
-        BR=br, SKIP=bool(tuned("topn_forced", 1)), IB=ib, num_warps=warps,
+        BR=br, SKIP=bool(tuned("topn_forced", 1)),
+        K32=int(tuned("topn_key", 32)) == 32, num_warps=warps,
     )
 
 

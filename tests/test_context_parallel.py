@@ -107,6 +107,24 @@ def _split_is_whole(whole: NSALM, split: NSALM, cp: ContextParallel, ids: torch.
     return a.logits
 
 
+@pytest.mark.parametrize("attention", ["dense", "hybrid"])
+def test_dense_chunks_by_the_library_path_are_the_whole_model(attention: str) -> None:
+    """The dense blocks' chunks as the prefix and the chunk's own square merged by lse (the path a CUDA GPU
+    of compute capability 9+ takes, here in plain ops: ``chunk_attention.set_impl("math")``): the whole model's
+    logits, loss and every gradient in float64 (seed 5 weights, seed 7 data)."""
+    from nsa.ops import chunk_attention
+
+    whole, split = _models(attention)
+    ids, labels = _data(7)
+    cp = ContextParallel(None, 0, 1)
+    split.set_context_parallel(cp)
+    chunk_attention.set_impl("math")
+    try:
+        _split_is_whole(whole, split, cp, ids, labels)
+    finally:
+        chunk_attention.set_impl(None)
+
+
 @pytest.mark.parametrize("cu", [None, LONG_DOCS], ids=["sequence", "documents"])
 def test_alignment_loss_in_chunks_is_the_whole_models(cu: torch.Tensor | None) -> None:
     """Seed 5 weights, seed 7 data, float64, the alignment loss on (weight 0.5, 16 probe positions): one rank in

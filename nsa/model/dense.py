@@ -10,6 +10,7 @@ from nsa.model import documents
 from nsa.model.cache import DenseLayerCache, ModelCache, NSALayerCache
 from nsa.model.context import ContextParallel
 from nsa.model.rope import RotaryEmbedding
+from nsa.ops import chunk_attention
 
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
@@ -86,8 +87,9 @@ class DenseAttention(nn.Module):
     def _forward_context(self, x: torch.Tensor, cp: ContextParallel,
                          cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         """This rank's rows (:mod:`nsa.model.context`): keys and values of the whole sequence gathered, each
-        chunk attending to the prefix that ends with it (an explicit mask: SDPA's causal mask is top-left);
-        with packed documents (``cu_seqlens`` of the whole batch) to that prefix of its own document."""
+        chunk attending to the prefix that ends with it (:func:`nsa.ops.chunk_attention.causal_at` where a
+        library kernel runs it, else an explicit mask: SDPA's causal mask is top-left); with packed documents
+        (``cu_seqlens`` of the whole batch) to that prefix of its own document (the mask)."""
         B, S_local, _ = x.shape
         S = S_local * cp.size
         mine = cp.positions(S, x.device)
@@ -98,12 +100,17 @@ class DenseAttention(nn.Module):
         outs = []
         for i, (start, stop) in enumerate(cp.chunks(S)):
             qc = q[:, i * (S_local // 2):(i + 1) * (S_local // 2)]
+            kc, vc = k[:, :stop].transpose(1, 2), v[:, :stop].transpose(1, 2)
+            impl = None if doc is not None else chunk_attention.library_impl(qc, kc, vc)
+            if impl is not None:  # the prefix and the chunk's own square by the library, merged
+                o_c = chunk_attention.causal_at(qc.transpose(1, 2), kc, vc, start, impl)
+                outs.append(o_c.transpose(1, 2))
+                continue
             keys = torch.arange(stop, device=x.device)
             mask = keys[None, :] <= torch.arange(start, stop, device=x.device)[:, None]
             if doc is not None:  # [B, 1, chunk, keys]: the same document only
                 mask = (mask & (doc[:, start:stop, None] == doc[:, None, :stop]))[:, None]
-            outs.append(sdpa_gqa(qc.transpose(1, 2), k[:, :stop].transpose(1, 2), v[:, :stop].transpose(1, 2),
-                                 attn_mask=mask).transpose(1, 2))
+            outs.append(sdpa_gqa(qc.transpose(1, 2), kc, vc, attn_mask=mask).transpose(1, 2))
         o = torch.cat(outs, dim=1)
         return self.o_proj(o.reshape(B, S_local, self.n_heads * self.d_v))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -292,17 +293,23 @@ def _interpreter_job() -> Job:
               "_one_launch_fallback_case()\n"
               "from nsa.ops import tile_overrides\n"
               "with tile_overrides({'rot_launch': 'parts'}): _rotary_case('cpu', torch.float32, 1e-5)\n")
-    return Job("from tests.test_triton_kernels import _chunked_case, _cpu_case, _dispatcher_case, _messy_blocks_case\n"
-               + checks + calls)
+    # every launch above, compiled for sm_90 at the end (tests/triton_aot.py: the interpreter does not type
+    # kernels as the compiler does; a kernel that fails to compile on a GPU only falls back there, counted)
+    calls += f"triton_aot.compile_recorded({str(AOT_SPECS)!r})\n"
+    return Job("from tests import triton_aot\ntriton_aot.record()\n"
+               "from tests.test_triton_kernels import _chunked_case, _cpu_case, _dispatcher_case, _messy_blocks_case\n"
+               + checks + calls, timeout=600)
 
 
+AOT_SPECS = Path(tempfile.gettempdir()) / f"nsa-tests-aot-{os.getpid()}.json"
 INTERPRETER_JOB = _interpreter_job()
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter cases run where there is no GPU")
 @pytest.mark.beside(INTERPRETER_JOB)
 def test_interpreter_matches_reference() -> None:
-    """All CPU cases in one interpreter process (about 60-110 s on 2 busy cores, beside the other tests)."""
+    """All CPU cases in one interpreter process (about 60-110 s on 2 busy cores, beside the other tests), then
+    every kernel launch they made compiled for sm_90 by Triton's compiler (about a minute more)."""
     run_job(INTERPRETER_JOB)
 
 

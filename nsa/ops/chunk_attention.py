@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nsa.ops.cmp_sdpa import _lib_bwd, _lib_fwd, _merge
+from nsa.ops.cmp_sdpa import split_bwd, split_fwd
 
 _impl: str | None = None  # set_impl: None (chosen per call) or a kernel for every call
 
@@ -46,13 +46,7 @@ class _Chunk(torch.autograd.Function):
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
                 impl: str) -> tuple[torch.Tensor, ...]:
-        o, lse, seed, offset = _lib_fwd(impl, q, k[:, :, start:], v[:, :, start:], True, scale)
-        if start == 0:  # no rectangle: placeholders of its own (one tensor twice among the outputs and saved
-            # tensors breaks Dynamo's saved-tensor wiring of a function under compile)
-            return o, lse, seed, offset, seed.new_empty(0), offset.new_empty(0)
-        o_r, lse_r, seed_r, offset_r = _lib_fwd(impl, q, k[:, :, :start], v[:, :, :start], False, scale)
-        o, lse = _merge(o_r, lse_r, o, lse)
-        return o, lse, seed, offset, seed_r, offset_r
+        return split_fwd(impl, q, k, v, start, scale)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -63,18 +57,10 @@ class _Chunk(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
-        q, k, v, o, lse, seed, offset, seed_r, offset_r = ctx.saved_tensors
-        s, do = ctx.start, do.contiguous()
+        q, k, v, o, lse, *seeds = ctx.saved_tensors
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        sq, pre = slice(s, None), slice(None, s)
-        dq, dk[:, :, sq], dv[:, :, sq] = _lib_bwd(ctx.impl, do, q, k[:, :, sq], v[:, :, sq], o, lse, seed,
-                                                  offset, True, ctx.scale)
-        if s > 0:
-            dq_r, dk[:, :, pre], dv[:, :, pre] = _lib_bwd(ctx.impl, do, q, k[:, :, pre], v[:, :, pre], o, lse,
-                                                          seed_r, offset_r, False, ctx.scale)
-            dq = dq + dq_r
+        dq = split_bwd(ctx.impl, do.contiguous(), q, k, v, o, lse, tuple(seeds), ctx.start, ctx.scale, dk, dv)
         return dq, dk, dv, None, None, None
-
 
 def causal_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, impl: str,
               scale: float | None = None) -> torch.Tensor:

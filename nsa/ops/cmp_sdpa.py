@@ -241,6 +241,36 @@ def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tenso
     return o, lse
 
 
+def split_fwd(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n0: int,
+              scale: float) -> tuple[torch.Tensor, ...]:
+    """Queries ``q [B, HQ, N, D]`` seeing the keys ``0 .. n0-1`` whole and the next ``N`` causally (``k/v
+    [B, H, n0 + N, D]``): the causal square by the library and, past ``n0 = 0``, the rectangle, merged by
+    their log-sum-exps. ``(o, lse, seed, offset, seed_r, offset_r)``: the merged output and lse, the parts'
+    seeds."""
+    o, lse, seed, offset = _lib_fwd(impl, q, k[:, :, n0:], v[:, :, n0:], True, scale)
+    if n0 == 0:  # no rectangle part: its seeds are placeholders of their own (the same tensor twice among the
+        # outputs and saved tensors breaks Dynamo's saved-tensor wiring of a function under compile)
+        return o, lse, seed, offset, seed.new_empty(0), offset.new_empty(0)
+    o_r, lse_r, seed_r, offset_r = _lib_fwd(impl, q, k[:, :, :n0], v[:, :, :n0], False, scale)
+    o, lse = _merge(o_r, lse_r, o, lse)
+    return o, lse, seed, offset, seed_r, offset_r
+
+
+def split_bwd(impl: str, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, seeds: tuple[torch.Tensor, ...], n0: int, scale: float, dk: torch.Tensor,
+              dv: torch.Tensor) -> torch.Tensor:
+    """:func:`split_fwd`'s backward from its merged ``o`` and ``lse`` (FlashAttention's backward needs no
+    more): each part's dk/dv written into ``dk``/``dv`` at its own keys, the parts' dq summed and returned."""
+    seed, offset, seed_r, offset_r = seeds
+    dq, dk[:, :, n0:], dv[:, :, n0:] = _lib_bwd(impl, do, q, k[:, :, n0:], v[:, :, n0:], o, lse, seed, offset,
+                                                True, scale)
+    if n0 > 0:
+        dq_r, dk[:, :, :n0], dv[:, :, :n0] = _lib_bwd(impl, do, q, k[:, :, :n0], v[:, :, :n0], o, lse, seed_r,
+                                                      offset_r, False, scale)
+        dq += dq_r
+    return dq
+
+
 class _Library(torch.autograd.Function):
     """The branch by a library kernel on the virtual rows, saving ``q`` (which the NSA op keeps anyway) and
     regrouping it again in the backward instead of keeping the virtual copy (one ``q``-sized buffer less).
@@ -254,14 +284,7 @@ class _Library(torch.autograd.Function):
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l: int, d: int, scale: float,  # noqa: E741
                 impl: str, q_start: int) -> tuple[torch.Tensor, ...]:
         n0 = geometry(q.shape[1], l, d, q_start)[0]
-        qv = to_virtual(q, k.shape[1], l, d, q_start=q_start)
-        o, lse, seed, offset = _lib_fwd(impl, qv, k[:, :, n0:], v[:, :, n0:], True, scale)
-        if n0 == 0:  # no rectangle part: its seeds are placeholders of their own (the same tensor twice among
-            # the outputs and saved tensors breaks Dynamo's saved-tensor wiring of the function under compile)
-            return o, lse, seed, offset, seed.new_empty(0), offset.new_empty(0)
-        o_r, lse_r, seed_r, offset_r = _lib_fwd(impl, qv, k[:, :, :n0], v[:, :, :n0], False, scale)
-        o, lse = _merge(o_r, lse_r, o, lse)
-        return o, lse, seed, offset, seed_r, offset_r
+        return split_fwd(impl, to_virtual(q, k.shape[1], l, d, q_start=q_start), k, v, n0, scale)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -287,17 +310,8 @@ class _Library(torch.autograd.Function):
             r = slice(h0 * R, h1 * R)  # those KV heads' virtual heads
             qs, dq_s = q[:, :, h0 * G: h1 * G], dq[:, :, h0 * G: h1 * G]
             qv = to_virtual(qs, h1 - h0, ctx.l, ctx.d, q_start=ctx.q_start)
-            do_s, o_s, lse_s = do[:, r], o[:, r], lse[:, r]
-            dqv, dk[:, h0:h1, n0:], dv[:, h0:h1, n0:] = _lib_bwd(
-                ctx.impl, do_s, qv, k[:, h0:h1, n0:], v[:, h0:h1, n0:], o_s, lse_s, seed, offset, True,
-                                                                 ctx.scale)
-            if n0 > 0:
-                dq_r, dk[:, h0:h1, :n0], dv[:, h0:h1, :n0] = _lib_bwd(
-                    ctx.impl, do_s, qv, k[:, h0:h1, :n0], v[:, h0:h1, :n0], o_s, lse_s, seed_r, offset_r,
-                                                                      False,
-                    ctx.scale)
-                dqv += dq_r
-                del dq_r
+            dqv = split_bwd(ctx.impl, do[:, r], qv, k[:, h0:h1], v[:, h0:h1], o[:, r], lse[:, r],
+                            (seed, offset, seed_r, offset_r), n0, ctx.scale, dk[:, h0:h1], dv[:, h0:h1])
             del qv
             to_rows(dqv, dq_s, h1 - h0, ctx.l, ctx.d, q_start=ctx.q_start)
             del dqv

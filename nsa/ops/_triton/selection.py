@@ -415,16 +415,12 @@ def num_blocks(S: int, l_sel: int, q_start: int = 0) -> int:
 
 
 # The FSA order's per-pair buffers (the forward's partial outputs, the backward's dq partials: one row of D
-# per
-# query head and slot) of one call at most this large (the tile override ``sel_partial_mib``, MiB): a larger
-# call runs
-# each batch row in chunks of query rows (each a launch at its offset, as context parallelism runs one), so
-# they
-# stop growing with B and S. Chunks cost time: at m7c 64k (1.6 GB each unchunked) chunks of 256 MiB took the
-# op's
-# peak from 2,156 to 943 MiB and its fwd+bwd from 16.5 to 20.1 ms (128k: 4,306 -> 1,886 MiB, 46.7 -> 55.2 ms;
-# H200,
-# docs/kernels.md), so the default keeps whole calls up to m7c 128k at batch 1 and bounds what is beyond.
+# per query head and slot) of one call at most this large (the tile override ``sel_partial_mib``, MiB): a
+# larger call runs each batch row in chunks of query rows (each a launch at its offset, as context
+# parallelism runs one), so they stop growing with B and S. Chunks cost time: at m7c 64k (1.6 GB each
+# unchunked) chunks of 256 MiB take the op's peak from 2,153 to 943 MiB and its fwd+bwd from 14.1 to 15.9 ms
+# (H200, 2026-11-29; 128k: 4,306 -> 1,888 MiB, 39.0 -> 43.5 ms; docs/benchmarks/select-h200.md), so the
+# default keeps whole calls up to m7c 128k at batch 1 and bounds what is beyond.
 PARTIAL_BYTES = 4 * 2**30
 CHUNK_ROWS = 1024  # chunks are whole multiples of this many query rows (of every selection block length used)
 

@@ -3,8 +3,8 @@
 #   fsdp   125M at S=2048, one GPU against FSDP2 over two, compiled, 40 timed steps (~4 min)
 #   sizes  ~1B and ~3B NSA models at 2048 x 8 and 16384 x 1, one GPU against FSDP2 over two, eager (~4 min)
 #   ckpt   checkpoint save/load seconds of the trainer's code, 125M and ~1B, one process and FSDP2 (~2 min)
-#   cp     125M compiled, one GPU at 65536 and 131072 against context parallelism over two at 65536, 131072
-#          and 262144 (~6 min)
+#   cp     125M compiled (as shipped: six dense blocks), one GPU at 65536 and 131072 against context parallelism
+#          over two at 65536, 131072 and 262144, after the dense chunks' GPU test (~7 min)
 #   train  `nsa train` as users run it (issue 54): 125M at S=2048, one GPU, DDP and FSDP2 (the whole model one unit,
 #          as auto picks at 125M; a unit per block; a unit per block without resharding after the forward), 80-100
 #          steps each on local text; the CSVs of the
@@ -52,6 +52,8 @@ for part in "$@"; do
           | tee -a "$out/ckpt.jsonl"
       done ;;
     cp)
+      # the dense blocks' chunks on cuDNN (nsa.ops.chunk_attention) against the explicit mask first
+      echo "== cp-chunk-test"; python3 -m pytest -o addopts= -q -m gpu tests/test_chunk_attention.py 2>&1 | tail -2
       run cp-one $B --modes compiled --seq-lens 65536,131072 --batch-sizes 1,1 --steps 5 --warmup 2 \
         --json-out "$out/cp-one.json"
       run cp-two $B --modes compiled --seq-lens 65536,131072 --batch-sizes 1,1 --steps 5 --warmup 2 \

@@ -1,4 +1,7 @@
-"""Issue 53's next window design: the sliding window as two library triangles, timed beside our range kernels.
+"""Issue 53's window design: the sliding window as two library triangles, timed beside our range kernels.
+
+Measured (H200, 2026-11-29, docs/kernels.md "Issue 53, eighth stop"): 2-4.5x slower than our range kernels
+(cuDNN fwd/bwd 19.7/28.6 ms at paper 64k against 4.4/13.2); kept as the record of that design, not used.
 
 Query ``t`` sees keys ``t-w+1 .. t``. In chunks of ``w`` positions, chunk ``c``'s queries see their own chunk
 causally (a causal square) and the chunk before strictly above the diagonal; with rows and keys reversed that

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from nsa.ops._triton import cc_major
 from nsa.ops.cmp_sdpa import split_bwd, split_fwd
 
 _impl: str | None = None  # set_impl: None (chosen per call) or a kernel for every call
@@ -28,7 +29,7 @@ def set_impl(impl: str | None) -> None:
 
 
 def library_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """The kernel for a chunk of these tensors (``[B, heads, rows, D]``): ``cudnn`` on a CUDA GPU of compute
+    """The kernel for a chunk of these tensors (any layout, head dim last): ``cudnn`` on a CUDA GPU of compute
     capability 9 or more, in bf16/fp16, head dims equal, a multiple of 8 and at most 128 (what cuDNN's fused
     attention takes, as the compressed branch checks); else ``None`` (the caller's masked SDPA)."""
     if _impl is not None:
@@ -36,7 +37,7 @@ def library_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | Non
     D = q.shape[-1]
     ok = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
           and k.shape[-1] == v.shape[-1] == D and D % 8 == 0 and D <= 128)
-    return "cudnn" if ok and torch.cuda.get_device_capability(q.device)[0] >= 9 else None
+    return "cudnn" if ok and cc_major(q.device) >= 9 else None  # (cached: a constant under torch.compile)
 
 
 class _Chunk(torch.autograd.Function):

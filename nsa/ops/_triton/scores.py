@@ -119,6 +119,11 @@ def _score_chunk(K, P, q, lse, apos, E, w, b, g, bh, t0, c, T0, T1, NK, NB, skb,
                  mask=(ti[:, None] < BT) & (tpos[:, None] < T1) & (bb[None, :] < NBC) & (blk[None, :] < NB))
 
 
+# the forced blocks' keys (the previous block, block 0, the current one: FORCED .. FORCED + 2), above every
+# score (a probability sum's bits as int32 stay below 0x7F000000); the 64-bit keys carry them high
+FORCED = tl.constexpr(0x7F000001)
+
+
 @triton.jit
 def _nth_below(key, below, R: tl.constexpr):
     """The ``R``-th largest key of each row below ``below`` (or the lowest there is): one max per round over
@@ -146,7 +151,7 @@ def _chosen64(key32, blk, t_ok, NBP: tl.constexpr, BR: tl.constexpr, N_SEL: tl.c
     a round's max picks the highest score with ties to the lower index; the chosen blocks are exactly the
     valid keys at or above the n_sel-th (non-candidates are negative)."""
     key = (key32.to(tl.int64) << 32) | (NBP - 1 - blk)[None, :].to(tl.int64)
-    below = _rounds_below(key, 0x7F00000100000000, 0x7FFFFFFFFFFFFFFF, BR, N_SEL, SKIP)
+    below = _rounds_below(key, FORCED << 32, 0x7FFFFFFFFFFFFFFF, BR, N_SEL, SKIP)
     return (key >= below[:, None]) & (key >= 0) & t_ok[:, None]
 
 
@@ -168,14 +173,14 @@ def _top_blocks_kernel(
     cand = (blk[None, :] <= bt[:, None]) & t_ok[:, None]
     pv = tl.load(P + (bh * (T1 - T0) + t64[:, None] - T0) * NB + blk[None, :], mask=cand, other=0.0)
     key32 = tl.maximum(pv.to(tl.int32, bitcast=True), 0)  # P >= 0: int order == float order
-    key32 = tl.where(blk[None, :] == bt[:, None] - 1, 0x7F000001, key32)
-    key32 = tl.where(blk[None, :] == 0, 0x7F000002, key32)
-    key32 = tl.where(blk[None, :] == bt[:, None], 0x7F000003, key32)
+    key32 = tl.where(blk[None, :] == bt[:, None] - 1, FORCED, key32)
+    key32 = tl.where(blk[None, :] == 0, FORCED + 1, key32)
+    key32 = tl.where(blk[None, :] == bt[:, None], FORCED + 2, key32)
     key32 = tl.where(cand, key32, -1)
     if K32:
         # 32-bit rounds over the scores alone (the default; tile key topn_key=64 for the 64-bit keys only):
         # exact when no score repeats at or above the n_sel-th, i.e. when exactly n_sel keys are chosen
-        below32 = _rounds_below(key32, 0x7F000001, 0x7FFFFFFF, BR, N_SEL, SKIP)
+        below32 = _rounds_below(key32, FORCED, 0x7FFFFFFF, BR, N_SEL, SKIP)
         chosen = (key32 >= below32[:, None]) & (key32 >= 0) & t_ok[:, None]
         if tl.max(tl.sum(chosen.to(tl.int32), 1)) > N_SEL:
             # a tie there (rare: equal fp32 sums): the tile again with the index breaking it, as below

@@ -128,6 +128,10 @@ CPU_TUNED_CASES = {
     "h2-row-strided": (CPU_CASES["h2-strided-views"], {"sel_mode": "row", "sel_tma": 1}),
     # dq partials from the dk/dv programs for a large group (the other way than its default)
     "h16-part-dq": ((1, 24, 16, 1, 16, 16, 8, 4, 8, 2, 8), {"sel_dq": "part"}),
+    # dq added atomically by the dk/dv programs (no per-pair buffer): after the compressed branch's, and first
+    # (the compressed branch given, the window's query its own: dq zeroed, then added into)
+    "h6-atomic-dq": (CPU_CASES["h6"], {"sel_dq": "atomic"}),
+    "h6-atomic-dq-first": ((1, 24, 6, 1, 16, 16, 8, 4, 8, 2, 8, False, True, "math"), {"sel_dq": "atomic"}),
     # the FSA order's work list by the PyTorch operators (the kernels are the default; forward and backward read it)
     "h6-worklist-ops": (CPU_CASES["h6"], {"sel_wl": "ops"}),
     # the overlap product as the GPU runs it by default (p scaled by 2**14 in fp16; the interpreter's own is fp32)
@@ -148,7 +152,8 @@ def _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w, strided=False, window_
 
 def _chunked_case() -> None:
     """Issue 53: the FSA order in query chunks (the per-pair buffers capped, here at one byte, chunks of 16
-    rows of each batch row): the same outputs and gradients as the reference, the forward keeping no pair list,
+    rows of each batch row; the forward, and the backward too with dq partials, ``sel_dq=part``, where its
+    default adds dq atomically): the same outputs and gradients as the reference, the forward keeping no pair list,
     and the fake (compile-time) outputs of the operator the real ones' shapes."""
     from nsa.ops import triton_path
     from nsa.ops._triton import selection
@@ -160,6 +165,7 @@ def _chunked_case() -> None:
         assert selection.query_chunks(B, S, HQ, n_sel, Dk) == [(0, 0, 16), (0, 16, 32), (0, 32, 40),
                                                                  (1, 0, 16), (1, 16, 32), (1, 32, 40)]
         _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w)
+        _cpu_case(B, S, HQ, H, Dk, Dv, l, d, l_sel, n_sel, w, tune={"sel_dq": "part"})  # the backward too
         x = make_inputs(B, S, HQ, H, Dk, Dv, l=l, d=d, dtype=torch.float32, seed=3)
         real = triton_path.attention_fwd(*x.args(), None, l, d, l_sel, n_sel, w, Dk**-0.5)
         fake = triton_path._attention_fwd_fake(*x.args(), None, l, d, l_sel, n_sel, w, Dk**-0.5)
@@ -362,7 +368,7 @@ def test_gpu_matches_torch_path(B, S, HQ, H, Dk, Dv, dtype) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sel_dq", ["row", "part"])
+@pytest.mark.parametrize("sel_dq", ["row", "part", "atomic"])
 @pytest.mark.parametrize("HQ,window_query", [(64, False), (12, True)])
 def test_gpu_sel_dq_ways_match_torch_path(sel_dq: str, HQ: int, window_query: bool) -> None:
     """Both ways of forming the selected branch's dq (tile key ``sel_dq``) against the torch path."""
@@ -393,14 +399,16 @@ def test_gpu_work_list_kernels_equal_the_operators() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sel_dq", ["part", "atomic"])
 @pytest.mark.parametrize("B,S", [(1, 4500), (2, 2100)])
-def test_gpu_chunked_selection_matches_torch_path(B: int, S: int) -> None:
+def test_gpu_chunked_selection_matches_torch_path(B: int, S: int, sel_dq: str) -> None:
     """The FSA order in query chunks (``sel_partial_mib=1``: chunks of 1024 rows of each batch row, the last one
-    short) against the torch path, forward and every gradient, the window's own query included."""
+    short; with ``atomic`` dq the forward alone) against the torch path, forward and every gradient, the window's
+    own query included."""
     from nsa.ops import tile_overrides
     from nsa.ops._triton.selection import query_chunks
 
-    with tile_overrides({"sel_partial_mib": 1}):
+    with tile_overrides({"sel_partial_mib": 1, "sel_dq": sel_dq}):
         assert len(query_chunks(B, S, 12, 16, 64)) == B * -(-S // 1024)
         _check(B, S, 12, 2, 64, 64, l=32, d=16, l_sel=64, n_sel=16, w=512, dtype=torch.bfloat16, device="cuda",
                tol=2e-2, oracle="torch", window_query=True)

@@ -248,8 +248,9 @@ def _dkdv_tile(Q, DOG, LSE, DELTA, DQP, WORK, k, v, dk, dv, e0, end, wbase, b, h
                sqb, sqs, sqh, sdb, sds, sdh, S, HQ, Q0, scale_log2, scale,
                N_SEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BM: tl.constexpr,
                WRITE_DQ: tl.constexpr, MASK: tl.constexpr, I32: tl.constexpr):
-    """One tile of ``BM`` pairs of one head against the program's key block: dk/dv updates (and each pair's
-    dq partial). ``DOG``/``DELTA``: the branch's ``gate * do`` and delta. ``MASK``: the causal mask (else
+    """One tile of ``BM`` pairs of one head against the program's key block: dk/dv updates and, by
+    ``WRITE_DQ``, none of dq (0), each pair's dq partial (1) or dq added atomically into fp32 rows ``[B*S*HQ,
+    DK]`` (2). ``DOG``/``DELTA``: the branch's ``gate * do`` and delta. ``MASK``: the causal mask (else
     only keys past the block or the sequence are cut: the tile's positions all lie past the block);
     ``I32``: 32-bit offsets (every buffer under 2**31 elements)."""
     e = e0 + tl.arange(0, BM)
@@ -275,11 +276,15 @@ def _dkdv_tile(Q, DOG, LSE, DELTA, DQP, WORK, k, v, dk, dv, e0, end, wbase, b, h
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    if WRITE_DQ:
+    if WRITE_DQ == 1:
         slot = f - (f // N_SEL) * N_SEL
         dqp = tl.dot(ds.to(k.dtype), k) * scale
         tl.store(DQP + (row * N_SEL + slot)[:, None] * DK + ck[None, :], dqp.to(DQP.dtype.element_ty),
                  mask=row_ok[:, None] & (ck[None, :] < DK))
+    elif WRITE_DQ == 2:
+        dqp = tl.dot(ds.to(k.dtype), k) * scale
+        tl.atomic_add(DQP + row[:, None] * DK + ck[None, :], dqp, mask=row_ok[:, None] & (ck[None, :] < DK),
+                      sem="relaxed")
     return dk, dv
 
 
@@ -390,13 +395,20 @@ def sel_mode(h: int, device: torch.device) -> str:
     return mode
 
 
-def sel_dq(h: int, device: torch.device) -> str:
+DQ_MODES = {"row": 0, "part": 1, "atomic": 2}  # the dk/dv kernel's WRITE_DQ of each
+
+
+def sel_dq(h: int, device: torch.device, chunked: bool = False) -> str:
     """How the selected backward forms dq: ``row`` (a per-position kernel walking the position's blocks,
-    the ``row`` mode's) or ``part`` (each pair's partial from the dk/dv programs, then a reduction: the
-    ``fsa`` mode's; override: tile key ``sel_dq``)."""
-    how = str(tuned("sel_dq", "row" if sel_mode(h, device) == "row" else "part"))
-    if how not in ("row", "part"):
-        raise ValueError(f"sel_dq must be row or part, got {how!r}")
+    the ``row`` mode's), ``part`` (each pair's partial from the dk/dv programs, then a reduction: the
+    ``fsa`` mode's) or ``atomic`` (the dk/dv programs add each pair's dq into fp32 rows: no per-pair buffer,
+    the ``fsa`` mode's where its buffers would not fit whole (``chunked``): at m7c 64k in chunks of 256 MiB
+    the selected backward took 4.95 ms in chunks with partials and 3.72 ms whole with atomics, against 3.16
+    whole with partials, H200, docs/kernels.md; override: tile key ``sel_dq``)."""
+    fsa = "atomic" if chunked else "part"
+    how = str(tuned("sel_dq", "row" if sel_mode(h, device) == "row" else fsa))
+    if how not in DQ_MODES:
+        raise ValueError(f"sel_dq must be row, part or atomic, got {how!r}")
     return how
 
 
@@ -416,11 +428,12 @@ def num_blocks(S: int, l_sel: int, q_start: int = 0) -> int:
 
 # The FSA order's per-pair buffers (the forward's partial outputs, the backward's dq partials: one row of D
 # per query head and slot) of one call at most this large (the tile override ``sel_partial_mib``, MiB): a
-# larger call runs each batch row in chunks of query rows (each a launch at its offset, as context
-# parallelism runs one), so they stop growing with B and S. Chunks cost time: at m7c 64k (1.6 GB each
-# unchunked) chunks of 256 MiB take the op's peak from 2,153 to 943 MiB and its fwd+bwd from 14.1 to 15.9 ms
-# (H200, 2026-11-29; 128k: 4,306 -> 1,888 MiB, 39.0 -> 43.5 ms; docs/benchmarks/select-h200.md), so the
-# default keeps whole calls up to m7c 128k at batch 1 and bounds what is beyond.
+# larger call runs each batch row's forward in chunks of query rows (each a launch at its offset, as context
+# parallelism runs one) and adds the backward's dq atomically (:func:`sel_dq`), so they stop growing with B
+# and S. Chunks cost time: at m7c 64k (1.6 GB each unchunked) chunks of 256 MiB take the op's peak from 2,153
+# to 943 MiB (1.94x dense) and its fwd+bwd from 14.1 to 15.2 ms (H200, 2026-11-29, ninth stop; with dq
+# partials in chunks too 15.9 ms; 128k: 3,789 -> 1,888 MiB, 39.4 -> 40.5 ms; docs/benchmarks/select-h200.md),
+# so the default keeps whole calls up to m7c 128k at batch 1 and bounds what is beyond.
 PARTIAL_BYTES = 4 * 2**30
 CHUNK_ROWS = 1024  # chunks are whole multiples of this many query rows (of every selection block length used)
 
@@ -609,7 +622,10 @@ def sel_bwd(
     SK = k.shape[1]
     H, n_sel = k.shape[2], idx.shape[-1]
     nsp = max(2, next_pow2(n_sel))
-    dq_how = sel_dq(HQ // H, q.device)
+    chunks = query_chunks(B, S, HQ, n_sel, q.shape[-1])
+    dq_how = sel_dq(HQ // H, q.device, chunked=len(chunks) > 1)
+    if dq_how != "part":  # only dq partials need the rows in chunks
+        chunks = [(-1, 0, S)]
     if dq_how == "row":
         c = _row_config(q, k, v, l_sel, "seldq")
         kd, vd, tma = _descriptors(k, v, c)
@@ -620,7 +636,6 @@ def sel_bwd(
         )
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    chunks = query_chunks(B, S, HQ, n_sel, q.shape[-1]) if dq_how == "part" else [(-1, 0, S)]
     if len(chunks) == 1:
         if work is None or work.numel() == 0:
             work = work_list(idx, l_sel, q_start, backward=True)
@@ -642,8 +657,8 @@ def _sel_dkdv(
               work: torch.Tensor,
     *, branch: int, accum: bool, l_sel: int, scale: float, q_start: int, dq_how: str,
 ) -> None:
-    """dk/dv of these query rows added into ``dk``/``dv`` (contiguous fp32), and in ``part`` mode their dq
-    partials reduced into ``dq`` (contiguous)."""
+    """dk/dv of these query rows added into ``dk``/``dv`` (contiguous fp32), and their dq into ``dq``
+    (contiguous): in ``part`` mode by partials and a reduction, in ``atomic`` mode added by the programs."""
     B, S, HQ, _ = q.shape
     SK = k.shape[1]
     H, n_sel = k.shape[2], idx.shape[-1]
@@ -652,8 +667,14 @@ def _sel_dkdv(
     NB = num_blocks(S, l_sel, q_start)
     sn = S * n_sel
     nw = (work.shape[1] - sn) // 3
-    dq_part = (torch.empty(B * S * HQ, n_sel, q.shape[-1], device=q.device, dtype=q.dtype) if dq_how == "part"
-               else dq)
+    if dq_how == "part":
+        dq_part = torch.empty(B * S * HQ, n_sel, q.shape[-1], device=q.device, dtype=q.dtype)
+    elif dq_how == "atomic":  # into dq itself where it is fp32 and dense, else a fp32 buffer added at the end
+        direct = dq.dtype == torch.float32 and dq.is_contiguous()
+        dq_part = (dq if accum else dq.zero_()) if direct else torch.zeros(q.shape, device=q.device,
+                                                                           dtype=torch.float32)
+    else:
+        dq_part = dq
     # the branch's gated do and delta once beforehand: scaling a loaded do tile before its product cost the
     # kernel 20% at the paper shape (a layout change per tile), the gate on the products' fp32 results 9%
     # (docs/kernels.md)
@@ -663,8 +684,10 @@ def _sel_dkdv(
     _sel_dkdv_kernel[(HQ * nw * B,)](
         q, k, v, dog, lse, delta, dk, dv, dq_part, work, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *dog.stride()[:3], S, SK, HQ, q_start, NB, nw, work.shape[1], sn, scale * LOG2E, scale, N_SEL=n_sel,
-        WRITE_DQ=dq_how == "part", I32=i32, **c,
+        WRITE_DQ=DQ_MODES[dq_how], I32=i32, **c,
     )
+    if dq_how == "atomic" and dq_part is not dq:
+        (dq.add_ if accum else dq.copy_)(dq_part.view(dq.shape))
     if dq_how == "part":
         N = B * S * HQ
         br = max(1, min(64, 8192 // (nsp * c["BDK"])))

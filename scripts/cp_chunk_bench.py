@@ -1,0 +1,85 @@
+"""Issue 53's CP row, one dense block's attention on one GPU: what a context-parallel rank's chunks cost.
+
+Context parallelism over ``R`` ranks at ``R * L`` tokens gives each rank two chunks of ``L / 2`` queries (the
+``r``-th and the ``(2R-1-r)``-th: balanced), each over the keys up to its end (``nsa.model.dense``). Timed here,
+fwd+bwd on random bf16 inputs (seed 0), against dense causal SDPA over ``L`` tokens (the one-GPU row's block):
+the chunks by the library pair (``nsa.ops.chunk_attention.causal_at``, cuDNN: the default since eec1056) and by
+the explicit lower-right mask (the former path).
+
+Usage (repo root, GPU): python3 scripts/cp_chunk_bench.py [L=65536] [HQ=12] [H=2] [D=64] [R=2]   JSON lines to
+$OUT/cp_chunks.jsonl (or ./cp_chunks.jsonl).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from nsa.ops import chunk_attention
+
+
+def _fwdbwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for t in leaves:
+            t.grad = None
+        fn().sum().backward()
+    return run
+
+
+def _ms(fn: Callable[[], None]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def main(argv: list[str]) -> None:
+    L, HQ, H, D, R = (int(a) for a in (argv + ["65536", "12", "2", "64", "2"][len(argv):]))
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=gen, device=dev, dtype=torch.bfloat16).requires_grad_(True)
+
+    def one_gpu() -> float:
+        q1, k1, v1 = rnd(1, HQ, L, D), rnd(1, H, L, D), rnd(1, H, L, D)
+        return _ms(_fwdbwd(lambda: F.scaled_dot_product_attention(q1, k1, v1, is_causal=True, enable_gqa=True),
+                           [q1, k1, v1]))
+
+    rec: dict[str, object] = {"L": L, "HQ": HQ, "H": H, "D": D, "R": R, "device": torch.cuda.get_device_name()}
+    rec["one_gpu_sdpa_ms"] = one_gpu()
+    S, c = R * L, L // 2
+    k, v = rnd(1, H, S, D), rnd(1, H, S, D)
+    for r in (0, R - 1):
+        starts = (r * c, (2 * R - 1 - r) * c)
+        qs = [rnd(1, HQ, c, D) for _ in starts]
+        for impl in ("cudnn", "mask"):
+            def run(impl: str = impl, qs: list[torch.Tensor] = qs, starts: tuple[int, int] = starts) -> torch.Tensor:
+                total = torch.zeros((), device=dev)
+                for qc, a in zip(qs, starts, strict=True):
+                    kc, vc = k[:, :, :a + c], v[:, :, :a + c]
+                    if impl == "mask":
+                        keys = torch.arange(a + c, device=dev)
+                        mask = keys[None, :] <= torch.arange(a, a + c, device=dev)[:, None]
+                        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
+                    else:
+                        o = chunk_attention.causal_at(qc, kc, vc, a, impl)
+                    total = total + o.float().sum()
+                return total
+            try:
+                torch.cuda.reset_peak_memory_stats()
+                rec[f"rank{r}_{impl}_ms"] = _ms(_fwdbwd(run, [*qs, k, v]))
+                rec[f"rank{r}_{impl}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            except torch.OutOfMemoryError:
+                rec[f"rank{r}_{impl}_ms"] = None
+            torch.cuda.empty_cache()
+    print(json.dumps(rec), flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "cp_chunks.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

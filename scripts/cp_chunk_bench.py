@@ -4,7 +4,7 @@ Context parallelism over ``R`` ranks at ``R * L`` tokens gives each rank two chu
 ``r``-th and the ``(2R-1-r)``-th: balanced), each over the keys up to its end (``nsa.model.dense``). Timed here,
 fwd+bwd on random bf16 inputs (seed 0), against dense causal SDPA over ``L`` tokens (the one-GPU row's block):
 the chunks by the library pair (``nsa.ops.chunk_attention.causal_at``, cuDNN: the default since eec1056) and by
-the explicit lower-right mask (the former path).
+the explicit lower-right mask (the former path); then the NSA op the same way (``_nsa_rows``).
 
 Usage (repo root, GPU): python3 scripts/cp_chunk_bench.py [L=65536] [HQ=12] [H=2] [D=64] [R=2]   JSON lines to
 $OUT/cp_chunks.jsonl (or ./cp_chunks.jsonl).
@@ -76,9 +76,40 @@ def main(argv: list[str]) -> None:
             except torch.OutOfMemoryError:
                 rec[f"rank{r}_{impl}_ms"] = None
             torch.cuda.empty_cache()
+    rec.update(_nsa_rows(L, HQ, H, D, R, rnd))
     print(json.dumps(rec), flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "cp_chunks.jsonl"), "a") as f:
         f.write(json.dumps(rec) + "\n")
+
+
+def _nsa_rows(L: int, HQ: int, H: int, D: int, R: int,
+              rnd: Callable[..., torch.Tensor]) -> dict[str, float]:
+    """The NSA op (paper hyper-parameters, the window's own query) the same way: the whole ``L`` on one GPU,
+    then a rank's two chunks at their offsets over the keys up to each chunk's end, compressed K/V from
+    them (what ``nsa.model.attention`` runs per rank; the gathers are not timed)."""
+    from nsa.ops import NSAParams, compress_avg, nsa_attention
+
+    p = NSAParams()
+
+    def op(S: int, starts: tuple[int, ...], c: int) -> float:
+        kv = [rnd(1, S, H, D) for _ in range(6)]  # k_raw, v_raw, k_sel, v_sel, k_win, v_win
+        qs = [(rnd(1, c, HQ, D), rnd(1, c, HQ, D), rnd(1, c, HQ, 3)) for _ in starts]
+
+        def run() -> torch.Tensor:
+            total = torch.zeros((), device=kv[0].device)
+            for (q, q_win, gates), a in zip(qs, starts, strict=True):
+                n = a + c
+                k_cmp, v_cmp = compress_avg(kv[0][:, :n], p), compress_avg(kv[1][:, :n], p)
+                ks, vs, kw, vw = (t[:, :n] for t in kv[2:])
+                o = nsa_attention(q, k_cmp, v_cmp, ks, vs, kw, vw, gates.sigmoid(), p, q_start=a, q_win=q_win)
+                assert isinstance(o, torch.Tensor)
+                total = total + o.float().sum()
+            return total
+        return _ms(_fwdbwd(run, [*kv, *(t for trio in qs for t in trio)]))
+
+    c = L // 2
+    return {"one_gpu_nsa_ms": op(L, (0,), L),
+            **{f"rank{r}_nsa_ms": op(R * L, (r * c, (2 * R - 1 - r) * c), c) for r in (0, R - 1)}}
 
 
 if __name__ == "__main__":

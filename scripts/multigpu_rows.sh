@@ -4,7 +4,8 @@
 #   sizes  ~1B and ~3B NSA models at 2048 x 8 and 16384 x 1, one GPU against FSDP2 over two, eager (~4 min)
 #   ckpt   checkpoint save/load seconds of the trainer's code, 125M and ~1B, one process and FSDP2 (~2 min)
 #   cp     125M compiled (as shipped: six dense blocks), one GPU at 65536 and 131072 against context parallelism
-#          over two at 65536, 131072 and 262144, after the dense chunks' GPU test (~7 min)
+#          over two at 65536, 131072 and 262144, after the dense chunks' GPU test; then every block NSA, one GPU at
+#          65536 against CP=2 at 131072 (~10 min)
 #   train  `nsa train` as users run it (issue 54): 125M at S=2048, one GPU, DDP and FSDP2 (the whole model one unit,
 #          as auto picks at 125M; a unit per block; a unit per block without resharding after the forward), 80-100
 #          steps each on local text; the CSVs of the
@@ -59,7 +60,12 @@ for part in "$@"; do
       run cp-two $B --modes compiled --seq-lens 65536,131072 --batch-sizes 1,1 --steps 5 --warmup 2 \
         --nproc-per-node 2 --context-parallel 2 --json-out "$out/cp-two.json"
       run cp-two-256k $B --modes compiled --seq-lens 262144 --batch-sizes 1 --steps 3 --warmup 2 \
-        --nproc-per-node 2 --context-parallel 2 --json-out "$out/cp-two-256k.json" ;;
+        --nproc-per-node 2 --context-parallel 2 --json-out "$out/cp-two-256k.json"
+      # every block NSA (the issue's 0.77x row): one GPU at 65536 against CP=2 at 131072
+      A=(--modes compiled --batch-sizes 1 --steps 5 --warmup 2 --set model.dense_layers=[] --set model.max_seq_len=131072)
+      run cp-nsa-one $B "${A[@]}" --seq-lens 65536 --json-out "$out/cp-nsa-one.json"
+      run cp-nsa-two $B "${A[@]}" --seq-lens 131072 --nproc-per-node 2 --context-parallel 2 \
+        --json-out "$out/cp-nsa-two.json" ;;
     train)
       T=(python3 -m nsa_cli train --config m7c-125m --seq-len 2048 --batch-size 16 --dataset local
          --data-path /tmp/corpus/text --tokenizer byte --set data.val_fraction=0.02 --set eval.every=0

@@ -431,8 +431,8 @@ def num_blocks(S: int, l_sel: int, q_start: int = 0) -> int:
 # larger call runs each batch row's forward in chunks of query rows (each a launch at its offset, as context
 # parallelism runs one) and adds the backward's dq atomically (:func:`sel_dq`), so they stop growing with B
 # and S. Chunks cost time: at m7c 64k (1.6 GB each unchunked) chunks of 256 MiB take the op's peak from 2,153
-# to 943 MiB (1.94x dense) and its fwd+bwd from 14.1 to 15.2 ms (H200, 2026-11-29, ninth stop; with dq
-# partials in chunks too 15.9 ms; 128k: 3,789 -> 1,888 MiB, 39.4 -> 40.5 ms; docs/benchmarks/select-h200.md),
+# to 943 MiB (1.94x dense) and its fwd+bwd from 14.1 to 15.0 ms (H200, 2026-11-29, ninth stop; with dq
+# partials in chunks too 15.9 ms; 128k: 3,789 -> 1,888 MiB; docs/benchmarks/select-h200.md),
 # so the default keeps whole calls up to m7c 128k at batch 1 and bounds what is beyond.
 PARTIAL_BYTES = 4 * 2**30
 CHUNK_ROWS = 1024  # chunks are whole multiples of this many query rows (of every selection block length used)
@@ -576,24 +576,43 @@ def sel_fwd(
     chunks = query_chunks(B, S, HQ, n_sel, v.shape[-1])
     if len(chunks) == 1:
         return lse, _sel_fwd_fsa(q, k, v, idx, o, lse, l_sel, scale, q_start)
-    for b, a, e in chunks:  # each chunk a launch at its offset; every slice of a batch row is contiguous
-        _sel_fwd_fsa(q[b:b + 1, a:e], k[b:b + 1], v[b:b + 1], idx[b:b + 1, a:e].contiguous(), o[b:b + 1, a:e],
-                     lse[b:b + 1, a:e], l_sel, scale, q_start + a)
+    lists, rows = chunk_lists(idx, chunks, l_sel, q_start)
+    for i, (b, a, e) in enumerate(chunks):  # each chunk a launch at its offset, its rows of the one list
+        _sel_fwd_fsa(q[b:b + 1, a:e], k[b:b + 1], v[b:b + 1], idx[b:b + 1, a:e], o[b:b + 1, a:e],
+                     lse[b:b + 1, a:e], l_sel, scale, q_start + a, work=lists[i * H:(i + 1) * H],
+                     list_rows=rows)
     return lse, idx.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, chunked=True))
 
 
+def chunk_lists(idx: torch.Tensor, chunks: list[tuple[int, int, int]], l_sel: int,
+                q_start: int = 0) -> tuple[torch.Tensor, int]:
+    """The work lists of every query chunk of a call (:func:`query_chunks`) in one build: each batch row's
+    chunks stacked as rows of a batch (the last padded with ``-1``), over the call's blocks; chunk ``i``'s
+    list is rows ``i*H .. (i+1)*H`` of the result. Also the chunks' row count (the lists' pair slots are
+    ``rows * n``). One build instead of one per chunk: at m7c 64k in 256 MiB chunks the op's fwd+bwd 15.25 ->
+    15.02 ms, in 128 MiB chunks 16.00 -> 15.42 (H200, docs/kernels.md)."""
+    B, S, H, n = idx.shape
+    rows = chunks[0][2] - chunks[0][1]
+    nc = -(-S // rows)
+    padded = idx.new_full((B, nc * rows, H, n), -1)
+    padded[:, :S] = idx
+    return work_list(padded.view(B * nc, rows, H, n), l_sel, q_start + (nc - 1) * rows), rows
+
+
 def _sel_fwd_fsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, l_sel: int, scale: float, q_start: int) -> torch.Tensor:
+                 lse: torch.Tensor, l_sel: int, scale: float, q_start: int, work: torch.Tensor | None = None,
+                 list_rows: int | None = None) -> torch.Tensor:
     """The FSA order's forward of these query rows into ``o`` and ``lse`` (contiguous); returns its work
-    list."""
+    list (``work``: given, built for ``list_rows`` rows, :func:`chunk_lists`)."""
     B, S, HQ, _ = q.shape
     SK = k.shape[1]
     H, n_sel = k.shape[2], idx.shape[-1]
     nsp = max(2, next_pow2(n_sel))
-    work = work_list(idx, l_sel, q_start)
+    if work is None:
+        work = work_list(idx, l_sel, q_start)
     c = _common(q, k, v, l_sel, "sel")
     NB = num_blocks(S, l_sel, q_start)
-    sn = S * n_sel
+    sn = (list_rows or S) * n_sel
     nw = (work.shape[1] - sn) // 3
     o_part = torch.empty(B * S * HQ, n_sel, v.shape[-1], device=q.device, dtype=q.dtype)
     l_part = torch.empty(B * S * HQ, n_sel, device=q.device, dtype=torch.float32)

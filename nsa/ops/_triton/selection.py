@@ -584,19 +584,19 @@ def sel_fwd(
     return lse, idx.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, chunked=True))
 
 
-def chunk_lists(idx: torch.Tensor, chunks: list[tuple[int, int, int]], l_sel: int,
-                q_start: int = 0) -> tuple[torch.Tensor, int]:
+def chunk_lists(idx: torch.Tensor, chunks: list[tuple[int, int, int]], l_sel: int, q_start: int = 0,
+                backward: bool = False) -> tuple[torch.Tensor, int]:
     """The work lists of every query chunk of a call (:func:`query_chunks`) in one build: each batch row's
     chunks stacked as rows of a batch (the last padded with ``-1``), over the call's blocks; chunk ``i``'s
-    list is rows ``i*H .. (i+1)*H`` of the result. Also the chunks' row count (the lists' pair slots are
-    ``rows * n``). One build instead of one per chunk: at m7c 64k in 256 MiB chunks the op's fwd+bwd 15.25 ->
-    15.02 ms, in 128 MiB chunks 16.00 -> 15.42 (H200, docs/kernels.md)."""
+    list is rows ``i*H .. (i+1)*H`` of the result (``backward``: :func:`work_list`'s). Also the chunks' row
+    count (the lists' pair slots are ``rows * n``). One build instead of one per chunk: at m7c 64k in 256 MiB
+    chunks the op's fwd+bwd 15.25 -> 15.02 ms, in 128 MiB chunks 16.00 -> 15.42 (H200, docs/kernels.md)."""
     B, S, H, n = idx.shape
     rows = chunks[0][2] - chunks[0][1]
     nc = -(-S // rows)
     padded = idx.new_full((B, nc * rows, H, n), -1)
     padded[:, :S] = idx
-    return work_list(padded.view(B * nc, rows, H, n), l_sel, q_start + (nc - 1) * rows), rows
+    return work_list(padded.view(B * nc, rows, H, n), l_sel, q_start + (nc - 1) * rows, backward), rows
 
 
 def _sel_fwd_fsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, o: torch.Tensor,
@@ -661,12 +661,12 @@ def sel_bwd(
         _sel_dkdv(q, k, v, idx, do, lse, gates, dg, dq, dk, dv, work, branch=branch, accum=accum, l_sel=l_sel,
                   scale=scale, q_start=q_start, dq_how=dq_how)
         return dk, dv
-    for b, a, e in chunks:  # each chunk a launch at its offset (its own work list); dk/dv add up over them
+    lists, n_rows = chunk_lists(idx, chunks, l_sel, q_start, backward=True)
+    for i, (b, a, e) in enumerate(chunks):  # each chunk a launch at its offset; dk/dv add up over them
         rows = (slice(b, b + 1), slice(a, e))
-        idx_c = idx[rows].contiguous()
-        _sel_dkdv(q[rows], k[b:b + 1], v[b:b + 1], idx_c, do[rows], lse[rows], gates[rows], dg[rows],
-                  dq[rows], dk[b:b + 1], dv[b:b + 1], work_list(idx_c, l_sel, q_start + a, backward=True),
-                  branch=branch, accum=accum, l_sel=l_sel, scale=scale, q_start=q_start + a, dq_how=dq_how)
+        _sel_dkdv(q[rows], k[b:b + 1], v[b:b + 1], idx[rows], do[rows], lse[rows], gates[rows], dg[rows],
+                  dq[rows], dk[b:b + 1], dv[b:b + 1], lists[i * H:(i + 1) * H], branch=branch, accum=accum,
+                  l_sel=l_sel, scale=scale, q_start=q_start + a, dq_how=dq_how, list_rows=n_rows)
     return dk, dv
 
 
@@ -675,16 +675,18 @@ def _sel_dkdv(
     gates: torch.Tensor, dg: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
               work: torch.Tensor,
     *, branch: int, accum: bool, l_sel: int, scale: float, q_start: int, dq_how: str,
+    list_rows: int | None = None,
 ) -> None:
     """dk/dv of these query rows added into ``dk``/``dv`` (contiguous fp32), and their dq into ``dq``
-    (contiguous): in ``part`` mode by partials and a reduction, in ``atomic`` mode added by the programs."""
+    (contiguous): in ``part`` mode by partials and a reduction, in ``atomic`` mode added by the programs
+    (``work`` built for ``list_rows`` rows where given, :func:`chunk_lists`)."""
     B, S, HQ, _ = q.shape
     SK = k.shape[1]
     H, n_sel = k.shape[2], idx.shape[-1]
     nsp = max(2, next_pow2(n_sel))
     c = _common(q, k, v, l_sel, "seldkdv")
     NB = num_blocks(S, l_sel, q_start)
-    sn = S * n_sel
+    sn = (list_rows or S) * n_sel
     nw = (work.shape[1] - sn) // 3
     if dq_how == "part":
         dq_part = torch.empty(B * S * HQ, n_sel, q.shape[-1], device=q.device, dtype=q.dtype)

@@ -88,6 +88,23 @@ bwd_args = (torch.randn_like(outs[0]), *[a.detach() for a in args], *outs[1:], 8
 torch.library.opcheck(torch.ops.nsa.attention_bwd.default, bwd_args, test_utils=("test_faketensor",))
 d_ocmp = torch.ops.nsa.attention_bwd.default(*bwd_args)[-1]
 assert d_ocmp.shape == o_v.shape
+# the layout the caller saw (tp.fwd_layout: o3's slots, the work list's columns) is an argument, a constant of
+# a traced graph: the fake's sizes come from it and the op refuses to run under settings that give another
+from nsa.ops import tile_overrides
+lay = tp.fwd_layout(args[0], args[3], args[4], 8, 2, 0, False)
+assert lay[0] == 3 and lay[1] > 0, lay
+with_lay = (*args, None, 8, 4, 8, 2, 16, 0.25, 0, None, None, None, lay)
+torch.library.opcheck(torch.ops.nsa.attention_fwd.default, with_lay,
+                      test_utils=("test_faketensor", "test_autograd_registration"))
+plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in with_lay]
+assert torch.ops.nsa.attention_fwd.default(*plain)[-1].shape == (2, lay[1])
+with tile_overrides({"sel_mode": "row"}):
+    assert tp.fwd_layout(args[0], args[3], args[4], 8, 2, 0, False) == [3, -1]
+    try:
+        torch.ops.nsa.attention_fwd.default(*plain)
+        raise AssertionError("the op ran under another layout than it was traced with")
+    except RuntimeError as e:
+        assert "tile settings changed" in str(e), e
 """)
 
 

@@ -110,6 +110,22 @@ def o3_slots(cmp_given: bool) -> int:
     return 2 if cmp_given and int(tuned("o3_slots", 3)) == 2 else 3
 
 
+def fwd_layout(q: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, l_sel: int, n_sel: int,
+               q_start: int, cmp_given: bool) -> list[int]:
+    """``[o3's slots, the work list's columns (-1: none)]`` that the forward operator returns for these
+    inputs under the current tile settings (shapes only). The caller passes them to the operator, so they
+    are constants of a traced graph: a compiled graph cached on disk under other settings (or another
+    version's defaults) has another key instead of output sizes that no longer hold."""
+    B, S, HQ, _ = q.shape
+    H, Dv = k_sel.shape[2], v_sel.shape[-1]
+    if sel_mode(HQ // H, q.device) == "row":
+        cols = -1
+    else:
+        chunked = len(query_chunks(B, S, HQ, n_sel, Dv)) > 1
+        cols = work_shape(B, S, H, n_sel, l_sel, q.device, q_start, chunked=chunked)[1]
+    return [o3_slots(cmp_given), cols]
+
+
 def cmp_path_for(S: int, G: int, Dk: int, Dv: int, n_cmp: int, ends: bool, cc: int) -> str:
     """:func:`cmp_path` from the shape (``S`` query rows; ``ends``: the queries end with the keys, a whole
     sequence or a context-parallel chunk, as the virtual rows' causal mask needs; ``cc``: the GPU's major
@@ -308,13 +324,21 @@ def attention_fwd(
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
     q_win: torch.Tensor | None = None, o_cmp: torch.Tensor | None = None, lse_cmp: torch.Tensor | None = None,
+    layout: list[int] | None = None,
 ) -> _FWD_OUT:
     """Forward kernels: ``(out, block_idx, o3, lse_cmp, lse_sel, lse_win, work)``; everything after
     ``block_idx`` is kept for the backward (``work``: the selected branch's pair list, or empty).
-    ``o_cmp, lse_cmp``: the compressed branch computed outside (:func:`nsa.ops.cmp_sdpa.attend`)."""
+    ``o_cmp, lse_cmp``: the compressed branch computed outside (:func:`nsa.ops.cmp_sdpa.attend`);
+    ``layout``: :func:`fwd_layout` as the caller saw it (checked)."""
     st = Stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, NSAParams(l, d, l_sel, n_sel, w), scale,
                 q_start, q_win)
-    st.forward(block_idx, None if o_cmp is None or lse_cmp is None else (o_cmp, lse_cmp))
+    cmp_out = None if o_cmp is None or lse_cmp is None else (o_cmp, lse_cmp)
+    if layout is not None:
+        want = fwd_layout(q, k_sel, v_sel, l_sel, n_sel, q_start, cmp_out is not None)
+        if list(layout) != want:
+            raise RuntimeError(f"nsa::attention_fwd traced with layout {list(layout)} runs with {want}: the "
+                               "tile settings changed between tracing and running (torch._dynamo.reset())")
+    st.forward(block_idx, cmp_out)
     return st.out, st.idx, st.o3, st.lse_c, st.lse_s, st.lse_w, st.work
 
 
@@ -324,15 +348,14 @@ def _attention_fwd_fake(
     k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor | None,
     l: int, d: int, l_sel: int, n_sel: int, w: int, scale: float, q_start: int = 0,  # noqa: E741
     q_win: torch.Tensor | None = None, o_cmp: torch.Tensor | None = None, lse_cmp: torch.Tensor | None = None,
+    layout: list[int] | None = None,
 ) -> _FWD_OUT:
     B, S, HQ, _ = q.shape
     H, Dv = k_sel.shape[2], v_sel.shape[-1]
     f32, i32 = torch.float32, torch.int32
-    chunked = len(query_chunks(B, S, HQ, n_sel, Dv)) > 1
-    work = (q.new_empty(0, dtype=i32) if sel_mode(HQ // H, q.device) == "row"
-            else q.new_empty(*work_shape(B, S, H, n_sel, l_sel, q.device, q_start, chunked=chunked),
-                             dtype=i32))
-    slots = o3_slots(o_cmp is not None and lse_cmp is not None)
+    slots, cols = layout if layout is not None else fwd_layout(q, k_sel, v_sel, l_sel, n_sel, q_start,
+                                                               o_cmp is not None and lse_cmp is not None)
+    work = q.new_empty(0, dtype=i32) if cols < 0 else q.new_empty(B * H, cols, dtype=i32)
     return (q.new_empty(B, S, HQ, Dv), q.new_empty(B, S, H, n_sel, dtype=i32),
             q.new_empty(B, S, HQ, slots, Dv), q.new_empty(B, S, HQ, dtype=f32),
             q.new_empty(B, S, HQ, dtype=f32), q.new_empty(B, S, HQ, dtype=f32), work)
@@ -413,7 +436,7 @@ def _backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
     if ctx.cmp_given:  # k_cmp/v_cmp fed only the block scores here: their gradient comes through o_cmp
         dk_c = dv_c = None
     return (dq, dk_c, dv_c, *grads, None, None, None, None, None, None, None, None,
-            dq_win if q_win is not None else None, d_ocmp if ctx.cmp_given else None, None)
+            dq_win if q_win is not None else None, d_ocmp if ctx.cmp_given else None, None, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -487,7 +510,8 @@ def nsa_attention(
     o_cmp = lse_cmp = None
     if path != "kernel":  # the compressed branch by a library kernel, differentiable on its own
         o_cmp, lse_cmp = cmp_sdpa.attend(args[0], args[1], args[2], hp.l, hp.d, sc, path, q_start)
+    layout = fwd_layout(args[0], args[3], args[4], hp.l_sel, hp.n_sel, q_start, o_cmp is not None)
     fwd_args = (*args, gates, block_idx, hp.l, hp.d, hp.l_sel, hp.n_sel, hp.w, sc, q_start, qw, o_cmp,
-                lse_cmp)
+                lse_cmp, layout)
     out, idx, *_ = attention_fwd(*fwd_args) if torch.compiler.is_compiling() else _Eager.apply(*fwd_args)
     return (out, idx) if return_block_idx else out

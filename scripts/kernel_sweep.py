@@ -1,6 +1,6 @@
 """Tile/loop-order sweep of the Triton NSA stages on a CUDA machine (`nsa.bench.attention.kernel_breakdown`).
 
-Usage (repo root, GPU): python3 scripts/kernel_sweep.py [group ...]   groups: base sel seldq cmpcopy o3 range score
+Usage (repo root, GPU): python3 scripts/kernel_sweep.py [group ...]   groups: base sel seldq cmpcopy o3 range win score
 Each line: shape, S, variant, then the median ms of the stages it touches; JSON lines go to $OUT/sweep.jsonl.
 """
 
@@ -37,12 +37,15 @@ def variants(group: str, shape: str) -> list[tuple[str, dict, tuple[str, ...] | 
         for bm, w in itertools.product((64, 128), (4, 8)):
             out.append((f"fsa-fwd-bm{bm}-w{w}", {"sel_mode": "fsa", "sel_bm": bm, "sel_warps": w}, ("sel_fwd",)))
             out.append((f"dkdv-bm{bm}-w{w}", {"seldkdv_bm": bm, "seldkdv_warps": w}, ("sel_bwd",)))
-        for ch in (256, 1024, 2048):
+        for ch in (256, 512, 2048):
             out.append((f"ch{ch}", {"sel_ch": ch}, fb))
     if group == "seldq":  # the selected backward: how dq is formed, the backward list's chunks, dk/dv tiles
         out.append(("bwd-default", {}, ("sel_bwd",)))
-        for how in ("row", "part"):
+        for how in ("row", "part", "atomic"):
             out.append((f"dq-{how}", {"sel_dq": how}, ("sel_bwd",)))
+        for w, st in itertools.product((4, 8), (2, 3)):  # dq fused into the dk/dv tiles: more registers
+            out.append((f"dq-atomic-w{w}-s{st}", {"sel_dq": "atomic", "seldkdv_warps": w, "seldkdv_stages": st},
+                        ("sel_bwd",)))
         for ch in (2048, 8192):
             out.append((f"bwd-ch{ch}", {"selbwd_ch": ch}, ("sel_bwd",)))
         for st in (2, 3, 4):
@@ -53,13 +56,13 @@ def variants(group: str, shape: str) -> list[tuple[str, dict, tuple[str, ...] | 
     if group == "o3":  # the compressed output in o3's rows (3 slots) or only in the library's virtual layout
         for slots in (3, 2):
             out.append((f"o3-slots{slots}", {"o3_slots": slots}, ("cmp_fwd", "cmp_bwd", "win_fwd", "win_bwd")))
-    if group == "range":
-        for br, stage in (("cmp", "cmp_fwd"), ("win", "win_fwd")):
+    if group in ("range", "win"):
+        for br, stage in (("cmp", "cmp_fwd"), ("win", "win_fwd"))[1 if group == "win" else 0:]:
             for bm, bn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
                                   (64, 128, 4, 2), (128, 64, 4, 2)):
                 out.append((f"{br}-bm{bm}-bn{bn}-w{w}-s{st}",
                             {f"{br}_bm": bm, f"{br}_bn": bn, f"{br}_warps": w, f"{br}_stages": st}, (stage,)))
-        for br, stage in (("cmp", "cmp_bwd"), ("win", "win_bwd")):
+        for br, stage in (("cmp", "cmp_bwd"), ("win", "win_bwd"))[1 if group == "win" else 0:]:
             for role in ("dq", "dkdv"):
                 for bm, bn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2),
                                       (128, 64, 8, 1), (64, 64, 4, 1), (128, 32, 4, 2), (64, 128, 8, 2)):

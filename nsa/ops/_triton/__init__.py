@@ -139,11 +139,15 @@ def tile_config(device: torch.device, h: int, dk: int, dv: int, kind: str) -> Ti
     if dmax <= 128:
         if kind == "score" and h >= 16:
             bm = 128  # 4 warps: paper 64k select 9.0 ms against 9.5 with 8 (H200, issue 53)
-        elif kind == "cmp":
+        elif kind == "cmp" or (kind == "win" and dmax <= 64):
+            # the window at D <= 64: m7c 64k 0.648 -> 0.601 ms (H200 sweep, issue 53; at D=128 64x64 stays
+            # best: paper 16k 1.149 against 1.272)
             bm, warps, stages = 128, 8, 3
         elif kind == "cmpdkdv" and dmax > 64:
             stages = 1
-        elif kind in ("cmpdkdv", "windkdv", "seldkdv") and dmax <= 64:
+        elif kind == "windkdv" and dmax <= 64:
+            stages = 1  # 64x64, 1 stage: m7c 64k 1.757 -> 1.547 ms against 128x32 (H200 sweep, issue 53)
+        elif kind in ("cmpdkdv", "seldkdv") and dmax <= 64:
             bm, bn = 128, 32
         elif kind == "seldkdv":
             stages = 3

@@ -56,13 +56,14 @@ def variants(group: str, shape: str) -> list[tuple[str, dict, tuple[str, ...] | 
     if group == "o3":  # the compressed output in o3's rows (3 slots) or only in the library's virtual layout
         for slots in (3, 2):
             out.append((f"o3-slots{slots}", {"o3_slots": slots}, ("cmp_fwd", "cmp_bwd", "win_fwd", "win_bwd")))
-    if group in ("range", "win"):
-        for br, stage in (("cmp", "cmp_fwd"), ("win", "win_fwd"))[1 if group == "win" else 0:]:
+    if group in ("range", "win"):  # win: the window branch's kernels alone
+        branches = ("win",) if group == "win" else ("cmp", "win")
+        for br, stage in ((b, f"{b}_fwd") for b in branches):
             for bm, bn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
                                   (64, 128, 4, 2), (128, 64, 4, 2)):
                 out.append((f"{br}-bm{bm}-bn{bn}-w{w}-s{st}",
                             {f"{br}_bm": bm, f"{br}_bn": bn, f"{br}_warps": w, f"{br}_stages": st}, (stage,)))
-        for br, stage in (("cmp", "cmp_bwd"), ("win", "win_bwd"))[1 if group == "win" else 0:]:
+        for br, stage in ((b, f"{b}_bwd") for b in branches):
             for role in ("dq", "dkdv"):
                 for bm, bn, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2),
                                       (128, 64, 8, 1), (64, 64, 4, 1), (128, 32, 4, 2), (64, 128, 8, 2)):

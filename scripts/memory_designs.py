@@ -27,7 +27,6 @@ DESIGNS: dict[str, dict[str, int | str]] = {
     "dq-row+fwd-chunks-256": {"sel_dq": "row", "sel_partial_mib": 256},
     "row-mode": {"sel_mode": "row"},
 }
-SHAPES = {"m7c": (12, 2, 64), "paper": (64, 4, 128)}
 
 
 def main(argv: list[str]) -> None:
@@ -39,6 +38,7 @@ def main(argv: list[str]) -> None:
 
 def _designs(argv: list[str], names: list[str], out: TextIO) -> None:
     from nsa.bench.attention import bench_one, kernel_breakdown
+    from nsa.bench.requests import SHAPES
     from nsa.ops import tile_overrides
 
     for spec in argv or ["m7c:65536"]:
